@@ -1,0 +1,1 @@
+"""Math layer: pure functions on tensors. Nothing in here knows about process groups."""
