@@ -170,11 +170,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> 
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad if p.requires_grad else None)
-        averaged = aggregator.aggregate(grads)
+        averaged: list[torch.Tensor | None] = aggregator.aggregate(grads)
     else:
         params = _params_in_optimizer(optimizer)
         grads = [p.grad for p in params]
-        averaged = aggregator.aggregate(grads)  # type: ignore[arg-type]
+        averaged = list(aggregator.aggregate(grads))  # type: ignore[arg-type]
     for p, a in zip(params, averaged, strict=True):
         if a is not None:
             p.grad = a

@@ -169,9 +169,7 @@ class PowerSGDCompressor(Compressor):
                     groups.setdefault((n, m), []).append(i)
                     continue
             uncompressed.append(i)
-        self._groups = [
-            _Group(n, m, min(config.rank, n, m), tuple(idx)) for (n, m), idx in groups.items()
-        ]
+        self._groups = [_Group(n, m, min(config.rank, n, m), tuple(idx)) for (n, m), idx in groups.items()]
         self._uncompressed = tuple(uncompressed)
         self._p_shapes = [(len(g.indices), g.n, g.rank) for g in self._groups]
         self._q_shapes = [(len(g.indices), g.m, g.rank) for g in self._groups]
@@ -199,6 +197,17 @@ class PowerSGDCompressor(Compressor):
         """Bytes a plain all-reduce of all gradients in this compressor's dtype sends per step."""
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         return sum(s.numel() for s in self._shapes) * itemsize
+
+    def residuals(self) -> list[torch.Tensor]:
+        """What the compressor still owes for each parameter (its error buffer), as views, aligned with
+        ``self.params``; zeros for tensors that are averaged exactly and before the first compressed step.
+        """
+        out = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in self._shapes]
+        if self._errors is not None:
+            for g, e_bnm in zip(self._groups, self._errors, strict=True):
+                for j, i in enumerate(g.indices):
+                    out[i] = e_bnm[j].view(self._shapes[i])
+        return out
 
     def bytes_per_step(self, compressed_step_index: int | None = None) -> int:
         """Payload bytes one step sends (exact all-reduce during warm-up).
@@ -281,7 +290,8 @@ class PowerSGDCompressor(Compressor):
                 out[i] = a_bnm[j].view(self._shapes[i]).to(grads[i].dtype)
                 if residual_in_grads:
                     grads[i].copy_(r_bnm[j].view(self._shapes[i]))
-        for i, u in zip(self._uncompressed, flat_views(ubuf, [self._shapes[i] for i in self._uncompressed])):
+        u_views = flat_views(ubuf, [self._shapes[i] for i in self._uncompressed])
+        for i, u in zip(self._uncompressed, u_views, strict=True):
             out[i] = u.to(grads[i].dtype)
             if residual_in_grads:
                 grads[i].zero_()
@@ -330,9 +340,7 @@ class PowerSGDCompressor(Compressor):
             approx.append(a_bnm)
         return approx, p_buf, q_buf
 
-    def _drive(
-        self, gen: Generator[torch.Tensor, None, Any], grads: Sequence[torch.Tensor], *, local_ok: bool
-    ) -> Any:
+    def _drive(self, gen: Generator[torch.Tensor, None, Any], grads: Sequence[torch.Tensor], *, local_ok: bool) -> Any:
         """Run the collectives ``gen`` yields (each an in-place mean over ranks); return its result.
 
         A rank whose inputs are non-finite poisons the first buffer it sends, so that every rank sees a
@@ -359,8 +367,10 @@ class PowerSGDCompressor(Compressor):
         bad = [self.names[i] for i, g in enumerate(grads) if not _all_finite([g])]
         if self._errors is not None and not _all_finite(self._errors):
             bad.append("<error buffer>")
-        where = f"non-finite gradient in {', '.join(bad)} on rank {rank}" if bad else (
-            f"gradients on rank {rank} are finite, another rank sent non-finite values"
+        where = (
+            f"non-finite gradient in {', '.join(bad)} on rank {rank}"
+            if bad
+            else (f"gradients on rank {rank} are finite, another rank sent non-finite values")
         )
         return NonFiniteGradientError(
             f"PowerSGD step {self.num_steps}: {where}; nothing was applied and the compressor state is "

@@ -1,0 +1,5 @@
+import sys
+
+from powertrain.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints a table and regenerates its section of BENCHMARKS.md."""

@@ -1,0 +1,116 @@
+"""Compute overhead of PowerSGD compression relative to the backward pass (no communication).
+
+One process, world size 1: the compressor runs all its math (batching, projections, QR, error feedback)
+and skips the collectives, so what is measured is the compute a rank adds per step. Backward and
+compression are timed in the same run, interleaved, and reported as medians.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from powertrain.bench.report import machine_info, table, update_section
+from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
+from powertrain.train.data import load_stdlib_corpus, sample_batch
+from powertrain.train.model import GPT, GPTConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: GPTConfig
+    batch: int
+    repeats: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    variant: Variant
+    rank: int
+    iters: int
+    compress_s: float
+    ratio: float
+
+
+PRESETS = {
+    # >= 10M parameters; one worker's micro-batch of 8 x 256 tokens.
+    "default": Preset(GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=256), batch=8, repeats=7),
+    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), batch=2, repeats=2),
+}
+CONFIGS: list[tuple[Variant, int, int]] = [("alternating", r, k) for r in (1, 2, 4) for k in (1, 2)] + [("paper", 4, 1)]
+
+
+def _times(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def run_overhead(
+    *,
+    preset: str = "default",
+    repeats: int | None = None,
+    threads: int | None = None,
+    write: str | None = "BENCHMARKS.md",
+) -> list[Row]:
+    p = PRESETS[preset]
+    n_rep = repeats or p.repeats
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = GPT(p.model)
+    corpus = load_stdlib_corpus(max_bytes=2_000_000)
+    x, y = sample_batch(corpus.train, p.batch, p.model.block_size, torch.Generator().manual_seed(0))
+
+    backward_times: list[float] = []
+
+    def backward() -> None:
+        model.zero_grad(set_to_none=False)
+        loss = model(x, y)
+        t0 = time.perf_counter()
+        loss.backward()
+        backward_times.append(time.perf_counter() - t0)
+
+    backward()
+    grads = [prm.grad.clone() for prm in model.parameters() if prm.grad is not None]
+    rows = []
+    for variant, rank, iters in CONFIGS:
+        for _ in range(2):
+            backward()  # interleaved: backward samples span the whole run
+        cfg = Config(rank=rank, num_iters_per_step=iters, start_compressing_after_num_steps=0, variant=variant)
+        comp = PowerSGDCompressor(model.parameters(), config=cfg)
+        times = _times(partial(comp.aggregate, grads), n_rep)
+        sent = (comp.bytes_per_step(0) + comp.bytes_per_step(1)) / 2
+        rows.append(Row(variant, rank, iters, statistics.median(times), comp.dense_bytes_per_step / sent))
+    bwd = statistics.median(backward_times)
+    n_params = sum(prm.numel() for prm in model.parameters())
+    headers = ["variant", "rank", "iters/step", "compress (ms, median)", "% of backward", "compression ratio"]
+    cells = [
+        [r.variant, r.rank, r.iters, f"{1e3 * r.compress_s:.1f}", f"{100 * r.compress_s / bwd:.1f}%", f"{r.ratio:.0f}x"]
+        for r in rows
+    ]
+    text = (
+        f"## PowerSGD compute overhead (CPU, no communication)\n\n"
+        f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({n_params / 1e6:.1f}M parameters), one worker's "
+        f"micro-batch of {p.batch * p.model.block_size} tokens, {torch.get_num_threads()} torch thread(s). "
+        f"Backward pass: {1e3 * bwd:.0f} ms (median of {len(backward_times)}, interleaved with the compression "
+        f"timings). Compression: median of {n_rep} calls of `PowerSGDCompressor.aggregate` at world size 1 (all "
+        f"math, no collectives). Compression ratio: fp32 all-reduce bytes / bytes sent, averaged over two steps."
+        f"\n\n{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
+        f"Command: `powertrain bench overhead{'' if preset == 'default' else ' --preset ' + preset}`\n"
+    )
+    print(text)
+    if write:
+        update_section(write, "overhead" if preset == "default" else f"overhead-{preset}", text)
+        print(f"updated {write}", file=sys.stderr)
+    return rows

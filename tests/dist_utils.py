@@ -1,0 +1,95 @@
+"""Run a function on N real processes joined by a gloo process group, with a hard timeout.
+
+``run_ranks(fn, world_size)`` spawns the ranks, each calls ``fn(rank, world_size, *args)`` and returns a
+picklable-by-torch value (dicts/lists of tensors, numbers, strings), which comes back to the parent
+through ``torch.save`` / ``torch.load(weights_only=True)``. If any rank fails, the others are killed at
+once and the rank's traceback is raised in the parent; if the run exceeds ``timeout`` seconds, all ranks
+are killed and the test fails: a hang never eats the CI budget.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    pass
+
+
+def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: tuple, pg_timeout: float) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # bind to loopback only
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        torch.save(result, f"{tmp}/result_{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(f"{tmp}/error_{rank}.txt", "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    # Skip interpreter finalisation: everything is saved, and gloo's background threads have been seen to
+    # abort ("terminate called without an active exception") while the interpreter tears down.
+    os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 30.0
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="powertrain-test-") as tmp:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        timed_out = False
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break  # one rank failed: the others would only wait for it
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+        finally:
+            alive = [p for p in procs if p.is_alive()]
+            for p in alive:
+                p.kill()
+            for p in procs:
+                p.join(5)
+        errors = []
+        for r in range(world_size):
+            path = f"{tmp}/error_{r}.txt"
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors.append(f"--- rank {r} ---\n{f.read()}")
+        if errors:
+            raise RankFailed("\n".join(errors))
+        if timed_out:
+            raise RankFailed(f"timed out after {timeout:.0f}s: ranks {[procs.index(p) for p in alive]} hung")
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        if any(c != 0 for c in codes.values()):
+            raise RankFailed(f"ranks exited with codes {codes} (negative: killed by that signal), no traceback")
+        return [torch.load(f"{tmp}/result_{r}.pt", weights_only=True) for r in range(world_size)]

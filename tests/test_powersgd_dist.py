@@ -1,0 +1,434 @@
+"""PowerSGD on real gloo process groups (2 and 4 ranks).
+
+Each world size is spawned once for all the sub-cases (spawning costs seconds); every sub-case returns
+its raw observations and the assertions run here in the parent, one pytest test per property.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from models import batch, flat_params, loss_fn, make_model
+from powertrain.compress import NonFiniteGradientError, PowerSGDCompressor
+from powertrain.compress.powersgd import Config
+from powertrain.ops.flat import flat_views, pack
+from powertrain.powersgd import PowerSGD, optimizer_step
+
+WORLD_SIZES = [2, 4]
+TRAIN_CONFIGS = {  # name -> (variant, num_iters_per_step)
+    "alternating_k1": ("alternating", 1),
+    "alternating_k2": ("alternating", 2),
+    "paper_k1": ("paper", 1),
+}
+STEPS, WARMUP, RANK = 12, 3, 2
+
+
+# ---------------------------------------------------------------- sub-cases (run on every rank)
+
+
+def _train(rank: int, variant: str, k: int, api: str) -> dict[str, Any]:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    cfg = Config(
+        rank=RANK,
+        min_compression_rate=0,
+        num_iters_per_step=k,
+        start_compressing_after_num_steps=WARMUP,
+        variant=variant,
+    )
+    if api == "reference":
+        agg = PowerSGD(list(model.parameters()), config=cfg)
+        comm = agg.comm
+    else:
+        comp = PowerSGDCompressor(model.named_parameters(), config=cfg)
+        comm = comp.comm
+    losses, sent = [], []
+    for step in range(STEPS):
+        loss = loss_fn(model, *batch(rank, step))
+        loss.backward()
+        before = comm.stats.bytes_sent
+        if api == "reference":
+            optimizer_step(opt, agg)
+        else:
+            comp.reduce_gradients()
+            opt.step()
+            opt.zero_grad()
+        sent.append(comm.stats.bytes_sent - before)
+        losses.append(loss.item())
+    return {"params": flat_params(model), "losses": losses, "bytes": sent}
+
+
+def _conservation(rank: int, variant: str) -> dict[str, Any]:
+    """Float64: record M (input incl. residual), the average and the new residual at every step."""
+    model = make_model(torch.float64)
+    params = list(model.parameters())
+    agg = PowerSGD(
+        params,
+        config=Config(
+            rank=RANK,
+            min_compression_rate=0,
+            num_iters_per_step=2,
+            start_compressing_after_num_steps=1,
+            variant=variant,
+        ),
+    )
+    records = []
+    for step in range(5):
+        loss_fn(model, *batch(rank, step, torch.float64)).backward()
+        grads = _materialized_grads(params)
+        inputs = [None if g is None else g.clone() for g in grads]
+        out = agg.aggregate(grads)
+        records.append([(m, a, g.clone()) for m, a, g in zip(inputs, out, grads, strict=True) if m is not None])
+        with torch.no_grad():
+            for p, a in zip(params, out, strict=True):
+                if a is not None:
+                    p -= 0.05 * a
+    return {"records": records}
+
+
+def _conservation_compressor(rank: int, variant: str) -> dict[str, Any]:
+    """Same invariant for the compressor that owns its residuals: mean(g + e_old) == out + mean(e_new)."""
+    model = make_model(torch.float64)
+    comp = PowerSGDCompressor(
+        model.parameters(),
+        config=Config(rank=RANK, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant),
+    )
+    records = []
+    for step in range(4):
+        model.zero_grad()
+        loss_fn(model, *batch(rank, step, torch.float64)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
+        before = [e.clone() for e in comp.residuals()]
+        out = comp.aggregate(grads)
+        records.append([(g + e, a, r.clone()) for g, e, a, r in zip(grads, before, out, comp.residuals(), strict=True)])
+    return {"records": records}
+
+
+def _materialized_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """p.grad for trainable params (zeros where unused, kept in p.grad for the residual), None if frozen."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad if p.requires_grad else None for p in params]
+
+
+def _exact_mean(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Plain all-reduce as the reference does it: one flat buffer, divided by W, summed."""
+    buf = pack(tensors, torch.float64 if tensors[0].dtype == torch.float64 else torch.float32, tensors[0].device)
+    buf /= dist.get_world_size()
+    dist.all_reduce(buf)
+    return flat_views(buf, [t.shape for t in tensors])
+
+
+def _full_rank(rank: int, variant: str, k: int) -> dict[str, Any]:
+    model = make_model(torch.float64)
+    params = list(model.parameters())
+    agg = PowerSGD(
+        params,
+        config=Config(
+            rank=64,
+            min_compression_rate=0,
+            num_iters_per_step=k,
+            start_compressing_after_num_steps=0,
+            variant=variant,
+        ),
+    )
+    assert agg.compressor.compressed_names, "full-rank case must actually compress"
+    errs = []
+    for step in range(3):
+        model.zero_grad()
+        loss_fn(model, *batch(rank, step, torch.float64)).backward()
+        grads = _materialized_grads(params)
+        exact = _exact_mean([g for g in grads if g is not None])
+        out = [a for a in agg.aggregate(grads) if a is not None]
+        errs.append(max((a - e).abs().max().item() for a, e in zip(out, exact, strict=True)))
+    return {"max_abs_err": errs}
+
+
+def _warmup(rank: int) -> dict[str, Any]:
+    model = make_model()
+    params = list(model.parameters())
+    agg = PowerSGD(params, config=Config(rank=1, start_compressing_after_num_steps=3))
+    pairs = []
+    for step in range(3):
+        model.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        grads = _materialized_grads(params)
+        expected = _exact_mean([g.clone() for g in grads if g is not None])
+        out = [a for a in agg.aggregate(grads) if a is not None]
+        pairs.append((out, expected))
+    return {"pairs": pairs}
+
+
+def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
+    bad_rank = world_size - 1
+    result: dict[str, Any] = {}
+    # Compressor API with skip: every rank skips the same step and keeps its state.
+    model = make_model()
+    comp = PowerSGDCompressor(model.named_parameters(), config=Config(rank=2, start_compressing_after_num_steps=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    applied = []
+    for step in range(5):
+        opt.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        if step == 3 and rank == bad_rank:
+            model.odd.weight.grad[1, 2] = float("nan")
+        state_before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in comp.state_dict().items()}
+        errors_before = [e.clone() for e in comp.residuals()]
+        grads_before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        ok = comp.reduce_gradients(skip_nonfinite=True)
+        applied.append(ok)
+        if not ok:
+            after = comp.state_dict()
+            result["state_unchanged"] = all(
+                torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
+                for k, v in state_before.items()
+            ) and all(torch.equal(a, b) for a, b in zip(errors_before, comp.residuals(), strict=True))
+            grads_now = [p.grad for p in model.parameters() if p.grad is not None]
+            result["grads_untouched"] = all(
+                torch.equal(a, b) or (a.isnan() == b.isnan()).all().item()
+                for a, b in zip(grads_before, grads_now, strict=True)
+            )
+            continue
+        opt.step()
+    result["applied"] = applied
+    result["params_finite"] = bool(flat_params(model).isfinite().all())
+    # Reference API: raises on every rank, naming the parameter on the rank that has it.
+    for warm in (0, 5):  # 5: during warm-up (exact all-reduce); 0: compressed step
+        model = make_model()
+        params = list(model.parameters())
+        agg = PowerSGD(params, config=Config(rank=2, start_compressing_after_num_steps=warm))
+        loss_fn(model, *batch(rank, 0)).backward()
+        if rank == bad_rank:
+            model.fc1.weight.grad[0, 0] = float("inf")
+        p_before = agg.compressor.state_dict()["p"].clone()
+        try:
+            optimizer_step(torch.optim.SGD(params, lr=0.1), agg)
+            result[f"raised_warm{warm}"] = ""
+        except NonFiniteGradientError as e:
+            result[f"raised_warm{warm}"] = str(e)
+        result[f"factors_unchanged_warm{warm}"] = torch.equal(p_before, agg.compressor.state_dict()["p"])
+        result[f"step_counter_warm{warm}"] = agg.step_counter
+    return result
+
+
+def _readme(rank: int) -> dict[str, Any]:
+    """The reference README's usage, unchanged, on a real regression task."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5))
+    teacher = torch.randn(20, 5, generator=torch.Generator().manual_seed(7))
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    powersgd = PowerSGD(
+        params,
+        config=Config(
+            rank=1,  # lower rank => more aggressive compression
+            min_compression_rate=10,  # don't compress gradients with less compression
+            num_iters_per_step=2,  # lower number => more aggressive compression
+            start_compressing_after_num_steps=0,
+        ),
+    )
+    losses = []
+    for step in range(40):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x = torch.randn(32, 20, generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), x @ teacher)
+        loss.backward()
+        optimizer_step(optimizer, powersgd)
+        losses.append(loss.item())
+    return {
+        "params": flat_params(model),
+        "losses": losses,
+        "compressed": powersgd.compressor.compressed_names,
+    }
+
+
+def _mixed(rank: int) -> dict[str, Any]:
+    out = {}
+    # bf16 parameters (the reference crashes), SGD on bf16.
+    model = make_model(torch.bfloat16)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    agg = PowerSGD(params, config=Config(rank=2, min_compression_rate=0, start_compressing_after_num_steps=1))
+    for step in range(4):
+        loss_fn(model, *batch(rank, step, torch.bfloat16)).backward()
+        optimizer_step(opt, agg)
+    out["bf16_params"] = flat_params(model)
+    out["bf16_grad_dtypes"] = sorted({str(p.grad.dtype) for p in params if p.grad is not None})
+    # Nothing compressible (the reference raises IndexError).
+    model = make_model()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05)
+    agg = PowerSGD(params, config=Config(rank=2, min_compression_rate=1e9, start_compressing_after_num_steps=0))
+    for step in range(3):
+        loss_fn(model, *batch(rank, step)).backward()
+        optimizer_step(opt, agg)
+    out["plain_params"] = flat_params(model)
+    out["plain_compressed"] = agg.compressor.compressed_names
+    out["unused_grad_is_zero"] = bool((model.unused.weight.grad == 0).all())
+    out["frozen_grad_is_none"] = model.frozen.weight.grad is None
+    return out
+
+
+def _guard(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    try:
+        return fn(*args)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def powersgd_cases(rank: int, world_size: int) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for name, (variant, k) in TRAIN_CONFIGS.items():
+        for api in ("reference", "compressor"):
+            res[f"train/{name}/{api}"] = _guard(_train, rank, variant, k, api)
+    for variant in ("alternating", "paper"):
+        res[f"conservation/{variant}"] = _guard(_conservation, rank, variant)
+        res[f"conservation_compressor/{variant}"] = _guard(_conservation_compressor, rank, variant)
+    res["full_rank/alternating_k2"] = _guard(_full_rank, rank, "alternating", 2)
+    res["full_rank/paper_k1"] = _guard(_full_rank, rank, "paper", 1)
+    res["warmup"] = _guard(_warmup, rank)
+    res["nonfinite"] = _guard(_nonfinite, rank, world_size)
+    res["readme"] = _guard(_readme, rank)
+    res["mixed"] = _guard(_mixed, rank)
+    return res
+
+
+# ---------------------------------------------------------------- parent-side assertions
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=[f"w{w}" for w in WORLD_SIZES])
+def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    world_size = request.param
+    return world_size, run_ranks(powersgd_cases, world_size, timeout=90)
+
+
+def case(results: tuple[int, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
+    _, per_rank = results
+    out = [r[name] for r in per_rank]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"rank {rank} failed in {name}:\n{r['error']}"
+    return out
+
+
+def expected_bytes(variant: str, k: int) -> list[int]:
+    """Payload bytes per step for the Adversarial model, from first principles (fp32, 4 bytes)."""
+    model = make_model()
+    shapes = [p.shape for p in model.parameters() if p.requires_grad]
+    total = sum(s.numel() for s in shapes)
+    mats = [(s[0], s.numel() // s[0]) for s in shapes if len(s) >= 2]
+    vec = sum(s.numel() for s in shapes if len(s) < 2)
+    out = []
+    for step in range(STEPS):
+        if step < WARMUP:
+            out.append(4 * total)
+            continue
+        c = step - WARMUP
+        floats = vec
+        for it in range(k):
+            for n, m in mats:
+                r = min(RANK, n, m)
+                if variant == "paper":
+                    floats += r * (n + m)
+                else:
+                    floats += r * (m if (c * k + it) % 2 == 0 else n)
+        out.append(4 * floats)
+    return out
+
+
+@pytest.mark.parametrize("api", ["reference", "compressor"])
+@pytest.mark.parametrize("config", list(TRAIN_CONFIGS))
+def test_ranks_bitwise_identical_and_bytes_match_formula(results, config, api):
+    runs = case(results, f"train/{config}/{api}")
+    for r in runs[1:]:
+        assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
+    assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
+    variant, k = TRAIN_CONFIGS[config]
+    for r in runs:
+        assert r["bytes"] == expected_bytes(variant, k)
+    assert sum(runs[0]["bytes"][WARMUP:]) < 0.5 * sum(expected_bytes(variant, k)[:WARMUP]) * (STEPS - WARMUP) / WARMUP
+
+
+def test_both_apis_agree(results):
+    """The reference API and the compressor object share the math: same model after training."""
+    for config in TRAIN_CONFIGS:
+        ref = case(results, f"train/{config}/reference")[0]["params"]
+        new = case(results, f"train/{config}/compressor")[0]["params"]
+        torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
+
+
+def _check_conservation(runs: list[dict[str, Any]]) -> None:
+    n_steps = len(runs[0]["records"])
+    for step in range(n_steps):
+        for j in range(len(runs[0]["records"][step])):
+            ms = torch.stack([r["records"][step][j][0] for r in runs])
+            avg = runs[0]["records"][step][j][1]
+            res = torch.stack([r["records"][step][j][2] for r in runs])
+            for r in runs[1:]:
+                assert torch.equal(r["records"][step][j][1], avg), "average differs across ranks"
+            torch.testing.assert_close(avg + res.mean(0), ms.mean(0), rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("variant", ["alternating", "paper"])
+def test_error_feedback_loses_nothing(results, variant):
+    _check_conservation(case(results, f"conservation/{variant}"))
+    _check_conservation(case(results, f"conservation_compressor/{variant}"))
+
+
+@pytest.mark.parametrize("name", ["full_rank/alternating_k2", "full_rank/paper_k1"])
+def test_full_rank_is_exact_averaging(results, name):
+    for r in case(results, name):
+        assert max(r["max_abs_err"]) < 1e-12
+
+
+def test_warmup_equals_plain_allreduce_bitwise(results):
+    for r in case(results, "warmup"):
+        for out, expected in r["pairs"]:
+            assert len(out) == len(expected)
+            for a, e in zip(out, expected, strict=True):
+                assert torch.equal(a, e)
+
+
+def test_nonfinite_gradient_on_one_rank(results):
+    world_size, _ = results
+    runs = case(results, "nonfinite")
+    for rank, r in enumerate(runs):
+        assert r["applied"] == [True, True, True, False, True]
+        assert r["state_unchanged"] and r["grads_untouched"] and r["params_finite"]
+        for warm in (0, 5):
+            msg = r[f"raised_warm{warm}"]
+            assert msg, f"rank {rank} did not raise (warm-up {warm})"
+            if rank == world_size - 1:
+                assert "param[2]" in msg and f"rank {rank}" in msg  # fc1.weight is parameter #2
+            else:
+                assert "another rank" in msg
+            assert r[f"factors_unchanged_warm{warm}"]
+            assert r[f"step_counter_warm{warm}"] == 0
+
+
+def test_reference_readme_usage(results):
+    runs = case(results, "readme")
+    for r in runs[1:]:
+        assert torch.equal(r["params"], runs[0]["params"])
+    assert runs[0]["compressed"] == ["param[0]"]  # 5x64 at rank 1, 2 iters: rate 4.6 < 10
+    first, last = runs[0]["losses"][:5], runs[0]["losses"][-5:]
+    assert sum(last) < 0.5 * sum(first), "training with compression must still learn"
+
+
+def test_bf16_nothing_compressible_frozen_unused(results):
+    runs = case(results, "mixed")
+    for r in runs[1:]:
+        assert torch.equal(r["bf16_params"], runs[0]["bf16_params"])
+        assert torch.equal(r["plain_params"], runs[0]["plain_params"])
+    for r in runs:
+        assert r["bf16_grad_dtypes"] == ["torch.bfloat16"]
+        assert r["bf16_params"].isfinite().all()
+        assert r["plain_compressed"] == []
+        assert r["unused_grad_is_zero"] and r["frozen_grad_is_none"]

@@ -1,0 +1,208 @@
+"""PowerSGD math and API at world size 1 (no process group)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from models import batch, loss_fn, make_model
+from powertrain.compress import NonFiniteGradientError, PowerSGDCompressor
+from powertrain.compress.powersgd import Config
+from powertrain.ops.lowrank import matrix_shape, orthonormalize
+from powertrain.powersgd import PowerSGD, optimizer_step
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("rank", 0),
+        ("rank", 1.5),
+        ("rank", True),
+        ("min_compression_rate", -1),
+        ("min_compression_rate", float("nan")),
+        ("num_iters_per_step", 0),
+        ("start_compressing_after_num_steps", -1),
+        ("variant", "svd"),
+        ("seed", -3),
+    ],
+)
+def test_bad_config_names_field_and_range(field, value):
+    kwargs = {"rank": 1, field: value}
+    with pytest.raises(ValueError, match=rf"Config\.{field}=.*must be"):
+        Config(**kwargs)
+
+
+def test_reference_defaults_and_positional_order():
+    c = Config(4)
+    assert (c.rank, c.min_compression_rate, c.num_iters_per_step, c.start_compressing_after_num_steps) == (
+        4,
+        2,
+        1,
+        100,
+    )
+    assert Config(1, 10, 2, 0) == Config(
+        rank=1, min_compression_rate=10, num_iters_per_step=2, start_compressing_after_num_steps=0
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(3, 50, 4, dtype=torch.float64),
+        lambda: torch.randn(3, 50, 1, dtype=torch.float64) @ torch.randn(3, 1, 4, dtype=torch.float64),  # rank 1
+        lambda: torch.zeros(2, 30, 3, dtype=torch.float64),
+    ],
+)
+def test_orthonormalize_always_orthonormal(make):
+    q = orthonormalize(make())
+    eye = torch.eye(q.shape[-1], dtype=q.dtype).expand(q.shape[0], -1, -1)
+    assert q.isfinite().all()
+    torch.testing.assert_close(q.transpose(1, 2) @ q, eye, atol=1e-12, rtol=0)
+
+
+def test_matrix_shape_of_conv_weight():
+    assert matrix_shape(torch.Size([8, 3, 3, 3])) == (8, 27)
+
+
+def _fixed_gradient_approximation(variant: str, g: torch.Tensor, rank: int, steps: int) -> torch.Tensor:
+    """Feed the same gradient repeatedly, discarding the residual: pure warm-started power iteration."""
+    p = torch.nn.Parameter(torch.zeros_like(g))
+    agg = PowerSGD(
+        [p],
+        config=Config(rank=rank, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant),
+    )
+    out = None
+    for _ in range(steps):
+        p.grad = g.clone()
+        out = agg.aggregate([p.grad])[0]
+    assert out is not None
+    return out
+
+
+@pytest.mark.parametrize("variant", ["alternating", "paper"])
+@pytest.mark.parametrize("rank", [1, 3])
+def test_warm_start_converges_to_best_rank_r(variant, rank):
+    gen = torch.Generator().manual_seed(0)
+    u, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=torch.float64))
+    s = torch.tensor([10.0, 8.0, 6.0] + [2.0 / (i + 1) for i in range(27)], dtype=torch.float64)
+    g = u[:, :30] @ torch.diag(s) @ v.T
+    best = u[:, :rank] @ torch.diag(s[:rank]) @ v[:, :rank].T  # Eckart-Young
+    # Error shrinks like (s[r] / s[r-1]) per half-iteration; the alternating variant does one per step.
+    approx = _fixed_gradient_approximation(variant, g, rank, steps=150)
+    assert (approx - best).norm() / best.norm() < 1e-8
+    # and the error of the best rank-r approximation is what remains
+    torch.testing.assert_close((g - approx).norm(), s[rank:].norm(), rtol=1e-8, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["alternating", "paper"])
+def test_exactly_low_rank_gradient_gives_no_nan(variant):
+    g = torch.outer(torch.arange(1.0, 21.0), torch.arange(1.0, 11.0))  # rank 1, compressed at rank 4
+    approx = _fixed_gradient_approximation(variant, g, rank=4, steps=3)
+    assert approx.isfinite().all()
+    torch.testing.assert_close(approx, g, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["alternating", "paper"])
+def test_compressor_conserves_at_world_size_1(variant):
+    model = make_model(torch.float64)
+    comp = PowerSGDCompressor(
+        model.named_parameters(),
+        config=Config(
+            rank=1,
+            min_compression_rate=0,
+            num_iters_per_step=2,
+            start_compressing_after_num_steps=0,
+            variant=variant,
+        ),
+    )
+    for step in range(4):
+        model.zero_grad()
+        loss_fn(model, *batch(0, step, torch.float64)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
+        before = [e.clone() for e in comp.residuals()]
+        out = comp.aggregate(grads)
+        for g, e0, a, e1 in zip(grads, before, out, comp.residuals(), strict=True):
+            torch.testing.assert_close(a + e1, g + e0, rtol=1e-13, atol=1e-14)
+    assert any(e.abs().sum() > 0 for e in comp.residuals()), "rank 1 must leave a residual"
+
+
+def test_uncompressed_residual_stays_zero():
+    """torch's hook lets the error of uncompressed tensors grow; here they are exact and owe nothing."""
+    model = make_model()
+    params = list(model.parameters())
+    agg = PowerSGD(params, config=Config(rank=1, start_compressing_after_num_steps=0))
+    opt = torch.optim.SGD(params, lr=0.01)
+    for step in range(5):
+        loss_fn(model, *batch(0, step)).backward()
+        optimizer_step(opt, agg)
+    compressed = set(agg.compressor.compressed_names)
+    for i, p in enumerate(params):
+        if p.requires_grad and f"param[{i}]" not in compressed:
+            assert p.grad is not None and (p.grad == 0).all()
+
+
+def test_nonfinite_at_world_size_1_raises_or_skips():
+    model = make_model()
+    comp = PowerSGDCompressor(model.named_parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
+    loss_fn(model, *batch(0, 0)).backward()
+    model.big.weight.grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"big\.weight.*rank 0"):
+        comp.reduce_gradients()
+    assert comp.num_steps == 0 and comp.num_compressed_steps == 0
+    assert comp.reduce_gradients(skip_nonfinite=True) is False
+    assert model.big.weight.grad[0, 0].isnan()
+
+
+def test_state_dict_roundtrip_weights_only_and_mismatch():
+    model = make_model()
+    comp = PowerSGDCompressor(model.parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
+    loss_fn(model, *batch(0, 0)).backward()
+    comp.reduce_gradients()
+    buf = io.BytesIO()
+    torch.save(comp.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    fresh = PowerSGDCompressor(model.parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
+    fresh.load_state_dict(state)
+    assert fresh.num_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(fresh.residuals(), comp.residuals(), strict=True))
+    other = PowerSGDCompressor(model.parameters(), config=Config(rank=3))
+    with pytest.raises(ValueError, match="does not fit"):
+        other.load_state_dict(state)
+
+
+def test_bad_inputs_raise_value_error():
+    model = make_model()
+    params = list(model.parameters())
+    agg = PowerSGD(params, config=Config(rank=1))
+    with pytest.raises(ValueError, match="gradients for the"):
+        agg.aggregate([])
+    stranger = torch.nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="not given to PowerSGD"):
+        optimizer_step(torch.optim.SGD([*params, stranger], lr=0.1), agg)
+    with pytest.raises(ValueError, match="floating-point"):
+        PowerSGDCompressor([torch.zeros(3, 3, dtype=torch.complex64, requires_grad=True)], config=Config(rank=1))
+    with pytest.raises(ValueError, match="powertrain Config"):
+        PowerSGDCompressor(params, config={"rank": 1})  # type: ignore[arg-type]
+
+
+def test_conv_and_odd_shapes_are_compressed_and_batched():
+    model = make_model()
+    comp = PowerSGDCompressor(model.named_parameters(), config=Config(rank=2, min_compression_rate=0))
+    names = comp.compressed_names
+    assert {"conv.weight", "odd.weight", "big.weight", "big2.weight"} <= set(names)
+    assert "frozen.weight" not in comp.names  # frozen parameters are left out entirely
+    assert not any(n.endswith("bias") for n in names)  # 1-D tensors are never compressed
+    # big and big2 share a shape: one batch of two
+    assert [g.indices for g in comp._groups if (g.n, g.m) == (32, 32)] == [
+        (comp.names.index("big.weight"), comp.names.index("big2.weight"))
+    ]
+
+
+def test_empty_parameter_list():
+    comp = PowerSGDCompressor([], config=Config(rank=1, start_compressing_after_num_steps=0))
+    assert comp.aggregate([]) == []
+    assert comp.reduce_gradients() is True
