@@ -17,8 +17,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/powertrain train
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests tools
+	$(VENV)/bin/ruff format --check src tests tools
 	$(VENV)/bin/mypy
 
 test: lint

@@ -75,6 +75,13 @@ class Communicator:
             return 0
         return dist.get_rank(self.group)
 
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` by its sum over the ranks of the group, in place (no-op when alone)."""
+        if not self.is_distributed or tensor.numel() == 0:
+            return
+        self.stats.record(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+
     def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its mean over the ranks of the group, in place.
 

@@ -13,11 +13,15 @@ next step's gradient (error feedback), so nothing is lost, only delayed. Two var
 
     1. orthonormalise the factor kept from last time (warm start; never re-randomised), e.g. ``P``;
     2. project: ``Q_local = M^T P``;
-    3. all-reduce ``Q`` (the only communication of the iteration);
-    4. ``M <- M - P Q^T``; the approximation gains ``P Q^T``.
+    3. subtract the local rank-r part from the residual: ``M <- M - P Q_local^T``;
+    4. all-reduce (sum) ``Q`` (the only communication of the iteration); the approximation gains
+       ``P Q_sum^T / W``.
 
     The next iteration starts from ``Q`` and projects the *residual*, so ``k`` iterations at rank 1 reach
-    an effective rank of up to ``k``.
+    an effective rank of up to ``k``. This matches the reference bit for bit at rank >= 2 (its rank-1
+    shortcut divides a whole batch of vectors by one norm, which leaves them shorter than 1 when several
+    matrices share a shape, and keeps a factor that once became zero at zero for ever; Householder QR is
+    used here at every rank).
 ``"paper"`` (Algorithm 1 of the paper; what torch's DDP hook implements)
     ``P = M Q``; all-reduce ``P``; orthonormalise ``P``; ``Q = M^T P``; all-reduce ``Q``; the
     approximation is ``P Q^T`` and the error is the local ``M`` minus it.
@@ -110,7 +114,8 @@ class _Group:
     indices: tuple[int, ...]
 
 
-_StepGen = Generator[torch.Tensor, None, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]
+Reduce = Literal["sum", "mean"]
+_StepGen = Generator[tuple[torch.Tensor, Reduce], None, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]
 
 
 class PowerSGDCompressor(Compressor):
@@ -276,7 +281,7 @@ class PowerSGDCompressor(Compressor):
         def collectives() -> _StepGen:
             result = yield from (self._alternating(ms) if self.config.variant == "alternating" else self._paper(ms))
             if ubuf.numel():
-                yield ubuf
+                yield ubuf, "mean"
             return result
 
         approx, p_buf, q_buf = self._drive(collectives(), grads, local_ok=_all_finite([*ms, ubuf]))
@@ -304,22 +309,22 @@ class PowerSGDCompressor(Compressor):
         k = self.config.num_iters_per_step
         p_buf, q_buf = self._p.clone(), self._q.clone()  # working copies, committed by the caller
         ps, qs = flat_views(p_buf, self._p_shapes), flat_views(q_buf, self._q_shapes)
-        approx: list[torch.Tensor] = []
+        approx = [torch.zeros_like(m_bnm) for m_bnm in ms]
+        inv_world = 1.0 / self.comm.world_size
         for it in range(k):
             even = (self.num_compressed_steps * k + it) % 2 == 0
             # Even: from P, compute Q = M^T P and send Q. Odd: from Q, compute P = M Q and send P.
+            # Written for the row side (even); the odd case runs the same code on transposed views.
             ins, outs, out_buf = (ps, qs, q_buf) if even else (qs, ps, p_buf)
-            for m_bnm, x_in, x_out in zip(ms, ins, outs, strict=True):
-                x_in.copy_(orthonormalize(x_in))
-                torch.bmm(m_bnm.transpose(1, 2) if even else m_bnm, x_in, out=x_out)
-            yield out_buf
-            for gi, (m_bnm, p_bnr, q_bmr) in enumerate(zip(ms, ps, qs, strict=True)):
-                a_bnm = low_rank(p_bnr, q_bmr)
-                m_bnm.sub_(a_bnm)  # error feedback: the residual keeps what the approximation missed
-                if it == 0:
-                    approx.append(a_bnm)
-                else:
-                    approx[gi].add_(a_bnm)
+            side = [m_bnm if even else m_bnm.transpose(1, 2) for m_bnm in ms]
+            for m_bnm, in_bnr, out_bmr in zip(side, ins, outs, strict=True):
+                in_bnr.copy_(orthonormalize(in_bnr))
+                torch.bmm(m_bnm.transpose(1, 2), in_bnr, out=out_bmr)
+                m_bnm.baddbmm_(in_bnr, out_bmr.transpose(1, 2), alpha=-1)  # residual keeps what is not sent
+            yield out_buf, "sum"
+            for a_bnm, in_bnr, out_bmr in zip(approx, ins, outs, strict=True):
+                a_side = a_bnm if even else a_bnm.transpose(1, 2)
+                a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), alpha=inv_world)
         return approx, p_buf, q_buf
 
     def _paper(self, ms: list[torch.Tensor]) -> _StepGen:
@@ -328,11 +333,11 @@ class PowerSGDCompressor(Compressor):
         for _ in range(self.config.num_iters_per_step):
             for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
                 torch.bmm(m_bnm, q_bmr, out=p_bnr)
-            yield p_buf
+            yield p_buf, "sum"  # only its span matters: orthonormalised next, so no division
             for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
                 p_bnr.copy_(orthonormalize(p_bnr))
                 torch.bmm(m_bnm.transpose(1, 2), p_bnr, out=q_bmr)
-            yield q_buf
+            yield q_buf, "mean"
         approx = []
         for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
             a_bnm = low_rank(p_bnr, q_bmr)
@@ -340,8 +345,14 @@ class PowerSGDCompressor(Compressor):
             approx.append(a_bnm)
         return approx, p_buf, q_buf
 
-    def _drive(self, gen: Generator[torch.Tensor, None, Any], grads: Sequence[torch.Tensor], *, local_ok: bool) -> Any:
-        """Run the collectives ``gen`` yields (each an in-place mean over ranks); return its result.
+    def _drive(
+        self,
+        gen: Generator[tuple[torch.Tensor, Reduce], None, Any],
+        grads: Sequence[torch.Tensor],
+        *,
+        local_ok: bool,
+    ) -> Any:
+        """Run the all-reduces ``gen`` yields (buffer and "sum" or "mean", in place); return its result.
 
         A rank whose inputs are non-finite poisons the first buffer it sends, so that every rank sees a
         non-finite result and raises at the same collective; the generator is then abandoned before
@@ -349,15 +360,18 @@ class PowerSGDCompressor(Compressor):
         """
         poison = not local_ok
         try:
-            buf = next(gen)
+            buf, reduce = next(gen)
             while True:
                 if poison and buf.numel():
                     buf.view(-1)[0] = float("nan")
                     poison = False
-                self.comm.all_reduce_mean_(buf)
+                if reduce == "sum":
+                    self.comm.all_reduce_sum_(buf)
+                else:
+                    self.comm.all_reduce_mean_(buf)
                 if not _all_finite([buf]):
                     raise self._nonfinite_error(grads)
-                buf = gen.send(None)
+                buf, reduce = gen.send(None)
         except StopIteration as stop:
             assert not poison, "non-finite inputs must have been sent in some buffer"
             return stop.value
@@ -425,8 +439,8 @@ class PowerSGDCompressor(Compressor):
         self._errors = None if errors is None else [e.to(self.device, self.dtype, copy=True) for e in errors]
 
 
-def _single(buf: torch.Tensor) -> Generator[torch.Tensor, None, None]:
-    yield buf
+def _single(buf: torch.Tensor) -> Generator[tuple[torch.Tensor, Reduce], None, None]:
+    yield buf, "mean"
 
 
 def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:

@@ -75,12 +75,12 @@ class TrainConfig:
     nproc: int = 2
     """Local worker processes to launch (ignored under torchrun, which sets the world)."""
     steps: int = 300
-    batch_size: int = 8
+    batch_size: int = 16
     """Sequences per worker per step."""
     block_size: int = 128
     n_layer: int = 4
     n_head: int = 4
-    d_model: int = 128
+    d_model: int = 256
     lr: float = 3e-3
     warmup_steps: int = 20
     weight_decay: float = 0.1
