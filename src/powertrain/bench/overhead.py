@@ -11,8 +11,6 @@ import dataclasses
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
 
 import torch
 
@@ -40,20 +38,10 @@ class Row:
 
 PRESETS = {
     # >= 10M parameters; one worker's micro-batch of 8 x 256 tokens.
-    "default": Preset(GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=256), batch=8, repeats=7),
+    "default": Preset(GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=256), batch=8, repeats=15),
     "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), batch=2, repeats=2),
 }
 CONFIGS: list[tuple[Variant, int, int]] = [("alternating", r, k) for r in (1, 2, 4) for k in (1, 2)] + [("paper", 4, 1)]
-
-
-def _times(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return times
 
 
 def run_overhead(
@@ -83,15 +71,27 @@ def run_overhead(
 
     backward()
     grads = [prm.grad.clone() for prm in model.parameters() if prm.grad is not None]
+    comps = [
+        PowerSGDCompressor(
+            model.parameters(),
+            config=Config(rank=rank, num_iters_per_step=iters, start_compressing_after_num_steps=0, variant=variant),
+        )
+        for variant, rank, iters in CONFIGS
+    ]
+    times: list[list[float]] = [[] for _ in comps]
+    for comp in comps:
+        comp.aggregate(grads)  # warm-up: allocates the error buffers
+    # Interleaved rounds, so that load from other processes hits every configuration alike.
+    for _ in range(n_rep):
+        backward()
+        for comp, ts in zip(comps, times, strict=True):
+            t0 = time.perf_counter()
+            comp.aggregate(grads)
+            ts.append(time.perf_counter() - t0)
     rows = []
-    for variant, rank, iters in CONFIGS:
-        for _ in range(2):
-            backward()  # interleaved: backward samples span the whole run
-        cfg = Config(rank=rank, num_iters_per_step=iters, start_compressing_after_num_steps=0, variant=variant)
-        comp = PowerSGDCompressor(model.parameters(), config=cfg)
-        times = _times(partial(comp.aggregate, grads), n_rep)
+    for (variant, rank, iters), comp, ts in zip(CONFIGS, comps, times, strict=True):
         sent = (comp.bytes_per_step(0) + comp.bytes_per_step(1)) / 2
-        rows.append(Row(variant, rank, iters, statistics.median(times), comp.dense_bytes_per_step / sent))
+        rows.append(Row(variant, rank, iters, statistics.median(ts), comp.dense_bytes_per_step / sent))
     bwd = statistics.median(backward_times)
     n_params = sum(prm.numel() for prm in model.parameters())
     headers = ["variant", "rank", "iters/step", "compress (ms, median)", "% of backward", "compression ratio"]
@@ -103,9 +103,10 @@ def run_overhead(
         f"## PowerSGD compute overhead (CPU, no communication)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({n_params / 1e6:.1f}M parameters), one worker's "
         f"micro-batch of {p.batch * p.model.block_size} tokens, {torch.get_num_threads()} torch thread(s). "
-        f"Backward pass: {1e3 * bwd:.0f} ms (median of {len(backward_times)}, interleaved with the compression "
-        f"timings). Compression: median of {n_rep} calls of `PowerSGDCompressor.aggregate` at world size 1 (all "
-        f"math, no collectives). Compression ratio: fp32 all-reduce bytes / bytes sent, averaged over two steps."
+        f"Backward pass: {1e3 * bwd:.0f} ms (median of {len(backward_times)}). Compression: median of {n_rep} "
+        "calls of `PowerSGDCompressor.aggregate` at world size 1 (all math, no collectives), measured in "
+        f"{n_rep} interleaved rounds of one backward and one call per row. Compression ratio: fp32 all-reduce "
+        "bytes / bytes sent, averaged over two steps."
         f"\n\n{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
         f"Command: `powertrain bench overhead{'' if preset == 'default' else ' --preset ' + preset}`\n"
     )

@@ -309,7 +309,7 @@ class PowerSGDCompressor(Compressor):
         k = self.config.num_iters_per_step
         p_buf, q_buf = self._p.clone(), self._q.clone()  # working copies, committed by the caller
         ps, qs = flat_views(p_buf, self._p_shapes), flat_views(q_buf, self._q_shapes)
-        approx = [torch.zeros_like(m_bnm) for m_bnm in ms]
+        approx = [torch.empty_like(m_bnm) for m_bnm in ms]  # written with beta=0 first: no zero-fill pass
         inv_world = 1.0 / self.comm.world_size
         for it in range(k):
             even = (self.num_compressed_steps * k + it) % 2 == 0
@@ -324,7 +324,7 @@ class PowerSGDCompressor(Compressor):
             yield out_buf, "sum"
             for a_bnm, in_bnr, out_bmr in zip(approx, ins, outs, strict=True):
                 a_side = a_bnm if even else a_bnm.transpose(1, 2)
-                a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), alpha=inv_world)
+                a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), beta=0 if it == 0 else 1, alpha=inv_world)
         return approx, p_buf, q_buf
 
     def _paper(self, ms: list[torch.Tensor]) -> _StepGen:
