@@ -167,6 +167,28 @@ def _warmup(rank: int) -> dict[str, Any]:
     return {"pairs": pairs}
 
 
+def _snapshot(x: Any) -> Any:
+    """Deep copy of a state dict made of tensors, lists, dicts, numbers and None."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _snapshot(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_snapshot(v) for v in x]
+    return x
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bitwise equality of two such states."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
 def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
     bad_rank = world_size - 1
     result: dict[str, Any] = {}
@@ -180,17 +202,15 @@ def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
         loss_fn(model, *batch(rank, step)).backward()
         if step == 3 and rank == bad_rank:
             model.odd.weight.grad[1, 2] = float("nan")
-        state_before = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in comp.state_dict().items()}
+        state_before = _snapshot(comp.state_dict())
         errors_before = [e.clone() for e in comp.residuals()]
         grads_before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         ok = comp.reduce_gradients(skip_nonfinite=True)
         applied.append(ok)
         if not ok:
-            after = comp.state_dict()
-            result["state_unchanged"] = all(
-                torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
-                for k, v in state_before.items()
-            ) and all(torch.equal(a, b) for a, b in zip(errors_before, comp.residuals(), strict=True))
+            result["state_unchanged"] = _same(state_before, comp.state_dict()) and all(
+                torch.equal(a, b) for a, b in zip(errors_before, comp.residuals(), strict=True)
+            )
             grads_now = [p.grad for p in model.parameters() if p.grad is not None]
             result["grads_untouched"] = all(
                 torch.equal(a, b) or (a.isnan() == b.isnan()).all().item()
@@ -208,13 +228,13 @@ def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
         loss_fn(model, *batch(rank, 0)).backward()
         if rank == bad_rank:
             model.fc1.weight.grad[0, 0] = float("inf")
-        p_before = agg.compressor.state_dict()["p"].clone()
+        p_before = _snapshot(agg.compressor.state_dict())
         try:
             optimizer_step(torch.optim.SGD(params, lr=0.1), agg)
             result[f"raised_warm{warm}"] = ""
         except NonFiniteGradientError as e:
             result[f"raised_warm{warm}"] = str(e)
-        result[f"factors_unchanged_warm{warm}"] = torch.equal(p_before, agg.compressor.state_dict()["p"])
+        result[f"factors_unchanged_warm{warm}"] = _same(p_before, agg.compressor.state_dict())
         result[f"step_counter_warm{warm}"] = agg.step_counter
     return result
 
@@ -289,12 +309,10 @@ def _naive_reference(rank: int, world_size: int, variant: str) -> dict[str, Any]
         ),
     )
     state = comp.state_dict()
-    p_init = flat_views(state["p"].clone(), comp._p_shapes)
-    q_init = flat_views(state["q"].clone(), comp._q_shapes)
     P, Q, shape = {}, {}, {}
-    for g, grp in enumerate(comp._groups):
-        for j, i in enumerate(grp.indices):
-            P[i], Q[i], shape[i] = p_init[g][j].clone(), q_init[g][j].clone(), (grp.n, grp.m)
+    for i, (p0, q0) in enumerate(zip(state["p"], state["q"], strict=True)):
+        if p0 is not None:
+            P[i], Q[i], shape[i] = p0.clone(), q0.clone(), (p0.shape[0], q0.shape[0])
     err = {i: torch.zeros(shape[i], dtype=torch.float64) for i in P}
     diffs = []
     for step in range(4):

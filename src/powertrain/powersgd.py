@@ -121,7 +121,7 @@ class PowerSGD(Aggregator):
                     "unused parameters, or use optimizer_step, which does"
                 )
             grads.append(g)
-        averaged = self.compressor._aggregate(grads, residual_in_grads=True)
+        averaged = self.compressor._aggregate(grads, None, residual_in_grads=True)
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, a in zip(self._trainable, averaged, strict=True):
             out[i] = a

@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from powertrain._compat import foreach_add_
 from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor, NonFiniteGradientError, named_trainable
 from powertrain.ops.flat import flat_views, pack
@@ -104,18 +105,24 @@ class Config:
         return 0.5 * self.num_iters_per_step * r * (n + m)  # alternates between n*r and m*r
 
 
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    """Compressed parameters sharing one matrix shape; they are processed as one batch."""
+Reduce = Literal["sum", "mean"]
+_Collectives = Generator[tuple[torch.Tensor, Reduce], None, Any]
 
+
+@dataclasses.dataclass
+class _Batch:
+    """Parameters of one call that share a matrix shape and alternation phase: one batched computation."""
+
+    idx: list[int]  # positions in the call
+    params: list[int]  # positions in the compressor
     n: int
     m: int
     rank: int
-    indices: tuple[int, ...]
-
-
-Reduce = Literal["sum", "mean"]
-_StepGen = Generator[tuple[torch.Tensor, Reduce], None, tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]]
+    phase: int  # compressed steps taken so far, modulo 2
+    p_bnr: torch.Tensor
+    q_bmr: torch.Tensor
+    m_bnm: torch.Tensor  # gradient + residual; becomes the new residual
+    approx_bnm: torch.Tensor | None = None
 
 
 class PowerSGDCompressor(Compressor):
@@ -130,6 +137,10 @@ class PowerSGDCompressor(Compressor):
             compressor.reduce_gradients()  # p.grad <- compressed mean over ranks
             optimizer.step()
 
+    State (factors, error buffer, step counters) is kept per parameter, so any subset of the parameters
+    can be aggregated in one call (a DDP bucket, an FSDP group) and regrouping them later loses nothing;
+    within a call, same-shape matrices are computed as one batch.
+
     Args:
         params: ``model.parameters()`` or ``model.named_parameters()`` (names appear in errors).
             Parameters that do not require grad are ignored.
@@ -138,7 +149,7 @@ class PowerSGDCompressor(Compressor):
             initialised process group too (world size 1: no communication).
 
     Error buffers are kept in float32 (float64 if any parameter is float64), also for bf16/fp16
-    parameters, and allocated at the first compressed step.
+    parameters, and allocated at a parameter's first compressed step.
     """
 
     def __init__(
@@ -160,294 +171,313 @@ class PowerSGDCompressor(Compressor):
         if len(devices) > 1:
             raise ValueError(f"All parameters must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
-        # Communication and factor dtype: at least float32 (gloo cannot sum bf16 everywhere, and low
-        # precision factors lose the approximation), float64 when the model is float64.
+        # Factor and communication dtype: at least float32 (low-precision factors lose the approximation),
+        # float64 when the model is float64.
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self._shapes = [p.shape for p in self.params]
-
-        groups: dict[tuple[int, int], list[int]] = {}
-        uncompressed: list[int] = []
-        for i, shape in enumerate(self._shapes):
+        # (n, m, rank) of the matrix each gradient is compressed as, or None if it is sent exactly.
+        self._mat: list[tuple[int, int, int] | None] = []
+        for shape in self._shapes:
+            mat = None
             if len(shape) >= 2 and shape.numel() > 0:
                 n, m = matrix_shape(shape)
                 if n * m / config.floats_per_step(n, m) > config.min_compression_rate:
-                    groups.setdefault((n, m), []).append(i)
-                    continue
-            uncompressed.append(i)
-        self._groups = [_Group(n, m, min(config.rank, n, m), tuple(idx)) for (n, m), idx in groups.items()]
-        self._uncompressed = tuple(uncompressed)
-        self._p_shapes = [(len(g.indices), g.n, g.rank) for g in self._groups]
-        self._q_shapes = [(len(g.indices), g.m, g.rank) for g in self._groups]
+                    mat = (n, m, min(config.rank, n, m))
+            self._mat.append(mat)
 
         # Identical on every rank without communication: same seed, generated on the CPU (so also the
-        # same across device types), in the reference's order (all P batches, then all Q batches).
+        # same across device types), in the reference's order: all P batches (one per matrix shape, in
+        # order of first appearance), then all Q batches.
         self._generator = torch.Generator().manual_seed(config.seed)
-        ps = [torch.randn(s, generator=self._generator) for s in self._p_shapes]
-        qs = [torch.randn(s, generator=self._generator) for s in self._q_shapes]
-        self._p = pack(ps, self.dtype, self.device)
-        self._q = pack(qs, self.dtype, self.device)
-        self._errors: list[torch.Tensor] | None = None  # per group, (B, n, m); lazily allocated
-        self.num_steps = 0
-        self.num_compressed_steps = 0
+        by_shape: dict[tuple[int, int, int], list[int]] = {}
+        for i, mat in enumerate(self._mat):
+            if mat is not None:
+                by_shape.setdefault(mat, []).append(i)
+        self._p: list[torch.Tensor | None] = [None] * len(self.params)
+        self._q: list[torch.Tensor | None] = [None] * len(self.params)
+        for side, dim in ((self._p, 0), (self._q, 1)):
+            for mat, idx in by_shape.items():
+                batch = torch.randn((len(idx), mat[dim], mat[2]), generator=self._generator)
+                for j, i in enumerate(idx):
+                    side[i] = batch[j].to(self.device, self.dtype, copy=True)
+        self._errors: list[torch.Tensor | None] = [None] * len(self.params)
+        self._steps = [0] * len(self.params)  # aggregations of each parameter (warm-up counts)
+        self._compressed_steps = [0] * len(self.params)  # compressed aggregations (alternation phase)
+        self.num_steps = 0  # calls to aggregate() over all parameters
 
     # ------------------------------------------------------------------ introspection
 
     @property
     def compressed_names(self) -> list[str]:
         """Names of the parameters whose gradients are compressed (the others are sent exactly)."""
-        return [self.names[i] for g in self._groups for i in g.indices]
+        return [name for name, mat in zip(self.names, self._mat, strict=True) if mat is not None]
+
+    @property
+    def num_compressed_steps(self) -> int:
+        return max(self._compressed_steps, default=0)
 
     @property
     def dense_bytes_per_step(self) -> int:
         """Bytes a plain all-reduce of all gradients in this compressor's dtype sends per step."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return sum(s.numel() for s in self._shapes) * itemsize
+        return sum(s.numel() for s in self._shapes) * self._itemsize
+
+    @property
+    def _itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
 
     def residuals(self) -> list[torch.Tensor]:
-        """What the compressor still owes for each parameter (its error buffer), as views, aligned with
+        """What the compressor still owes for each parameter (its error buffer), aligned with
         ``self.params``; zeros for tensors that are averaged exactly and before the first compressed step.
         """
-        out = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in self._shapes]
-        if self._errors is not None:
-            for g, e_bnm in zip(self._groups, self._errors, strict=True):
-                for j, i in enumerate(g.indices):
-                    out[i] = e_bnm[j].view(self._shapes[i])
-        return out
+        return [
+            torch.zeros(s, dtype=self.dtype, device=self.device) if e is None else e.view(s)
+            for s, e in zip(self._shapes, self._errors, strict=True)
+        ]
 
     def bytes_per_step(self, compressed_step_index: int | None = None) -> int:
-        """Payload bytes one step sends (exact all-reduce during warm-up).
+        """Payload bytes one step over all parameters sends (exact all-reduce during warm-up).
 
         Args:
             compressed_step_index: which compressed step (0-based) to count, for the alternating
-                variant whose message size alternates; ``None`` means the current step.
+                variant whose message size alternates; ``None`` means the next step.
         """
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
         if compressed_step_index is None:
             if self.num_steps < self.config.start_compressing_after_num_steps:
                 return self.dense_bytes_per_step
             compressed_step_index = self.num_compressed_steps
         k = self.config.num_iters_per_step
-        floats = sum(self._shapes[i].numel() for i in self._uncompressed)
-        for it in range(k):
-            even = (compressed_step_index * k + it) % 2 == 0
-            for g in self._groups:
-                b = len(g.indices)
+        floats = 0
+        for shape, mat in zip(self._shapes, self._mat, strict=True):
+            if mat is None:
+                floats += shape.numel()
+                continue
+            n, m, r = mat
+            for it in range(k):
                 if self.config.variant == "paper":
-                    floats += b * g.rank * (g.n + g.m)
+                    floats += r * (n + m)
                 else:
-                    floats += b * g.rank * (g.m if even else g.n)
-        return floats * itemsize
+                    floats += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
+        return floats * self._itemsize
 
     # ------------------------------------------------------------------ aggregation
 
-    def aggregate(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self._aggregate(grads, residual_in_grads=False)
+    def aggregate(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """See :meth:`Compressor.aggregate`; ``indices`` (positions in ``self.params``) selects a subset."""
+        return self._aggregate(grads, indices, residual_in_grads=False)
 
     @torch.no_grad()
-    def _aggregate(self, grads: Sequence[torch.Tensor], *, residual_in_grads: bool) -> list[torch.Tensor]:
+    def _aggregate(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None, *, residual_in_grads: bool
+    ) -> list[torch.Tensor]:
         """Mean over ranks of ``grads`` (+ the owned error buffers unless ``residual_in_grads``).
 
         With ``residual_in_grads`` (the reference API) the inputs already hold last step's residual and
         are overwritten with the new one (zero for exactly averaged tensors); otherwise they are left
         alone and the residual goes to the owned error buffers.
         """
-        self._check_grads(grads)
-        if self.num_steps < self.config.start_compressing_after_num_steps:
-            out = self._exact(grads, residual_in_grads)
-        else:
-            out = self._compressed(grads, residual_in_grads)
-        self.num_steps += 1
-        return out
+        idx = list(range(len(self.params))) if indices is None else list(indices)
+        self._check_grads(grads, idx)
+        start = self.config.start_compressing_after_num_steps
+        exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
+        batches = self._batches(grads, idx, residual_in_grads)
+        ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
 
-    def _exact(self, grads: Sequence[torch.Tensor], residual_in_grads: bool) -> list[torch.Tensor]:
-        buf = pack(grads, self.dtype, self.device)
-        self._drive(_single(buf), grads, local_ok=_all_finite([buf]))
-        out = _unpack_like(buf, grads)
-        if residual_in_grads:
-            for g in grads:
-                g.zero_()
-        return out
-
-    def _compressed(self, grads: Sequence[torch.Tensor], residual_in_grads: bool) -> list[torch.Tensor]:
-        # M = gradient + residual, one (B, n, m) workspace per shape group. It becomes the new residual.
-        ms: list[torch.Tensor] = []
-        for gi, g in enumerate(self._groups):
-            m_bnm = torch.stack([grads[i].reshape(g.n, g.m) for i in g.indices]).to(self.dtype)
-            if not residual_in_grads and self._errors is not None:
-                m_bnm.add_(self._errors[gi])
-            ms.append(m_bnm)
-        ubuf = pack([grads[i] for i in self._uncompressed], self.dtype, self.device)
-
-        def collectives() -> _StepGen:
-            result = yield from (self._alternating(ms) if self.config.variant == "alternating" else self._paper(ms))
+        def collectives() -> _Collectives:
+            if batches:
+                yield from (
+                    self._alternating(batches) if self.config.variant == "alternating" else self._paper(batches)
+                )
             if ubuf.numel():
                 yield ubuf, "mean"
-            return result
 
-        approx, p_buf, q_buf = self._drive(collectives(), grads, local_ok=_all_finite([*ms, ubuf]))
+        self._drive(
+            collectives(),
+            [self.names[i] for i in idx],
+            grads,
+            local_ok=_all_finite([*(b.m_bnm for b in batches), ubuf]),
+        )
 
         # Commit: every collective came back finite.
-        self._p, self._q = p_buf, q_buf
-        self.num_compressed_steps += 1
-        out: list[torch.Tensor | None] = [None] * len(grads)
-        for g, a_bnm, r_bnm in zip(self._groups, approx, ms, strict=True):
-            for j, i in enumerate(g.indices):
-                out[i] = a_bnm[j].view(self._shapes[i]).to(grads[i].dtype)
+        out: list[torch.Tensor | None] = [None] * len(idx)
+        for b in batches:
+            assert b.approx_bnm is not None, "every batch must have an approximation"
+            for j, (call_j, i) in enumerate(zip(b.idx, b.params, strict=True)):
+                self._p[i], self._q[i] = b.p_bnr[j].clone(), b.q_bmr[j].clone()
+                self._compressed_steps[i] += 1
+                out[call_j] = b.approx_bnm[j].view(self._shapes[i]).to(grads[call_j].dtype)
                 if residual_in_grads:
-                    grads[i].copy_(r_bnm[j].view(self._shapes[i]))
-        u_views = flat_views(ubuf, [self._shapes[i] for i in self._uncompressed])
-        for i, u in zip(self._uncompressed, u_views, strict=True):
-            out[i] = u.to(grads[i].dtype)
+                    grads[call_j].copy_(b.m_bnm[j].view(self._shapes[i]))
+                else:
+                    self._errors[i] = b.m_bnm[j]
+        for j, u in zip(exact, flat_views(ubuf, [grads[j].shape for j in exact]), strict=True):
+            out[j] = u.to(grads[j].dtype)
             if residual_in_grads:
-                grads[i].zero_()
-        if not residual_in_grads:
-            self._errors = ms
+                grads[j].zero_()
+        for i in idx:
+            self._steps[i] += 1
+        if indices is None:
+            self.num_steps += 1
         assert all(o is not None for o in out), "every gradient must get an output"
         return [o for o in out if o is not None]
 
-    def _alternating(self, ms: list[torch.Tensor]) -> _StepGen:
+    def _batches(self, grads: Sequence[torch.Tensor], idx: list[int], residual_in_grads: bool) -> list[_Batch]:
+        """Group the compressed gradients of this call by (matrix shape, phase) and stack them."""
+        start = self.config.start_compressing_after_num_steps
+        keys: dict[tuple[int, int, int, int], tuple[list[int], list[int]]] = {}
+        for j, i in enumerate(idx):
+            mat = self._mat[i]
+            if mat is not None and self._steps[i] >= start:
+                call_js, params = keys.setdefault((*mat, self._compressed_steps[i] % 2), ([], []))
+                call_js.append(j)
+                params.append(i)
+        batches = []
+        for (n, m, r, phase), (call_js, params) in keys.items():
+            m_bnm = torch.stack([grads[j].reshape(n, m) for j in call_js]).to(self.dtype)
+            if not residual_in_grads:
+                rows = [
+                    (row, e)
+                    for row, i in zip(m_bnm.unbind(0), params, strict=True)
+                    if (e := self._errors[i]) is not None
+                ]
+                if rows:
+                    foreach_add_([row for row, _ in rows], [e for _, e in rows])
+            p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
+            q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
+            batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm))
+        return batches
+
+    def _alternating(self, batches: list[_Batch]) -> _Collectives:
         k = self.config.num_iters_per_step
-        p_buf, q_buf = self._p.clone(), self._q.clone()  # working copies, committed by the caller
-        ps, qs = flat_views(p_buf, self._p_shapes), flat_views(q_buf, self._q_shapes)
-        approx = [torch.empty_like(m_bnm) for m_bnm in ms]  # written with beta=0 first: no zero-fill pass
         inv_world = 1.0 / self.comm.world_size
         for it in range(k):
-            even = (self.num_compressed_steps * k + it) % 2 == 0
             # Even: from P, compute Q = M^T P and send Q. Odd: from Q, compute P = M Q and send P.
-            # Written for the row side (even); the odd case runs the same code on transposed views.
-            ins, outs, out_buf = (ps, qs, q_buf) if even else (qs, ps, p_buf)
-            side = [m_bnm if even else m_bnm.transpose(1, 2) for m_bnm in ms]
-            for m_bnm, in_bnr, out_bmr in zip(side, ins, outs, strict=True):
+            # Written for the row side; the odd case runs the same code on transposed views.
+            even = [(b.phase * k + it) % 2 == 0 for b in batches]
+            sizes = [(b.m if e else b.n) * b.rank * len(b.params) for b, e in zip(batches, even, strict=True)]
+            send = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
+            for b, e, view in zip(batches, even, send.split(sizes), strict=True):
+                in_bnr, side_bnm = (b.p_bnr, b.m_bnm) if e else (b.q_bmr, b.m_bnm.transpose(1, 2))
                 in_bnr.copy_(orthonormalize(in_bnr))
-                torch.bmm(m_bnm.transpose(1, 2), in_bnr, out=out_bmr)
-                m_bnm.baddbmm_(in_bnr, out_bmr.transpose(1, 2), alpha=-1)  # residual keeps what is not sent
-            yield out_buf, "sum"
-            for a_bnm, in_bnr, out_bmr in zip(approx, ins, outs, strict=True):
-                a_side = a_bnm if even else a_bnm.transpose(1, 2)
+                out_bmr = view.view(len(b.params), side_bnm.shape[2], b.rank)
+                torch.bmm(side_bnm.transpose(1, 2), in_bnr, out=out_bmr)
+                side_bnm.baddbmm_(in_bnr, out_bmr.transpose(1, 2), alpha=-1)  # the residual keeps the rest
+                if e:
+                    b.q_bmr = out_bmr
+                else:
+                    b.p_bnr = out_bmr
+            yield send, "sum"
+            for b, e in zip(batches, even, strict=True):
+                if b.approx_bnm is None:
+                    b.approx_bnm = torch.empty_like(b.m_bnm)  # first write uses beta=0: no zero-fill pass
+                in_bnr, out_bmr = (b.p_bnr, b.q_bmr) if e else (b.q_bmr, b.p_bnr)
+                a_side = b.approx_bnm if e else b.approx_bnm.transpose(1, 2)
                 a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), beta=0 if it == 0 else 1, alpha=inv_world)
-        return approx, p_buf, q_buf
 
-    def _paper(self, ms: list[torch.Tensor]) -> _StepGen:
-        p_buf, q_buf = torch.empty_like(self._p), self._q.clone()
-        ps, qs = flat_views(p_buf, self._p_shapes), flat_views(q_buf, self._q_shapes)
+    def _paper(self, batches: list[_Batch]) -> _Collectives:
         for _ in range(self.config.num_iters_per_step):
-            for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
-                torch.bmm(m_bnm, q_bmr, out=p_bnr)
+            p_buf = torch.empty(sum(b.p_bnr.numel() for b in batches), dtype=self.dtype, device=self.device)
+            for b, view in zip(batches, p_buf.split([b.p_bnr.numel() for b in batches]), strict=True):
+                b.p_bnr = torch.bmm(b.m_bnm, b.q_bmr, out=view.view_as(b.p_bnr))
             yield p_buf, "sum"  # only its span matters: orthonormalised next, so no division
-            for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
-                p_bnr.copy_(orthonormalize(p_bnr))
-                torch.bmm(m_bnm.transpose(1, 2), p_bnr, out=q_bmr)
+            q_buf = torch.empty(sum(b.q_bmr.numel() for b in batches), dtype=self.dtype, device=self.device)
+            for b, view in zip(batches, q_buf.split([b.q_bmr.numel() for b in batches]), strict=True):
+                b.p_bnr = orthonormalize(b.p_bnr)
+                b.q_bmr = torch.bmm(b.m_bnm.transpose(1, 2), b.p_bnr, out=view.view_as(b.q_bmr))
             yield q_buf, "mean"
-        approx = []
-        for m_bnm, p_bnr, q_bmr in zip(ms, ps, qs, strict=True):
-            a_bnm = low_rank(p_bnr, q_bmr)
-            m_bnm.sub_(a_bnm)
-            approx.append(a_bnm)
-        return approx, p_buf, q_buf
+        for b in batches:
+            b.approx_bnm = low_rank(b.p_bnr, b.q_bmr)
+            b.m_bnm.sub_(b.approx_bnm)
 
-    def _drive(
-        self,
-        gen: Generator[tuple[torch.Tensor, Reduce], None, Any],
-        grads: Sequence[torch.Tensor],
-        *,
-        local_ok: bool,
-    ) -> Any:
-        """Run the all-reduces ``gen`` yields (buffer and "sum" or "mean", in place); return its result.
+    def _drive(self, gen: _Collectives, names: list[str], grads: Sequence[torch.Tensor], *, local_ok: bool) -> None:
+        """Run the all-reduces ``gen`` yields (buffer and "sum" or "mean", in place).
 
         A rank whose inputs are non-finite poisons the first buffer it sends, so that every rank sees a
         non-finite result and raises at the same collective; the generator is then abandoned before
-        it commits anything.
+        anything is committed.
         """
         poison = not local_ok
-        try:
-            buf, reduce = next(gen)
-            while True:
-                if poison and buf.numel():
-                    buf.view(-1)[0] = float("nan")
-                    poison = False
-                if reduce == "sum":
-                    self.comm.all_reduce_sum_(buf)
-                else:
-                    self.comm.all_reduce_mean_(buf)
-                if not _all_finite([buf]):
-                    raise self._nonfinite_error(grads)
-                buf, reduce = gen.send(None)
-        except StopIteration as stop:
-            assert not poison, "non-finite inputs must have been sent in some buffer"
-            return stop.value
+        for buf, reduce in gen:
+            if poison and buf.numel():
+                buf.view(-1)[0] = float("nan")
+                poison = False
+            if reduce == "sum":
+                self.comm.all_reduce_sum_(buf)
+            else:
+                self.comm.all_reduce_mean_(buf)
+            if not _all_finite([buf]):
+                raise self._nonfinite_error(names, grads)
+        assert not poison, "non-finite inputs must have been sent in some buffer"
 
-    def _nonfinite_error(self, grads: Sequence[torch.Tensor]) -> NonFiniteGradientError:
+    def _nonfinite_error(self, names: list[str], grads: Sequence[torch.Tensor]) -> NonFiniteGradientError:
         rank = self.comm.rank
-        bad = [self.names[i] for i, g in enumerate(grads) if not _all_finite([g])]
-        if self._errors is not None and not _all_finite(self._errors):
+        bad = [name for name, g in zip(names, grads, strict=True) if not _all_finite([g])]
+        if not _all_finite([e for e in self._errors if e is not None]):
             bad.append("<error buffer>")
         where = (
             f"non-finite gradient in {', '.join(bad)} on rank {rank}"
             if bad
-            else (f"gradients on rank {rank} are finite, another rank sent non-finite values")
+            else f"gradients on rank {rank} are finite, another rank sent non-finite values"
         )
         return NonFiniteGradientError(
             f"PowerSGD step {self.num_steps}: {where}; nothing was applied and the compressor state is "
             "unchanged (skip the step, lower the learning rate, or check the loss for overflow)"
         )
 
-    def _check_grads(self, grads: Sequence[torch.Tensor]) -> None:
-        if len(grads) != len(self.params):
+    def _check_grads(self, grads: Sequence[torch.Tensor], idx: list[int]) -> None:
+        if len(grads) != len(idx):
             raise ValueError(
-                f"Got {len(grads)} gradients for {len(self.params)} parameters; pass one gradient per "
-                "parameter that requires grad, in the order given to the constructor"
+                f"Got {len(grads)} gradients for {len(idx)} parameters; pass one gradient per parameter that "
+                "requires grad, in the order given to the constructor (or to indices=)"
             )
-        for name, g, shape in zip(self.names, grads, self._shapes, strict=True):
-            if g is None or g.shape != shape:
+        if len(set(idx)) != len(idx) or any(not 0 <= i < len(self.params) for i in idx):
+            raise ValueError(f"indices must be distinct positions in 0..{len(self.params) - 1}, got {idx}")
+        for g, i in zip(grads, idx, strict=True):
+            if g is None or g.shape != self._shapes[i]:
                 got = None if g is None else tuple(g.shape)
-                raise ValueError(f"Gradient for {name} has shape {got}, expected {tuple(shape)}")
+                raise ValueError(f"Gradient for {self.names[i]} has shape {got}, expected {tuple(self._shapes[i])}")
 
     # ------------------------------------------------------------------ state
-
-    def _layout(self) -> list[list[int]]:
-        return [[g.n, g.m, g.rank, len(g.indices)] for g in self._groups]
 
     def state_dict(self) -> dict[str, Any]:
         # Tensors are replaced (never updated in place) at each step, so no clones are needed.
         return {
             "variant": self.config.variant,
-            "layout": self._layout(),
+            "layout": [None if mat is None else list(mat) for mat in self._mat],
             "num_steps": self.num_steps,
-            "num_compressed_steps": self.num_compressed_steps,
-            "p": self._p,
-            "q": self._q,
+            "steps": list(self._steps),
+            "compressed_steps": list(self._compressed_steps),
+            "p": list(self._p),
+            "q": list(self._q),
+            "errors": list(self._errors),
             "generator": self._generator.get_state(),
-            "errors": list(self._errors) if self._errors is not None else None,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = {"variant", "layout", "num_steps", "num_compressed_steps", "p", "q", "generator"} - set(state)
+        keys = {"variant", "layout", "num_steps", "steps", "compressed_steps", "p", "q", "errors", "generator"}
+        missing = keys - set(state)
         if missing:
             raise ValueError(f"PowerSGD state_dict is missing {sorted(missing)}")
-        if state["variant"] != self.config.variant or [list(x) for x in state["layout"]] != self._layout():
+        layout = [None if mat is None else list(mat) for mat in self._mat]
+        if (
+            state["variant"] != self.config.variant
+            or [None if x is None else list(x) for x in state["layout"]] != layout
+        ):
             raise ValueError(
-                f"PowerSGD state_dict does not fit this compressor: saved variant {state['variant']!r} "
-                f"with (n, m, rank, count) groups {state['layout']}, this one has {self.config.variant!r} "
-                f"with {self._layout()}; build it with the same parameters and Config"
+                f"PowerSGD state_dict does not fit this compressor: saved variant {state['variant']!r} with "
+                f"(n, m, rank) per parameter {state['layout']}, this one has {self.config.variant!r} with {layout}; "
+                "build it with the same parameters and Config"
             )
+        copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
         self.num_steps = int(state["num_steps"])
-        self.num_compressed_steps = int(state["num_compressed_steps"])
-        self._p = state["p"].to(self.device, self.dtype, copy=True)
-        self._q = state["q"].to(self.device, self.dtype, copy=True)
+        self._steps = [int(x) for x in state["steps"]]
+        self._compressed_steps = [int(x) for x in state["compressed_steps"]]
+        self._p = [copy(t) for t in state["p"]]
+        self._q = [copy(t) for t in state["q"]]
+        self._errors = [copy(t) for t in state["errors"]]
         self._generator.set_state(state["generator"])
-        errors = state.get("errors")
-        self._errors = None if errors is None else [e.to(self.device, self.dtype, copy=True) for e in errors]
-
-
-def _single(buf: torch.Tensor) -> Generator[tuple[torch.Tensor, Reduce], None, None]:
-    yield buf, "mean"
 
 
 def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     """True if no tensor holds NaN or Inf (min/max propagate both; no full-size temporary)."""
     extrema = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
     return not extrema or bool(torch.isfinite(torch.cat(extrema)).all())
-
-
-def _unpack_like(buf: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [v.to(t.dtype) for v, t in zip(flat_views(buf, [t.shape for t in like]), like, strict=True)]
