@@ -15,11 +15,15 @@ the payload per rank); cost models apply that factor on top. Nothing is counted 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "Communicator"]
+__all__ = ["CommStats", "Communicator", "ReduceKind"]
+
+ReduceKind = Literal["sum", "mean"]
 
 
 @dataclasses.dataclass
@@ -33,14 +37,18 @@ class CommStats:
 
     bytes_sent: int = 0
     num_collectives: int = 0
+    # Collectives may be issued from communication threads (DDP hooks): updates take this lock.
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent += tensor.numel() * tensor.element_size()
-        self.num_collectives += 1
+        with self._lock:
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+            self.num_collectives += 1
 
     def reset(self) -> None:
-        self.bytes_sent = 0
-        self.num_collectives = 0
+        with self._lock:
+            self.bytes_sent = 0
+            self.num_collectives = 0
 
 
 class Communicator:
@@ -48,16 +56,17 @@ class Communicator:
 
     Args:
         group: the process group to use; ``None`` means the default group (if one is initialised).
+        stats: where to count bytes; communicators that serve one compressor on several groups share it.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, stats: CommStats | None = None) -> None:
         if group is not None and not (dist.is_available() and dist.is_initialized()):
             raise ValueError(
                 "Communicator(group=...) was given a process group, but torch.distributed is not "
                 "initialised: call torch.distributed.init_process_group first, or pass group=None."
             )
         self.group = group
-        self.stats = CommStats()
+        self.stats = CommStats() if stats is None else stats
 
     @property
     def is_distributed(self) -> bool:
@@ -75,21 +84,51 @@ class Communicator:
             return 0
         return dist.get_rank(self.group)
 
-    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
-        """Replace ``tensor`` by its sum over the ranks of the group, in place (no-op when alone)."""
-        if not self.is_distributed or tensor.numel() == 0:
-            return
-        self.stats.record(tensor)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+    def all_reduce_(
+        self, tensor: torch.Tensor, op: ReduceKind, *, async_op: bool = False
+    ) -> torch.futures.Future | None:
+        """Sum or mean over the ranks of the group, in place.
 
-    def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
-        """Replace ``tensor`` by its mean over the ranks of the group, in place.
-
-        Divides by the world size *before* the sum, as the reference PowerSGD does, so that results
-        match it bitwise in fp32. Empty tensors issue no collective.
+        ``"mean"`` divides by the world size *before* summing, as the reference PowerSGD does, so that
+        results match it bitwise in fp32 (and fp16 cannot overflow in the sum). With ``async_op`` a future
+        that completes once ``tensor`` holds the result is returned; otherwise None. At world size 1 or
+        for an empty tensor nothing is sent (and a completed future is returned if one was asked for).
         """
         if not self.is_distributed or tensor.numel() == 0:
-            return
-        tensor.div_(self.world_size)
+            return _done(tensor) if async_op else None
+        if op == "mean":
+            tensor.div_(self.world_size)
         self.stats.record(tensor)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        return work.get_future() if async_op and work is not None else None
+
+    def all_gather(
+        self, tensor: torch.Tensor, *, async_op: bool = False
+    ) -> tuple[torch.Tensor, torch.futures.Future | None]:
+        """Gather ``tensor`` (same shape on every rank) from all ranks: returns ``(world_size, *shape)``.
+
+        With ``async_op`` the result is only valid once the returned future completes.
+        """
+        out = torch.empty((self.world_size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        if not self.is_distributed:
+            out[0].copy_(tensor)
+            return out, _done(out) if async_op else None
+        self.stats.record(tensor)
+        work = dist.all_gather_into_tensor(
+            out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=async_op
+        )
+        return out, work.get_future() if async_op and work is not None else None
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` by its sum over the ranks of the group, in place (no-op when alone)."""
+        self.all_reduce_(tensor, "sum")
+
+    def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
+        """Replace ``tensor`` by its mean over the ranks of the group, in place (see :meth:`all_reduce_`)."""
+        self.all_reduce_(tensor, "mean")
+
+
+def _done(value: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut

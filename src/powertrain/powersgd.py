@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator
-from powertrain.compress.base import NonFiniteGradientError
+from powertrain.compress.base import NonFiniteGradientError, run_program
 from powertrain.compress.powersgd import Config, PowerSGDCompressor
 from powertrain.ops.flat import flat_views, pack
 
@@ -121,7 +121,9 @@ class PowerSGD(Aggregator):
                     "unused parameters, or use optimizer_step, which does"
                 )
             grads.append(g)
-        averaged = self.compressor._aggregate(grads, None, residual_in_grads=True)
+        # Not fused: the exactly averaged tensors get their own all-reduce, as in the reference.
+        program = self.compressor._program(grads, None, residual_in_grads=True, fuse=False)
+        averaged = run_program(program, self.compressor.comm)
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, a in zip(self._trainable, averaged, strict=True):
             out[i] = a

@@ -1,25 +1,119 @@
-"""The compressor interface every gradient compressor implements, and its error type."""
+"""The compressor interface, the collective programs compressors are written as, and their driver.
+
+A compressor describes one aggregation as a *program*: a generator that yields the collectives it needs
+(:class:`ReduceRequest`, :class:`GatherRequest`), receives each result, and returns the averaged
+gradients. It commits its state (factors, error buffers, counters) only after its last collective came
+back, so a failure part-way leaves the compressor as it was. The same program runs synchronously
+(:func:`run_program`, behind :meth:`Compressor.aggregate`) or chained on futures inside a DDP hook
+(:mod:`powertrain.ddp`), with no second copy of any algorithm.
+"""
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from powertrain.comm import Communicator
+from powertrain.comm import Communicator, ReduceKind
+from powertrain.ops.finite import all_finite
 
-__all__ = ["Compressor", "NonFiniteGradientError", "named_trainable"]
+__all__ = [
+    "Compressor",
+    "GatherRequest",
+    "NonFiniteGradientError",
+    "Program",
+    "ReduceRequest",
+    "guard_nonfinite",
+    "named_trainable",
+    "run_program",
+]
 
 
 class NonFiniteGradientError(FloatingPointError):
     """A gradient on some rank held NaN or Inf.
 
-    Raised on *every* rank of the group (the check runs on the all-reduced buffers, which are identical
-    everywhere), before the compressor changes any of its state, so catching it and skipping the
-    optimizer step is safe: :meth:`Compressor.reduce_gradients` does that with ``skip_nonfinite=True``.
+    Raised on *every* rank of the group (each rank that sees NaN/Inf in its input poisons what it sends,
+    and all ranks check what they receive), before the compressor changes any of its state, so catching
+    it and skipping the optimizer step is safe: :meth:`Compressor.reduce_gradients` does that with
+    ``skip_nonfinite=True``.
     """
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceRequest:
+    """All-reduce ``tensor`` in place (``"sum"`` or ``"mean"``); the program receives None."""
+
+    tensor: torch.Tensor
+    op: ReduceKind
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherRequest:
+    """All-gather ``tensor`` (uint8, same size on every rank); the program receives ``(world, size)``.
+
+    The last byte is reserved for :func:`guard_nonfinite`: a rank with non-finite input sets it to 1.
+    """
+
+    tensor: torch.Tensor
+
+
+Request = ReduceRequest | GatherRequest
+Program = Generator[Request, "torch.Tensor | None", list[torch.Tensor]]
+
+
+def run_program(program: Program, comm: Communicator) -> list[torch.Tensor]:
+    """Run ``program``'s collectives one after the other on ``comm``; return its result."""
+    result: torch.Tensor | None = None
+    try:
+        request = next(program)
+        while True:
+            if isinstance(request, ReduceRequest):
+                comm.all_reduce_(request.tensor, request.op)
+                result = None
+            else:
+                result, _ = comm.all_gather(request.tensor)
+            request = program.send(result)
+    except StopIteration as stop:
+        return stop.value
+
+
+def guard_nonfinite(program: Program, *, local_ok: bool, error: Callable[[], NonFiniteGradientError]) -> Program:
+    """Make every rank raise ``error()`` when any rank's input was non-finite (``local_ok`` False).
+
+    The first collective carries the news: a NaN written into a reduced buffer (NaN survives any sum),
+    or the reserved last byte of a gathered payload. Every rank checks what comes back, so all raise at
+    the same collective, and the wrapped program is abandoned before it commits anything.
+    """
+    poison = not local_ok
+    try:
+        request = next(program)
+    except StopIteration as stop:
+        if poison:
+            raise error() from None
+        return stop.value
+    while True:
+        if poison:
+            if isinstance(request, GatherRequest):
+                request.tensor.view(-1)[-1] = 1
+                poison = False
+            elif request.tensor.numel():
+                request.tensor.view(-1)[0] = float("nan")
+                poison = False
+        result = yield request
+        if isinstance(request, GatherRequest):
+            assert result is not None, "a gather must return the gathered payloads"
+            bad = bool(result[:, -1].any())
+        else:
+            bad = not all_finite([request.tensor])
+        if bad:
+            raise error()
+        try:
+            request = program.send(result)
+        except StopIteration as stop:
+            return stop.value
 
 
 def named_trainable(
@@ -33,6 +127,8 @@ def named_trainable(
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"Expected parameters (tensors), got {type(p).__name__} for {name}")
         if p.requires_grad:
+            if not p.is_floating_point():
+                raise ValueError(f"Gradient compression needs floating-point parameters; {name} is {p.dtype}")
             names.append(name)
             tensors.append(p)
     return names, tensors
@@ -41,34 +137,70 @@ def named_trainable(
 class Compressor(abc.ABC):
     """Averages gradients over the ranks of a process group, lossily, with error feedback.
 
-    A compressor is built for a fixed list of trainable parameters and owns all of its state: its
-    error buffers (what it failed to send so far), factors, counters and random generators. Each
-    implementation reports the bytes it sends through ``self.comm.stats``.
+    A compressor is built for a fixed list of trainable parameters and owns all of its state, kept per
+    parameter: error buffers (what it failed to send so far), factors, counters, random generators. Any
+    subset of its parameters can be aggregated in one call (a DDP bucket, an FSDP group). Each
+    compressor reports the bytes it sends through ``self.comm.stats``.
+
+    Subclasses implement :meth:`program`, :meth:`state_dict` and :meth:`load_state_dict`.
     """
 
     comm: Communicator
     params: list[torch.Tensor]
     names: list[str]
+    #: False where a step can be exact (lossless fp32): then nothing is owed between steps.
+    lossy: bool = True
+
+    def _init_params(self, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], group: Any) -> None:
+        self.comm = Communicator(group)
+        self.names, self.params = named_trainable(params)
+        devices = {p.device for p in self.params}
+        if len(devices) > 1:
+            raise ValueError(f"All parameters must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self._shapes = [p.shape for p in self.params]
 
     @abc.abstractmethod
-    def aggregate(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Return the (approximate) mean over ranks of ``grads``, aligned with ``self.params``.
+    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
+        """The collectives that average ``grads`` (aligned with ``indices``, default all parameters)."""
 
-        ``grads`` are not modified. What the approximation leaves out is added to the compressor's
-        error buffers and sent in later steps (error feedback).
+    def aggregate(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        """Return the (approximate) mean over ranks of ``grads``.
+
+        Args:
+            grads: one gradient per parameter in ``indices``; not modified.
+            indices: positions in ``self.params`` (default: all, in order).
+
+        What the approximation leaves out is kept in the compressor's error buffers and sent in later
+        steps (error feedback).
 
         Raises:
             NonFiniteGradientError: on every rank, with all state untouched, if a gradient on any rank
                 is non-finite.
         """
+        return run_program(self.program(grads, indices), self.comm)
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume bit-identically: tensors, ints and strings only."""
+        """Everything needed to resume bit-identically: tensors, numbers, strings, lists, None."""
 
     @abc.abstractmethod
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned; raises ValueError if it does not fit."""
+
+    def indices_of(self, params: Iterable[torch.Tensor]) -> list[int]:
+        """Positions of ``params`` in ``self.params`` (by identity); ValueError for unknown ones."""
+        if not hasattr(self, "_index"):
+            self._index = {id(p): i for i, p in enumerate(self.params)}
+        out = []
+        for p in params:
+            if id(p) not in self._index:
+                raise ValueError(
+                    f"A parameter of shape {tuple(p.shape)} was not given to this {type(self).__name__} (or "
+                    "does not require grad); build the compressor from the same model's parameters"
+                )
+            out.append(self._index[id(p)])
+        return out
 
     def reduce_gradients(self, *, skip_nonfinite: bool = False) -> bool:
         """Replace each parameter's ``.grad`` by the compressed mean over ranks, in place.
@@ -97,3 +229,38 @@ class Compressor(abc.ABC):
             else:
                 p.grad.copy_(avg)
         return True
+
+    # ------------------------------------------------------------------ helpers for subclasses
+
+    def _resolve(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None) -> list[int]:
+        """Validate a call's gradients against the parameters they belong to; return the positions."""
+        idx = list(range(len(self.params))) if indices is None else list(indices)
+        if len(grads) != len(idx):
+            raise ValueError(
+                f"Got {len(grads)} gradients for {len(idx)} parameters; pass one gradient per parameter that "
+                "requires grad, in the order given to the constructor (or to indices=)"
+            )
+        if len(set(idx)) != len(idx) or any(not 0 <= i < len(self.params) for i in idx):
+            raise ValueError(f"indices must be distinct positions in 0..{len(self.params) - 1}, got {idx}")
+        for g, i in zip(grads, idx, strict=True):
+            if g is None or g.shape != self._shapes[i]:
+                got = None if g is None else tuple(g.shape)
+                raise ValueError(f"Gradient for {self.names[i]} has shape {got}, expected {tuple(self._shapes[i])}")
+        return idx
+
+    def _nonfinite_error(
+        self, names: Sequence[str], grads: Sequence[torch.Tensor], errors: Iterable[torch.Tensor | None] = ()
+    ) -> NonFiniteGradientError:
+        rank = self.comm.rank
+        bad = [name for name, g in zip(names, grads, strict=True) if not all_finite([g])]
+        if not all_finite([e for e in errors if e is not None]):
+            bad.append("<error buffer>")
+        where = (
+            f"non-finite gradient in {', '.join(bad)} on rank {rank}"
+            if bad
+            else f"gradients on rank {rank} are finite, another rank sent non-finite values"
+        )
+        return NonFiniteGradientError(
+            f"{type(self).__name__}: {where}; nothing was applied and the compressor state is unchanged "
+            "(skip the step, lower the learning rate, or check the loss for overflow)"
+        )

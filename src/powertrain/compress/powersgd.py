@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from powertrain._compat import foreach_add_
-from powertrain.comm import Communicator
-from powertrain.compress.base import Compressor, NonFiniteGradientError, named_trainable
+from powertrain.compress.base import Compressor, Program, ReduceRequest, guard_nonfinite
+from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize
 
@@ -105,8 +105,7 @@ class Config:
         return 0.5 * self.num_iters_per_step * r * (n + m)  # alternates between n*r and m*r
 
 
-Reduce = Literal["sum", "mean"]
-_Collectives = Generator[tuple[torch.Tensor, Reduce], None, Any]
+_Collectives = Generator[ReduceRequest, None, None]
 
 
 @dataclasses.dataclass
@@ -162,19 +161,10 @@ class PowerSGDCompressor(Compressor):
         if not isinstance(config, Config):
             raise ValueError(f"config must be a powertrain Config, got {type(config).__name__}")
         self.config = config
-        self.comm = Communicator(group)
-        self.names, self.params = named_trainable(params)
-        for name, p in zip(self.names, self.params, strict=True):
-            if not p.is_floating_point():
-                raise ValueError(f"PowerSGD needs floating-point parameters; {name} is {p.dtype}")
-        devices = {p.device for p in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"All parameters must be on one device, got {sorted(map(str, devices))}")
-        self.device = devices.pop() if devices else torch.device("cpu")
+        self._init_params(params, group)
         # Factor and communication dtype: at least float32 (low-precision factors lose the approximation),
         # float64 when the model is float64.
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
-        self._shapes = [p.shape for p in self.params]
         # (n, m, rank) of the matrix each gradient is compressed as, or None if it is sent exactly.
         self._mat: list[tuple[int, int, int] | None] = []
         for shape in self._shapes:
@@ -261,43 +251,53 @@ class PowerSGDCompressor(Compressor):
 
     # ------------------------------------------------------------------ aggregation
 
-    def aggregate(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
-        """See :meth:`Compressor.aggregate`; ``indices`` (positions in ``self.params``) selects a subset."""
-        return self._aggregate(grads, indices, residual_in_grads=False)
+    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
+        return self._program(grads, indices, residual_in_grads=False, fuse=True)
 
     @torch.no_grad()
-    def _aggregate(
-        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None, *, residual_in_grads: bool
-    ) -> list[torch.Tensor]:
-        """Mean over ranks of ``grads`` (+ the owned error buffers unless ``residual_in_grads``).
+    def _program(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None, *, residual_in_grads: bool, fuse: bool
+    ) -> Program:
+        """Average ``grads`` (+ the owned error buffers unless ``residual_in_grads``) over ranks.
 
         With ``residual_in_grads`` (the reference API) the inputs already hold last step's residual and
         are overwritten with the new one (zero for exactly averaged tensors); otherwise they are left
-        alone and the residual goes to the owned error buffers.
+        alone and the residual goes to the owned error buffers. With ``fuse`` the exactly averaged
+        tensors travel in the step's last factor buffer instead of a collective of their own.
         """
-        idx = list(range(len(self.params))) if indices is None else list(indices)
-        self._check_grads(grads, idx)
+        idx = self._resolve(grads, indices)
         start = self.config.start_compressing_after_num_steps
         exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
         batches = self._batches(grads, idx, residual_in_grads)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
+        local_ok = all_finite([*(b.m_bnm for b in batches), ubuf])
+        fused = ubuf if fuse and batches else None
+        algorithm = self._alternating if self.config.variant == "alternating" else self._paper
 
-        def collectives() -> _Collectives:
+        def collectives() -> Program:
             if batches:
-                yield from (
-                    self._alternating(batches) if self.config.variant == "alternating" else self._paper(batches)
-                )
-            if ubuf.numel():
-                yield ubuf, "mean"
+                yield from algorithm(batches, fused)
+            if fused is None and ubuf.numel():
+                yield ReduceRequest(ubuf, "mean")
+            return self._commit(grads, idx, exact, batches, ubuf, residual_in_grads, indices is None)
 
-        self._drive(
-            collectives(),
-            [self.names[i] for i in idx],
-            grads,
-            local_ok=_all_finite([*(b.m_bnm for b in batches), ubuf]),
+        names = [self.names[i] for i in idx]
+        errors = [self._errors[i] for i in idx]
+        return guard_nonfinite(
+            collectives(), local_ok=local_ok, error=lambda: self._nonfinite_error(names, grads, errors)
         )
 
-        # Commit: every collective came back finite.
+    def _commit(
+        self,
+        grads: Sequence[torch.Tensor],
+        idx: list[int],
+        exact: list[int],
+        batches: list[_Batch],
+        ubuf: torch.Tensor,
+        residual_in_grads: bool,
+        full: bool,
+    ) -> list[torch.Tensor]:
+        """Every collective came back finite: store the new state and return the averages."""
         out: list[torch.Tensor | None] = [None] * len(idx)
         for b in batches:
             assert b.approx_bnm is not None, "every batch must have an approximation"
@@ -315,7 +315,7 @@ class PowerSGDCompressor(Compressor):
                 grads[j].zero_()
         for i in idx:
             self._steps[i] += 1
-        if indices is None:
+        if full:
             self.num_steps += 1
         assert all(o is not None for o in out), "every gradient must get an output"
         return [o for o in out if o is not None]
@@ -346,7 +346,18 @@ class PowerSGDCompressor(Compressor):
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm))
         return batches
 
-    def _alternating(self, batches: list[_Batch]) -> _Collectives:
+    def _send_buffer(
+        self, sizes: list[int], fused: torch.Tensor | None, scale: float
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One flat buffer for a collective: views for the factors, then ``fused * scale`` at the end."""
+        extra = 0 if fused is None else fused.numel()
+        buf = torch.empty(sum(sizes) + extra, dtype=self.dtype, device=self.device)
+        views = list(buf.split([*sizes, extra]))
+        if fused is not None:
+            torch.mul(fused, scale, out=views[-1])
+        return buf, views[: len(sizes)]
+
+    def _alternating(self, batches: list[_Batch], fused: torch.Tensor | None) -> _Collectives:
         k = self.config.num_iters_per_step
         inv_world = 1.0 / self.comm.world_size
         for it in range(k):
@@ -354,8 +365,9 @@ class PowerSGDCompressor(Compressor):
             # Written for the row side; the odd case runs the same code on transposed views.
             even = [(b.phase * k + it) % 2 == 0 for b in batches]
             sizes = [(b.m if e else b.n) * b.rank * len(b.params) for b, e in zip(batches, even, strict=True)]
-            send = torch.empty(sum(sizes), dtype=self.dtype, device=self.device)
-            for b, e, view in zip(batches, even, send.split(sizes), strict=True):
+            last = fused if it == k - 1 else None
+            send, views = self._send_buffer(sizes, last, inv_world)  # summed: exact part pre-divided
+            for b, e, view in zip(batches, even, views, strict=True):
                 in_bnr, side_bnm = (b.p_bnr, b.m_bnm) if e else (b.q_bmr, b.m_bnm.transpose(1, 2))
                 in_bnr.copy_(orthonormalize(in_bnr))
                 out_bmr = view.view(len(b.params), side_bnm.shape[2], b.rank)
@@ -365,7 +377,9 @@ class PowerSGDCompressor(Compressor):
                     b.q_bmr = out_bmr
                 else:
                     b.p_bnr = out_bmr
-            yield send, "sum"
+            yield ReduceRequest(send, "sum")
+            if last is not None:
+                last.copy_(send[sum(sizes) :])
             for b, e in zip(batches, even, strict=True):
                 if b.approx_bnm is None:
                     b.approx_bnm = torch.empty_like(b.m_bnm)  # first write uses beta=0: no zero-fill pass
@@ -373,68 +387,24 @@ class PowerSGDCompressor(Compressor):
                 a_side = b.approx_bnm if e else b.approx_bnm.transpose(1, 2)
                 a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), beta=0 if it == 0 else 1, alpha=inv_world)
 
-    def _paper(self, batches: list[_Batch]) -> _Collectives:
-        for _ in range(self.config.num_iters_per_step):
-            p_buf = torch.empty(sum(b.p_bnr.numel() for b in batches), dtype=self.dtype, device=self.device)
-            for b, view in zip(batches, p_buf.split([b.p_bnr.numel() for b in batches]), strict=True):
+    def _paper(self, batches: list[_Batch], fused: torch.Tensor | None) -> _Collectives:
+        k = self.config.num_iters_per_step
+        for it in range(k):
+            p_buf, p_views = self._send_buffer([b.p_bnr.numel() for b in batches], None, 1.0)
+            for b, view in zip(batches, p_views, strict=True):
                 b.p_bnr = torch.bmm(b.m_bnm, b.q_bmr, out=view.view_as(b.p_bnr))
-            yield p_buf, "sum"  # only its span matters: orthonormalised next, so no division
-            q_buf = torch.empty(sum(b.q_bmr.numel() for b in batches), dtype=self.dtype, device=self.device)
-            for b, view in zip(batches, q_buf.split([b.q_bmr.numel() for b in batches]), strict=True):
+            yield ReduceRequest(p_buf, "sum")  # only its span matters: orthonormalised next, so no division
+            last = fused if it == k - 1 else None
+            q_buf, q_views = self._send_buffer([b.q_bmr.numel() for b in batches], last, 1.0)  # mean: as is
+            for b, view in zip(batches, q_views, strict=True):
                 b.p_bnr = orthonormalize(b.p_bnr)
                 b.q_bmr = torch.bmm(b.m_bnm.transpose(1, 2), b.p_bnr, out=view.view_as(b.q_bmr))
-            yield q_buf, "mean"
+            yield ReduceRequest(q_buf, "mean")
+            if last is not None:
+                last.copy_(q_buf[q_buf.numel() - last.numel() :])
         for b in batches:
             b.approx_bnm = low_rank(b.p_bnr, b.q_bmr)
             b.m_bnm.sub_(b.approx_bnm)
-
-    def _drive(self, gen: _Collectives, names: list[str], grads: Sequence[torch.Tensor], *, local_ok: bool) -> None:
-        """Run the all-reduces ``gen`` yields (buffer and "sum" or "mean", in place).
-
-        A rank whose inputs are non-finite poisons the first buffer it sends, so that every rank sees a
-        non-finite result and raises at the same collective; the generator is then abandoned before
-        anything is committed.
-        """
-        poison = not local_ok
-        for buf, reduce in gen:
-            if poison and buf.numel():
-                buf.view(-1)[0] = float("nan")
-                poison = False
-            if reduce == "sum":
-                self.comm.all_reduce_sum_(buf)
-            else:
-                self.comm.all_reduce_mean_(buf)
-            if not _all_finite([buf]):
-                raise self._nonfinite_error(names, grads)
-        assert not poison, "non-finite inputs must have been sent in some buffer"
-
-    def _nonfinite_error(self, names: list[str], grads: Sequence[torch.Tensor]) -> NonFiniteGradientError:
-        rank = self.comm.rank
-        bad = [name for name, g in zip(names, grads, strict=True) if not _all_finite([g])]
-        if not _all_finite([e for e in self._errors if e is not None]):
-            bad.append("<error buffer>")
-        where = (
-            f"non-finite gradient in {', '.join(bad)} on rank {rank}"
-            if bad
-            else f"gradients on rank {rank} are finite, another rank sent non-finite values"
-        )
-        return NonFiniteGradientError(
-            f"PowerSGD step {self.num_steps}: {where}; nothing was applied and the compressor state is "
-            "unchanged (skip the step, lower the learning rate, or check the loss for overflow)"
-        )
-
-    def _check_grads(self, grads: Sequence[torch.Tensor], idx: list[int]) -> None:
-        if len(grads) != len(idx):
-            raise ValueError(
-                f"Got {len(grads)} gradients for {len(idx)} parameters; pass one gradient per parameter that "
-                "requires grad, in the order given to the constructor (or to indices=)"
-            )
-        if len(set(idx)) != len(idx) or any(not 0 <= i < len(self.params) for i in idx):
-            raise ValueError(f"indices must be distinct positions in 0..{len(self.params) - 1}, got {idx}")
-        for g, i in zip(grads, idx, strict=True):
-            if g is None or g.shape != self._shapes[i]:
-                got = None if g is None else tuple(g.shape)
-                raise ValueError(f"Gradient for {self.names[i]} has shape {got}, expected {tuple(self._shapes[i])}")
 
     # ------------------------------------------------------------------ state
 
@@ -475,9 +445,3 @@ class PowerSGDCompressor(Compressor):
         self._q = [copy(t) for t in state["q"]]
         self._errors = [copy(t) for t in state["errors"]]
         self._generator.set_state(state["generator"])
-
-
-def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True if no tensor holds NaN or Inf (min/max propagate both; no full-size temporary)."""
-    extrema = [torch.stack(torch.aminmax(t)) for t in tensors if t.numel()]
-    return not extrema or bool(torch.isfinite(torch.cat(extrema)).all())
