@@ -1,6 +1,69 @@
-"""Gradient compressors: one interface (:class:`Compressor`), each with its own error feedback."""
+"""Gradient compressors behind one interface (:class:`Compressor`), each with its own error feedback.
+
+``make_compressor(name, params, **options)`` builds one from the names the command line uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from powertrain.compress.base import Compressor, NonFiniteGradientError
+from powertrain.compress.exact import AllReduceCompressor
 from powertrain.compress.powersgd import Config, PowerSGDCompressor
+from powertrain.compress.quantize import QuantizedCompressor
+from powertrain.compress.sign import SignCompressor
+from powertrain.compress.sparse import RandomKCompressor, TopKCompressor
 
-__all__ = ["Compressor", "Config", "NonFiniteGradientError", "PowerSGDCompressor"]
+__all__ = [
+    "COMPRESSORS",
+    "AllReduceCompressor",
+    "Compressor",
+    "Config",
+    "NonFiniteGradientError",
+    "PowerSGDCompressor",
+    "QuantizedCompressor",
+    "RandomKCompressor",
+    "SignCompressor",
+    "TopKCompressor",
+    "make_compressor",
+]
+
+COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "int8", "int4", "topk", "randk", "sign")
+
+
+def make_compressor(
+    name: str,
+    params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    *,
+    group: dist.ProcessGroup | None = None,
+    **options: Any,
+) -> Compressor:
+    """Build the compressor called ``name`` (one of :data:`COMPRESSORS`) with its keyword options.
+
+    ``none`` is exact fp32 averaging; ``powersgd`` takes :class:`Config` fields; the others take their
+    class's keyword arguments. Unknown names or options raise ValueError naming them.
+    """
+    try:
+        match name:
+            case "none":
+                return AllReduceCompressor(params, group=group, **options)
+            case "fp16" | "bf16":
+                dtype = torch.float16 if name == "fp16" else torch.bfloat16
+                return AllReduceCompressor(params, dtype=dtype, group=group, **options)
+            case "powersgd":
+                return PowerSGDCompressor(params, config=Config(**options), group=group)
+            case "int8" | "int4":
+                return QuantizedCompressor(params, bits=int(name[3:]), group=group, **options)
+            case "topk":
+                return TopKCompressor(params, group=group, **options)
+            case "randk":
+                return RandomKCompressor(params, group=group, **options)
+            case "sign":
+                return SignCompressor(params, group=group, **options)
+    except TypeError as e:  # an unknown keyword option
+        raise ValueError(f"Bad option for compressor {name!r}: {e}") from None
+    raise ValueError(f"Unknown compressor {name!r}: choose one of {', '.join(COMPRESSORS)}")

@@ -180,6 +180,10 @@ class Compressor(abc.ABC):
         """
         return run_program(self.program(grads, indices), self.comm)
 
+    def max_collectives_per_call(self) -> int:
+        """The most collectives one :meth:`program` issues (hooks give each its own ordering slot)."""
+        return 1
+
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-identically: tensors, numbers, strings, lists, None."""

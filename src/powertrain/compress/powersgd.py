@@ -249,6 +249,11 @@ class PowerSGDCompressor(Compressor):
                     floats += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
         return floats * self._itemsize
 
+    def max_collectives_per_call(self) -> int:
+        # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one.
+        k = self.config.num_iters_per_step
+        return k if self.config.variant == "alternating" else 2 * k
+
     # ------------------------------------------------------------------ aggregation
 
     def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flat_views", "pack"]
+__all__ = ["flat_views", "pack", "pack_payload", "unpack_payload"]
 
 
 def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -28,3 +28,23 @@ def flat_views(buffer: torch.Tensor, shapes: Sequence[torch.Size | tuple[int, ..
         offset += numel
     assert offset == buffer.numel(), f"buffer holds {buffer.numel()} elements, shapes need {offset}"
     return views
+
+
+def pack_payload(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Concatenate the bytes of ``parts`` (widest dtype first, so every part stays aligned) into a uint8
+    buffer whose length is a multiple of 8, with a last byte reserved (zero) for a finiteness flag."""
+    raw = [p.contiguous().view(-1).view(torch.uint8) for p in parts]
+    used = sum(r.numel() for r in raw)
+    pad = (-(used + 1)) % 8 + 1  # at least the flag byte
+    device = parts[0].device if parts else torch.device("cpu")
+    return torch.cat([*raw, torch.zeros(pad, dtype=torch.uint8, device=device)])
+
+
+def unpack_payload(row: torch.Tensor, specs: Sequence[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """The parts of one :func:`pack_payload` buffer, given their dtypes and element counts (views)."""
+    out, offset = [], 0
+    for dtype, count in specs:
+        size = count * torch.empty(0, dtype=dtype).element_size()
+        out.append(row[offset : offset + size].view(dtype))
+        offset += size
+    return out

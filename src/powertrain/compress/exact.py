@@ -1,0 +1,58 @@
+"""Exact averaging in fp32, bf16 or fp16: the baselines every compressor must beat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from powertrain.compress.base import Compressor, Program, ReduceRequest, guard_nonfinite
+from powertrain.ops.finite import all_finite
+from powertrain.ops.flat import flat_views, pack
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class AllReduceCompressor(Compressor):
+    """One flat all-reduce of all gradients of a call, in ``dtype``.
+
+    With float32 this is plain data parallelism (bitwise what DDP's default hook computes). With bf16 or
+    fp16 each rank's gradient is rounded to 16 bits, divided by the world size (so fp16 cannot overflow in
+    the sum) and summed in that dtype by the backend, as torch's ``fp16_compress_hook`` does; the rounding
+    error is dropped, not fed back. gloo on torch >= 2.11 sums bf16 and fp16 natively, so nothing is cast
+    behind the user's back.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        dtype: torch.dtype = torch.float32,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise ValueError(f"Invalid dtype={dtype}: AllReduceCompressor supports {', '.join(map(str, _DTYPES))}")
+        self._init_params(params, group)
+        self.dtype = dtype
+        self.lossy = dtype != torch.float32
+
+    @torch.no_grad()
+    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
+        idx = self._resolve(grads, indices)
+        buf = pack(grads, self.dtype, self.device)
+        names = [self.names[i] for i in idx]
+
+        def run() -> Program:
+            yield ReduceRequest(buf, "mean")
+            return [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
+
+        return guard_nonfinite(run(), local_ok=all_finite([buf]), error=lambda: self._nonfinite_error(names, grads))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__, "dtype": str(self.dtype)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != type(self).__name__ or state.get("dtype") != str(self.dtype):
+            raise ValueError(f"state_dict {dict(state)} does not fit an AllReduceCompressor with dtype {self.dtype}")

@@ -1,0 +1,221 @@
+"""Any compressor as a DistributedDataParallel communication hook, overlapped with backward.
+
+``register_compressor(ddp_model, compressor)`` installs a comm hook (``register_comm_hook`` under the
+hood). For each gradient bucket DDP hands over, the compressor's collective program runs as a chain of
+futures: the first collective is launched from the hook (so backward goes on computing the next
+buckets), every later step runs in the completion callback of the previous collective and never blocks
+on a future.
+
+Collective order. Collectives must be issued in the same order on every rank. The first collective of
+each bucket is issued from the hook, which DDP calls in bucket order. The c-th collective of a bucket
+(c >= 1) is issued from a callback thread, where completion order can differ between ranks: torch's
+PowerSGD hook on gloo deadlocks or mismatches exactly there. Here the c-th collectives use a process
+group of their own, and a sequencer issues them strictly in bucket order (a bucket whose program ends
+early releases its later slots). Compressors with one collective per bucket (all but PowerSGD with
+several iterations or the paper variant) need no extra group.
+
+State lives in the compressor, per parameter, so DDP's bucket rebuild after the first iteration, or a
+different bucketing on resume, loses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from powertrain.comm import Communicator
+from powertrain.compress.base import Compressor, GatherRequest, Program, Request
+
+__all__ = ["DDPCompressionHook", "register_compressor"]
+
+
+class _Sequencer:
+    """Issues the c-th collective of every call in call order, on communicator ``c``."""
+
+    def __init__(self, comms: list[Communicator]) -> None:
+        self.comms = comms
+        self._lock = threading.Lock()
+        self._next = [0] * len(comms)  # next call number allowed to issue on each phase
+        self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
+        self._skipped: list[set[int]] = [set() for _ in comms]
+
+    def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
+        """``launch()`` issues the collective and returns what attaches its completion callback."""
+        if phase >= len(self.comms):
+            raise RuntimeError(
+                f"a compressor issued {phase + 1} collectives in one call but declared at most "
+                f"{len(self.comms)} (max_collectives_per_call)"
+            )
+        with self._lock:
+            self._pending[phase][call] = launch
+            attach = self._drain(phase)
+        for a in attach:  # outside the lock: a completed future runs its callback inline
+            a()
+
+    def finish(self, call: int, used: int) -> None:
+        """Call ``call`` issued ``used`` collectives and will issue no more."""
+        attach: list[Callable[[], None]] = []
+        with self._lock:
+            for phase in range(used, len(self.comms)):
+                self._skipped[phase].add(call)
+                attach += self._drain(phase)
+        for a in attach:
+            a()
+
+    def _drain(self, phase: int) -> list[Callable[[], None]]:
+        attach = []
+        pending, skipped = self._pending[phase], self._skipped[phase]
+        while True:
+            n = self._next[phase]
+            if n in skipped:
+                skipped.discard(n)
+            elif n in pending:
+                attach.append(pending.pop(n)())  # issue now, under the lock: this fixes the order
+            else:
+                return attach
+            self._next[phase] = n + 1
+
+
+class _Chain:
+    """Runs one program: each collective's completion advances the program to the next one."""
+
+    def __init__(self, program: Program, seq: _Sequencer, call: int, done: Callable[[list[torch.Tensor]], None]):
+        self.program, self.seq, self.call, self.done = program, seq, call, done
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.phase = 0
+
+    def start(self) -> torch.futures.Future:
+        self._advance(None)
+        return self.future
+
+    def _advance(self, value: torch.Tensor | None) -> None:
+        try:
+            request = next(self.program) if self.phase == 0 else self.program.send(value)
+        except StopIteration as stop:
+            self.seq.finish(self.call, self.phase)
+            try:
+                self.done(stop.value)
+            except BaseException as e:
+                self.future.set_exception(e)
+            return
+        except BaseException as e:
+            self.seq.finish(self.call, self.phase)
+            self.future.set_exception(e)
+            return
+        phase = self.phase
+        self.phase += 1
+        self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
+
+    def _launch(self, phase: int, request: Request) -> Callable[[], None]:
+        comm = self.seq.comms[phase]
+        if isinstance(request, GatherRequest):
+            out, fut = comm.all_gather(request.tensor, async_op=True)
+        else:
+            out, fut = None, comm.all_reduce_(request.tensor, request.op, async_op=True)
+        assert fut is not None, "async collectives return a future"
+
+        def attach() -> None:
+            fut.then(lambda f: self._completed(f, out))
+
+        return attach
+
+    def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None) -> None:
+        try:
+            fut.value()  # re-raises a failed collective (timeout, lost peer)
+        except BaseException as e:
+            self.program.close()
+            self.seq.finish(self.call, self.phase)
+            self.future.set_exception(e)
+            return
+        self._advance(out)
+
+
+@dataclasses.dataclass
+class DDPCompressionHook:
+    """The state of the hook that :func:`register_compressor` installed.
+
+    Attributes:
+        compressor: does the math and owns all state (error buffers, factors, counters).
+    """
+
+    compressor: Compressor
+    _seq: _Sequencer
+    _calls: int = 0
+
+    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        grads = bucket.gradients()
+        idx = self.compressor.indices_of(bucket.parameters())
+        buffer = bucket.buffer()
+
+        def done(averaged: list[torch.Tensor]) -> None:
+            for g, a in zip(grads, averaged, strict=True):
+                g.copy_(a)
+            chain.future.set_result(buffer)
+
+        chain = _Chain(self.compressor.program(grads, idx), self._seq, self._calls, done)
+        self._calls += 1
+        return chain.start()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.compressor.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.compressor.load_state_dict(state)
+
+
+def _hook(state: DDPCompressionHook, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state(bucket)
+
+
+# DDP checks the hook's annotations as objects; this module's postponed (string) annotations would fail it.
+_hook.__annotations__ = {
+    "state": DDPCompressionHook,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def register_compressor(ddp_model: DistributedDataParallel, compressor: Compressor) -> DDPCompressionHook:
+    """Average ``ddp_model``'s gradients with ``compressor`` from now on (a DDP communication hook).
+
+    Every rank must call this, in the same order as its other process-group creations (it may create
+    process groups for compressors that issue several dependent collectives per bucket).
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` module without a comm hook yet.
+        compressor: built from ``ddp_model.module``'s parameters (``parameters()`` or
+            ``named_parameters()``), on DDP's process group.
+
+    Returns:
+        The hook's state; save its ``state_dict()`` with the model and optimizer to resume bit-identically.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError(f"register_compressor needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"register_compressor needs a powertrain Compressor, got {type(compressor).__name__}")
+    trainable = {id(p) for p in ddp_model.module.parameters() if p.requires_grad}
+    if {id(p) for p in compressor.params} != trainable:
+        raise ValueError(
+            f"The compressor covers {len(compressor.params)} parameters but the DDP model trains {len(trainable)}; "
+            "build it from ddp_model.module.named_parameters()"
+        )
+    ddp_group = ddp_model.process_group
+    comp_group = compressor.comm.group or dist.group.WORLD
+    if comp_group is not ddp_group and dist.get_process_group_ranks(comp_group) != dist.get_process_group_ranks(
+        ddp_group
+    ):
+        raise ValueError("The compressor and the DDP model must use the same process group (pass group= to both)")
+    phases = compressor.max_collectives_per_call()
+    ranks = dist.get_process_group_ranks(ddp_group)
+    comms = [compressor.comm] + [
+        Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats) for _ in range(phases - 1)
+    ]
+    state = DDPCompressionHook(compressor, _Sequencer(comms))
+    ddp_model.register_comm_hook(state, _hook)
+    return state

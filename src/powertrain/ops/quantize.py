@@ -1,0 +1,66 @@
+"""Low-bit quantisation with per-chunk scales, and bit packing.
+
+``x`` (flat) is cut into chunks of ``chunk`` elements; each chunk gets the scale ``absmax / qmax`` and
+integer codes in ``[-qmax, qmax]`` (``qmax`` = 127 for 8 bits, 7 for 4 bits), rounded stochastically
+(unbiased: ``E[deq(q(x))] = x``) when a generator is given, to nearest otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["dequantize", "pack_bits", "pack_int4", "quantize", "unpack_bits", "unpack_int4"]
+
+
+def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    pad = (-x.numel()) % chunk
+    return torch.nn.functional.pad(x, (0, pad)).view(-1, chunk)
+
+
+def quantize(
+    x: torch.Tensor, bits: int, chunk: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (int8, ``x.numel()``) and per-chunk float32 scales of a flat float tensor."""
+    assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
+    qmax = 2 ** (bits - 1) - 1
+    x_c = _chunks(x.float(), chunk)
+    scales = x_c.abs().amax(dim=1) / qmax
+    y = x_c / torch.where(scales > 0, scales, 1.0)[:, None]
+    if generator is None:
+        y = y.round()
+    else:
+        y = (y + torch.rand(y.shape, generator=generator, device="cpu").to(y.device)).floor_()
+    codes = y.clamp_(-qmax, qmax).to(torch.int8).view(-1)[: x.numel()]
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
+    n = codes.numel()
+    return (_chunks(codes.float(), chunk) * scales[:, None]).view(-1)[:n]
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes in ``[-7, 7]`` per byte (``ceil(n / 2)`` bytes)."""
+    c = (codes.to(torch.int16) + 8).to(torch.uint8)
+    if c.numel() % 2:
+        c = torch.cat([c, c.new_full((1,), 8)])
+    c = c.view(-1, 2)
+    return c[:, 0] | (c[:, 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    lo, hi = packed & 0x0F, packed >> 4
+    return (torch.stack([lo, hi], dim=1).view(-1)[:n].to(torch.int16) - 8).to(torch.int8)
+
+
+_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Booleans, 8 per byte (``ceil(n / 8)`` bytes)."""
+    b = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8)).view(-1, 8)
+    return (b * _WEIGHTS.to(b.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed[:, None] & _WEIGHTS.to(packed.device)) != 0).view(-1)[:n]
