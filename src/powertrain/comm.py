@@ -21,6 +21,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from powertrain._compat import all_gather_single
+
 __all__ = ["CommStats", "Communicator", "ReduceKind"]
 
 ReduceKind = Literal["sum", "mean"]
@@ -114,9 +116,7 @@ class Communicator:
             out[0].copy_(tensor)
             return out, _done(out) if async_op else None
         self.stats.record(tensor)
-        work = dist.all_gather_into_tensor(
-            out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=async_op
-        )
+        work = all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=async_op)
         return out, work.get_future() if async_op and work is not None else None
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
