@@ -1,0 +1,141 @@
+"""Compressor math at world size 1: error feedback conserves, codecs round-trip, bad options are refused."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+from powertrain.compress import COMPRESSORS, NonFiniteGradientError, make_compressor
+from powertrain.ops.quantize import dequantize, pack_bits, pack_int4, quantize, unpack_bits, unpack_int4
+
+EF = [
+    ("int8", {}),
+    ("int4", {"chunk": 16}),
+    ("topk", {"ratio": 0.05}),
+    ("randk", {"ratio": 0.05}),
+    ("sign", {"chunk": 64}),
+]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    torch.manual_seed(0)
+    return [
+        torch.nn.Parameter(torch.randn(37, 29)),
+        torch.nn.Parameter(torch.randn(11)),
+        torch.nn.Parameter(torch.randn(3, 4, 5)),
+    ]
+
+
+@pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])
+def test_error_feedback_conserves_every_step(name, opts):
+    params = _params()
+    comp = make_compressor(name, params, **opts)
+    total_in = [torch.zeros_like(p) for p in params]
+    total_out = [torch.zeros_like(p) for p in params]
+    for step in range(5):
+        g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)) for i, p in enumerate(params)]
+        before = [e.clone() for e in comp.residuals()]
+        out = comp.aggregate(g)
+        for x, e0, o, e1 in zip(g, before, out, comp.residuals(), strict=True):
+            torch.testing.assert_close(o + e1, x + e0, rtol=0, atol=1e-5)
+        for ti, to, x, o in zip(total_in, total_out, g, out, strict=True):
+            ti.add_(x)
+            to.add_(o)
+    # over all steps: everything that went in came out, or is still owed
+    for ti, to, e in zip(total_in, total_out, comp.residuals(), strict=True):
+        torch.testing.assert_close(to + e, ti, rtol=0, atol=1e-4)
+
+
+def test_exact_compressors():
+    params = _params()
+    g = [torch.randn_like(p) for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(make_compressor("none", params).aggregate(g), g, strict=True))
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        out = make_compressor(name, params).aggregate(g)
+        for o, x in zip(out, g, strict=True):
+            assert o.dtype == x.dtype
+            assert torch.equal(o, x.to(dtype).to(x.dtype))  # rounded once, nothing else
+
+
+def test_quantize_roundtrip_and_unbiased_rounding():
+    x = torch.randn(1000) * 3
+    for bits in (8, 4):
+        codes, scales = quantize(x, bits, 64)
+        qmax = 2 ** (bits - 1) - 1
+        assert codes.abs().max() <= qmax
+        err = (dequantize(codes, scales, 64) - x).abs().view(-1)
+        assert (err <= scales.repeat_interleave(64)[: x.numel()] / 2 + 1e-6).all()  # nearest: half a step
+    gen = torch.Generator().manual_seed(0)
+    mean = torch.stack([dequantize(*quantize(x, 4, 64, gen), 64) for _ in range(2000)]).mean(0)
+    assert (mean - x).abs().max() < 0.05 * x.abs().max()  # stochastic rounding is unbiased
+
+
+def test_bit_packing_roundtrips():
+    codes = torch.randint(-7, 8, (101,), dtype=torch.int8)
+    packed = pack_int4(codes)
+    assert packed.numel() == 51 and torch.equal(unpack_int4(packed, 101), codes)
+    bits = torch.rand(77) > 0.5
+    assert pack_bits(bits).numel() == 10 and torch.equal(unpack_bits(pack_bits(bits), 77), bits)
+
+
+def test_loco_moving_average_low_precision_and_reset():
+    params = _params()[:1]
+    comp = make_compressor("int8", params, loco_beta=0.5, loco_reset_every=3, stochastic=False)
+    assert comp.residuals()[0].dtype == torch.bfloat16
+    g = [torch.randn_like(params[0])]
+    comp.aggregate(g)
+    codes, scales = quantize(g[0].view(-1), 8, comp.chunk)
+    expected = 0.5 * (g[0].view(-1) - dequantize(codes, scales, comp.chunk))
+    torch.testing.assert_close(comp.residuals()[0].float().view(-1), expected, rtol=0.01, atol=1e-3)
+    comp.aggregate(g)
+    assert comp.residuals()[0].abs().sum() > 0
+    comp.aggregate(g)  # third step: reset
+    assert comp.residuals()[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])
+def test_nonfinite_leaves_state_untouched_and_state_roundtrips(name, opts):
+    params = _params()
+    comp = make_compressor(name, params, **opts)
+    comp.aggregate([torch.randn_like(p) for p in params])
+    buf = io.BytesIO()
+    torch.save(comp.state_dict(), buf)
+    bad = [torch.randn_like(p) for p in params]
+    bad[0][3, 3] = float("inf")
+    with pytest.raises(NonFiniteGradientError, match=r"param\[0\]"):
+        comp.aggregate(bad)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    after = comp.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(saved["errors"], after["errors"], strict=True))
+    assert torch.equal(saved["generator"], after["generator"]) and saved["steps"] == after["steps"]
+    fresh = make_compressor(name, params, **opts)
+    fresh.load_state_dict(saved)
+    g = [torch.randn_like(p) for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(fresh.aggregate(g), comp.aggregate(g), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "opts", "message"),
+    [
+        ("int8", {"chunk": 4}, "chunk=4"),
+        ("int4", {"loco_beta": 1.0}, "loco_beta=1.0"),
+        ("topk", {"ratio": 0}, "ratio=0"),
+        ("randk", {"ratio": 1.5}, "ratio=1.5"),
+        ("sign", {"chunk": 0}, "chunk=0"),
+        ("topk", {"rank": 2}, "Bad option for compressor 'topk'"),
+        ("powersgd", {"rank": 0}, "Config.rank=0"),
+        ("zip", {}, "Unknown compressor 'zip'"),
+    ],
+)
+def test_bad_options_are_value_errors(name, opts, message):
+    with pytest.raises(ValueError, match=message):
+        make_compressor(name, _params(), **opts)
+
+
+def test_every_listed_compressor_builds():
+    for name in COMPRESSORS:
+        opts = {"rank": 2} if name == "powersgd" else {}
+        assert make_compressor(name, _params(), **opts).aggregate([torch.zeros_like(p) for p in _params()])

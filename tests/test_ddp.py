@@ -1,0 +1,330 @@
+"""Compressors inside DistributedDataParallel via powertrain.ddp.register_compressor (gloo, 2 and 4 ranks).
+
+Every DDP here uses tiny buckets (one per parameter) and find_unused_parameters=True (the model has an
+unused layer), so the hook's ordering of dependent collectives across many buckets is exercised always.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from dist_utils import run_ranks
+from models import batch, flat_params, make_model
+from powertrain.compress import make_compressor
+from powertrain.ddp import register_compressor
+
+TINY_BUCKETS = 1e-5  # MB: one bucket per parameter
+STEPS = 30
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "bf16": ("bf16", {}),
+    "fp16": ("fp16", {}),
+    "powersgd": ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 2}),
+    "powersgd_paper_k2": (
+        "powersgd",
+        {"rank": 2, "variant": "paper", "num_iters_per_step": 2, "start_compressing_after_num_steps": 2},
+    ),
+    "int8": ("int8", {}),
+    "int4": ("int4", {"chunk": 64}),
+    "int8_loco": ("int8", {"loco_beta": 0.5}),
+    "topk": ("topk", {"ratio": 0.1}),
+    "randk": ("randk", {"ratio": 0.25}),
+    "sign": ("sign", {}),
+}
+CONSERVING = ["powersgd", "powersgd_paper_k2", "int8", "int4", "topk", "randk", "sign"]
+
+
+def _teacher_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A learnable task: match a fixed random teacher of the same architecture, different data per rank."""
+    x, _ = batch(rank, step, n=16)
+    teacher = make_model(seed=123)
+    with torch.no_grad():
+        y = teacher(x)
+    return x, y
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(x).float(), y.float())
+
+
+def _ddp(model: torch.nn.Module, name: str | None, opts: dict[str, Any], **ddp_kwargs: Any):
+    kwargs = {"bucket_cap_mb": TINY_BUCKETS, "find_unused_parameters": True, **ddp_kwargs}
+    ddp = DDP(model, **kwargs)
+    hook = None
+    if name is not None:
+        hook = register_compressor(ddp, make_compressor(name, model.named_parameters(), **opts))
+    return ddp, hook
+
+
+def _train(rank: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, **ddp_kwargs: Any) -> dict[str, Any]:
+    model = make_model()
+    ddp, hook = _ddp(model, name, opts, **ddp_kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, sent = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        before = hook.compressor.comm.stats.bytes_sent if hook else 0
+        loss = _loss(ddp, *_teacher_batch(rank, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        sent.append((hook.compressor.comm.stats.bytes_sent if hook else 0) - before)
+    return {"params": flat_params(model), "losses": losses, "bytes": sent}
+
+
+def _conservation(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Per step: local gradient (from a copy without DDP), residuals before/after, and DDP's output."""
+    model = make_model()
+    ddp, hook = _ddp(model, name, opts)
+    assert hook is not None
+    records = []
+    for step in range(5):
+        x, y = _teacher_batch(rank, step)
+        twin = copy.deepcopy(model)
+        _loss(twin, x, y).backward()
+        local = [
+            p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in twin.parameters() if p.requires_grad
+        ]
+        before = [e.float().clone() for e in hook.compressor.residuals()]  # type: ignore[attr-defined]
+        model.zero_grad()
+        _loss(ddp, x, y).backward()
+        # DDP leaves .grad None for a parameter unused on every rank (the bucket still carried zeros).
+        out = [
+            p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters() if p.requires_grad
+        ]
+        after = [e.float().clone() for e in hook.compressor.residuals()]  # type: ignore[attr-defined]
+        records.append((local, before, out, after))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+    return {"records": records}
+
+
+def _no_sync(rank: int, name: str | None, opts: dict[str, Any]) -> dict[str, Any]:
+    model = make_model()
+    ddp, _ = _ddp(model, name, opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        opt.zero_grad()
+        with ddp.no_sync():
+            _loss(ddp, *_teacher_batch(rank, 2 * step)).backward()
+        _loss(ddp, *_teacher_batch(rank, 2 * step + 1)).backward()
+        opt.step()
+    return {"params": flat_params(model)}
+
+
+def _autocast(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    model = make_model()
+    ddp, _ = _ddp(model, name, opts)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(6):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(ddp, *_teacher_batch(rank, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"params": flat_params(model), "losses": losses}
+
+
+def _torch_hook_parity(rank: int, ours: bool) -> dict[str, Any]:
+    """Paper variant vs torch's powerSGD_hook, in the setting where torch's hook runs on gloo at all: one
+    bucket and no find_unused_parameters (with it, DDP's unused-parameter all-reduce races the all-reduce
+    torch's hook issues from its callback: "collective mismatch" abort, seen here)."""
+    model = make_model()
+    model.unused.requires_grad_(False)
+    ddp = DDP(model, bucket_cap_mb=1000)
+    if ours:
+        register_compressor(
+            ddp,
+            make_compressor(
+                "powersgd", model.named_parameters(), rank=2, variant="paper", start_compressing_after_num_steps=2
+            ),
+        )
+    else:
+        state = torch_powersgd.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, orthogonalization_epsilon=1e-8
+        )
+        ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = _loss(ddp, *_teacher_batch(rank, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+def _bad_registration(rank: int) -> dict[str, Any]:
+    out = {}
+    model = make_model()
+    ddp = DDP(model)
+    for label, fn in {
+        "not_ddp": lambda: register_compressor(model, make_compressor("none", model.parameters())),  # type: ignore[arg-type]
+        "other_params": lambda: register_compressor(ddp, make_compressor("none", make_model().parameters())),
+        "not_compressor": lambda: register_compressor(ddp, "powersgd"),  # type: ignore[arg-type]
+    }.items():
+        try:
+            fn()
+            out[label] = ""
+        except ValueError as e:
+            out[label] = str(e)
+    return out
+
+
+def _guard(fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:
+    torch.manual_seed(rank)  # nothing may depend on the global RNG differing by rank
+    res: dict[str, Any] = {"plain": _guard(_train, rank, None, {})}
+    for case_name, (name, opts) in CASES.items():
+        res[f"train/{case_name}"] = _guard(_train, rank, name, opts)
+    for case_name in CONSERVING:
+        res[f"conserve/{case_name}"] = _guard(_conservation, rank, *CASES[case_name])
+    res["no_sync/plain"] = _guard(_no_sync, rank, None, {})
+    res["no_sync/none"] = _guard(_no_sync, rank, "none", {})
+    res["no_sync/powersgd"] = _guard(_no_sync, rank, *CASES["powersgd_paper_k2"])
+    for case_name in ("powersgd", "int8"):
+        res[f"autocast/{case_name}"] = _guard(_autocast, rank, *CASES[case_name])
+    res["static/plain"] = _guard(_train, rank, None, {}, steps=8, static_graph=True)
+    res["static/none"] = _guard(_train, rank, "none", {}, steps=8, static_graph=True)
+    res["static/powersgd"] = _guard(_train, rank, *CASES["powersgd_paper_k2"], steps=8, static_graph=True)
+    for rep in range(3):  # fresh DDP models, many buckets, several dependent collectives each
+        res[f"repeat/{rep}"] = _guard(_train, rank, *CASES["powersgd_paper_k2"], steps=10)
+    res["parity/torch"] = _guard(_torch_hook_parity, rank, False)
+    res["parity/ours"] = _guard(_torch_hook_parity, rank, True)
+    res["bad"] = _guard(_bad_registration, rank)
+    dist.barrier()
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
+def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
+    return request.param, run_ranks(ddp_cases, request.param, timeout=240)
+
+
+def case(results: tuple[int, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
+    out = [r[name] for r in results[1]]
+    for rank, r in enumerate(out):
+        assert "error" not in r, f"rank {rank} failed in {name}:\n{r['error']}"
+    return out
+
+
+def _same_on_all_ranks(runs: list[dict[str, Any]]) -> None:
+    for r in runs[1:]:
+        assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
+
+
+def _final(runs: list[dict[str, Any]]) -> float:
+    """Mean over ranks of the mean of the last 5 losses."""
+    return sum(sum(r["losses"][-5:]) / 5 for r in runs) / len(runs)
+
+
+def test_lossless_equals_plain_ddp_bitwise(results):
+    plain = case(results, "plain")
+    ours = case(results, "train/none")
+    for a, b in zip(plain, ours, strict=True):
+        assert torch.equal(a["params"], b["params"])
+
+
+# Largest allowed (final loss - exact final loss) / initial loss after 30 Adam steps on the teacher task.
+# Measured on this machine (2 and 4 ranks): 16-bit, int8 (incl. LoCo), int4 and PowerSGD paper k=2 <= 0.1%;
+# PowerSGD rank 2 alternating 1.2-1.4%; sign 3.5-4.6%; top-k 10% 8-9%; random-k 25% 7-9%. Bounds ~2x that.
+LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper_k2": 0.005, "int8": 0.005,
+            "int4": 0.005, "int8_loco": 0.005, "topk": 0.18, "randk": 0.18, "sign": 0.1}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranks_agree_and_loss_close_to_exact(results, name):
+    runs = case(results, f"train/{name}")
+    _same_on_all_ranks(runs)
+    exact, got = _final(case(results, "train/none")), _final(runs)
+    first = sum(r["losses"][0] for r in runs) / len(runs)
+    assert got < 0.2 * first, f"{name} did not learn: {first:.4f} -> {got:.4f}"
+    if name != "none":
+        assert (got - exact) / first <= LOSS_GAP[name], f"{name}: final loss {got:.5f} vs exact {exact:.5f}"
+
+
+def test_compressors_send_fewer_bytes(results):
+    dense = sum(case(results, "train/none")[0]["bytes"][-5:])
+    for name in ("powersgd", "powersgd_paper_k2", "int8", "int4", "topk", "randk", "sign"):
+        assert sum(case(results, f"train/{name}")[0]["bytes"][-5:]) < dense / 2, name
+    for name in ("bf16", "fp16"):
+        assert sum(case(results, f"train/{name}")[0]["bytes"][-5:]) * 2 == dense
+
+
+@pytest.mark.parametrize("name", CONSERVING)
+def test_error_feedback_conserves_through_the_hook(results, name):
+    runs = case(results, f"conserve/{name}")
+    for step in range(len(runs[0]["records"])):
+        local = [torch.stack([r["records"][step][0][j] for r in runs]) for j in range(len(runs[0]["records"][step][0]))]
+        before = [torch.stack([r["records"][step][1][j] for r in runs]) for j in range(len(local))]
+        after = [torch.stack([r["records"][step][3][j] for r in runs]) for j in range(len(local))]
+        out = runs[0]["records"][step][2]
+        for j in range(len(local)):
+            for r in runs[1:]:
+                assert torch.equal(r["records"][step][2][j], out[j])
+            lhs = (local[j] + before[j].view_as(local[j])).mean(0)
+            rhs = out[j] + after[j].view_as(local[j]).mean(0)
+            torch.testing.assert_close(rhs, lhs, rtol=0, atol=2e-5)
+
+
+def test_no_sync_accumulation(results):
+    plain, none, psgd = case(results, "no_sync/plain"), case(results, "no_sync/none"), case(results, "no_sync/powersgd")
+    for a, b in zip(plain, none, strict=True):
+        assert torch.equal(a["params"], b["params"])
+    _same_on_all_ranks(psgd)
+
+
+def test_bf16_autocast(results):
+    for name in ("powersgd", "int8"):
+        runs = case(results, f"autocast/{name}")
+        _same_on_all_ranks(runs)
+        assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
+
+
+def test_static_graph(results):
+    plain, none = case(results, "static/plain"), case(results, "static/none")
+    for a, b in zip(plain, none, strict=True):
+        assert torch.equal(a["params"], b["params"])
+    _same_on_all_ranks(case(results, "static/powersgd"))
+
+
+def test_many_small_buckets_repeatedly_no_hang(results):
+    for rep in range(3):
+        _same_on_all_ranks(case(results, f"repeat/{rep}"))
+
+
+def test_paper_variant_tracks_torch_powersgd_hook(results):
+    """Same algorithm, different random initial Q: the loss curves stay within 10% of each other."""
+    torch_runs, our_runs = case(results, "parity/torch"), case(results, "parity/ours")
+    t = torch.tensor(torch_runs[0]["losses"])
+    o = torch.tensor(our_runs[0]["losses"])
+    assert torch.equal(t[:2], o[:2]), "warm-up steps are exact all-reduce in both"
+    assert ((o - t).abs() / t).max() < 0.10
+    assert o[-5:].mean() < 0.5 * o[0]
+
+
+def test_bad_registration_is_refused(results):
+    for r in case(results, "bad"):
+        assert "needs a DistributedDataParallel" in r["not_ddp"]
+        assert "build it from ddp_model.module" in r["other_params"]
+        assert "needs a powertrain Compressor" in r["not_compressor"]
