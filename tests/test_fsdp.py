@@ -1,0 +1,275 @@
+"""Compressors inside FSDP2 (fully_shard) via powertrain.fsdp (gloo, 2 and 4 ranks).
+
+The model is sharded per submodule and at the root (two FSDP units share one compressor); its 7x15 and
+conv weights do not divide evenly by the world size, so padding is exercised.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dist_utils import run_ranks
+from models import make_model
+from powertrain import fsdp as pfsdp
+from powertrain.checkpoint import CompressorState
+from powertrain.compress import make_compressor
+from test_ddp import _loss, _teacher_batch
+
+STEPS = 30
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "none": ("none", {}),
+    "bf16": ("bf16", {}),
+    "fp16": ("fp16", {}),
+    "powersgd": ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 2}),
+    "powersgd_paper": ("powersgd", {"rank": 2, "variant": "paper", "start_compressing_after_num_steps": 2}),
+    "int8": ("int8", {}),
+    "int4": ("int4", {"chunk": 64}),
+}
+LOSSY = ["powersgd", "powersgd_paper", "int8", "int4"]
+
+
+def _sharded(world: int, name: str | None, opts: dict[str, Any], mp: MixedPrecisionPolicy | None = None,
+             qag: bool = False):  # fmt: skip
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    model.unused.requires_grad_(False)  # compressed FSDP needs every trainable parameter to get a gradient
+    kw = {} if mp is None else {"mp_policy": mp}
+    fully_shard(model.fc1, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    comp = None
+    if name is not None:
+        comp = make_compressor(name, model.named_parameters(), **opts)
+        pfsdp.register_compressor(model, comp)
+    if qag:
+        pfsdp.quantize_all_gather(model)
+    return model, comp
+
+
+def _full(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.full_tensor().reshape(-1).double() for p in model.parameters()])
+
+
+def _train(rank: int, world: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, **kw: Any) -> dict:
+    model, comp = _sharded(world, name, opts, **kw)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses, sent = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        before = comp.comm.stats.bytes_sent if comp else 0
+        loss = _loss(model, *_teacher_batch(rank, step))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        sent.append((comp.comm.stats.bytes_sent if comp else 0) - before)
+    return {"params": _full(model), "losses": losses, "bytes": sent}
+
+
+def _conservation(rank: int, world: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """Local full gradient (from an unsharded twin), residuals before/after, and the averaged gradient."""
+    model, comp = _sharded(world, name, opts)
+    assert comp is not None
+    records = []
+    for step in range(4):
+        x, y = _teacher_batch(rank, step)
+        twin = make_model()
+        twin.unused.requires_grad_(False)
+        with torch.no_grad():
+            for tp, p in zip(twin.parameters(), model.parameters(), strict=True):
+                tp.copy_(p.full_tensor())
+        _loss(twin, x, y).backward()
+        local = [tp.grad.clone() for tp in twin.parameters() if tp.requires_grad]
+        before = [e.float().clone() for e in comp.residuals()]  # type: ignore[attr-defined]
+        model.zero_grad()
+        _loss(model, x, y).backward()
+        out = [p.grad.full_tensor() for p in model.parameters() if p.requires_grad]
+        after = [e.float().clone() for e in comp.residuals()]  # type: ignore[attr-defined]
+        records.append((local, before, out, after))
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.01 * p.grad
+    return {"records": records}
+
+
+def _resume(rank: int, world: int, name: str, ckpt: str, mode: str) -> torch.Tensor:
+    total, save_at = 8, 4
+    model, comp = _sharded(world, *CASES[name])
+    assert comp is not None
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    start = 0
+    if mode == "resume":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd, "compressor": CompressorState(comp)}
+        dcp.load(state, checkpoint_id=f"{ckpt}/{name}")
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = save_at
+    for step in range(start, total):
+        if step == save_at and mode == "full":
+            model_sd, optim_sd = get_state_dict(model, opt)
+            dcp.save(
+                {"model": model_sd, "optim": optim_sd, "compressor": CompressorState(comp)},
+                checkpoint_id=f"{ckpt}/{name}",
+            )
+        opt.zero_grad()
+        _loss(model, *_teacher_batch(rank, step)).backward()
+        opt.step()
+    return _full(model)
+
+
+def _bad(rank: int, world: int) -> dict[str, str]:
+    out = {}
+    try:
+        _sharded(world, "topk", {"ratio": 0.1})
+        out["topk"] = ""
+    except ValueError as e:
+        out["topk"] = str(e)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model()  # the unused layer still requires grad: it never gets one
+        fully_shard(model, mesh=mesh)
+        pfsdp.register_compressor(model, make_compressor("int8", model.named_parameters()))
+        _loss(model, *_teacher_batch(rank, 0)).backward()
+        out["missing_grad"] = ""
+    except RuntimeError as e:
+        out["missing_grad"] = str(e)
+    return out
+
+
+def _guard(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def fsdp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    res: dict[str, Any] = {"plain": _guard(_train, rank, world, None, {})}
+    for case_name, (name, opts) in CASES.items():
+        res[f"train/{case_name}"] = _guard(_train, rank, world, name, opts)
+    for case_name in LOSSY:
+        res[f"conserve/{case_name}"] = _guard(_conservation, rank, world, *CASES[case_name])
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    res["mp/plain"] = _guard(_train, rank, world, None, {}, steps=10, mp=mp)
+    for case_name in ("none", "powersgd", "int8"):
+        res[f"mp/{case_name}"] = _guard(_train, rank, world, *CASES[case_name], steps=10, mp=mp)
+    res["qsdp"] = _guard(_train, rank, world, None, {}, qag=True)
+    res["qsdp_int8"] = _guard(_train, rank, world, *CASES["int8"], qag=True)
+    for case_name in LOSSY:
+        res[f"resume_full/{case_name}"] = _guard(_resume, rank, world, case_name, ckpt, "full")
+    res["bad"] = _guard(_bad, rank, world)
+    dist.barrier()
+    return res
+
+
+def fsdp_resume(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    return {name: _guard(_resume, rank, world, name, ckpt, "resume") for name in LOSSY}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
+def results(request, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("fsdp-ckpt"))
+    main = run_ranks(fsdp_cases, request.param, ckpt, timeout=240)
+    resumed = run_ranks(fsdp_resume, request.param, ckpt, timeout=120)
+    return request.param, main, resumed
+
+
+def case(results, name: str) -> list[Any]:
+    out = [r[name] for r in results[1]]
+    for rank, r in enumerate(out):
+        assert not (isinstance(r, dict) and "error" in r), f"rank {rank} failed in {name}:\n{r['error']}"
+    return out
+
+
+def _same_on_all_ranks(runs: list[dict[str, Any]]) -> None:
+    for r in runs[1:]:
+        assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
+
+
+def _final(runs: list[dict[str, Any]]) -> float:
+    return sum(sum(r["losses"][-5:]) / 5 for r in runs) / len(runs)
+
+
+def test_lossless_equals_plain_fsdp_bitwise(results):
+    for a, b in zip(case(results, "plain"), case(results, "train/none"), strict=True):
+        assert torch.equal(a["params"], b["params"])
+    for a, b in zip(case(results, "mp/plain"), case(results, "mp/none"), strict=True):
+        assert torch.equal(a["params"], b["params"])
+
+
+# (final - exact final) / initial loss; measured <= 0.2% (16-bit, int8, int4, paper) and ~1.5% (rank-2
+# alternating PowerSGD) on this task, as under DDP. Bounds ~2x.
+LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper": 0.005, "int8": 0.005, "int4": 0.005}
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
+def test_ranks_agree_and_loss_close_to_exact(results, name):
+    runs = case(results, f"train/{name}")
+    _same_on_all_ranks(runs)
+    exact, got = _final(case(results, "train/none")), _final(runs)
+    first = sum(r["losses"][0] for r in runs) / len(runs)
+    assert (got - exact) / first <= LOSS_GAP[name], f"{name}: {got:.5f} vs exact {exact:.5f}"
+
+
+def test_bytes_are_counted(results):
+    world = results[0]
+    dense = case(results, "train/none")[0]["bytes"][-1]
+    n_params = sum(p.numel() for p in make_model().parameters() if p.requires_grad) - 20  # unused layer frozen
+    assert dense >= 4 * n_params  # gloo's reduce-scatter sends the whole (padded) input: counted as such
+    for name in ("powersgd", "powersgd_paper", "int8", "int4"):
+        assert case(results, f"train/{name}")[0]["bytes"][-1] < dense / 2, name
+    assert case(results, "train/bf16")[0]["bytes"][-1] * 2 == dense
+    del world
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_error_feedback_conserves_under_sharding(results, name):
+    runs = case(results, f"conserve/{name}")
+    for step in range(len(runs[0]["records"])):
+        n = len(runs[0]["records"][step][0])
+        for j in range(n):
+            local = torch.stack([r["records"][step][0][j] for r in runs])
+            before = torch.stack([r["records"][step][1][j].view_as(local[0]) for r in runs])
+            after = torch.stack([r["records"][step][3][j].view_as(local[0]) for r in runs])
+            out = runs[0]["records"][step][2][j]
+            torch.testing.assert_close(out + after.mean(0), (local + before).mean(0), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "int8"])
+def test_mixed_precision_policy(results, name):
+    runs = case(results, f"mp/{name}")
+    _same_on_all_ranks(runs)
+    assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
+
+
+def test_quantized_weight_all_gather(results):
+    for key in ("qsdp", "qsdp_int8"):
+        runs = case(results, key)
+        _same_on_all_ranks(runs)
+        exact, got = _final(case(results, "train/none")), _final(runs)
+        first = runs[0]["losses"][0]
+        assert (got - exact) / first < 0.01, f"{key}: {got:.5f} vs {exact:.5f}"
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_dcp_resume_is_bitwise(results, name):
+    full = case(results, f"resume_full/{name}")
+    resumed = [r[name] for r in results[2]]
+    for a, b in zip(full, resumed, strict=True):
+        assert not isinstance(b, dict), b
+        assert torch.equal(a, b)
+
+
+def test_unsupported_is_refused_clearly(results):
+    for r in case(results, "bad"):
+        assert "cannot run under FSDP2" in r["topk"]
+        assert "got no gradient" in r["missing_grad"]
