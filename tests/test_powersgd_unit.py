@@ -210,3 +210,25 @@ def test_empty_parameter_list():
     comp = PowerSGDCompressor([], config=Config(rank=1, start_compressing_after_num_steps=0))
     assert comp.aggregate([]) == []
     assert comp.reduce_gradients() is True
+
+
+@pytest.mark.parametrize("variant", ["alternating", "paper"])
+def test_rows_give_the_same_rows_and_residuals(variant):
+    """Under FSDP a rank asks only for its rows: same numbers as slicing the full result, same residual."""
+    model = make_model(torch.float64)
+    cfg = Config(
+        rank=2, min_compression_rate=0, num_iters_per_step=2, start_compressing_after_num_steps=1, variant=variant
+    )
+    full = PowerSGDCompressor(model.named_parameters(), config=cfg)
+    part = PowerSGDCompressor(model.named_parameters(), config=cfg)
+    for step in range(3):
+        model.zero_grad()
+        loss_fn(model, *batch(0, step, torch.float64)).backward()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in full.params]
+        rows = [(min(1, g.shape[0]), min(5, g.shape[0])) for g in grads]
+        expected = full.aggregate(grads)
+        got = part.aggregate(grads, rows=rows)
+        for e, g, (lo, hi) in zip(expected, got, rows, strict=True):
+            torch.testing.assert_close(g, e[lo:hi], rtol=1e-12, atol=1e-14)
+        for a, b in zip(full.residuals(), part.residuals(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)

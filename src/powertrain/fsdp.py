@@ -95,22 +95,22 @@ class CompressedReduceScatter(ReduceScatter):
                 "for all trainable parameters of this module: a parameter got no gradient this step. Compressed "
                 "FSDP needs every trainable parameter to get a gradient; mark unused ones requires_grad_(False)"
             )
-        rows = input_tensor.view(world, -1)
+        by_rank = input_tensor.view(world, -1)
         grads, offset = [], 0
         for (p0, size), c in zip(padded, chunk_numels, strict=True):
-            full = rows[:, offset : offset + c].reshape(p0, *size[1:])
+            full = by_rank[:, offset : offset + c].reshape(p0, *size[1:])
             grads.append(full[: size[0]])
             offset += c
-        averaged = comp.aggregate(grads, self.indices)
+        # This rank's rows of each gradient; PowerSGD computes only those rows of its approximation.
+        rows = [(min(rank * (p0 // world), s[0]), min((rank + 1) * (p0 // world), s[0])) for p0, s in padded]
+        averaged = comp.aggregate(grads, self.indices, rows=rows)
         scale = 1.0 if _is_avg(op) else float(world)  # SUM: FSDP divides afterwards
         offset = 0
-        for (p0, size), c, avg in zip(padded, chunk_numels, averaged, strict=True):
+        for (p0, size), c, avg, (lo, hi) in zip(padded, chunk_numels, averaged, rows, strict=True):
             mine = output_tensor[offset : offset + c].view(p0 // world, *size[1:])
-            lo = rank * (p0 // world)
-            hi = min(lo + p0 // world, size[0])
             mine.zero_()  # padding rows
             if hi > lo:
-                torch.mul(avg[lo:hi], scale, out=mine[: hi - lo])
+                torch.mul(avg, scale, out=mine[: hi - lo])
             offset += c
         return None
 

@@ -29,6 +29,7 @@ __all__ = [
     "guard_nonfinite",
     "named_trainable",
     "run_program",
+    "slice_rows",
 ]
 
 
@@ -61,6 +62,18 @@ class GatherRequest:
 
 
 Request = ReduceRequest | GatherRequest
+Rows = Sequence[tuple[int, int]] | None
+
+
+def slice_rows(tensors: list[torch.Tensor], rows: Rows) -> list[torch.Tensor]:
+    """Rows ``lo:hi`` of each tensor (all of them when ``rows`` is None)."""
+    if rows is None:
+        return tensors
+    if len(rows) != len(tensors):
+        raise ValueError(f"rows= has {len(rows)} ranges for {len(tensors)} gradients")
+    return [t[lo:hi] for t, (lo, hi) in zip(tensors, rows, strict=True)]
+
+
 Program = Generator[Request, "torch.Tensor | None", list[torch.Tensor]]
 
 
@@ -161,15 +174,24 @@ class Compressor(abc.ABC):
         self._shapes = [p.shape for p in self.params]
 
     @abc.abstractmethod
-    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
-        """The collectives that average ``grads`` (aligned with ``indices``, default all parameters)."""
+    def program(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
+    ) -> Program:
+        """The collectives that average ``grads`` (aligned with ``indices``, default all parameters).
 
-    def aggregate(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> list[torch.Tensor]:
+        ``rows``, if given, asks for only rows ``lo:hi`` (dim 0) of each average (a rank's shard under
+        FSDP); compressors that can, compute only those.
+        """
+
+    def aggregate(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
+    ) -> list[torch.Tensor]:
         """Return the (approximate) mean over ranks of ``grads``.
 
         Args:
             grads: one gradient per parameter in ``indices``; not modified.
             indices: positions in ``self.params`` (default: all, in order).
+            rows: per gradient, the ``(lo, hi)`` range of dim-0 rows wanted (default: all).
 
         What the approximation leaves out is kept in the compressor's error buffers and sent in later
         steps (error feedback).
@@ -178,7 +200,7 @@ class Compressor(abc.ABC):
             NonFiniteGradientError: on every rank, with all state untouched, if a gradient on any rank
                 is non-finite.
         """
-        return run_program(self.program(grads, indices), self.comm)
+        return run_program(self.program(grads, indices, rows=rows), self.comm)
 
     def max_collectives_per_call(self) -> int:
         """The most collectives one :meth:`program` issues (hooks give each its own ordering slot)."""

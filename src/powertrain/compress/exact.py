@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from powertrain.compress.base import Compressor, Program, ReduceRequest, guard_nonfinite
+from powertrain.compress.base import Compressor, Program, ReduceRequest, Rows, guard_nonfinite, slice_rows
 from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 
@@ -39,14 +39,17 @@ class AllReduceCompressor(Compressor):
         self.lossy = dtype != torch.float32
 
     @torch.no_grad()
-    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
+    def program(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
+    ) -> Program:
         idx = self._resolve(grads, indices)
         buf = pack(grads, self.dtype, self.device)
         names = [self.names[i] for i in idx]
 
         def run() -> Program:
             yield ReduceRequest(buf, "mean")
-            return [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
+            out = [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
+            return slice_rows(out, rows)
 
         return guard_nonfinite(run(), local_ok=all_finite([buf]), error=lambda: self._nonfinite_error(names, grads))
 

@@ -17,7 +17,15 @@ import torch
 import torch.distributed as dist
 
 from powertrain._compat import foreach_add_
-from powertrain.compress.base import Compressor, NonFiniteGradientError, Program, Request, guard_nonfinite
+from powertrain.compress.base import (
+    Compressor,
+    NonFiniteGradientError,
+    Program,
+    Request,
+    Rows,
+    guard_nonfinite,
+    slice_rows,
+)
 from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 
@@ -63,7 +71,9 @@ class ErrorFeedbackCompressor(Compressor):
         return x - sent
 
     @torch.no_grad()
-    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
+    def program(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
+    ) -> Program:
         idx = self._resolve(grads, indices)
         x = pack(grads, torch.float32, self.device)
         old = torch.zeros_like(x)
@@ -79,15 +89,18 @@ class ErrorFeedbackCompressor(Compressor):
             self._generator.set_state(rng)  # the step did not happen: nor did its random draws
             return self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
 
-        return guard_nonfinite(self._run(x, old, idx, grads), local_ok=all_finite([x]), error=abort)
+        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=all_finite([x]), error=abort)
 
-    def _run(self, x: torch.Tensor, old: torch.Tensor, idx: list[int], grads: Sequence[torch.Tensor]) -> Program:
+    def _run(
+        self, x: torch.Tensor, old: torch.Tensor, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows
+    ) -> Program:
         sent, mean = yield from self._exchange(x)
         new = self._new_error(x, sent, old, idx).to(self.error_dtype)
         for i, e in zip(idx, flat_views(new, [self._shapes[i] for i in idx]), strict=True):
             self._errors[i] = e
             self._steps[i] += 1
-        return [m.to(g.dtype) for m, g in zip(flat_views(mean, [g.shape for g in grads]), grads, strict=True)]
+        out = [m.to(g.dtype) for m, g in zip(flat_views(mean, [g.shape for g in grads]), grads, strict=True)]
+        return slice_rows(out, rows)
 
     def residuals(self) -> list[torch.Tensor]:
         """Each parameter's error buffer (zeros before its first step), aligned with ``self.params``."""

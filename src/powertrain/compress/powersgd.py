@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain._compat import foreach_add_
-from powertrain.compress.base import Compressor, Program, ReduceRequest, guard_nonfinite
+from powertrain.compress.base import Compressor, Program, ReduceRequest, Rows, guard_nonfinite
 from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize
@@ -121,6 +121,7 @@ class _Batch:
     p_bnr: torch.Tensor
     q_bmr: torch.Tensor
     m_bnm: torch.Tensor  # gradient + residual; becomes the new residual
+    rows: tuple[int, int] | None = None  # only these rows of the approximation are wanted (FSDP shard)
     approx_bnm: torch.Tensor | None = None
 
 
@@ -256,24 +257,35 @@ class PowerSGDCompressor(Compressor):
 
     # ------------------------------------------------------------------ aggregation
 
-    def program(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> Program:
-        return self._program(grads, indices, residual_in_grads=False, fuse=True)
+    def program(
+        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
+    ) -> Program:
+        return self._program(grads, indices, residual_in_grads=False, fuse=True, rows=rows)
 
     @torch.no_grad()
     def _program(
-        self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None, *, residual_in_grads: bool, fuse: bool
+        self,
+        grads: Sequence[torch.Tensor],
+        indices: Sequence[int] | None,
+        *,
+        residual_in_grads: bool,
+        fuse: bool,
+        rows: Rows = None,
     ) -> Program:
         """Average ``grads`` (+ the owned error buffers unless ``residual_in_grads``) over ranks.
 
         With ``residual_in_grads`` (the reference API) the inputs already hold last step's residual and
         are overwritten with the new one (zero for exactly averaged tensors); otherwise they are left
         alone and the residual goes to the owned error buffers. With ``fuse`` the exactly averaged
-        tensors travel in the step's last factor buffer instead of a collective of their own.
+        tensors travel in the step's last factor buffer instead of a collective of their own. With ``rows``
+        only those rows of each approximation are computed (``P[lo:hi] Q^T``: a rank's FSDP shard).
         """
         idx = self._resolve(grads, indices)
+        if rows is not None and len(rows) != len(idx):
+            raise ValueError(f"rows= has {len(rows)} ranges for {len(idx)} gradients")
         start = self.config.start_compressing_after_num_steps
         exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
-        batches = self._batches(grads, idx, residual_in_grads)
+        batches = self._batches(grads, idx, residual_in_grads, rows)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
         local_ok = all_finite([*(b.m_bnm for b in batches), ubuf])
         fused = ubuf if fuse and batches else None
@@ -284,7 +296,11 @@ class PowerSGDCompressor(Compressor):
                 yield from algorithm(batches, fused)
             if fused is None and ubuf.numel():
                 yield ReduceRequest(ubuf, "mean")
-            return self._commit(grads, idx, exact, batches, ubuf, residual_in_grads, indices is None)
+            out = self._commit(grads, idx, exact, batches, ubuf, residual_in_grads, indices is None)
+            if rows is not None:  # compressed outputs already hold just their rows
+                for j in exact:
+                    out[j] = out[j][rows[j][0] : rows[j][1]]
+            return out
 
         names = [self.names[i] for i in idx]
         errors = [self._errors[i] for i in idx]
@@ -309,7 +325,8 @@ class PowerSGDCompressor(Compressor):
             for j, (call_j, i) in enumerate(zip(b.idx, b.params, strict=True)):
                 self._p[i], self._q[i] = b.p_bnr[j].clone(), b.q_bmr[j].clone()
                 self._compressed_steps[i] += 1
-                out[call_j] = b.approx_bnm[j].view(self._shapes[i]).to(grads[call_j].dtype)
+                shape = self._shapes[i] if b.rows is None else (b.rows[1] - b.rows[0], *self._shapes[i][1:])
+                out[call_j] = b.approx_bnm[j].view(shape).to(grads[call_j].dtype)
                 if residual_in_grads:
                     grads[call_j].copy_(b.m_bnm[j].view(self._shapes[i]))
                 else:
@@ -325,30 +342,33 @@ class PowerSGDCompressor(Compressor):
         assert all(o is not None for o in out), "every gradient must get an output"
         return [o for o in out if o is not None]
 
-    def _batches(self, grads: Sequence[torch.Tensor], idx: list[int], residual_in_grads: bool) -> list[_Batch]:
-        """Group the compressed gradients of this call by (matrix shape, phase) and stack them."""
+    def _batches(
+        self, grads: Sequence[torch.Tensor], idx: list[int], residual_in_grads: bool, rows: Rows = None
+    ) -> list[_Batch]:
+        """Group the compressed gradients of this call by (matrix shape, phase, rows) and stack them."""
         start = self.config.start_compressing_after_num_steps
-        keys: dict[tuple[int, int, int, int], tuple[list[int], list[int]]] = {}
+        keys: dict[tuple[int, int, int, int, tuple[int, int] | None], tuple[list[int], list[int]]] = {}
         for j, i in enumerate(idx):
             mat = self._mat[i]
             if mat is not None and self._steps[i] >= start:
-                call_js, params = keys.setdefault((*mat, self._compressed_steps[i] % 2), ([], []))
+                row = None if rows is None else (int(rows[j][0]), int(rows[j][1]))
+                call_js, params = keys.setdefault((*mat, self._compressed_steps[i] % 2, row), ([], []))
                 call_js.append(j)
                 params.append(i)
         batches = []
-        for (n, m, r, phase), (call_js, params) in keys.items():
+        for (n, m, r, phase, row), (call_js, params) in keys.items():
             m_bnm = torch.stack([grads[j].reshape(n, m) for j in call_js]).to(self.dtype)
             if not residual_in_grads:
-                rows = [
+                pairs = [
                     (row, e)
                     for row, i in zip(m_bnm.unbind(0), params, strict=True)
                     if (e := self._errors[i]) is not None
                 ]
-                if rows:
-                    foreach_add_([row for row, _ in rows], [e for _, e in rows])
+                if pairs:
+                    foreach_add_([row for row, _ in pairs], [e for _, e in pairs])
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
-            batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm))
+            batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))
         return batches
 
     def _send_buffer(
@@ -386,11 +406,18 @@ class PowerSGDCompressor(Compressor):
             if last is not None:
                 last.copy_(send[sum(sizes) :])
             for b, e in zip(batches, even, strict=True):
+                beta = 0 if it == 0 else 1  # the first write ignores the (uninitialised) buffer: no zero-fill
+                if b.rows is not None:  # only this rank's rows: P[lo:hi] Q^T, whichever side was sent
+                    lo, hi = b.rows
+                    if b.approx_bnm is None:
+                        b.approx_bnm = b.m_bnm.new_empty((len(b.params), hi - lo, b.m))
+                    b.approx_bnm.baddbmm_(b.p_bnr[:, lo:hi], b.q_bmr.transpose(1, 2), beta=beta, alpha=inv_world)
+                    continue
                 if b.approx_bnm is None:
-                    b.approx_bnm = torch.empty_like(b.m_bnm)  # first write uses beta=0: no zero-fill pass
+                    b.approx_bnm = torch.empty_like(b.m_bnm)
                 in_bnr, out_bmr = (b.p_bnr, b.q_bmr) if e else (b.q_bmr, b.p_bnr)
                 a_side = b.approx_bnm if e else b.approx_bnm.transpose(1, 2)
-                a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), beta=0 if it == 0 else 1, alpha=inv_world)
+                a_side.baddbmm_(in_bnr, out_bmr.transpose(1, 2), beta=beta, alpha=inv_world)
 
     def _paper(self, batches: list[_Batch], fused: torch.Tensor | None) -> _Collectives:
         k = self.config.num_iters_per_step
@@ -408,8 +435,12 @@ class PowerSGDCompressor(Compressor):
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
         for b in batches:
-            b.approx_bnm = low_rank(b.p_bnr, b.q_bmr)
-            b.m_bnm.sub_(b.approx_bnm)
+            if b.rows is None:
+                b.approx_bnm = low_rank(b.p_bnr, b.q_bmr)
+                b.m_bnm.sub_(b.approx_bnm)
+            else:  # the residual needs the full product; the output only this rank's rows
+                b.m_bnm.baddbmm_(b.p_bnr, b.q_bmr.transpose(1, 2), alpha=-1)
+                b.approx_bnm = torch.bmm(b.p_bnr[:, b.rows[0] : b.rows[1]], b.q_bmr.transpose(1, 2))
 
     # ------------------------------------------------------------------ state
 

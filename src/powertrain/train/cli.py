@@ -34,7 +34,11 @@ def _train_parser(sub: argparse._SubParsersAction) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
-    p.add_argument("suite", choices=["overhead"], help="overhead: PowerSGD compute cost vs the backward pass")
+    p.add_argument(
+        "suite",
+        choices=["overhead", "ddp"],
+        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks",
+    )
     p.add_argument("--preset", choices=["default", "tiny"], default="default")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -72,6 +76,11 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.suite == "ddp":
+        from powertrain.bench.ddp import run_ddp_bench
+
+        run_ddp_bench(preset=args.preset, write=args.write or None)
+        return 0
     from powertrain.bench.overhead import run_overhead
 
     run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=args.write or None)
