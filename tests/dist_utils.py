@@ -93,3 +93,32 @@ def run_ranks(
         if any(c != 0 for c in codes.values()):
             raise RankFailed(f"ranks exited with codes {codes} (negative: killed by that signal), no traceback")
         return [torch.load(f"{tmp}/result_{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+# ---------------------------------------------------------------- sub-case helpers shared by the test modules
+
+
+def guard(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one sub-case inside a rank; a failure becomes ``{"error": traceback}`` so the others still run."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
+def case(per_rank: list[dict[str, Any]], name: str) -> list[Any]:
+    """Sub-case ``name`` from every rank's results; fails with the rank's traceback if it raised."""
+    out = [r[name] for r in per_rank]
+    for rank, r in enumerate(out):
+        assert not (isinstance(r, dict) and "error" in r), f"rank {rank} failed in {name}:\n{r['error']}"
+    return out
+
+
+def same_on_all_ranks(runs: list[dict[str, Any]], key: str = "params") -> None:
+    for r in runs[1:]:
+        assert torch.equal(r[key], runs[0][key]), "ranks diverged"
+
+
+def final_loss(runs: list[dict[str, Any]], last: int = 5) -> float:
+    """Mean over ranks of the mean of the last ``last`` losses."""
+    return sum(sum(r["losses"][-last:]) / last for r in runs) / len(runs)

@@ -7,8 +7,6 @@ unused layer), so the hook's ordering of dependent collectives across many bucke
 from __future__ import annotations
 
 import copy
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import run_ranks
+from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks
 from models import batch, flat_params, make_model
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
@@ -185,33 +183,26 @@ def _bad_registration(rank: int) -> dict[str, Any]:
     return out
 
 
-def _guard(fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> dict[str, Any]:
-    try:
-        return fn(*args, **kwargs)
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
 def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(rank)  # nothing may depend on the global RNG differing by rank
-    res: dict[str, Any] = {"plain": _guard(_train, rank, None, {})}
+    res: dict[str, Any] = {"plain": guard(_train, rank, None, {})}
     for case_name, (name, opts) in CASES.items():
-        res[f"train/{case_name}"] = _guard(_train, rank, name, opts)
+        res[f"train/{case_name}"] = guard(_train, rank, name, opts)
     for case_name in CONSERVING:
-        res[f"conserve/{case_name}"] = _guard(_conservation, rank, *CASES[case_name])
-    res["no_sync/plain"] = _guard(_no_sync, rank, None, {})
-    res["no_sync/none"] = _guard(_no_sync, rank, "none", {})
-    res["no_sync/powersgd"] = _guard(_no_sync, rank, *CASES["powersgd_paper_k2"])
+        res[f"conserve/{case_name}"] = guard(_conservation, rank, *CASES[case_name])
+    res["no_sync/plain"] = guard(_no_sync, rank, None, {})
+    res["no_sync/none"] = guard(_no_sync, rank, "none", {})
+    res["no_sync/powersgd"] = guard(_no_sync, rank, *CASES["powersgd_paper_k2"])
     for case_name in ("powersgd", "int8"):
-        res[f"autocast/{case_name}"] = _guard(_autocast, rank, *CASES[case_name])
-    res["static/plain"] = _guard(_train, rank, None, {}, steps=8, static_graph=True)
-    res["static/none"] = _guard(_train, rank, "none", {}, steps=8, static_graph=True)
-    res["static/powersgd"] = _guard(_train, rank, *CASES["powersgd_paper_k2"], steps=8, static_graph=True)
+        res[f"autocast/{case_name}"] = guard(_autocast, rank, *CASES[case_name])
+    res["static/plain"] = guard(_train, rank, None, {}, steps=8, static_graph=True)
+    res["static/none"] = guard(_train, rank, "none", {}, steps=8, static_graph=True)
+    res["static/powersgd"] = guard(_train, rank, *CASES["powersgd_paper_k2"], steps=8, static_graph=True)
     for rep in range(3):  # fresh DDP models, many buckets, several dependent collectives each
-        res[f"repeat/{rep}"] = _guard(_train, rank, *CASES["powersgd_paper_k2"], steps=10)
-    res["parity/torch"] = _guard(_torch_hook_parity, rank, False)
-    res["parity/ours"] = _guard(_torch_hook_parity, rank, True)
-    res["bad"] = _guard(_bad_registration, rank)
+        res[f"repeat/{rep}"] = guard(_train, rank, *CASES["powersgd_paper_k2"], steps=10)
+    res["parity/torch"] = guard(_torch_hook_parity, rank, False)
+    res["parity/ours"] = guard(_torch_hook_parity, rank, True)
+    res["bad"] = guard(_bad_registration, rank)
     dist.barrier()
     return res
 
@@ -221,26 +212,9 @@ def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     return request.param, run_ranks(ddp_cases, request.param, timeout=240)
 
 
-def case(results: tuple[int, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
-    out = [r[name] for r in results[1]]
-    for rank, r in enumerate(out):
-        assert "error" not in r, f"rank {rank} failed in {name}:\n{r['error']}"
-    return out
-
-
-def _same_on_all_ranks(runs: list[dict[str, Any]]) -> None:
-    for r in runs[1:]:
-        assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
-
-
-def _final(runs: list[dict[str, Any]]) -> float:
-    """Mean over ranks of the mean of the last 5 losses."""
-    return sum(sum(r["losses"][-5:]) / 5 for r in runs) / len(runs)
-
-
 def test_lossless_equals_plain_ddp_bitwise(results):
-    plain = case(results, "plain")
-    ours = case(results, "train/none")
+    plain = case(results[1], "plain")
+    ours = case(results[1], "train/none")
     for a, b in zip(plain, ours, strict=True):
         assert torch.equal(a["params"], b["params"])
 
@@ -254,9 +228,9 @@ LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper_k2":
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ranks_agree_and_loss_close_to_exact(results, name):
-    runs = case(results, f"train/{name}")
-    _same_on_all_ranks(runs)
-    exact, got = _final(case(results, "train/none")), _final(runs)
+    runs = case(results[1], f"train/{name}")
+    same_on_all_ranks(runs)
+    exact, got = final_loss(case(results[1], "train/none")), final_loss(runs)
     first = sum(r["losses"][0] for r in runs) / len(runs)
     assert got < 0.2 * first, f"{name} did not learn: {first:.4f} -> {got:.4f}"
     if name != "none":
@@ -264,16 +238,16 @@ def test_ranks_agree_and_loss_close_to_exact(results, name):
 
 
 def test_compressors_send_fewer_bytes(results):
-    dense = sum(case(results, "train/none")[0]["bytes"][-5:])
+    dense = sum(case(results[1], "train/none")[0]["bytes"][-5:])
     for name in ("powersgd", "powersgd_paper_k2", "int8", "int4", "topk", "randk", "sign"):
-        assert sum(case(results, f"train/{name}")[0]["bytes"][-5:]) < dense / 2, name
+        assert sum(case(results[1], f"train/{name}")[0]["bytes"][-5:]) < dense / 2, name
     for name in ("bf16", "fp16"):
-        assert sum(case(results, f"train/{name}")[0]["bytes"][-5:]) * 2 == dense
+        assert sum(case(results[1], f"train/{name}")[0]["bytes"][-5:]) * 2 == dense
 
 
 @pytest.mark.parametrize("name", CONSERVING)
 def test_error_feedback_conserves_through_the_hook(results, name):
-    runs = case(results, f"conserve/{name}")
+    runs = case(results[1], f"conserve/{name}")
     for step in range(len(runs[0]["records"])):
         local = [torch.stack([r["records"][step][0][j] for r in runs]) for j in range(len(runs[0]["records"][step][0]))]
         before = [torch.stack([r["records"][step][1][j] for r in runs]) for j in range(len(local))]
@@ -288,34 +262,38 @@ def test_error_feedback_conserves_through_the_hook(results, name):
 
 
 def test_no_sync_accumulation(results):
-    plain, none, psgd = case(results, "no_sync/plain"), case(results, "no_sync/none"), case(results, "no_sync/powersgd")
+    plain, none, psgd = (
+        case(results[1], "no_sync/plain"),
+        case(results[1], "no_sync/none"),
+        case(results[1], "no_sync/powersgd"),
+    )
     for a, b in zip(plain, none, strict=True):
         assert torch.equal(a["params"], b["params"])
-    _same_on_all_ranks(psgd)
+    same_on_all_ranks(psgd)
 
 
 def test_bf16_autocast(results):
     for name in ("powersgd", "int8"):
-        runs = case(results, f"autocast/{name}")
-        _same_on_all_ranks(runs)
+        runs = case(results[1], f"autocast/{name}")
+        same_on_all_ranks(runs)
         assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
 
 
 def test_static_graph(results):
-    plain, none = case(results, "static/plain"), case(results, "static/none")
+    plain, none = case(results[1], "static/plain"), case(results[1], "static/none")
     for a, b in zip(plain, none, strict=True):
         assert torch.equal(a["params"], b["params"])
-    _same_on_all_ranks(case(results, "static/powersgd"))
+    same_on_all_ranks(case(results[1], "static/powersgd"))
 
 
 def test_many_small_buckets_repeatedly_no_hang(results):
     for rep in range(3):
-        _same_on_all_ranks(case(results, f"repeat/{rep}"))
+        same_on_all_ranks(case(results[1], f"repeat/{rep}"))
 
 
 def test_paper_variant_tracks_torch_powersgd_hook(results):
     """Same algorithm, different random initial Q: the loss curves stay within 10% of each other."""
-    torch_runs, our_runs = case(results, "parity/torch"), case(results, "parity/ours")
+    torch_runs, our_runs = case(results[1], "parity/torch"), case(results[1], "parity/ours")
     t = torch.tensor(torch_runs[0]["losses"])
     o = torch.tensor(our_runs[0]["losses"])
     assert torch.equal(t[:2], o[:2]), "warm-up steps are exact all-reduce in both"
@@ -324,7 +302,7 @@ def test_paper_variant_tracks_torch_powersgd_hook(results):
 
 
 def test_bad_registration_is_refused(results):
-    for r in case(results, "bad"):
+    for r in case(results[1], "bad"):
         assert "needs a DistributedDataParallel" in r["not_ddp"]
         assert "build it from ddp_model.module" in r["other_params"]
         assert "needs a powertrain Compressor" in r["not_compressor"]

@@ -6,8 +6,6 @@ conv weights do not divide evenly by the world size, so padding is exercised.
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from dist_utils import run_ranks
+from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks
 from models import make_model
 from powertrain import fsdp as pfsdp
 from powertrain.checkpoint import CompressorState
@@ -145,34 +143,27 @@ def _bad(rank: int, world: int) -> dict[str, str]:
     return out
 
 
-def _guard(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
 def fsdp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    res: dict[str, Any] = {"plain": _guard(_train, rank, world, None, {})}
+    res: dict[str, Any] = {"plain": guard(_train, rank, world, None, {})}
     for case_name, (name, opts) in CASES.items():
-        res[f"train/{case_name}"] = _guard(_train, rank, world, name, opts)
+        res[f"train/{case_name}"] = guard(_train, rank, world, name, opts)
     for case_name in LOSSY:
-        res[f"conserve/{case_name}"] = _guard(_conservation, rank, world, *CASES[case_name])
+        res[f"conserve/{case_name}"] = guard(_conservation, rank, world, *CASES[case_name])
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    res["mp/plain"] = _guard(_train, rank, world, None, {}, steps=10, mp=mp)
+    res["mp/plain"] = guard(_train, rank, world, None, {}, steps=10, mp=mp)
     for case_name in ("none", "powersgd", "int8"):
-        res[f"mp/{case_name}"] = _guard(_train, rank, world, *CASES[case_name], steps=10, mp=mp)
-    res["qsdp"] = _guard(_train, rank, world, None, {}, qag=True)
-    res["qsdp_int8"] = _guard(_train, rank, world, *CASES["int8"], qag=True)
+        res[f"mp/{case_name}"] = guard(_train, rank, world, *CASES[case_name], steps=10, mp=mp)
+    res["qsdp"] = guard(_train, rank, world, None, {}, qag=True)
+    res["qsdp_int8"] = guard(_train, rank, world, *CASES["int8"], qag=True)
     for case_name in LOSSY:
-        res[f"resume_full/{case_name}"] = _guard(_resume, rank, world, case_name, ckpt, "full")
-    res["bad"] = _guard(_bad, rank, world)
+        res[f"resume_full/{case_name}"] = guard(_resume, rank, world, case_name, ckpt, "full")
+    res["bad"] = guard(_bad, rank, world)
     dist.barrier()
     return res
 
 
 def fsdp_resume(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    return {name: _guard(_resume, rank, world, name, ckpt, "resume") for name in LOSSY}
+    return {name: guard(_resume, rank, world, name, ckpt, "resume") for name in LOSSY}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
@@ -183,26 +174,10 @@ def results(request, tmp_path_factory):
     return request.param, main, resumed
 
 
-def case(results, name: str) -> list[Any]:
-    out = [r[name] for r in results[1]]
-    for rank, r in enumerate(out):
-        assert not (isinstance(r, dict) and "error" in r), f"rank {rank} failed in {name}:\n{r['error']}"
-    return out
-
-
-def _same_on_all_ranks(runs: list[dict[str, Any]]) -> None:
-    for r in runs[1:]:
-        assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
-
-
-def _final(runs: list[dict[str, Any]]) -> float:
-    return sum(sum(r["losses"][-5:]) / 5 for r in runs) / len(runs)
-
-
 def test_lossless_equals_plain_fsdp_bitwise(results):
-    for a, b in zip(case(results, "plain"), case(results, "train/none"), strict=True):
+    for a, b in zip(case(results[1], "plain"), case(results[1], "train/none"), strict=True):
         assert torch.equal(a["params"], b["params"])
-    for a, b in zip(case(results, "mp/plain"), case(results, "mp/none"), strict=True):
+    for a, b in zip(case(results[1], "mp/plain"), case(results[1], "mp/none"), strict=True):
         assert torch.equal(a["params"], b["params"])
 
 
@@ -213,27 +188,27 @@ LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper": 0.
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "none"])
 def test_ranks_agree_and_loss_close_to_exact(results, name):
-    runs = case(results, f"train/{name}")
-    _same_on_all_ranks(runs)
-    exact, got = _final(case(results, "train/none")), _final(runs)
+    runs = case(results[1], f"train/{name}")
+    same_on_all_ranks(runs)
+    exact, got = final_loss(case(results[1], "train/none")), final_loss(runs)
     first = sum(r["losses"][0] for r in runs) / len(runs)
     assert (got - exact) / first <= LOSS_GAP[name], f"{name}: {got:.5f} vs exact {exact:.5f}"
 
 
 def test_bytes_are_counted(results):
     world = results[0]
-    dense = case(results, "train/none")[0]["bytes"][-1]
+    dense = case(results[1], "train/none")[0]["bytes"][-1]
     n_params = sum(p.numel() for p in make_model().parameters() if p.requires_grad) - 20  # unused layer frozen
     assert dense >= 4 * n_params  # gloo's reduce-scatter sends the whole (padded) input: counted as such
     for name in ("powersgd", "powersgd_paper", "int8", "int4"):
-        assert case(results, f"train/{name}")[0]["bytes"][-1] < dense / 2, name
-    assert case(results, "train/bf16")[0]["bytes"][-1] * 2 == dense
+        assert case(results[1], f"train/{name}")[0]["bytes"][-1] < dense / 2, name
+    assert case(results[1], "train/bf16")[0]["bytes"][-1] * 2 == dense
     del world
 
 
 @pytest.mark.parametrize("name", LOSSY)
 def test_error_feedback_conserves_under_sharding(results, name):
-    runs = case(results, f"conserve/{name}")
+    runs = case(results[1], f"conserve/{name}")
     for step in range(len(runs[0]["records"])):
         n = len(runs[0]["records"][step][0])
         for j in range(n):
@@ -246,23 +221,23 @@ def test_error_feedback_conserves_under_sharding(results, name):
 
 @pytest.mark.parametrize("name", ["powersgd", "int8"])
 def test_mixed_precision_policy(results, name):
-    runs = case(results, f"mp/{name}")
-    _same_on_all_ranks(runs)
+    runs = case(results[1], f"mp/{name}")
+    same_on_all_ranks(runs)
     assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
 
 
 def test_quantized_weight_all_gather(results):
     for key in ("qsdp", "qsdp_int8"):
-        runs = case(results, key)
-        _same_on_all_ranks(runs)
-        exact, got = _final(case(results, "train/none")), _final(runs)
+        runs = case(results[1], key)
+        same_on_all_ranks(runs)
+        exact, got = final_loss(case(results[1], "train/none")), final_loss(runs)
         first = runs[0]["losses"][0]
         assert (got - exact) / first < 0.01, f"{key}: {got:.5f} vs {exact:.5f}"
 
 
 @pytest.mark.parametrize("name", LOSSY)
 def test_dcp_resume_is_bitwise(results, name):
-    full = case(results, f"resume_full/{name}")
+    full = case(results[1], f"resume_full/{name}")
     resumed = [r[name] for r in results[2]]
     for a, b in zip(full, resumed, strict=True):
         assert not isinstance(b, dict), b
@@ -270,6 +245,6 @@ def test_dcp_resume_is_bitwise(results, name):
 
 
 def test_unsupported_is_refused_clearly(results):
-    for r in case(results, "bad"):
+    for r in case(results[1], "bad"):
         assert "cannot run under FSDP2" in r["topk"]
         assert "got no gradient" in r["missing_grad"]

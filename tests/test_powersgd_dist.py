@@ -6,15 +6,13 @@ its raw observations and the assertions run here in the parent, one pytest test 
 
 from __future__ import annotations
 
-import traceback
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import case, guard, run_ranks
 from models import batch, flat_params, loss_fn, make_model
 from powertrain.compress import NonFiniteGradientError, PowerSGDCompressor
 from powertrain.compress.powersgd import Config
@@ -362,29 +360,22 @@ def _naive_reference(rank: int, world_size: int, variant: str) -> dict[str, Any]
     return {"max_abs_diff": diffs}
 
 
-def _guard(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
-    try:
-        return fn(*args)
-    except Exception:
-        return {"error": traceback.format_exc()}
-
-
 def powersgd_cases(rank: int, world_size: int) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for name, (variant, k) in TRAIN_CONFIGS.items():
         for api in ("reference", "compressor"):
-            res[f"train/{name}/{api}"] = _guard(_train, rank, variant, k, api)
+            res[f"train/{name}/{api}"] = guard(_train, rank, variant, k, api)
     for variant in ("alternating", "paper"):
-        res[f"conservation/{variant}"] = _guard(_conservation, rank, variant)
-        res[f"conservation_compressor/{variant}"] = _guard(_conservation_compressor, rank, variant)
+        res[f"conservation/{variant}"] = guard(_conservation, rank, variant)
+        res[f"conservation_compressor/{variant}"] = guard(_conservation_compressor, rank, variant)
     for variant in ("alternating", "paper"):
-        res[f"naive/{variant}"] = _guard(_naive_reference, rank, world_size, variant)
-    res["full_rank/alternating_k2"] = _guard(_full_rank, rank, "alternating", 2)
-    res["full_rank/paper_k1"] = _guard(_full_rank, rank, "paper", 1)
-    res["warmup"] = _guard(_warmup, rank)
-    res["nonfinite"] = _guard(_nonfinite, rank, world_size)
-    res["readme"] = _guard(_readme, rank)
-    res["mixed"] = _guard(_mixed, rank)
+        res[f"naive/{variant}"] = guard(_naive_reference, rank, world_size, variant)
+    res["full_rank/alternating_k2"] = guard(_full_rank, rank, "alternating", 2)
+    res["full_rank/paper_k1"] = guard(_full_rank, rank, "paper", 1)
+    res["warmup"] = guard(_warmup, rank)
+    res["nonfinite"] = guard(_nonfinite, rank, world_size)
+    res["readme"] = guard(_readme, rank)
+    res["mixed"] = guard(_mixed, rank)
     return res
 
 
@@ -395,14 +386,6 @@ def powersgd_cases(rank: int, world_size: int) -> dict[str, Any]:
 def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world_size = request.param
     return world_size, run_ranks(powersgd_cases, world_size, timeout=90)
-
-
-def case(results: tuple[int, list[dict[str, Any]]], name: str) -> list[dict[str, Any]]:
-    _, per_rank = results
-    out = [r[name] for r in per_rank]
-    for rank, r in enumerate(out):
-        assert "error" not in r, f"rank {rank} failed in {name}:\n{r['error']}"
-    return out
 
 
 def expected_bytes(variant: str, k: int) -> list[int]:
@@ -433,7 +416,7 @@ def expected_bytes(variant: str, k: int) -> list[int]:
 @pytest.mark.parametrize("api", ["reference", "compressor"])
 @pytest.mark.parametrize("config", list(TRAIN_CONFIGS))
 def test_ranks_bitwise_identical_and_bytes_match_formula(results, config, api):
-    runs = case(results, f"train/{config}/{api}")
+    runs = case(results[1], f"train/{config}/{api}")
     for r in runs[1:]:
         assert torch.equal(r["params"], runs[0]["params"]), "ranks diverged"
     assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
@@ -446,8 +429,8 @@ def test_ranks_bitwise_identical_and_bytes_match_formula(results, config, api):
 def test_both_apis_agree(results):
     """The reference API and the compressor object share the math: same model after training."""
     for config in TRAIN_CONFIGS:
-        ref = case(results, f"train/{config}/reference")[0]["params"]
-        new = case(results, f"train/{config}/compressor")[0]["params"]
+        ref = case(results[1], f"train/{config}/reference")[0]["params"]
+        new = case(results[1], f"train/{config}/compressor")[0]["params"]
         torch.testing.assert_close(new, ref, rtol=1e-5, atol=1e-6)
 
 
@@ -465,26 +448,26 @@ def _check_conservation(runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 def test_error_feedback_loses_nothing(results, variant):
-    _check_conservation(case(results, f"conservation/{variant}"))
-    _check_conservation(case(results, f"conservation_compressor/{variant}"))
+    _check_conservation(case(results[1], f"conservation/{variant}"))
+    _check_conservation(case(results[1], f"conservation_compressor/{variant}"))
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 def test_matches_naive_per_parameter_reference(results, variant):
     """Outputs and residuals equal a plain per-tensor float64 implementation of the algorithm. (The
     batched code was also checked bitwise against epfml/powersgd itself: tools/compare_reference.py.)"""
-    for r in case(results, f"naive/{variant}"):
+    for r in case(results[1], f"naive/{variant}"):
         assert max(r["max_abs_diff"]) < 1e-12
 
 
 @pytest.mark.parametrize("name", ["full_rank/alternating_k2", "full_rank/paper_k1"])
 def test_full_rank_is_exact_averaging(results, name):
-    for r in case(results, name):
+    for r in case(results[1], name):
         assert max(r["max_abs_err"]) < 1e-12
 
 
 def test_warmup_equals_plain_allreduce_bitwise(results):
-    for r in case(results, "warmup"):
+    for r in case(results[1], "warmup"):
         for out, expected in r["pairs"]:
             assert len(out) == len(expected)
             for a, e in zip(out, expected, strict=True):
@@ -493,7 +476,7 @@ def test_warmup_equals_plain_allreduce_bitwise(results):
 
 def test_nonfinite_gradient_on_one_rank(results):
     world_size, _ = results
-    runs = case(results, "nonfinite")
+    runs = case(results[1], "nonfinite")
     for rank, r in enumerate(runs):
         assert r["applied"] == [True, True, True, False, True]
         assert r["state_unchanged"] and r["grads_untouched"] and r["params_finite"]
@@ -509,7 +492,7 @@ def test_nonfinite_gradient_on_one_rank(results):
 
 
 def test_reference_readme_usage(results):
-    runs = case(results, "readme")
+    runs = case(results[1], "readme")
     for r in runs[1:]:
         assert torch.equal(r["params"], runs[0]["params"])
     assert runs[0]["compressed"] == ["param[0]"]  # 5x64 at rank 1, 2 iters: rate 4.6 < 10
@@ -518,7 +501,7 @@ def test_reference_readme_usage(results):
 
 
 def test_bf16_nothing_compressible_frozen_unused(results):
-    runs = case(results, "mixed")
+    runs = case(results[1], "mixed")
     for r in runs[1:]:
         assert torch.equal(r["bf16_params"], runs[0]["bf16_params"])
         assert torch.equal(r["plain_params"], runs[0]["plain_params"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from powertrain.bench.report import machine_info, table, update_section
+from powertrain.bench.report import machine_info, publish, table
 from powertrain.compress import PowerSGDCompressor, make_compressor
 from powertrain.ddp import register_compressor
 from powertrain.train.data import load_stdlib_corpus, sample_batch
@@ -170,8 +169,5 @@ def run_ddp_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
         f"{table(headers, rows)}\n\nMachine: {machine_info()}.\n\n"
         f"Command: `powertrain bench ddp{'' if preset == 'default' else ' --preset ' + preset}`\n"
     )
-    print(text)
-    if write:
-        update_section(write, "ddp" if preset == "default" else f"ddp-{preset}", text)
-        print(f"updated {write}", file=sys.stderr)
+    publish(text, write, "ddp" if preset == "default" else f"ddp-{preset}")
     return text

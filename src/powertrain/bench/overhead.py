@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 
 import torch
 
-from powertrain.bench.report import machine_info, table, update_section
+from powertrain.bench.report import machine_info, publish, table
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
 from powertrain.train.data import load_stdlib_corpus, sample_batch
 from powertrain.train.model import GPT, GPTConfig
@@ -110,8 +109,5 @@ def run_overhead(
         f"\n\n{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
         f"Command: `powertrain bench overhead{'' if preset == 'default' else ' --preset ' + preset}`\n"
     )
-    print(text)
-    if write:
-        update_section(write, "overhead" if preset == "default" else f"overhead-{preset}", text)
-        print(f"updated {write}", file=sys.stderr)
+    publish(text, write, "overhead" if preset == "default" else f"overhead-{preset}")
     return rows

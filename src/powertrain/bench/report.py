@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -32,6 +33,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def publish(text: str, write: str | None, section: str) -> None:
+    """Print a benchmark's Markdown and, unless ``write`` is None, replace its section of that file."""
+    print(text)
+    if write:
+        update_section(write, section, text)
+        print(f"updated {write}", file=sys.stderr)
 
 
 def update_section(path: str | Path, name: str, body: str) -> None:
