@@ -1,39 +1,136 @@
-"""The ``powertrain`` command end to end (tiny presets, real worker processes)."""
+"""``powertrain train`` end to end: real worker processes, tiny presets, seconds each."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from powertrain.train.cli import main
-from powertrain.train.config import CompressorSpec
+from powertrain.train.config import parse_compressor
+
+METRIC_KEYS = {"step", "loss", "lr", "step_time_s", "compute_s", "comm_s", "compress_s", "bytes_sent",
+               "bytes_uncompressed"}  # fmt: skip
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "powertrain", *args], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    return subprocess.run([sys.executable, "-m", "powertrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)  # fmt: skip
 
 
-def test_train_two_workers_tiny():
-    out = _run("train", "--preset", "tiny", "--steps", "8")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "2 worker(s)" in out.stdout
-    lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
-    assert len(lines) == 8
-    # warm-up steps send the full gradient, compressed steps much less
-    assert "1.0x less" in lines[0] and "1.0x less" not in lines[-1]
-    assert "Summary:" in out.stdout and "held-out validation loss" in out.stdout
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_without_compression_single_worker():
-    out = _run("train", "--preset", "tiny", "--nproc", "1", "--compressor", "none")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "1 worker(s)" in out.stdout and "nothing to send with one worker" in out.stdout
+def test_default_run_writes_everything(tmp_path):
+    out = tmp_path / "run"
+    r = _run("train", "--preset", "tiny", "--steps", "8", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 8 and "2 worker(s)" in r.stdout
+    assert "1.0x less" in steps[0] and "1.0x less" not in steps[-1]  # warm-up exact, then compressed
+    assert "Summary:" in r.stdout and "held-out validation loss" in r.stdout
+    rows = _metrics(out)
+    assert [row["step"] for row in rows] == list(range(1, 9)) and all(set(row) >= METRIC_KEYS for row in rows)
+    assert "val_loss" in rows[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bytes_sent"] < summary["bytes_uncompressed"] and summary["final_loss"] < summary["first_loss"]
+    assert "compressor = " in (out / "config.toml").read_text()
+    for png in ("loss_vs_step", "loss_vs_wallclock", "loss_vs_bytes"):
+        assert (out / f"{png}.png").stat().st_size > 1000
+
+
+def test_config_file_and_flags(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('steps = 3\ncompressor = "bf16"\nparallel = "ddp"\nlr = 0.01\n')
+    out = tmp_path / "run"
+    r = _run("train", "--preset", "tiny", "--config", str(cfg), "--steps", "4", "--out", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr[-3000:]
+    saved = (out / "config.toml").read_text()
+    assert "steps = 4" in saved and 'compressor = "bf16"' in saved and "lr = 0.01" in saved  # flags win
+    assert [row["step"] for row in _metrics(out)][-1] == 4
+
+
+@pytest.mark.parametrize("source", ["textdir", "bin", "mnist1d"])
+def test_data_sources_and_parallel_modes(tmp_path, source):
+    out = tmp_path / "run"
+    if source == "textdir":
+        d = tmp_path / "texts"
+        d.mkdir()
+        for i in range(5):
+            (d / f"f{i}.txt").write_text(f"the quick brown fox jumps over the lazy dog {i}\n" * 200)
+        args = ["--data", "textdir", "--data-path", str(d), "--parallel", "ddp", "--compressor", "int4"]
+    elif source == "bin":
+        tokens = torch.randint(0, 1000, (40_000,), dtype=torch.int32).to(torch.uint16)
+        f = tmp_path / "train.bin"
+        f.write_bytes(tokens.numpy().tobytes())
+        args = ["--data", "bin", "--data-path", str(f), "--parallel", "fsdp"]
+        args += ["--compressor", "powersgd:rank=2,start=1"]
+    else:
+        args = ["--model", "resnet", "--data", "mnist1d", "--parallel", "ddp", "--compressor", "sign", "--lr", "0.003"]
+    r = _run("train", "--preset", "tiny", "--out", str(out), "--quiet", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["bytes_sent"] > 0 and summary["val_loss"] == summary["val_loss"]
+
+
+def test_resume_continues_bitwise(tmp_path):
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    common = ["train", "--preset", "tiny", "--steps", "8", "--parallel", "ddp", "--compressor", "int8", "--quiet"]
+    r = _run(*common, "--checkpoint-every", "4", "--out", str(full))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _run(*common, "--out", str(resumed), "--resume", str(full / "checkpoints" / "step_00000004"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = {row["step"]: row["loss"] for row in _metrics(full)}
+    b = {row["step"]: row["loss"] for row in _metrics(resumed)}
+    assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b)
+
+
+def test_killed_worker_stops_the_others_and_resume_works(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "--preset", "tiny", "--steps", "400", "--checkpoint-every", "5", "--out", str(out), "--quiet",
+            "--block-size", "64", "--batch-size", "8"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "checkpoints" / "latest").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        victim = int((out / "pids" / "rank1").read_text())
+        os.kill(victim, signal.SIGKILL)
+        t_kill = time.monotonic()
+        _, err = proc.communicate(timeout=60)  # the others must stop well within a minute
+        stopped_after = time.monotonic() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    assert "worker rank 1" in err and "SIGKILL" in err and "--resume" in err, err[-2000:]
+    assert stopped_after < 60
+    done = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    again = ["--steps", str(done + 3), "--quiet", "--block-size", "64", "--batch-size", "8"]
+    r = _run("train", "--preset", "tiny", *again, "--out", str(tmp_path / "again"), "--resume", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [row["step"] for row in _metrics(tmp_path / "again")] == [done + 1, done + 2, done + 3]
+
+
+def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    r = _run("train", "--preset", "tiny", "--steps", "10", "--lr", "1e30", "--optimizer", "sgd", "--momentum", "0",
+             "--checkpoint-every", "1", "--out", str(out), "--quiet")  # fmt: skip
+    assert r.returncode == 1
+    assert "training stopped at step" in r.stderr and "non-finite" in r.stderr, r.stderr[-2000:]
+    assert (out / "checkpoints" / "latest").exists()
 
 
 @pytest.mark.parametrize(
@@ -41,24 +138,55 @@ def test_train_without_compression_single_worker():
     [
         (["--compressor", "zip"], "Unknown compressor 'zip'"),
         (["--compressor", "powersgd:rank=0"], "Config.rank=0"),
-        (["--compressor", "powersgd:ranks=2"], "Unknown powersgd option 'ranks'"),
+        (["--compressor", "powersgd:ranks=2"], "ranks"),
         (["--compressor", "powersgd:rank"], "expected key=value"),
         (["--steps", "0"], "steps=0"),
-        (["--d-model", "30", "--n-head", "4"], "divisible"),
+        (["--lr", "-1"], "lr=-1"),
+        (["--parallel", "fsdp", "--compressor", "topk"], "cannot run under parallel='fsdp'"),
+        (["--data", "textdir"], "needs data_path"),
+        (["--data", "textdir", "--data-path", "/nonexistent/x"], "does not exist"),
+        (["--data", "bin", "--data-path", "/nonexistent.bin"], "does not exist"),
+        (["--model", "resnet"], "model='resnet' trains on data='mnist1d'"),
+        (["--out", "/proc/powertrain-cannot-write"], "Cannot write to out="),
+        (["--resume", "/nonexistent/run"], "No checkpoint at"),
     ],
 )
-def test_bad_flags_are_clear_errors(args, message, capsys):
+def test_bad_flags_are_clear_errors(args, message, capsys, tmp_path):
+    extra = [] if "--out" in args else ["--out", str(tmp_path / "o")]
     with pytest.raises(SystemExit) as exc:
-        main(["train", "--preset", "tiny", *args])
+        main(["train", "--preset", "tiny", *args, *extra])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
 
-def test_compressor_spec_roundtrip():
-    spec = CompressorSpec.parse("powersgd:rank=4,iters=2,variant=paper")
-    assert str(spec) == "powersgd:rank=4,iters=2,variant=paper"
-    cfg = spec.powersgd_config()
-    assert cfg is not None and (cfg.rank, cfg.num_iters_per_step, cfg.variant) == (4, 2, "paper")
+def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--data", "textdir", "--data-path", str(empty)], "has no non-empty files"),
+        (["--config", str(tmp_path / "missing.toml")], "does not exist"),
+    ]
+    bad_key = tmp_path / "k.toml"
+    bad_key.write_text("stepz = 3\n")
+    bad_value = tmp_path / "v.toml"
+    bad_value.write_text('optimizer = "adam"\n')
+    broken = tmp_path / "b.toml"
+    broken.write_text("steps = \n")
+    cases += [(["--config", str(bad_key)], "Unknown config key(s) ['stepz']"),
+              (["--config", str(bad_value)], "Invalid optimizer='adam': must be one of 'adamw', 'sgd'"),
+              (["--config", str(broken)], "is not valid TOML")]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(SystemExit):
+            main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *args])
+        assert message in capsys.readouterr().err, message
+
+
+def test_compressor_spec_parsing():
+    assert parse_compressor("powersgd:rank=4,iters=2,variant=paper") == (
+        "powersgd",
+        {"rank": 4, "num_iters_per_step": 2, "variant": "paper"},
+    )
+    assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
 
 
 def test_bench_overhead_tiny(tmp_path):

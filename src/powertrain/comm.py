@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import Literal
 
 import torch
@@ -35,10 +36,15 @@ class CommStats:
     Attributes:
         bytes_sent: payload bytes this rank handed to collectives.
         num_collectives: number of collectives issued.
+        comm_s: seconds spent blocked in synchronous collectives (asynchronous ones overlap other work and
+            are not counted).
+        compress_s: seconds compressors spent in their own math around the collectives.
     """
 
     bytes_sent: int = 0
     num_collectives: int = 0
+    comm_s: float = 0.0
+    compress_s: float = 0.0
     # Collectives may be issued from communication threads (DDP hooks): updates take this lock.
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -47,10 +53,17 @@ class CommStats:
             self.bytes_sent += tensor.numel() * tensor.element_size()
             self.num_collectives += 1
 
+    def add_time(self, *, comm_s: float = 0.0, compress_s: float = 0.0) -> None:
+        with self._lock:
+            self.comm_s += comm_s
+            self.compress_s += compress_s
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_sent = 0
             self.num_collectives = 0
+            self.comm_s = 0.0
+            self.compress_s = 0.0
 
 
 class Communicator:
@@ -101,7 +114,10 @@ class Communicator:
         if op == "mean":
             tensor.div_(self.world_size)
         self.stats.record(tensor)
+        t0 = time.perf_counter()
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        if not async_op:
+            self.stats.add_time(comm_s=time.perf_counter() - t0)
         return work.get_future() if async_op and work is not None else None
 
     def all_gather(
@@ -116,7 +132,10 @@ class Communicator:
             out[0].copy_(tensor)
             return out, _done(out) if async_op else None
         self.stats.record(tensor)
+        t0 = time.perf_counter()
         work = all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=async_op)
+        if not async_op:
+            self.stats.add_time(comm_s=time.perf_counter() - t0)
         return out, work.get_future() if async_op and work is not None else None
 
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -95,9 +96,12 @@ class _Chain:
         return self.future
 
     def _advance(self, value: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
         try:
             request = next(self.program) if self.phase == 0 else self.program.send(value)
+            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
         except StopIteration as stop:
+            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
             self.seq.finish(self.call, self.phase)
             try:
                 self.done(stop.value)

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.compress import PowerSGDCompressor, make_compressor
 from powertrain.ddp import register_compressor
-from powertrain.train.data import load_stdlib_corpus, sample_batch
+from powertrain.train.config import TrainConfig
+from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch
 from powertrain.train.model import GPT, GPTConfig
 
@@ -107,7 +108,8 @@ def _worker(preset_name: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     p = PRESETS[preset_name]
-    corpus = load_stdlib_corpus(max_bytes=4_000_000)
+    corpus = load_data(TrainConfig(data_max_mb=4.0))
+    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
     runs = []
     for _, kind, opts in CONFIGS:
         torch.manual_seed(0)
@@ -118,8 +120,7 @@ def _worker(preset_name: str) -> dict[str, Any]:
     losses: list[list[float]] = [[] for _ in CONFIGS]
     sent: list[list[int]] = [[] for _ in CONFIGS]
     for step in range(p.warmup + p.timed):
-        gen = torch.Generator().manual_seed(1000 * rank + step)
-        x, y = sample_batch(corpus.train, p.batch, p.model.block_size, gen)
+        x, y = corpus.batch("train", rank, 2, (0, rank, step), p.batch, p.model.block_size)
         for i, run in enumerate(runs):
             before = run["stats"].bytes_sent if run["stats"] else 0
             dist.barrier()

@@ -15,7 +15,8 @@ import torch
 
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
-from powertrain.train.data import load_stdlib_corpus, sample_batch
+from powertrain.train.config import TrainConfig
+from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
 
 
@@ -56,8 +57,9 @@ def run_overhead(
         torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(p.model)
-    corpus = load_stdlib_corpus(max_bytes=2_000_000)
-    x, y = sample_batch(corpus.train, p.batch, p.model.block_size, torch.Generator().manual_seed(0))
+    corpus = load_data(TrainConfig(data_max_mb=2.0))
+    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
+    x, y = corpus.batch("train", 0, 1, (0,), p.batch, p.model.block_size)
 
     backward_times: list[float] = []
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -78,18 +79,27 @@ Program = Generator[Request, "torch.Tensor | None", list[torch.Tensor]]
 
 
 def run_program(program: Program, comm: Communicator) -> list[torch.Tensor]:
-    """Run ``program``'s collectives one after the other on ``comm``; return its result."""
+    """Run ``program``'s collectives one after the other on ``comm``; return its result.
+
+    The time spent in the program's own code is added to ``comm.stats.compress_s``.
+    """
     result: torch.Tensor | None = None
+    math_s = 0.0
     try:
+        t0 = time.perf_counter()
         request = next(program)
         while True:
+            math_s += time.perf_counter() - t0
             if isinstance(request, ReduceRequest):
                 comm.all_reduce_(request.tensor, request.op)
                 result = None
             else:
                 result, _ = comm.all_gather(request.tensor)
+            t0 = time.perf_counter()
             request = program.send(result)
     except StopIteration as stop:
+        math_s += time.perf_counter() - t0
+        comm.stats.add_time(compress_s=math_s)
         return stop.value
 
 

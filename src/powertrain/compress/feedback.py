@@ -5,11 +5,18 @@ float32 vector ``x``; a subclass's :meth:`ErrorFeedbackCompressor._exchange` sen
 ``x`` (one collective) and returns what its own message decodes to and the mean over ranks of all decoded
 messages. The new error is ``x - own decoded message`` (classic error feedback, Seide et al. 2014;
 Karimireddy et al. 2019), so ``mean(x) == returned mean + mean(new errors)``: nothing is lost.
+
+Everything a subclass does is per parameter: quantisation chunks start at each parameter, top-k and
+random-k pick within each parameter, and random numbers come from a generator keyed by
+``(seed, rank, parameter, that parameter's step)``. Results therefore do not depend on how parameters are
+grouped into calls (DDP buckets differ before and after DDP's rebuild, and on resume), and a resumed run
+draws exactly the random numbers the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +26,6 @@ import torch.distributed as dist
 from powertrain._compat import foreach_add_
 from powertrain.compress.base import (
     Compressor,
-    NonFiniteGradientError,
     Program,
     Request,
     Rows,
@@ -33,17 +39,16 @@ Exchange = Generator[Request, "torch.Tensor | None", tuple[torch.Tensor, torch.T
 
 
 class ErrorFeedbackCompressor(Compressor):
-    """Base class: per-parameter error buffers, flat packing, transactions, state.
+    """Base class: per-parameter error buffers and random streams, flat packing, transactions, state.
 
     Args:
         params: ``model.parameters()`` or ``model.named_parameters()``.
         group: process group (``None``: the default group).
-        seed: seed of this compressor's random generator (see ``_shared_randomness``).
+        seed: seed of the random streams (see ``_shared_randomness``).
         error_dtype: dtype the error buffers are stored in.
     """
 
-    #: True if every rank must draw the same random numbers (random-k); False gives each rank its own
-    #: stream (stochastic rounding), seeded with ``seed + rank``.
+    #: True if every rank must draw the same random numbers (random-k); False gives each rank its own.
     _shared_randomness = False
 
     def __init__(
@@ -57,18 +62,25 @@ class ErrorFeedbackCompressor(Compressor):
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"Invalid seed={seed!r}: must be an integer >= 0")
         self._init_params(params, group)
+        self.seed = seed
         self.error_dtype = error_dtype
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
         self._steps = [0] * len(self.params)
-        self._generator = torch.Generator().manual_seed(seed + (0 if self._shared_randomness else self.comm.rank))
 
     @abc.abstractmethod
-    def _exchange(self, x: torch.Tensor) -> Exchange:
-        """Send a compressed ``x`` in one collective; return (own message decoded, mean of all decoded)."""
+    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        """Send compressed ``parts`` (views of ``x``, one per parameter ``idx``) in one collective; return
+        (own message decoded, mean of all decoded messages), both flat like ``x``."""
 
     def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor, idx: list[int]) -> torch.Tensor:
         """The error to keep; classic error feedback keeps exactly what was not sent."""
         return x - sent
+
+    def _rng(self, i: int) -> torch.Generator:
+        """The random stream of parameter ``i`` at its current step (rank-specific unless shared)."""
+        rank = -1 if self._shared_randomness else self.comm.rank
+        digest = hashlib.blake2b(repr((self.seed, rank, i, self._steps[i])).encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     @torch.no_grad()
     def program(
@@ -82,19 +94,15 @@ class ErrorFeedbackCompressor(Compressor):
         if pairs:
             foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs])
             x.add_(old)
-        rng = self._generator.get_state()
         names = [self.names[i] for i in idx]
-
-        def abort() -> NonFiniteGradientError:
-            self._generator.set_state(rng)  # the step did not happen: nor did its random draws
-            return self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
-
-        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=all_finite([x]), error=abort)
+        error = lambda: self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
+        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=all_finite([x]), error=error)
 
     def _run(
         self, x: torch.Tensor, old: torch.Tensor, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows
     ) -> Program:
-        sent, mean = yield from self._exchange(x)
+        parts = list(x.split([self._shapes[i].numel() for i in idx]))
+        sent, mean = yield from self._exchange(parts, idx)
         new = self._new_error(x, sent, old, idx).to(self.error_dtype)
         for i, e in zip(idx, flat_views(new, [self._shapes[i] for i in idx]), strict=True):
             self._errors[i] = e
@@ -115,11 +123,11 @@ class ErrorFeedbackCompressor(Compressor):
             "shapes": [list(s) for s in self._shapes],
             "errors": list(self._errors),
             "steps": list(self._steps),
-            "generator": self._generator.get_state(),
+            "seed": self.seed,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        missing = {"kind", "shapes", "errors", "steps", "generator"} - set(state)
+        missing = {"kind", "shapes", "errors", "steps", "seed"} - set(state)
         if missing:
             raise ValueError(f"{type(self).__name__} state_dict is missing {sorted(missing)}")
         shapes = [list(s) for s in self._shapes]
@@ -130,4 +138,29 @@ class ErrorFeedbackCompressor(Compressor):
             )
         self._errors = [None if e is None else e.to(self.device, self.error_dtype, copy=True) for e in state["errors"]]
         self._steps = [int(s) for s in state["steps"]]
-        self._generator.set_state(state["generator"])
+        self.seed = int(state["seed"])
+
+
+def padded_to_chunks(parts: list[torch.Tensor], chunk: int) -> tuple[torch.Tensor, list[int]]:
+    """Concatenate ``parts``, each zero-padded to a multiple of ``chunk`` (chunks never span two
+    parameters); also return each part's padded length."""
+    lengths = [-(-p.numel() // chunk) * chunk for p in parts]
+    out = torch.zeros(sum(lengths), dtype=torch.float32, device=parts[0].device if parts else "cpu")
+    for p, view in zip(parts, out.split(lengths), strict=True):
+        view[: p.numel()].copy_(p)
+    return out, lengths
+
+
+def unpad(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """Inverse of :func:`padded_to_chunks`: the real values, concatenated."""
+    if not parts:
+        return padded[:0]
+    return torch.cat([v[: p.numel()] for p, v in zip(parts, padded.split(lengths), strict=True)])
+
+
+def repad(real: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """Inverse of :func:`unpad` (padding positions get zeros): padding is never sent."""
+    out = real.new_zeros(sum(lengths))
+    for src, dst, p in zip(real.split([p.numel() for p in parts]), out.split(lengths), parts, strict=True):
+        dst[: p.numel()].copy_(src)
+    return out

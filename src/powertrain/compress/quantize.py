@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.compress.base import GatherRequest
-from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange
+from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
 from powertrain.ops.flat import pack_payload, unpack_payload
 from powertrain.ops.quantize import dequantize, pack_int4, quantize, unpack_int4
 
@@ -16,9 +16,10 @@ from powertrain.ops.quantize import dequantize, pack_int4, quantize, unpack_int4
 class QuantizedCompressor(ErrorFeedbackCompressor):
     """Send ``x = gradient + error`` as ``bits``-bit integers with one float32 scale per ``chunk`` values.
 
-    Each rank's codes and scales travel in one all-gather (a sum of differently scaled integers is not a
-    quantised number), and every rank dequantises and averages all messages in the same order, so all
-    ranks get the same result. Payload per rank: ``numel * bits / 8 + 4 * numel / chunk`` bytes.
+    Chunks start at every parameter (a chunk never mixes two tensors' magnitudes). Each rank's codes and
+    scales travel in one all-gather (a sum of differently scaled integers is not a quantised number), and
+    every rank dequantises and averages all messages in rank order, so all ranks get the same result.
+    Payload per rank: about ``numel * bits / 8 + 4 * numel / chunk`` bytes.
 
     Error handling:
 
@@ -61,26 +62,26 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         self.bits, self.chunk, self.stochastic = bits, chunk, stochastic
         self.loco_beta, self.loco_reset_every = loco_beta, loco_reset_every
 
-    def payload_bytes(self, numel: int) -> int:
-        """Bytes one rank sends for ``numel`` values (with the flag byte and alignment padding)."""
-        n_chunks = -(-numel // self.chunk)
-        code_bytes = numel if self.bits == 8 else -(-numel // 2)
-        used = 4 * n_chunks + code_bytes
-        return used + (-(used + 1)) % 8 + 1
-
-    def _exchange(self, x: torch.Tensor) -> Exchange:
-        codes, scales = quantize(x, self.bits, self.chunk, self._generator if self.stochastic else None)
-        packed = codes.view(torch.uint8) if self.bits == 8 else pack_int4(codes)
+    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        x, lengths = padded_to_chunks(parts, self.chunk)
+        noise = None
+        if self.stochastic:
+            noise = torch.zeros_like(x)
+            for i, p, view in zip(idx, parts, noise.split(lengths), strict=True):
+                view[: p.numel()] = torch.rand(p.numel(), generator=self._rng(i))
+        codes, scales = quantize(x, self.bits, self.chunk, noise)
+        real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
+        packed = real.view(torch.uint8) if self.bits == 8 else pack_int4(real)
         gathered = yield GatherRequest(pack_payload([scales, packed]))
         assert gathered is not None, "a gather returns the gathered payloads"
         specs = [(torch.float32, scales.numel()), (torch.uint8, packed.numel())]
         mean = torch.zeros_like(x)
         for row in gathered:  # same order on every rank: identical results everywhere
             s, c = unpack_payload(row, specs)
-            c = c.view(torch.int8) if self.bits == 8 else unpack_int4(c, x.numel())
-            mean.add_(dequantize(c, s, self.chunk))
+            c = c.view(torch.int8) if self.bits == 8 else unpack_int4(c, real.numel())
+            mean.add_(dequantize(repad(c, parts, lengths), s, self.chunk))
         mean.div_(gathered.shape[0])
-        return dequantize(codes, scales, self.chunk), mean
+        return unpad(dequantize(codes, scales, self.chunk), parts, lengths), unpad(mean, parts, lengths)
 
     def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor, idx: list[int]) -> torch.Tensor:
         if self.loco_beta == 0:

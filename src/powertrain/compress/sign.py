@@ -8,22 +8,17 @@ import torch
 import torch.distributed as dist
 
 from powertrain.compress.base import GatherRequest
-from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange
+from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
 from powertrain.ops.flat import pack_payload, unpack_payload
 from powertrain.ops.quantize import pack_bits, unpack_bits
-
-
-def _scaled_sign(signs: torch.Tensor, scales: torch.Tensor, chunk: int, n: int) -> torch.Tensor:
-    pad = (-n) % chunk
-    s = torch.nn.functional.pad(signs.float() * 2 - 1, (0, pad)).view(-1, chunk)
-    return (s * scales[:, None]).view(-1)[:n]
 
 
 class SignCompressor(ErrorFeedbackCompressor):
     """Send ``sign(x)`` (1 bit per value) and ``mean(|x|)`` per chunk of ``x = gradient + error``.
 
-    The message decodes to ``mean(|x_c|) * sign(x_c)`` for each chunk ``c``, the scaled sign of
-    EF-signSGD; the error buffer keeps the rest. Signs and scales travel in one all-gather.
+    Chunks start at every parameter. The message decodes to ``mean(|x_c|) * sign(x_c)`` for each chunk
+    ``c``, the scaled sign of EF-signSGD; the error buffer keeps the rest. Signs and scales travel in one
+    all-gather.
     """
 
     def __init__(
@@ -38,20 +33,22 @@ class SignCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group)
         self.chunk = chunk
 
-    def _exchange(self, x: torch.Tensor) -> Exchange:
-        n = x.numel()
-        x_c = torch.nn.functional.pad(x, (0, (-n) % self.chunk)).view(-1, self.chunk)
-        counts = torch.full((x_c.shape[0],), float(self.chunk), device=x.device)
-        if n % self.chunk:
-            counts[-1] = n % self.chunk
-        scales = x_c.abs().sum(dim=1) / counts
+    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        x, lengths = padded_to_chunks(parts, self.chunk)
+        real = torch.zeros_like(x)
+        for p, view in zip(parts, real.split(lengths), strict=True):
+            view[: p.numel()] = 1.0
+        x_c = x.view(-1, self.chunk)
+        scales = x_c.abs().sum(dim=1) / real.view(-1, self.chunk).sum(dim=1).clamp_(min=1)
         signs = x >= 0
-        packed = pack_bits(signs)
+        n_real = sum(p.numel() for p in parts)
+        packed = pack_bits(unpad(signs, parts, lengths))  # padding is not sent
         gathered = yield GatherRequest(pack_payload([scales, packed]))
         assert gathered is not None, "a gather returns the gathered payloads"
+        decode = lambda b, s: ((b.float() * 2 - 1).view(-1, self.chunk) * s[:, None]).view(-1) * real
         mean = torch.zeros_like(x)
         for row in gathered:
             s, b = unpack_payload(row, [(torch.float32, scales.numel()), (torch.uint8, packed.numel())])
-            mean.add_(_scaled_sign(unpack_bits(b, n), s, self.chunk, n))
+            mean.add_(decode(repad(unpack_bits(b, n_real), parts, lengths), s))
         mean.div_(gathered.shape[0])
-        return _scaled_sign(signs, scales, self.chunk, n), mean
+        return unpad(decode(signs, scales), parts, lengths), unpad(mean, parts, lengths)

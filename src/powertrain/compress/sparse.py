@@ -1,4 +1,4 @@
-"""Top-k and random-k sparsification with error feedback."""
+"""Top-k and random-k sparsification with error feedback, per parameter."""
 
 from __future__ import annotations
 
@@ -17,16 +17,21 @@ def _check_ratio(ratio: float) -> None:
         raise ValueError(f"Invalid ratio={ratio!r}: must be in (0, 1], the fraction of values sent")
 
 
+def _k(ratio: float, numel: int) -> int:
+    return max(1, min(numel, round(ratio * numel))) if numel else 0
+
+
 def _index_dtype(numel: int) -> torch.dtype:
     """The smallest integer dtype that can address ``numel`` values (compact indices)."""
     return torch.int16 if numel <= 2**15 else torch.int32
 
 
 class TopKCompressor(ErrorFeedbackCompressor):
-    """Send the ``ratio * numel`` largest-magnitude values of ``x = gradient + error`` and their indices.
+    """Send each parameter's ``ratio * numel`` largest-magnitude values of ``x = gradient + error``.
 
-    Ranks choose different indices, so values and indices (int16 when a call has at most 32768 values,
-    else int32) travel in one all-gather; every rank scatter-adds all messages in rank order.
+    Ranks choose different positions, so values and positions (within each parameter; int16 when every
+    parameter of the call has at most 32768 values, else int32) travel in one all-gather; every rank
+    scatter-adds all messages in rank order.
     """
 
     def __init__(
@@ -40,30 +45,30 @@ class TopKCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group)
         self.ratio = ratio
 
-    def k(self, numel: int) -> int:
-        return max(1, min(numel, round(self.ratio * numel))) if numel else 0
-
-    def _exchange(self, x: torch.Tensor) -> Exchange:
-        k, itype = self.k(x.numel()), _index_dtype(x.numel())
-        idx = x.abs().topk(k, sorted=False).indices
-        values = x[idx]
-        gathered = yield GatherRequest(pack_payload([values, idx.to(itype)]))
+    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        ks = [_k(self.ratio, p.numel()) for p in parts]
+        itype = _index_dtype(max((p.numel() for p in parts), default=0))
+        picked = [p.abs().topk(k, sorted=False).indices for p, k in zip(parts, ks, strict=True)]
+        values = torch.cat([p[i] for p, i in zip(parts, picked, strict=True)])
+        positions = torch.cat(picked).to(itype)
+        gathered = yield GatherRequest(pack_payload([values, positions]))
         assert gathered is not None, "a gather returns the gathered payloads"
-        mean = torch.zeros_like(x)
+        offsets = torch.tensor([0, *[p.numel() for p in parts]]).cumsum(0)[:-1]
+        base = torch.repeat_interleave(offsets, torch.tensor(ks))
+        n = sum(p.numel() for p in parts)
+        mean = torch.zeros(n, device=values.device)
         for row in gathered:
-            v, i = unpack_payload(row, [(torch.float32, k), (itype, k)])
-            mean.index_add_(0, i.long(), v)
+            v, i = unpack_payload(row, [(torch.float32, values.numel()), (itype, values.numel())])
+            mean.index_add_(0, base + i.long(), v)
         mean.div_(gathered.shape[0])
-        sent = torch.zeros_like(x).index_copy_(0, idx, values)
+        sent = torch.zeros(n, device=values.device).index_copy_(0, base + positions.long(), values)
         return sent, mean
 
 
 class RandomKCompressor(ErrorFeedbackCompressor):
-    """Send ``ratio * numel`` values of ``x = gradient + error`` at random positions shared by all ranks.
-
-    Every rank draws the same positions from a generator seeded identically, so no indices are sent at
-    all: one all-reduce of ``k`` values. The generator's state is part of the compressor's state.
-    """
+    """Send ``ratio * numel`` values of each parameter's ``x = gradient + error`` at random positions that
+    every rank draws identically (same seed, parameter and step), so no positions are sent: one all-reduce
+    of the values."""
 
     _shared_randomness = True
 
@@ -79,13 +84,16 @@ class RandomKCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group, seed=seed)
         self.ratio = ratio
 
-    def k(self, numel: int) -> int:
-        return max(1, min(numel, round(self.ratio * numel))) if numel else 0
-
-    def _exchange(self, x: torch.Tensor) -> Exchange:
-        idx = torch.randperm(x.numel(), generator=self._generator)[: self.k(x.numel())].to(x.device)
-        values = x[idx]
+    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        offset, picks = 0, []
+        for p, i in zip(parts, idx, strict=True):
+            k = _k(self.ratio, p.numel())
+            picks.append(torch.randperm(p.numel(), generator=self._rng(i))[:k] + offset)
+            offset += p.numel()
+        x = torch.cat(parts) if parts else torch.zeros(0)
+        pos = torch.cat(picks).to(x.device) if picks else torch.zeros(0, dtype=torch.long)
+        values = x[pos]
         yield ReduceRequest(values, "mean")
-        mean = torch.zeros_like(x).index_copy_(0, idx, values)
-        sent = torch.zeros_like(x).index_copy_(0, idx, x[idx])
+        mean = torch.zeros_like(x).index_copy_(0, pos, values)
+        sent = torch.zeros_like(x).index_copy_(0, pos, x[pos])
         return sent, mean

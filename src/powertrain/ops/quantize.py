@@ -2,7 +2,7 @@
 
 ``x`` (flat) is cut into chunks of ``chunk`` elements; each chunk gets the scale ``absmax / qmax`` and
 integer codes in ``[-qmax, qmax]`` (``qmax`` = 127 for 8 bits, 7 for 4 bits), rounded stochastically
-(unbiased: ``E[deq(q(x))] = x``) when a generator is given, to nearest otherwise.
+(unbiased: ``E[deq(q(x))] = x``) when uniform ``noise`` in [0, 1) is given, to nearest otherwise.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def quantize(
-    x: torch.Tensor, bits: int, chunk: int, generator: torch.Generator | None = None
+    x: torch.Tensor, bits: int, chunk: int, noise: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (int8, ``x.numel()``) and per-chunk float32 scales of a flat float tensor."""
+    """Codes (int8, ``x.numel()``) and per-chunk float32 scales of a flat float tensor.
+
+    ``noise`` (same size as ``x``, uniform in [0, 1)) selects stochastic rounding.
+    """
     assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
     qmax = 2 ** (bits - 1) - 1
     x_c = _chunks(x.float(), chunk)
     scales = x_c.abs().amax(dim=1) / qmax
     y = x_c / torch.where(scales > 0, scales, 1.0)[:, None]
-    if generator is None:
-        y = y.round()
-    else:
-        y = (y + torch.rand(y.shape, generator=generator, device="cpu").to(y.device)).floor_()
+    y = y.round() if noise is None else (y + _chunks(noise.to(y.device, torch.float32), chunk)).floor_()
     codes = y.clamp_(-qmax, qmax).to(torch.int8).view(-1)[: x.numel()]
     return codes, scales
 

@@ -4,75 +4,161 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
+import os
 import sys
+import typing
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
 
-from powertrain.train.config import PRESETS, CompressorSpec, TrainConfig
+from powertrain.train.config import PRESETS, TrainConfig, load_toml, resolve, to_toml
+
+_HELP = {
+    "model": "gpt (text) or resnet (mnist1d)",
+    "gpt_size": "GPT shape: tiny, small, default (3.3M params), medium, gpt2 (GPT-2 small)",
+    "data": "stdlib (Python's own sources), textdir, bin (nanoGPT uint16 tokens) or mnist1d",
+    "data_path": "directory of text files (textdir) or .bin file / directory with train.bin, val.bin (bin)",
+    "batch_size": "sequences or samples per worker per micro-step",
+    "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
+    "parallel": "reference (optimizer_step API), ddp or fsdp",
+    "compressor": "NAME[:key=value,...] with NAME in none, fp16, bf16, powersgd, int8, int4, topk, randk, sign; "
+    "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01",
+    "nproc": "local workers to launch (ignored under torchrun, which sets the world)",
+    "threads": "torch threads per worker",
+    "timeout_s": "how long a collective may wait for a peer before the run fails",
+    "out": "run directory (default: runs/<timestamp>)",
+    "eval_every": "validate every N steps (0: only at the end)",
+    "checkpoint_every": "save a checkpoint every N steps (0: never)",
+    "resume": "continue from a run directory (its latest checkpoint) or a checkpoint directory",
+    "quiet": "no progress output, only the summary",
+}
 
 
-def _train_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a byte-level GPT on the Python standard library's sources")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="default", help="base settings (tiny: seconds)")
-    p.add_argument("--nproc", type=int, help="local workers to launch (default 2; ignored under torchrun)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--batch-size", type=int, help="sequences per worker per step")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--d-model", type=int)
-    p.add_argument("--n-head", type=int)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--log-every", type=int)
-    p.add_argument("--threads", type=int, help="torch threads per worker (default 1)")
-    p.add_argument(
-        "--compressor",
-        help="NAME[:key=value,...]: none, or powersgd with rank, iters, min_rate, start, variant, seed "
-        "(default powersgd:rank=4)",
-    )
-    p.add_argument("--backend", choices=["auto", "gloo", "nccl"])
+def _add_train_flags(p: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        base = args[0] if len(args) == 1 else hint
+        if base is bool:
+            p.add_argument(flag, action="store_true", default=None, help=_HELP.get(f.name))
+        elif typing.get_origin(base) is Literal:
+            p.add_argument(flag, choices=typing.get_args(base), default=None, help=_HELP.get(f.name))
+        else:
+            p.add_argument(flag, type=base, default=None, help=_HELP.get(f.name))
 
 
-def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
-    p.add_argument(
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="powertrain", description="Communication-efficient distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model (default: byte-level GPT on Python's own sources)")
+    train.add_argument("--preset", choices=sorted(PRESETS), default="default", help="base settings (tiny: seconds)")
+    train.add_argument("--config", help="TOML file with any of the keys below (flags override it)")
+    _add_train_flags(train)
+    bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
+    bench.add_argument(
         "suite",
         choices=["overhead", "ddp"],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks",
     )
-    p.add_argument("--preset", choices=["default", "tiny"], default="default")
-    p.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="powertrain", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    _train_parser(sub)
-    _bench_parser(sub)
+    bench.add_argument("--preset", choices=["default", "tiny"], default="default")
+    bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     args = parser.parse_args(argv)
     try:
-        if args.command == "train":
-            return _train(args)
-        return _bench(args)
+        return _train(args) if args.command == "train" else _bench(args)
     except ValueError as e:
         parser.exit(2, f"powertrain {args.command}: error: {e}\n")
 
 
-def _train(args: argparse.Namespace) -> int:
-    from powertrain.train.launch import launch
-    from powertrain.train.worker import run_worker
+def _default_out() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")  # identical on every rank under torchrun
+    stamp = run_id or datetime.datetime.now().strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    return str(Path("runs") / stamp)
 
-    overrides = {
-        f.name: getattr(args, f.name)
-        for f in dataclasses.fields(TrainConfig)
-        if getattr(args, f.name, None) is not None
-    }
-    if "compressor" in overrides:
-        overrides["compressor"] = CompressorSpec.parse(overrides["compressor"])
-    cfg = TrainConfig(**{**PRESETS[args.preset], **overrides})
-    launch(run_worker, cfg.nproc, cfg)
+
+def _prepare_out(path: str) -> Path:
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"Cannot write to out={path!r}: {e.strerror or e}; choose another --out") from None
+    return out
+
+
+def _train(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from powertrain.train.launch import launch
+    from powertrain.train.loop import run_worker
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    toml = load_toml(args.config) if args.config else None
+    cfg = resolve(args.preset, toml, flags)
+    if cfg.out is None:
+        cfg = dataclasses.replace(cfg, out=_default_out())
+    out = _prepare_out(str(cfg.out))
+    _check_data_path(cfg)
+    if cfg.resume is not None:
+        from powertrain.train.checkpoint import find_checkpoint
+
+        find_checkpoint(cfg.resume)  # a clear error now rather than in every worker
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        (out / "config.toml").write_text(to_toml(cfg))
+        if not cfg.quiet:
+            print(f"resolved config (saved to {out / 'config.toml'}):\n" + to_toml(cfg), flush=True)
+    try:
+        launch(run_worker, cfg.nproc, cfg)
+    except ChildFailedError as e:
+        print(f"powertrain train: {_describe_failure(e)}", file=sys.stderr)
+        if cfg.checkpoint_every:
+            print(f"Resume from the last checkpoint with: powertrain train ... --resume {out}", file=sys.stderr)
+        return 1
+    except FloatingPointError as e:  # single process: the worker's own error
+        print(f"powertrain train: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_data_path(cfg: TrainConfig) -> None:
+    """A missing or empty data path is a clear error here, before any worker starts."""
+    if cfg.data not in ("textdir", "bin"):
+        return
+    path = Path(str(cfg.data_path))
+    if not path.exists():
+        raise ValueError(f"data_path={cfg.data_path!r} does not exist")
+    if cfg.data == "textdir":
+        if not path.is_dir():
+            raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads the files in it)")
+        if not any(p.is_file() and p.stat().st_size > 0 for p in path.rglob("*")):
+            raise ValueError(f"data_path={cfg.data_path!r} has no non-empty files")
+    else:
+        f = path / "train.bin" if path.is_dir() else path
+        if not f.is_file() or f.stat().st_size < 2:
+            raise ValueError(f"data_path={cfg.data_path!r}: {str(f)!r} is missing or empty (uint16 tokens expected)")
+
+
+def _describe_failure(e: Any) -> str:
+    parts = []
+    for rank, failure in sorted(e.failures.items()):
+        msg = failure.message
+        if isinstance(msg, dict):  # torchelastic's error file: {"message": ..., "extraInfo": ...}
+            msg = msg.get("message", "")
+        reason = msg if isinstance(msg, str) else ""
+        if failure.signal_name() not in ("", "<N/A>", "UNKNOWN_SIGNAL"):
+            reason = f"killed by {failure.signal_name()}" + (f": {reason}" if reason and "Signal" not in reason else "")
+        elif not reason:
+            reason = f"exit code {failure.exitcode}"
+        parts.append(f"worker rank {rank} (pid {failure.pid}) failed: {reason.strip().splitlines()[-1][:500]}")
+    return "; ".join(parts) + ". The other workers were stopped."
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,145 +1,238 @@
-"""Configuration of ``powertrain train``: one dataclass, named presets, and the compressor spec syntax."""
+"""Configuration of ``powertrain train``: one flat dataclass, named presets, TOML files, validation.
+
+Every field is a TOML key and a command-line flag (``steps`` <-> ``--steps``). Precedence: defaults <
+``--preset`` < ``--config FILE`` < flags. Every value is checked with an error naming the key, the bad
+value and what is allowed; unknown TOML keys are errors.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+import tomllib
+import typing
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
-import torch
+from powertrain.compress import COMPRESSORS
 
-from powertrain.compress.powersgd import Config as PowerSGDConfig
-from powertrain.powersgd import AllReduce, PowerSGD
+Parallel = Literal["reference", "ddp", "fsdp"]
+Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
+ModelKind = Literal["gpt", "resnet"]
+GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
+Optimizer = Literal["adamw", "sgd"]
+Precision = Literal["fp32", "bf16"]
+Backend = Literal["auto", "gloo", "nccl"]
 
-Preset = Literal["default", "tiny"]
-COMPRESSORS = ("none", "powersgd")
-
-
-@dataclasses.dataclass(frozen=True)
-class CompressorSpec:
-    """``NAME[:key=value,...]``, e.g. ``powersgd:rank=4,iters=2``."""
-
-    name: str
-    options: tuple[tuple[str, str], ...] = ()
-
-    @classmethod
-    def parse(cls, text: str) -> CompressorSpec:
-        name, _, rest = text.partition(":")
-        name = name.strip().lower()
-        if name not in COMPRESSORS:
-            raise ValueError(f"Unknown compressor {name!r} in {text!r}: choose one of {', '.join(COMPRESSORS)}")
-        options = []
-        for item in filter(None, (s.strip() for s in rest.split(","))):
-            key, eq, value = item.partition("=")
-            if not eq or not key.strip() or not value.strip():
-                raise ValueError(f"Bad compressor option {item!r} in {text!r}: expected key=value")
-            options.append((key.strip(), value.strip()))
-        spec = cls(name, tuple(options))
-        spec.powersgd_config()  # validate now, not in the workers
-        return spec
-
-    def __str__(self) -> str:
-        return self.name + (":" + ",".join(f"{k}={v}" for k, v in self.options) if self.options else "")
-
-    def powersgd_config(self) -> PowerSGDConfig | None:
-        if self.name == "none":
-            if self.options:
-                raise ValueError(f"Compressor 'none' takes no options, got {dict(self.options)}")
-            return None
-        keys: dict[str, tuple[str, type]] = {
-            "rank": ("rank", int),
-            "iters": ("num_iters_per_step", int),
-            "min_rate": ("min_compression_rate", float),
-            "start": ("start_compressing_after_num_steps", int),
-            "variant": ("variant", str),
-            "seed": ("seed", int),
-        }
-        kwargs: dict[str, Any] = {"rank": 4, "start_compressing_after_num_steps": 10}
-        for key, value in self.options:
-            if key not in keys:
-                raise ValueError(f"Unknown powersgd option {key!r}: valid options are {', '.join(keys)}")
-            field, typ = keys[key]
-            try:
-                kwargs[field] = typ(value)
-            except ValueError:
-                raise ValueError(f"powersgd option {key}={value!r} must be {typ.__name__}") from None
-        return PowerSGDConfig(**kwargs)
-
-    def build(self, params: Sequence[torch.Tensor]) -> PowerSGD | AllReduce:
-        cfg = self.powersgd_config()
-        return AllReduce() if cfg is None else PowerSGD(params, config=cfg)
+#: (n_layer, n_head, d_model) of each GPT size; "default" is 3.3M parameters, "gpt2" GPT-2 small's shape.
+GPT_SIZES: dict[str, tuple[int, int, int]] = {
+    "tiny": (1, 2, 32),
+    "small": (2, 4, 128),
+    "default": (4, 4, 256),
+    "medium": (6, 6, 384),
+    "gpt2": (12, 12, 768),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    nproc: int = 2
-    """Local worker processes to launch (ignored under torchrun, which sets the world)."""
+    # what to train on
+    model: ModelKind = "gpt"
+    gpt_size: GPTSize = "default"
+    data: Data = "stdlib"
+    data_path: str | None = None
+    data_max_mb: float | None = None
+    block_size: int = 128
+    # how long and how
     steps: int = 300
     batch_size: int = 16
-    """Sequences per worker per step."""
-    block_size: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    d_model: int = 256
+    grad_accum: int = 1
+    optimizer: Optimizer = "adamw"
     lr: float = 3e-3
+    min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
+    momentum: float = 0.9
+    precision: Precision = "fp32"
     seed: int = 0
-    compressor: CompressorSpec = dataclasses.field(default_factory=lambda: CompressorSpec("powersgd", (("rank", "4"),)))
-    log_every: int = 25
-    eval_batches: int = 16
+    # distribution and compression
+    parallel: Parallel = "reference"
+    compressor: str = "powersgd:rank=4,start=10"
+    nproc: int = 2
+    backend: Backend = "auto"
     threads: int = 1
-    """torch threads per worker."""
-    data_max_mb: float | None = None
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    timeout_s: float = 120.0
-    """How long a collective may wait before the workers give up (a dead peer fails the run)."""
+    timeout_s: float = 60.0
+    # output
+    out: str | None = None
+    log_every: int = 25
+    eval_every: int = 0
+    eval_batches: int = 16
+    checkpoint_every: int = 0
+    resume: str | None = None
+    quiet: bool = False
 
     def __post_init__(self) -> None:
-        positive = (
-            "nproc",
-            "steps",
-            "batch_size",
-            "block_size",
-            "n_layer",
-            "n_head",
-            "d_model",
-            "log_every",
-            "eval_batches",
-            "threads",
-        )
+        hints = typing.get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches"]
         for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Invalid {name}={value!r}: must be an integer >= 1")
-        if self.warmup_steps < 0:
-            raise ValueError(f"Invalid warmup_steps={self.warmup_steps!r}: must be >= 0")
-        if not self.lr > 0:
-            raise ValueError(f"Invalid lr={self.lr!r}: must be > 0")
-        if self.weight_decay < 0:
+            if getattr(self, name) < 1:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
+        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0")
+        for name in ("lr", "timeout_s"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be a number > 0")
+        for name in ("min_lr_ratio", "momentum"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"Invalid weight_decay={self.weight_decay!r}: must be >= 0")
         if self.data_max_mb is not None and not self.data_max_mb > 0:
             raise ValueError(f"Invalid data_max_mb={self.data_max_mb!r}: must be > 0")
-        if self.d_model % self.n_head:
-            raise ValueError(f"Invalid d_model={self.d_model}: must be divisible by n_head={self.n_head}")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"Invalid backend={self.backend!r}: must be auto, gloo or nccl")
+        if self.data in ("textdir", "bin") and not self.data_path:
+            raise ValueError(
+                f"data={self.data!r} needs data_path (--data-path): a directory of text files or a .bin file"
+            )
+        if self.model == "resnet" and self.data != "mnist1d":
+            raise ValueError(f"model='resnet' trains on data='mnist1d', got data={self.data!r}")
+        if self.model == "gpt" and self.data == "mnist1d":
+            raise ValueError("data='mnist1d' is classification: use model='resnet'")
+        name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
+        if self.parallel == "fsdp" and name in ("topk", "randk", "sign"):
+            raise ValueError(
+                f"compressor={name!r} cannot run under parallel='fsdp' (its messages have no reduce-scatter form): "
+                "use none, fp16, bf16, powersgd, int8 or int4 with fsdp, or parallel='ddp'"
+            )
+
+    @property
+    def gpt_shape(self) -> tuple[int, int, int]:
+        return GPT_SIZES[self.gpt_size]
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Check ``value`` against a field's annotation (Literal, bool, int, float, str, or X | None)."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    if typing.get_origin(hint) is Literal:
+        if value not in args:
+            raise ValueError(f"Invalid {name}={value!r}: must be one of {', '.join(map(repr, args))}")
+        return
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if not ok:
+        raise ValueError(f"Invalid {name}={value!r}: must be {hint.__name__}")
+
+
+def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME[:key=value,...]`` -> (name, options) with values typed (int, float, bool, str).
+
+    PowerSGD's short keys: ``rank``, ``iters`` (num_iters_per_step), ``min_rate`` (min_compression_rate),
+    ``start`` (start_compressing_after_num_steps), ``variant``, ``seed``.
+    """
+    name, _, rest = spec.partition(":")
+    name = name.strip().lower()
+    if name not in COMPRESSORS:
+        raise ValueError(f"Unknown compressor {name!r} in {spec!r}: choose one of {', '.join(COMPRESSORS)}")
+    options: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip() or not value.strip():
+            raise ValueError(f"Bad compressor option {item!r} in {spec!r}: expected key=value")
+        options[key.strip()] = _typed(value.strip())
+    if name == "powersgd":
+        aliases = {
+            "iters": "num_iters_per_step",
+            "min_rate": "min_compression_rate",
+            "start": "start_compressing_after_num_steps",
+        }
+        options = {aliases.get(k, k): v for k, v in options.items()}
+        options.setdefault("rank", 4)
+    from powertrain.compress import make_compressor
+
+    try:  # build once on a dummy parameter: unknown options and bad values fail here, with their names
+        import torch
+
+        make_compressor(name, [torch.nn.Parameter(torch.zeros(4, 4))], **options)
+    except ValueError as e:
+        raise ValueError(f"Bad compressor {spec!r}: {e}") from None
+    return name, options
+
+
+def _typed(text: str) -> Any:
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
 
 
 PRESETS: dict[str, dict[str, Any]] = {
     "default": {},
     # Seconds, for tests and smoke checks.
     "tiny": dict(
+        gpt_size="tiny",
         steps=6,
         batch_size=2,
         block_size=32,
-        n_layer=1,
-        n_head=2,
-        d_model=32,
         log_every=1,
         eval_batches=2,
         data_max_mb=0.5,
         warmup_steps=2,
-        compressor=CompressorSpec("powersgd", (("rank", "2"), ("start", "2"))),
+        compressor="powersgd:rank=2,start=2",
     ),
 }
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config; unknown keys are errors naming them and the valid ones."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"Config file {str(p)!r} does not exist")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"Config file {str(p)!r} is not valid TOML: {e}") from None
+    valid = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"Unknown config key(s) {unknown} in {str(p)!r}; valid keys: {', '.join(sorted(valid))}")
+    return data
+
+
+def resolve(preset: str, toml: Mapping[str, Any] | None, flags: Mapping[str, Any]) -> TrainConfig:
+    """defaults < preset < TOML < flags."""
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
+    return TrainConfig(**{**PRESETS[preset], **(toml or {}), **flags})
+
+
+def to_toml(cfg: TrainConfig) -> str:
+    """The resolved config as TOML (``None`` values are left out: they are the defaults)."""
+    lines = []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, int | float):
+            text = repr(v)
+        else:
+            text = '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+        lines.append(f"{f.name} = {text}")
+    return "\n".join(lines) + "\n"

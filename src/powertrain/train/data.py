@@ -1,4 +1,13 @@
-"""Text that ships with every Python install: the standard library's own ``.py`` sources, as bytes."""
+"""Data sources for ``powertrain train`` (nothing is downloaded) and a stateless, resumable sampler.
+
+Sources: the Python standard library's own ``.py`` sources (bytes), a directory of text files (bytes), a
+pre-tokenised nanoGPT ``.bin`` file (uint16 tokens), and ``mnist1d`` generated locally with
+``make_dataset`` (its downloading ``get_dataset`` is never called).
+
+Sampling: rank ``r`` of ``W`` draws only from its own contiguous shard of the training data; the batch of
+(step, micro-step) comes from a generator seeded with ``(seed, r, step, micro)``. No sampler state exists,
+so a resumed run continues from the step number alone and gets exactly the batches it would have had.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +18,83 @@ from pathlib import Path
 
 import torch
 
+from powertrain.train.config import TrainConfig
+
+__all__ = ["ClassData", "TokenData", "load_data", "stdlib_files"]
+
+MB = 1_000_000
+
 
 @dataclasses.dataclass(frozen=True)
-class Corpus:
-    train: torch.Tensor  # uint8 tokens
+class TokenData:
+    train: torch.Tensor  # 1-D integer tokens
     val: torch.Tensor
+    vocab_size: int
     description: str
+
+    def batch(
+        self, split: str, rank: int, world: int, key: tuple[int, ...], batch_size: int, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows from this rank's shard: inputs and next-token targets, ``(batch, block)`` int64."""
+        tokens = self.train if split == "train" else self.val
+        lo, hi = _shard(tokens.numel(), rank, world)
+        if hi - lo < block_size + 2:
+            raise ValueError(
+                f"The {split} split has {tokens.numel()} tokens: a shard of {world} is too small for block_size="
+                f"{block_size}; use more data (data_max_mb) or a smaller block_size"
+            )
+        starts = lo + torch.randint(0, hi - lo - block_size - 1, (batch_size,), generator=_generator(key))
+        windows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()
+        return windows[:, :-1], windows[:, 1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassData:
+    x_train: torch.Tensor  # (N, channels, length) float32
+    y_train: torch.Tensor  # (N,) int64
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    num_classes: int
+    description: str
+
+    def batch(
+        self, split: str, rank: int, world: int, key: tuple[int, ...], batch_size: int, block_size: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = (self.x_train, self.y_train) if split == "train" else (self.x_val, self.y_val)
+        lo, hi = _shard(x.shape[0], rank, world)
+        if hi <= lo:
+            raise ValueError(f"The {split} split has {x.shape[0]} samples: too few for {world} workers")
+        idx = lo + torch.randint(0, hi - lo, (batch_size,), generator=_generator(key))
+        return x[idx], y[idx]
+
+
+def _shard(n: int, rank: int, world: int) -> tuple[int, int]:
+    return n * rank // world, n * (rank + 1) // world
+
+
+def _generator(key: tuple[int, ...]) -> torch.Generator:
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def load_data(cfg: TrainConfig) -> TokenData | ClassData:
+    max_bytes = None if cfg.data_max_mb is None else int(cfg.data_max_mb * MB)
+    match cfg.data:
+        case "stdlib":
+            root = Path(sysconfig.get_paths()["stdlib"])
+            desc = f"Python {sysconfig.get_python_version()} standard library sources"
+            return _bytes_corpus(root, stdlib_files(), max_bytes, desc)
+        case "textdir":
+            root = Path(str(cfg.data_path))
+            if not root.is_dir():
+                raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads its files)")
+            files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
+            return _bytes_corpus(root, files, max_bytes, f"text files under {root}")
+        case "bin":
+            return _bin(Path(str(cfg.data_path)), max_bytes)
+        case "mnist1d":
+            return _mnist1d()
+    raise ValueError(f"Unknown data source {cfg.data!r}")
 
 
 def stdlib_files() -> list[Path]:
@@ -24,38 +104,74 @@ def stdlib_files() -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def load_stdlib_corpus(max_bytes: int | None = None, val_fraction: float = 0.05) -> Corpus:
-    """Byte tokens of the stdlib sources; a file goes to validation by a hash of its path (stable split)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, description: str) -> TokenData:
+    """Byte tokens; a file goes to validation by a hash of its path (5%, stable across runs)."""
     train: list[bytes] = []
     val: list[bytes] = []
     size = 0
-    for path in stdlib_files():
-        rel = path.relative_to(root).as_posix()
+    for path in files:
         try:
             data = path.read_bytes()
         except OSError:
             continue
+        if not data:
+            continue
+        rel = path.relative_to(root).as_posix()
         h = int.from_bytes(hashlib.sha1(rel.encode()).digest()[:4], "little") / 2**32
-        (val if h < val_fraction else train).append(data)
+        (val if h < 0.05 else train).append(data)
         size += len(data)
         if max_bytes is not None and size >= max_bytes:
             break
-    if not train or not val:
-        raise ValueError(f"No Python sources found under {root}: cannot build the default corpus")
-    to_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    tr, va = to_tensor(train), to_tensor(val)
-    desc = (
-        f"Python {sysconfig.get_python_version()} standard library sources ({(tr.numel() + va.numel()) / 1e6:.1f} MB)"
-    )
-    return Corpus(tr, va, desc)
+    if not train:
+        raise ValueError(f"No data found under {str(root)!r}: it has no readable, non-empty files")
+    if not val:  # tiny corpora: hold out the last file's tail
+        last = train[-1]
+        train[-1], val = last[: len(last) * 9 // 10], [last[len(last) * 9 // 10 :]]
+    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    tr, va = as_tensor(train), as_tensor(val)
+    return TokenData(tr, va, 256, f"{description} ({(tr.numel() + va.numel()) / MB:.1f} MB, bytes)")
 
 
-def sample_batch(
-    tokens: torch.Tensor, batch_size: int, block_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random windows: inputs and next-byte targets, both ``(batch_size, block_size)`` int64."""
-    starts = torch.randint(0, tokens.numel() - block_size - 1, (batch_size,), generator=generator)
-    idx = starts[:, None] + torch.arange(block_size + 1)
-    windows = tokens[idx].long()
-    return windows[:, :-1], windows[:, 1:]
+def _bin(path: Path, max_bytes: int | None) -> TokenData:
+    """nanoGPT format: raw uint16 tokens. A directory with train.bin and val.bin, or one file (last 5% held out)."""
+    if path.is_dir():
+        train_file, val_file = path / "train.bin", path / "val.bin"
+        if not train_file.is_file():
+            raise ValueError(f"data_path={str(path)!r} has no train.bin")
+    else:
+        train_file, val_file = path, None
+        if not path.is_file():
+            raise ValueError(f"data_path={str(path)!r} does not exist (data='bin' reads uint16 tokens)")
+
+    def read(f: Path) -> torch.Tensor:
+        n = f.stat().st_size // 2
+        if max_bytes is not None:
+            n = min(n, max_bytes // 2)
+        if n == 0:
+            raise ValueError(f"{str(f)!r} is empty")
+        return torch.from_file(str(f), dtype=torch.uint16, size=n).to(torch.int32)
+
+    train = read(train_file)
+    if val_file is not None and val_file.is_file():
+        val = read(val_file)
+    else:
+        cut = train.numel() * 95 // 100
+        train, val = train[:cut], train[cut:]
+    vocab = int(max(train.max().item(), val.max().item())) + 1
+    return TokenData(train, val, vocab, f"{path} ({train.numel() + val.numel()} uint16 tokens, vocab {vocab})")
+
+
+def _mnist1d() -> ClassData:
+    try:
+        from mnist1d.data import get_dataset_args, make_dataset
+    except ImportError:
+        raise ValueError("data='mnist1d' needs the mnist1d package: pip install 'powertrain[data]'") from None
+    args = get_dataset_args()
+    args.seed = 42  # the standard mnist1d set, generated here, whatever the training seed
+    d = make_dataset(args)  # generates locally; get_dataset would download
+    x = torch.as_tensor(d["x"], dtype=torch.float32)[:, None, :]
+    x_val = torch.as_tensor(d["x_test"], dtype=torch.float32)[:, None, :]
+    return ClassData(
+        x, torch.as_tensor(d["y"]).long(), x_val, torch.as_tensor(d["y_test"]).long(), 10,
+        f"mnist1d generated locally ({x.shape[0]} train / {x_val.shape[0]} test sequences of length {x.shape[2]})",
+    )  # fmt: skip

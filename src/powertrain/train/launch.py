@@ -16,6 +16,11 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
+def _shutdown_timeout(seconds: int) -> dict[str, Any]:
+    """How long the agent waits for the other workers after one fails (a newer LaunchConfig field)."""
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+
+
 def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
     """Run ``fn(*args)`` on ``nproc`` local processes; return each rank's result.
 
@@ -38,5 +43,6 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        **_shutdown_timeout(5),
     )
     return elastic_launch(config, fn)(*args)

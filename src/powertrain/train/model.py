@@ -79,3 +79,35 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class _ResBlock1d(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(channels, channels, 3, padding=1)
+        self.norm1 = nn.GroupNorm(4, channels)
+        self.conv2 = nn.Conv1d(channels, channels, 3, padding=1)
+        self.norm2 = nn.GroupNorm(4, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm1(self.conv1(x)))
+        return F.relu(x + self.norm2(self.conv2(h)))
+
+
+class ResNet1d(nn.Module):
+    """A small ResNet for 1-D signals (mnist1d: 1 channel, length 40, 10 classes). GroupNorm, not BatchNorm:
+    no running statistics that ranks would have to keep in sync."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Conv1d(in_channels, width, 5, padding=2)
+        self.blocks = nn.Sequential(*(_ResBlock1d(width) for _ in range(blocks)))
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.blocks(F.relu(self.stem(x))).mean(dim=2)
+        logits = self.head(h)
+        return logits if targets is None else F.cross_entropy(logits.float(), targets)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

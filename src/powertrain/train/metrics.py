@@ -1,0 +1,120 @@
+"""What a run writes: config.toml, metrics.jsonl, summary.json, TensorBoard events, PNG plots, progress.
+
+Only rank 0 writes. ``metrics.jsonl`` has one JSON object per logged step with ``step``, ``loss`` (mean over
+ranks), ``lr``, ``step_time_s``, ``compute_s`` (forward + backward; under DDP/FSDP this includes the
+communication that overlaps backward), ``comm_s`` (time blocked in synchronous collectives), ``compress_s``
+(compressor math), ``bytes_sent`` (gradient payload bytes this rank sent in the step) and
+``bytes_uncompressed`` (what a plain fp32 all-reduce of the gradients sends), plus ``val_loss`` where a
+validation ran.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class Progress:
+    """One status line on a terminal (rewritten in place), or a line per log step in a log file."""
+
+    def __init__(self, total: int, *, quiet: bool, stream: TextIO = sys.stdout) -> None:
+        self.total, self.quiet, self.stream = total, quiet, stream
+        self.tty = stream.isatty()
+        self.t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float, rate: float, unit: str, mb: float, dense_mb: float) -> None:
+        if self.quiet:
+            return
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / max(step, 1) * (self.total - step)
+        ratio = f"{dense_mb / mb:6.1f}x less" if mb > 0 else "  no comm"
+        line = (
+            f"step {step:5d}/{self.total}  loss {loss:.4f}  {rate:8.0f} {unit}/s  sent {mb:7.3f} MB/step "
+            f"(all-reduce {dense_mb:.3f} MB, {ratio})  ETA {eta:5.0f}s"
+        )
+        if self.tty:
+            end = "\n" if step == self.total else ""
+            self.stream.write("\r" + line + end)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def message(self, text: str) -> None:
+        if self.tty and not self.quiet:
+            self.stream.write("\n")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+class RunWriter:
+    """Files of one run directory (rank 0)."""
+
+    def __init__(self, out: Path, *, resume_step: int | None) -> None:
+        self.out = out
+        self.metrics_path = out / "metrics.jsonl"
+        self.rows: list[dict[str, Any]] = []
+        if resume_step is not None and self.metrics_path.exists():
+            # Continue the same log: drop what was logged after the checkpoint we resume from.
+            kept = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+            self.rows = [r for r in kept if r["step"] <= resume_step]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        self.tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        except Exception:  # tensorboard is optional
+            self.tb = None
+
+    def log(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float) and math.isfinite(value):
+                    self.tb.add_scalar(key, value, row["step"])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.tb is not None:
+            self.tb.close()
+        self.plot()
+
+    def plot(self) -> list[Path]:
+        """loss vs step, vs wall-clock, vs bytes sent (PNG); skipped without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return []
+        rows = [r for r in self.rows if "loss" in r]
+        if not rows:
+            return []
+        wall = [r.get("wall_s", 0.0) for r in rows]  # cumulative training time
+        sent = [r.get("bytes_total", 0) / 1e6 for r in rows]  # cumulative gradient bytes per worker
+        paths = []
+        for name, xs, label in (("loss_vs_step", [r["step"] for r in rows], "step"),
+                                ("loss_vs_wallclock", wall, "wall-clock (s)"),
+                                ("loss_vs_bytes", sent, "MB sent per worker")):  # fmt: skip
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.plot(xs, [r["loss"] for r in rows], label="train")
+            val = [(x, r["val_loss"]) for x, r in zip(xs, rows, strict=True) if "val_loss" in r]
+            if val:
+                ax.plot(*zip(*val, strict=True), "o-", label="validation")
+            ax.set_xlabel(label)
+            ax.set_ylabel("loss")
+            ax.legend()
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            path = self.out / f"{name}.png"
+            fig.savefig(path, dpi=100)
+            plt.close(fig)
+            paths.append(path)
+        return paths
