@@ -57,3 +57,19 @@ def test_errors_name_the_problem(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(4, 3))
     with pytest.raises(ValueError, match="made for another model"):
         load_checkpoint(ckpt, other, torch.optim.AdamW(other.parameters()), {})
+
+
+def test_metadata_cannot_run_code(tmp_path):
+    """DCP pickles its metadata; a crafted .metadata naming anything else is refused, never executed."""
+    import pickle
+
+    model, opt = _model_and_opt()
+    ckpt = save_checkpoint(tmp_path, 1, model, opt, {})
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print"):
+        load_checkpoint(ckpt, model, opt, {})

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import pickle
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -30,3 +31,61 @@ def fsdp_managed_params(module: Any) -> list[tuple[torch.nn.Parameter, torch.Siz
 
 def fsdp_param_group_count(module: Any) -> int:
     return len(module._get_fsdp_state()._fsdp_param_groups)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """Unpickles DCP checkpoint metadata without running arbitrary code: only DCP's own metadata and
+    storage classes, torch sizes/dtypes/devices and plain containers may be named in the stream."""
+
+    _MODULES: ClassVar[tuple[str, ...]] = (
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint._extension",
+    )
+    _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch", "dtype"),
+            ("torch", "device"),
+            ("torch", "layout"),
+            ("torch", "memory_format"),
+            ("builtins", "getattr"),  # how some torch enums pickle themselves
+            ("torch.serialization", "_get_layout"),  # how torch.strided and friends pickle themselves
+            ("pathlib", "PosixPath"),  # the checkpoint id DCP records
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("collections", "OrderedDict"),
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("builtins", "slice"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        torch_type = module == "torch" and isinstance(
+            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+        )
+        if module in self._MODULES or (module, name) in self._ALLOWED or torch_type:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata names {module}.{name}, which is not allowed: refusing to load it"
+        )
+
+
+def safe_dcp_reader(path: str) -> Any:
+    """A DCP FileSystemReader whose metadata load cannot execute code (DCP itself uses plain pickle)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            meta_path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(meta_path, "rb") as f:
+                metadata = SafeUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(path)

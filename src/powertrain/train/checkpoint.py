@@ -4,7 +4,8 @@ Layout: ``OUT/checkpoints/step_00000042/`` (a DCP checkpoint) and ``OUT/checkpoi
 the newest complete one). A checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed once every rank has
 finished, and ``latest`` is replaced atomically afterwards, so a crash while saving leaves the previous
 checkpoint loadable. Per-rank state (compressor error buffers, residuals, RNG) is stored under each rank's
-own key (:class:`powertrain.checkpoint.CompressorState`) and loaded with ``weights_only=True``.
+own key (:class:`powertrain.checkpoint.CompressorState`) and loaded with ``weights_only=True``; DCP's own
+metadata file (plain pickle in torch) is read with an unpickler that admits only DCP's metadata classes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from powertrain._compat import safe_dcp_reader
 from powertrain.checkpoint import CompressorState
 
 __all__ = ["find_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -84,13 +86,17 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                     per_rank: dict[str, Any]) -> int:  # fmt: skip
     """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    saved = set(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(safe_dcp_reader(str(path)).read_metadata().state_dict_metadata)
     missing = sorted(k for k in (f"model.{k}" for k in model_sd) if k not in saved)
     if missing:
         raise ValueError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
     rank_state = _RankState(per_rank)
     state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rank": CompressorState(rank_state), "step": 0}
     # Optimizer slots of parameters that never had a gradient are absent from the checkpoint: allow that.
-    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load(
+        state,
+        storage_reader=safe_dcp_reader(str(path)),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
