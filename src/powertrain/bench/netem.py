@@ -1,0 +1,202 @@
+"""An emulated bandwidth-limited cluster on one machine: one network namespace per worker.
+
+Layout: a hub namespace holds a bridge; each rank gets a namespace joined to the bridge by a veth pair,
+with ``tc tbf`` limiting both ends (what a rank sends, and what it receives). Addresses come from a private
+/24 that exists only inside these namespaces; nothing touches the host's own interfaces. ``tbf`` shapes
+bandwidth only: this kernel has no netem, so latency, where wanted, must be added in software.
+
+Everything created is removed on exit, also on errors and Ctrl-C (namespaces, and with them the links;
+processes started here are killed by PID). Needs root and iproute2; :func:`unavailable` says why not.
+
+The alpha-beta cost model (:func:`collective_seconds`) is what the benchmark compares measured step times
+with; :func:`validate` checks the emulation itself: a measured all-reduce against bytes / bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+__all__ = ["EmulatedCluster", "collective_seconds", "unavailable", "validate"]
+
+#: TCP/IPv4/Ethernet framing: 1448 payload bytes cost 1514 on the wire (measured here: theory x1.046
+#: matched a 16 MiB all-reduce at 1 Gbit/s within 0.3%).
+FRAMING = 1514 / 1448
+
+
+def collective_seconds(
+    op: Literal["all_reduce", "all_gather", "reduce_scatter"], payload_bytes: float, world: int, rate_mbit: float
+) -> float:
+    """Time a bandwidth-bound ring collective needs on links of ``rate_mbit``, per rank.
+
+    ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
+    for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it, all-gather ``(W-1)`` times it,
+    reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there).
+    """
+    if world < 2 or payload_bytes <= 0:
+        return 0.0
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
+    return factor[op] * payload_bytes * FRAMING * 8 / (rate_mbit * 1e6)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be used here (None if they can)."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces and tc need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"{tool} (iproute2) is not installed"
+    return None
+
+
+def _sh(*args: str) -> None:
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed: {r.stderr.strip()}")
+
+
+class EmulatedCluster:
+    """``world`` namespaces on a bridge, each link limited to ``rate_mbit`` (None: unlimited).
+
+    Use as a context manager; :meth:`spawn` starts a command inside rank ``r``'s namespace with the
+    environment a torch.distributed worker needs (RANK, WORLD_SIZE, MASTER_ADDR/PORT, GLOO_SOCKET_IFNAME).
+    """
+
+    def __init__(self, world: int, rate_mbit: float | None, *, subnet: int = 231) -> None:
+        if world < 2:
+            raise ValueError(f"Invalid world={world}: an emulated cluster needs at least 2 ranks")
+        if rate_mbit is not None and not rate_mbit > 0:
+            raise ValueError(f"Invalid rate_mbit={rate_mbit!r}: must be > 0 (or None for unthrottled)")
+        if not 0 <= subnet <= 255:
+            raise ValueError(f"Invalid subnet={subnet}: must be 0..255 (the third octet of 10.x.<subnet>.0/24)")
+        self.world, self.rate_mbit = world, rate_mbit
+        self.tag = f"pt{os.getpid() % 100000}"
+        self.hub = f"{self.tag}hub"
+        self.namespaces = [f"{self.tag}r{r}" for r in range(world)]
+        self.addresses = [f"10.{subnet}.{os.getpid() % 250}.{r + 1}" for r in range(world)]
+        self.port = 29500 + os.getpid() % 20000
+        self._procs: list[subprocess.Popen[str]] = []
+        self._created: list[str] = []
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+    def __enter__(self) -> EmulatedCluster:
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(f"Cannot emulate a cluster: {reason}")
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _create(self) -> None:
+        _sh("ip", "netns", "add", self.hub)
+        self._created.append(self.hub)
+        _sh("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.hub, "link", "set", "br0", "up")
+        for r, (ns, addr) in enumerate(zip(self.namespaces, self.addresses, strict=True)):
+            _sh("ip", "netns", "add", ns)
+            self._created.append(ns)
+            inner, outer = f"{self.tag}e{r}", f"{self.tag}h{r}"
+            _sh("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer, "netns", self.hub)
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
+            _sh("ip", "-n", ns, "link", "set", inner, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "-n", self.hub, "link", "set", outer, "master", "br0")
+            _sh("ip", "-n", self.hub, "link", "set", outer, "up")
+            if self.rate_mbit is not None:
+                # Both directions: tbf on the rank's end shapes what it sends, on the hub's end what it gets.
+                burst = max(32_000, int(self.rate_mbit * 1e6 / 8 / 250))  # at least one timer tick's worth
+                for where, dev in ((ns, inner), (self.hub, outer)):
+                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                        "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "400ms")  # fmt: skip
+
+    def interface(self, rank: int) -> str:
+        return f"{self.tag}e{rank}"
+
+    def spawn(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """Start ``argv`` in rank ``rank``'s namespace as a torch.distributed worker of this cluster."""
+        full_env = {
+            **os.environ,
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": str(self.world),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.port),
+            "GLOO_SOCKET_IFNAME": self.interface(rank),
+            "OMP_NUM_THREADS": "1",
+        }
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[rank], *argv],
+            env=full_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Kill what this cluster started (by PID) and delete its namespaces. Safe to call twice."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=10)
+        self._procs.clear()
+        for ns in reversed(self._created):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._created.clear()
+
+
+_ALLREDUCE_WORKER = """
+import json, os, statistics, time, datetime, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+t = torch.ones(int(os.environ["PT_NUMEL"]))
+dist.all_reduce(t)  # warm-up: connections
+times = []
+for _ in range(int(os.environ["PT_REPEATS"])):
+    dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(t); times.append(time.perf_counter() - t0)
+print(json.dumps({"median_s": statistics.median(times)}))
+dist.destroy_process_group()
+"""
+
+
+def validate(
+    cluster: EmulatedCluster, *, megabytes: float = 4.0, repeats: int = 3, timeout: float = 120
+) -> dict[str, float]:
+    """Time an fp32 all-reduce of ``megabytes`` on the cluster; compare with the alpha-beta model."""
+    numel = int(megabytes * 1e6 / 4)
+    env = {"PT_NUMEL": str(numel), "PT_REPEATS": str(repeats)}
+    procs = [cluster.spawn(r, [sys.executable, "-c", _ALLREDUCE_WORKER], env) for r in range(cluster.world)]
+    results = []
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        if proc.returncode != 0:
+            raise RuntimeError(f"validation worker failed: {err.strip()[-800:]}")
+        results.append(json.loads(out.strip().splitlines()[-1])["median_s"])
+    measured = max(results)
+    expected = (
+        collective_seconds("all_reduce", numel * 4, cluster.world, cluster.rate_mbit) if cluster.rate_mbit else 0.0
+    )
+    return {"bytes": numel * 4.0, "measured_s": measured, "expected_s": expected,
+            "ratio": measured / expected if expected else float("nan")}  # fmt: skip
