@@ -58,3 +58,31 @@ def test_cleanup_on_error_kills_processes_and_removes_namespaces():
         raise RuntimeError("boom")
     assert proc.poll() is not None, "the process started in the namespace must be gone"
     assert _ours() == before
+
+
+def test_cost_model_refuses_unknown_collectives():
+    with pytest.raises(ValueError, match="Unknown collective 'broadcast'"):
+        collective_seconds("broadcast", 1.0, 2, 100)
+
+
+@pytest.mark.timeout(240)
+def test_network_bench_end_to_end_tiny(tmp_path):
+    """The short sweep (namespaces where available, else loopback): every configuration has a row, the
+    emulation is checked, results.json and the Markdown section are written."""
+    import json
+
+    from powertrain.train.cli import main
+
+    target = tmp_path / "B.md"
+    main(["bench", "network", "--preset", "tiny", "--out", str(tmp_path / "out"), "--write", str(target)])
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    text = target.read_text()
+    assert "<!-- bench:network-tiny -->" in text and "| powertrain powersgd r4 |" in text
+    for rate in report["rates"]:
+        labels = {row["label"] for row in rate["rows"]}
+        assert {"DDP fp32", "torch powerSGD_hook r4", "powertrain powersgd r4", "powertrain int8"} <= labels
+        if rate["check"] is not None:
+            assert 0.8 < rate["check"]["ratio"] < 1.3
+    if report["emulated"]:
+        assert [r["rate_mbit"] for r in report["rates"]] == [None, 100.0]
+        assert _ours() == []  # nothing left behind

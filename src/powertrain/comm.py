@@ -45,13 +45,18 @@ class CommStats:
     num_collectives: int = 0
     comm_s: float = 0.0
     compress_s: float = 0.0
+    #: payload bytes per kind of collective ("all_reduce", "all_gather", "reduce_scatter"): cost models
+    #: need the kind, since a ring all-gather of P bytes sends (W-1) P and an all-reduce of N sends 2 (W-1)/W N.
+    by_op: dict[str, int] = dataclasses.field(default_factory=dict)
     # Collectives may be issued from communication threads (DDP hooks): updates take this lock.
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, tensor: torch.Tensor) -> None:
+    def record(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
+        nbytes = tensor.numel() * tensor.element_size()
         with self._lock:
-            self.bytes_sent += tensor.numel() * tensor.element_size()
+            self.bytes_sent += nbytes
             self.num_collectives += 1
+            self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
     def add_time(self, *, comm_s: float = 0.0, compress_s: float = 0.0) -> None:
         with self._lock:
@@ -64,6 +69,7 @@ class CommStats:
             self.num_collectives = 0
             self.comm_s = 0.0
             self.compress_s = 0.0
+            self.by_op = {}
 
 
 class Communicator:
@@ -131,7 +137,7 @@ class Communicator:
         if not self.is_distributed:
             out[0].copy_(tensor)
             return out, _done(out) if async_op else None
-        self.stats.record(tensor)
+        self.stats.record(tensor, "all_gather")
         t0 = time.perf_counter()
         work = all_gather_single(out.view(-1), tensor.contiguous().view(-1), group=self.group, async_op=async_op)
         if not async_op:

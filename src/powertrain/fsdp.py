@@ -121,14 +121,14 @@ class CompressedReduceScatter(ReduceScatter):
         assert isinstance(comp, AllReduceCompressor), "exact path"
         # gloo runs a reduce-scatter as an all-reduce of the whole input: count what it really sends.
         if comp.dtype == input.dtype:
-            comp.comm.stats.record(input)
+            comp.comm.stats.record(input, "reduce_scatter")
             return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
         low_in = input.to(comp.dtype)
         low_out = torch.empty(output.shape, dtype=comp.dtype, device=output.device)
         if _is_avg(op) and comp.dtype == torch.float16:
             low_in.div_(group.size())  # fp16 could overflow in the sum
             op = dist.ReduceOp.SUM
-        comp.comm.stats.record(low_in)
+        comp.comm.stats.record(low_in, "reduce_scatter")
         dist.reduce_scatter_tensor(low_out, low_in, op=op, group=group)
         output.copy_(low_out)
         return None

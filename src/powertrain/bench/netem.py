@@ -14,6 +14,7 @@ with; :func:`validate` checks the emulation itself: a measured all-reduce agains
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 __all__ = ["EmulatedCluster", "collective_seconds", "unavailable", "validate"]
 
@@ -31,18 +32,18 @@ __all__ = ["EmulatedCluster", "collective_seconds", "unavailable", "validate"]
 FRAMING = 1514 / 1448
 
 
-def collective_seconds(
-    op: Literal["all_reduce", "all_gather", "reduce_scatter"], payload_bytes: float, world: int, rate_mbit: float
-) -> float:
+def collective_seconds(op: str, payload_bytes: float, world: int, rate_mbit: float) -> float:
     """Time a bandwidth-bound ring collective needs on links of ``rate_mbit``, per rank.
 
     ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
     for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it, all-gather ``(W-1)`` times it,
     reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there).
     """
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
+    if op not in factor:
+        raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(factor)}")
     if world < 2 or payload_bytes <= 0:
         return 0.0
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
     return factor[op] * payload_bytes * FRAMING * 8 / (rate_mbit * 1e6)
 
 
@@ -156,10 +157,8 @@ class EmulatedCluster:
         """Kill what this cluster started (by PID) and delete its namespaces. Safe to call twice."""
         for proc in self._procs:
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
                 proc.wait(timeout=10)
         self._procs.clear()
         for ns in reversed(self._created):

@@ -60,9 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp"],
-        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks",
+        choices=["overhead", "ddp", "network"],
+        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
+        "loopback; network: the same on an emulated bandwidth-limited cluster (needs root)",
     )
+    bench.add_argument("--out", default=None, help="directory for results.json and table.md (network)")
     bench.add_argument("--preset", choices=["default", "tiny"], default="default")
     bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -162,6 +164,11 @@ def _describe_failure(e: Any) -> str:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.suite == "network":
+        from powertrain.bench.network import run_network_bench
+
+        run_network_bench(preset=args.preset, out=args.out, write=args.write or None)
+        return 0
     if args.suite == "ddp":
         from powertrain.bench.ddp import run_ddp_bench
 
