@@ -35,10 +35,11 @@ class Spec:
     label: str
     kind: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bucket_cap_mb: float | None = None  # None: the run's default (one bucket for torch's PowerSGD hook)
 
 
 def _build(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> tuple[DDP, Any]:
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=spec.bucket_cap_mb or bucket_cap_mb)
     stats = None
     if spec.kind == "noop":
         ddp.register_comm_hook(None, debugging_hooks.noop_hook)
