@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from powertrain.bench import ddp
 from powertrain.bench.ddp import computed_bytes
 from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable, validate
 from powertrain.bench.report import machine_info, publish, table
@@ -45,13 +46,9 @@ SPECS = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
-    model: GPTConfig
-    batch: int
-    warmup: int
-    timed: int
-    rates: tuple[float | None, ...]
-    max_comm_s: float
+class Preset(ddp.Preset):
+    rates: tuple[float | None, ...]  # Mbit/s; None: unthrottled
+    max_comm_s: float  # rows whose modelled communication exceeds this per step are not run
 
 
 PRESETS = {
