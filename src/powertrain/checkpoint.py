@@ -22,8 +22,8 @@ import io
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor
 
 __all__ = ["CompressorState"]
@@ -36,9 +36,8 @@ class CompressorState:
         self.compressor = compressor
 
     def _key(self) -> str:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        return f"rank{rank}_of_{world}"
+        comm = Communicator()  # rank and world size of the default group, with the world-size-1 fallback
+        return f"rank{comm.rank}_of_{comm.world_size}"
 
     def state_dict(self) -> dict[str, Any]:
         buf = io.BytesIO()
