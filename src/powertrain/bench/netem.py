@@ -171,10 +171,12 @@ import json, os, statistics, time, datetime, torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 t = torch.ones(int(os.environ["PT_NUMEL"]))
 dist.all_reduce(t)  # warm-up: connections
-times = []
+times, small, one = [], [], torch.ones(1)
 for _ in range(int(os.environ["PT_REPEATS"])):
     dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(t); times.append(time.perf_counter() - t0)
-print(json.dumps({"median_s": statistics.median(times)}), flush=True)
+for _ in range(20):  # latency: a 4-byte all-reduce is all per-message cost
+    dist.barrier(); t0 = time.perf_counter(); dist.all_reduce(one); small.append(time.perf_counter() - t0)
+print(json.dumps({"median_s": statistics.median(times), "latency_s": statistics.median(small)}), flush=True)
 dist.destroy_process_group()
 os._exit(0)  # skip interpreter finalisation: gloo's threads can abort it after the result is out
 """
@@ -183,7 +185,9 @@ os._exit(0)  # skip interpreter finalisation: gloo's threads can abort it after 
 def validate(
     cluster: EmulatedCluster, *, megabytes: float = 4.0, repeats: int = 3, timeout: float = 120
 ) -> dict[str, float]:
-    """Time an fp32 all-reduce of ``megabytes`` on the cluster; compare with the alpha-beta model."""
+    """Time an fp32 all-reduce of ``megabytes`` on the cluster; compare with the alpha-beta model.
+
+    Also measures the per-collective latency (alpha: the median time of a 4-byte all-reduce)."""
     numel = int(megabytes * 1e6 / 4)
     env = {"PT_NUMEL": str(numel), "PT_REPEATS": str(repeats)}
     procs = [cluster.spawn(r, [sys.executable, "-c", _ALLREDUCE_WORKER], env) for r in range(cluster.world)]
@@ -193,10 +197,11 @@ def validate(
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
         if proc.returncode != 0:
             raise RuntimeError(f"validation worker failed: {err.strip()[-800:]}")
-        results.append(json.loads(out.strip().splitlines()[-1])["median_s"])
-    measured = max(results)
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    measured = max(r["median_s"] for r in results)
     expected = (
         collective_seconds("all_reduce", numel * 4, cluster.world, cluster.rate_mbit) if cluster.rate_mbit else 0.0
     )
     return {"bytes": numel * 4.0, "measured_s": measured, "expected_s": expected,
-            "ratio": measured / expected if expected else float("nan")}  # fmt: skip
+            "ratio": measured / expected if expected else float("nan"),
+            "latency_s": max(r["latency_s"] for r in results)}  # fmt: skip

@@ -1,4 +1,4 @@
-"""Train several DDP configurations side by side in one process group, one step of each per round.
+"""Train several configurations side by side in one process group, one step of each per round.
 
 Every configuration has its own model (same initial weights), optimizer and DDP instance; each round runs
 one step of every configuration on the same batch, so load from other processes hits them alike. Run
@@ -21,25 +21,78 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
+from powertrain.train.strategy import Parallel, build_strategy
 
 
 @dataclasses.dataclass(frozen=True)
 class Spec:
-    """One configuration: ``kind`` is plain, noop (compute only: no communication), torch_fp16, torch_psgd,
-    or a powertrain compressor name; ``options`` its options (``rank`` for torch_psgd)."""
+    """One configuration: ``kind`` is plain, noop (compute only: no communication), torch_fp16, torch_psgd
+    (all DDP), or a powertrain compressor name; ``options`` its options (``rank`` for torch_psgd).
+    ``parallel`` runs a powertrain compressor under DDP, FSDP2 or the reference ``optimizer_step`` API."""
 
     label: str
     kind: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     bucket_cap_mb: float | None = None  # None: the run's default (one bucket for torch's PowerSGD hook)
+    parallel: Parallel = "ddp"
+
+    def __post_init__(self) -> None:
+        if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
+            raise ValueError(f"Invalid Spec {self.label!r}: kind {self.kind!r} is a DDP hook; use parallel='ddp'")
 
 
-def _build(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> tuple[DDP, Any]:
+_TORCH_KINDS = ("plain", "noop", "torch_fp16", "torch_psgd")
+
+
+class _Run:
+    """One configuration's model, optimizer and gradient averaging; ``step`` trains one batch."""
+
+    def __init__(self, spec: Spec, model: GPT, start: int, bucket_cap_mb: float) -> None:
+        self.model = model
+        self.stats: CommStats | None
+        self.wrapped: torch.nn.Module
+        if spec.parallel == "ddp":
+            self.wrapped, self.stats = _build_ddp(spec, model, start, bucket_cap_mb)
+            self.strategy = None
+        else:
+            opts = dict(spec.options)
+            if spec.kind == "powersgd":
+                opts.setdefault("start_compressing_after_num_steps", start)
+            self.strategy = build_strategy(spec.parallel, model, spec.kind, opts)
+            self.wrapped, self.stats = self.strategy.model, self.strategy.stats
+        # After wrapping: fully_shard replaces the parameters with sharded ones.
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        if self.strategy is None:
+            self.opt.zero_grad()
+            loss = self.wrapped(x, y)
+            loss.backward()
+            self.opt.step()
+        else:  # the strategy zeroes gradients after its step (or keeps them: the reference API's residual)
+            loss = self.wrapped(x, y)
+            loss.backward()
+            self.strategy.step(self.opt)
+        return float(loss.item())
+
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean validation loss over ``batches`` and over ranks."""
+        self.wrapped.eval()
+        with torch.no_grad():
+            total = sum(self.wrapped(x, y).item() for x, y in batches)
+        self.wrapped.train()
+        mean = torch.tensor([total / len(batches)], dtype=torch.float64)
+        dist.all_reduce(mean)
+        return mean.item() / dist.get_world_size()
+
+
+def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> tuple[DDP, Any]:
     ddp = DDP(model, bucket_cap_mb=spec.bucket_cap_mb or bucket_cap_mb)
     stats = None
     if spec.kind == "noop":
@@ -62,52 +115,50 @@ def _build(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float)
 
 
 def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: int, start: int,
-        bucket_cap_mb: float = 100, data_mb: float = 4.0, eval_batches: int = 8) -> dict[str, Any]:  # fmt: skip
-    """Per configuration: step times of the timed rounds, all losses, bytes per op and the final
-    validation loss (mean over ranks)."""
+        bucket_cap_mb: float = 100, data_mb: float = 4.0, eval_batches: int = 8,
+        eval_every: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Per configuration: step times of the timed rounds, all losses, payload bytes per step by collective,
+    compression and blocked-communication seconds per step, and validation losses (mean over ranks): the
+    final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0."""
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = load_data(TrainConfig(data_max_mb=data_mb))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
+    val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, model.block_size) for j in range(eval_batches)]
     runs = []
     for spec in specs:
         torch.manual_seed(0)
-        m = GPT(model)
-        ddp, stats = _build(spec, m, start, bucket_cap_mb)
-        runs.append({"model": m, "ddp": ddp, "stats": stats, "opt": torch.optim.AdamW(m.parameters(), lr=1e-3)})
+        runs.append(_Run(spec, GPT(model), start, bucket_cap_mb))
     times: list[list[float]] = [[] for _ in specs]
     losses: list[list[float]] = [[] for _ in specs]
+    curves: list[list[tuple[int, float]]] = [[] for _ in specs]
     sent: list[dict[str, int]] = [{} for _ in specs]
+    spent = [[0.0, 0.0, 0] for _ in specs]  # compress_s, comm_s, collectives over the timed rounds
     for step in range(warmup + timed):
         x, y = corpus.batch("train", rank, world, (0, rank, step), batch, model.block_size)
         for i, r in enumerate(runs):
-            before = dict(r["stats"].by_op) if r["stats"] else {}
+            st = r.stats
+            before = (dict(st.by_op), st.compress_s, st.comm_s, st.num_collectives) if st else None
             dist.barrier()
             t0 = time.perf_counter()
-            r["opt"].zero_grad()
-            loss = r["ddp"](x, y)
-            loss.backward()
-            r["opt"].step()
+            loss = r.step(x, y)
             elapsed = time.perf_counter() - t0
             if step >= warmup:
                 times[i].append(elapsed)
-                if r["stats"]:
-                    for op, n in r["stats"].by_op.items():
-                        sent[i][op] = sent[i].get(op, 0) + n - before.get(op, 0)
-            losses[i].append(loss.item())
-    val = []
-    for r in runs:
-        r["model"].eval()
-        with torch.no_grad():
-            total = sum(
-                r["model"](*corpus.batch("val", rank, world, (1, rank, j), batch, model.block_size)).item()
-                for j in range(eval_batches)
-            )
-        mean = torch.tensor([total / eval_batches], dtype=torch.float64)
-        dist.all_reduce(mean)
-        val.append(mean.item() / world)
+                if st and before:
+                    for op, n in st.by_op.items():
+                        sent[i][op] = sent[i].get(op, 0) + n - before[0].get(op, 0)
+                    spent[i][0] += st.compress_s - before[1]
+                    spent[i][1] += st.comm_s - before[2]
+                    spent[i][2] += st.num_collectives - before[3]
+            losses[i].append(loss)
+            if eval_every and (step + 1) % eval_every == 0:
+                curves[i].append((step + 1, r.evaluate(val_batches)))
+    val = [r.evaluate(val_batches) for r in runs]
     return {"times": times, "losses": losses, "sent_per_step": [{k: v / timed for k, v in s.items()} for s in sent],
-            "val_loss": val, "params": runs[0]["model"].num_params()}  # fmt: skip
+            "compress_s": [c / timed for c, _, _ in spent], "comm_s": [c / timed for _, c, _ in spent],
+            "collectives": [n / timed for _, _, n in spent], "measured_stats": [r.stats is not None for r in runs],
+            "val_loss": val, "val_curve": curves, "params": runs[0].model.num_params()}  # fmt: skip
 
 
 def main() -> None:

@@ -1,21 +1,11 @@
-"""One training worker (one rank) of ``powertrain train``.
-
-Parallel modes (``--parallel``):
-
-* ``reference``: the reference PowerSGD API (``optimizer_step``; the residual lives in ``p.grad``) for
-  ``powersgd``, and a compressor's ``reduce_gradients()`` after backward for the others;
-* ``ddp``: ``DistributedDataParallel`` with the compressor as its comm hook (overlapped with backward);
-* ``fsdp``: FSDP2 ``fully_shard`` on every block and the root, the compressor as its reduce-scatter.
-"""
+"""One training worker (one rank) of ``powertrain train``; the parallel modes are in :mod:`.strategy`."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,96 +13,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from powertrain.comm import CommStats, Communicator
-from powertrain.compress import Config, NonFiniteGradientError, make_compressor
-from powertrain.powersgd import PowerSGD, optimizer_step
+from powertrain.comm import Communicator
+from powertrain.compress import NonFiniteGradientError
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from powertrain.train.config import TrainConfig, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
+from powertrain.train.strategy import build_strategy
 
 MB = 1e6
-
-
-class _Strategy:
-    """How gradients are averaged in one parallel mode."""
-
-    model: torch.nn.Module  # what forward runs on
-    stats: CommStats
-    state: Any  # per-rank state to checkpoint (state_dict / load_state_dict)
-
-    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
-
-
-class _Reference(_Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
-        self.model = model
-        if name == "powersgd":
-            self.agg: PowerSGD | None = PowerSGD(list(model.parameters()), config=Config(**options))
-            self.state, self.stats = self.agg, self.agg.comm.stats
-        else:
-            self.agg = None
-            self.comp = make_compressor(name, model.named_parameters(), **options)
-            self.state, self.stats = self.comp, self.comp.comm.stats
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.agg is not None:
-            optimizer_step(optimizer, self.agg)  # no zero_grad: p.grad keeps the residual
-        else:
-            self.comp.reduce_gradients()
-            optimizer.step()
-            optimizer.zero_grad()
-
-
-class _DDP(_Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
-        from torch.nn.parallel import DistributedDataParallel
-
-        from powertrain.ddp import register_compressor
-
-        self.model = DistributedDataParallel(model)
-        comp = make_compressor(name, model.named_parameters(), **options)
-        register_compressor(self.model, comp)
-        self.state, self.stats = comp, comp.comm.stats
-
-    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext() if last_micro else self.model.no_sync()  # type: ignore[operator]
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-class _FSDP(_Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        from powertrain import fsdp
-
-        device = next(model.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        self.model = model
-        comp = make_compressor(name, model.named_parameters(), **options)
-        fsdp.register_compressor(model, comp)
-        self.state, self.stats = comp, comp.comm.stats
-
-    @contextlib.contextmanager
-    def sync(self, last_micro: bool) -> Iterator[None]:
-        self.model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
-        yield
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 def _init_distributed(cfg: TrainConfig) -> torch.device:
@@ -160,7 +70,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
-    strategy = {"reference": _Reference, "ddp": _DDP, "fsdp": _FSDP}[cfg.parallel](model, name, options)
+    strategy = build_strategy(cfg.parallel, model, name, options)
     if cfg.optimizer == "adamw":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)

@@ -1,0 +1,82 @@
+"""PNG plots of the network benchmark (matplotlib, optional: without it the plots are skipped, said so)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+UNTHROTTLED_X = 1e4  # where the unthrottled run sits on the bandwidth axis (Mbit/s), labelled as such
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def speedup_vs_bandwidth(report: dict[str, Any], path: Path) -> bool:
+    """Step-time speedup over the best fp32 all-reduce row, per configuration, against link rate."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    labels = [r["label"] for r in report["rates"][0]["rows"] if r["kind"] != "noop"]
+    for label in labels:
+        xs, ys, modelled = [], [], []
+        for rate in report["rates"]:
+            row = next(r for r in rate["rows"] if r["label"] == label)
+            xs.append(rate["rate_mbit"] or UNTHROTTLED_X)
+            ys.append(rate["best_fp32_s"] / row["median_s"])
+            modelled.append(not row["measured"])
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        (line,) = ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o", label=label)
+        ax.scatter([xs[i] for i in order if modelled[i]], [ys[i] for i in order if modelled[i]],
+                   facecolors="white", edgecolors=line.get_color(), zorder=3)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel(f"link rate, Mbit/s ({UNTHROTTLED_X:g} = unthrottled)")
+    ax.set_ylabel("speedup per step vs best fp32 all-reduce")
+    ax.set_title("Step-time speedup vs bandwidth (hollow: alpha-beta model, not run)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def val_loss_curves(quality: dict[str, Any], rates: list[dict[str, Any]], path: Path) -> bool:
+    """Validation loss against wall-clock (projected at each swept rate) and against bytes sent."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    throttled = [r for r in rates if r["rate_mbit"] is not None][-2:] or rates[:1]
+    fig, axes = plt.subplots(1, len(throttled) + 1, figsize=(6 * (len(throttled) + 1), 4.5))
+    for ax, rate in zip(axes, throttled, strict=False):
+        for q in quality["rows"]:
+            s = rate["step_s"][q["label"]]
+            ax.plot([step * s for step, _ in q["val_curve"]], [v for _, v in q["val_curve"]], label=q["label"])
+        name = f"{rate['rate_mbit']:g} Mbit/s" if rate["rate_mbit"] else "unthrottled"
+        ax.set_xlabel(f"wall-clock at {name}, s (steps x measured s/step)")
+        ax.set_ylabel("validation loss")
+        ax.set_xscale("log")
+    ax = axes[-1]
+    for q in quality["rows"]:
+        ax.plot([step * q["bytes_per_step"] / 1e6 for step, _ in q["val_curve"]], [v for _, v in q["val_curve"]],
+                label=q["label"])  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("MB sent per worker")
+    ax.set_ylabel("validation loss")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Validation loss vs wall-clock and vs bytes sent (same steps, same batches)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,116 @@
+"""How gradients are averaged across ranks in one parallel mode (``--parallel`` of ``powertrain train``).
+
+* ``reference``: the reference PowerSGD API (``optimizer_step``; the residual lives in ``p.grad``) for
+  ``powersgd``, and a compressor's ``reduce_gradients()`` after backward for the others;
+* ``ddp``: ``DistributedDataParallel`` with the compressor as its comm hook (overlapped with backward);
+* ``fsdp``: FSDP2 ``fully_shard`` on every block and the root, the compressor as its reduce-scatter.
+
+Shared by the training loop and the side-by-side benchmark, so both measure the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from powertrain.comm import CommStats
+from powertrain.compress import Config, make_compressor
+from powertrain.powersgd import PowerSGD, optimizer_step
+
+Parallel = Literal["reference", "ddp", "fsdp"]
+
+
+class Strategy:
+    """How gradients are averaged in one parallel mode."""
+
+    model: torch.nn.Module  # what forward runs on
+    stats: CommStats
+    state: Any  # per-rank state to checkpoint (state_dict / load_state_dict)
+
+    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        raise NotImplementedError
+
+
+class _Reference(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+        self.model = model
+        if name == "powersgd":
+            self.agg: PowerSGD | None = PowerSGD(list(model.parameters()), config=Config(**options))
+            self.state, self.stats = self.agg, self.agg.comm.stats
+        else:
+            self.agg = None
+            self.comp = make_compressor(name, model.named_parameters(), **options)
+            self.state, self.stats = self.comp, self.comp.comm.stats
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.agg is not None:
+            optimizer_step(optimizer, self.agg)  # no zero_grad: p.grad keeps the residual
+        else:
+            self.comp.reduce_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+class _DDP(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        from powertrain.ddp import register_compressor
+
+        self.model = DistributedDataParallel(model)
+        comp = make_compressor(name, model.named_parameters(), **options)
+        register_compressor(self.model, comp)
+        self.state, self.stats = comp, comp.comm.stats
+
+    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext() if last_micro else self.model.no_sync()  # type: ignore[operator]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+class _FSDP(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from powertrain import fsdp
+
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+        comp = make_compressor(name, model.named_parameters(), **options)
+        fsdp.register_compressor(model, comp)
+        self.state, self.stats = comp, comp.comm.stats
+
+    @contextlib.contextmanager
+    def sync(self, last_micro: bool) -> Iterator[None]:
+        self.model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
+        yield
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def build_strategy(parallel: Parallel, model: torch.nn.Module, name: str, options: dict[str, Any]) -> Strategy:
+    """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`)."""
+    match parallel:
+        case "reference":
+            return _Reference(model, name, options)
+        case "ddp":
+            return _DDP(model, name, options)
+        case "fsdp":
+            return _FSDP(model, name, options)
+    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp or fsdp")
