@@ -60,6 +60,62 @@ def test_cleanup_on_error_kills_processes_and_removes_namespaces():
     assert _ours() == before
 
 
+_SIGTERM_CHILD = """
+import sys, time
+from powertrain.bench.netem import EmulatedCluster
+with EmulatedCluster(2, 100) as c:
+    c.spawn(1, ["sleep", "300"])
+    print(" ".join(c.namespaces), flush=True)
+    time.sleep(300)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(60)
+def test_sigterm_removes_namespaces():
+    """A benchmark killed with SIGTERM (kill, a CI timeout) still deletes its namespaces."""
+    import signal
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    names = proc.stdout.readline().split()
+    assert names and set(names) <= set(_ours())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert not set(names) & set(_ours())
+
+
+def test_break_even_solves_the_serial_model():
+    """16-bit sends 8 MB at 1.0 s unthrottled, a compressor 1 MB at 1.1 s: with k = seconds per Mbit/s,
+    1.1 + k_c / B = 1.0 + k_16 / B at B = (k_16 - k_c) / 0.1."""
+    from powertrain.bench.network import SIXTEEN, _break_even, _comm_seconds
+
+    rows = [{"label": label, "kind": "torch_fp16", "median_s": 1.0 + i, "by_op": {"all_reduce": 8e6}}
+            for i, label in enumerate(SIXTEEN)]  # fmt: skip
+    rows.append({"label": "c", "kind": "powersgd", "median_s": 1.1, "by_op": {"all_reduce": 1e6}})
+    rows.append({"label": "free", "kind": "powersgd", "median_s": 0.9, "by_op": {"all_reduce": 1e6}})
+    rows.append({"label": "bigger", "kind": "int8", "median_s": 1.2, "by_op": {"all_reduce": 9e6}})
+    be = _break_even(rows)
+    k16, kc = _comm_seconds({"all_reduce": 8e6}, 1.0), _comm_seconds({"all_reduce": 1e6}, 1.0)
+    assert be["c"] == pytest.approx((k16 - kc) / 0.1)
+    # check: at that rate both rows take the same time
+    b = be["c"]
+    assert 1.1 + kc / b == pytest.approx(1.0 + k16 / b)
+    assert be["free"] is None  # faster even without a network: pays at every bandwidth
+    assert be["bigger"] == 0.0  # sends more than 16-bit: never pays
+
+
+def test_fsdp_weight_gathers_counted_per_block_twice():
+    from powertrain.bench.network import _fsdp_weight_bytes
+    from powertrain.train.model import GPT, GPTConfig
+
+    m = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8))
+    blocks = sum(p.numel() for p in m.blocks.parameters())
+    total = sum(p.numel() for p in m.parameters())
+    assert _fsdp_weight_bytes(m, 2) == 4.0 * (2 * blocks + (total - blocks)) / 2
+
+
 def test_cost_model_refuses_unknown_collectives():
     with pytest.raises(ValueError, match="Unknown collective 'broadcast'"):
         collective_seconds("broadcast", 1.0, 2, 100)
@@ -78,11 +134,27 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     text = target.read_text()
     assert "<!-- bench:network-tiny -->" in text and "| powertrain powersgd r4 |" in text
+    from powertrain.bench.network import QUALITY, SPECS
+
     for rate in report["rates"]:
-        labels = {row["label"] for row in rate["rows"]}
-        assert {"DDP fp32", "torch powerSGD_hook r4", "powertrain powersgd r4", "powertrain int8"} <= labels
+        assert [row["label"] for row in rate["rows"]] == [s.label for s in SPECS]
+        for row in rate["rows"]:
+            assert row["median_s"] > 0 and row["ideal_s"] <= row["model_s"], row
         if rate["check"] is not None:
             assert 0.8 < rate["check"]["ratio"] < 1.3
+    # FSDP2, DDP and the reference API apply the same PowerSGD update: same validation loss
+    rows = {r["label"]: r for r in report["rates"][0]["rows"]}
+    psgd = [rows[label]["val_loss"] for label in ("powertrain powersgd r4", "powertrain powersgd r4, 2 MB buckets",
+                                                  "powertrain powersgd r4, reference optimizer_step",
+                                                  "FSDP2 powertrain powersgd r4")]  # fmt: skip
+    assert max(psgd) - min(psgd) < 1e-5, psgd
+    assert abs(rows["FSDP2 fp32"]["val_loss"] - rows["DDP fp32"]["val_loss"]) < 1e-5
+    quality = report["quality"]
+    assert [q["label"] for q in quality["rows"]] == list(QUALITY)
+    assert all(len(q["val_curve"]) == 2 for q in quality["rows"])  # tiny: 4 steps, every 2
+    assert "time to target" in text and "Where compression stops paying off" in text
+    assert (tmp_path / "out" / "speedup_vs_bandwidth.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "val_loss.png").stat().st_size > 1000
     if report["emulated"]:
         assert [r["rate_mbit"] for r in report["rates"]] == [None, 100.0]
         assert _ours() == []  # nothing left behind

@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -55,6 +56,10 @@ def unavailable() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} (iproute2) is not installed"
     return None
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _sh(*args: str) -> None:
@@ -94,15 +99,25 @@ class EmulatedCluster:
         reason = unavailable()
         if reason:
             raise RuntimeError(f"Cannot emulate a cluster: {reason}")
+        # SIGTERM (kill, a CI timeout) would end the process without running __exit__: turn it into
+        # SystemExit so the namespaces are deleted, as they are on Ctrl-C and on errors.
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_exit)
         try:
             self._create()
         except BaseException:
-            self.close()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
 
     def _create(self) -> None:
         _sh("ip", "netns", "add", self.hub)
