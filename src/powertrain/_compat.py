@@ -89,3 +89,29 @@ def safe_dcp_reader(path: str) -> Any:
             return metadata
 
     return _Reader(path)
+
+
+def _redistribute_casts() -> bool:
+    import inspect
+
+    from torch.distributed.tensor import DTensor
+
+    return "forward_dtype" in inspect.signature(DTensor.redistribute).parameters
+
+
+_REDISTRIBUTE_CASTS = _redistribute_casts()
+
+
+def redistribute(
+    t: Any, placements: list[Any], forward_dtype: torch.dtype | None, backward_dtype: torch.dtype | None
+) -> Any:
+    """``DTensor.redistribute`` with a compute dtype for forward and a reduce dtype for backward.
+
+    torch >= 2.13 casts inside ``redistribute`` (``forward_dtype``/``backward_dtype``). Older versions: cast
+    the shard before (so the all-gather runs in ``forward_dtype``) and the gradient through a cast node,
+    which leaves the reduction in the compute dtype."""
+    if _REDISTRIBUTE_CASTS:
+        return t.redistribute(placements=placements, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+    if forward_dtype is not None:
+        t = t.to(forward_dtype)
+    return t.redistribute(placements=placements)

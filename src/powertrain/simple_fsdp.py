@@ -1,0 +1,218 @@
+"""SimpleFSDP: data parallelism from a parametrization and DTensor (Zhang et al., arXiv 2411.00284).
+
+Every parameter is stored as a DTensor on the data-parallel mesh: sharded on dim 0 (``fully_shard``),
+replicated (``replicate``, i.e. DDP) or both (``hybrid_shard`` on a 2-D mesh: replicate across dim 0,
+shard across dim 1). Reading ``module.weight`` in forward goes through a parametrization that
+``redistribute``s the stored DTensor to Replicate (an all-gather, after casting the shard to the compute
+dtype) and hands the module a plain tensor whose gradient is marked Partial, so autograd runs the matching
+reduction in backward (reduce-scatter for Shard, all-reduce for Replicate, in the reduce dtype). Because
+this is ordinary PyTorch, ``torch.compile`` traces compute and communication in one graph.
+
+Reshard after forward (``reshard_after_forward=True``, the default: gathered parameters are freed after
+forward and gathered again in backward) is one mechanism for eager and compiled runs: each module that
+owns parameters runs its forward under a selective activation checkpoint whose policy recomputes the
+collectives (and views of them) and saves every other op's output, so no compute is repeated. Eagerly,
+autograd then holds no gathered weight; under ``torch.compile`` the same policy becomes recompute tags on
+the joint graph, which the min-cut partitioner honours (measured: 4-layer GPT, d_model 256, 2 ranks, memory
+held between forward and backward 23.4 MB -> 12.0 MB eager, 21.8 MB -> 8.9 MB compiled; the weights are
+12.8 MB). Because the tags are part of the traced graph, an AOTAutograd cache hit cannot drop them (a
+separate joint-graph pass could be skipped that way).
+
+Design note: the parametrization is installed by giving each module a subclass with one property per
+parameter (as in the paper's implementation) rather than ``torch.nn.utils.parametrize``, which renames
+parameters to ``parametrizations.<name>.original``: with properties, ``state_dict`` keys are the model's own,
+so DCP checkpoints load across DDP, FSDP2 and SimpleFSDP, and ``state_dict`` reads the stored DTensors
+without communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from powertrain._compat import redistribute
+
+__all__ = ["MixedPrecision", "checkpoint_gathers", "data_parallel", "is_simple_fsdp"]
+
+Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
+_MODES = ("replicate", "fully_shard", "hybrid_shard")
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of SimpleFSDP's communication and compute; master weights stay in their own dtype.
+
+    Attributes:
+        param_dtype: dtype parameters are gathered in and forward/backward compute in (None: unchanged).
+        reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"Invalid {name}={value!r}: must be a floating torch.dtype or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gather:
+    """How one parameter is made whole for compute (the parametrization)."""
+
+    mesh: DeviceMesh
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+
+    def __call__(self, stored: torch.Tensor) -> torch.Tensor:
+        if not isinstance(stored, DTensor):
+            raise RuntimeError(f"SimpleFSDP expected a DTensor parameter, got {type(stored).__name__}: "
+                               "was it replaced after data_parallel()?")  # fmt: skip
+        ndim = self.mesh.ndim
+        full = redistribute(stored, [Replicate()] * ndim, self.param_dtype, self.reduce_dtype)
+        # The gradient of the gathered weight is each rank's partial sum: averaged (all-reduce or
+        # reduce-scatter) when autograd moves it back to the stored placement.
+        return full.to_local(grad_placements=[Partial("avg")] * ndim)
+
+
+def _placements(mode: Mode, mesh: DeviceMesh) -> tuple[Replicate | Shard, ...]:
+    match mode:
+        case "replicate" if mesh.ndim == 1:
+            return (Replicate(),)
+        case "fully_shard" if mesh.ndim == 1:
+            return (Shard(0),)
+        case "hybrid_shard" if mesh.ndim == 2:
+            return (Replicate(), Shard(0))
+    if mode not in _MODES:
+        raise ValueError(f"Invalid mode={mode!r}: choose one of {', '.join(_MODES)}")
+    want = "a 2-D mesh (replicate, shard)" if mode == "hybrid_shard" else "a 1-D mesh"
+    raise ValueError(f"mode={mode!r} needs {want}, got a {mesh.ndim}-D mesh {tuple(mesh.shape)}")
+
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _swap_class(module: nn.Module, names: tuple[str, ...], gather: _Gather) -> None:
+    module._simple_fsdp_gather = gather  # type: ignore[assignment]
+    key = (type(module), names)
+    if key not in _CLASSES:
+
+        def prop(name: str) -> property:
+            return property(lambda self: self._simple_fsdp_gather(self._parameters[name]))
+
+        _CLASSES[key] = type(f"SimpleFSDP{type(module).__name__}", (type(module),), {n: prop(n) for n in names})
+    module.__class__ = _CLASSES[key]
+
+
+def is_simple_fsdp(module: nn.Module) -> bool:
+    """Whether ``data_parallel`` has been applied to ``module`` (or any of its submodules)."""
+    return any(hasattr(m, "_simple_fsdp_gather") for m in module.modules())
+
+
+def data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mode: Mode = "fully_shard",
+    mp_policy: MixedPrecision | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Make ``model`` data parallel over ``mesh`` the SimpleFSDP way, in place; returns ``model``.
+
+    Args:
+        model: a module whose parameters are ordinary tensors on ``mesh``'s device type, identical on
+            every rank (they are sharded from each rank's own copy: seed the initialisation).
+        mesh: 1-D for ``replicate`` and ``fully_shard``, 2-D (replicate, shard) for ``hybrid_shard``.
+        mode: ``replicate`` (DDP: all-reduce), ``fully_shard`` (FSDP: all-gather / reduce-scatter along
+            dim 0; shapes need not divide the mesh size) or ``hybrid_shard`` (HSDP).
+        mp_policy: compute / reduce dtypes; the stored (master) parameters keep their dtype.
+        reshard_after_forward: free gathered parameters after forward and gather them again in backward
+            (:func:`checkpoint_gathers` on every module that owns parameters); False keeps them from forward
+            to backward (less communication, more memory). No effect for ``replicate``.
+
+    Steps:
+        1. Each parameter becomes an ``nn.Parameter`` holding a DTensor with the mode's placements
+           (parameters shared between modules stay shared).
+        2. Each module with parameters gets a subclass whose attribute of the same name gathers it.
+        3. With ``reshard_after_forward``, those modules' forwards recompute the gathers in backward.
+
+    The optimizer must be created afterwards, on ``model.parameters()`` (the DTensors).
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"Invalid mesh={mesh!r}: pass a DeviceMesh (torch.distributed.device_mesh.init_device_mesh)")
+    placements = _placements(mode, mesh)
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
+        raise ValueError(f"Invalid mp_policy={mp_policy!r}: use powertrain.simple_fsdp.MixedPrecision")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"Invalid reshard_after_forward={reshard_after_forward!r}: must be True or False")
+    if is_simple_fsdp(model):
+        raise ValueError("data_parallel() was already applied to this model (or one of its submodules)")
+    policy = mp_policy or MixedPrecision()
+    gather = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
+    done: dict[int, nn.Parameter] = {}
+    for mod_name, module in model.named_modules():
+        names = tuple(n for n, p in module.named_parameters(recurse=False) if p is not None)
+        if not names:
+            continue
+        for n in names:
+            p = module._parameters[n]
+            assert p is not None, "filtered above"
+            if isinstance(p, DTensor):
+                raise ValueError(f"Parameter {mod_name}.{n} is already a DTensor (fully_shard or tensor parallel?): "
+                                 "SimpleFSDP takes plain parameters")  # fmt: skip
+            if p.device.type != mesh.device_type:
+                raise ValueError(f"Parameter {mod_name}.{n} is on {p.device}, the mesh on {mesh.device_type}: "
+                                 "move the model to the mesh's device first")  # fmt: skip
+            if id(p) not in done:
+                dt = distribute_tensor(p.detach(), mesh, placements)
+                done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            module._parameters[n] = done[id(p)]
+        _swap_class(module, names, gather)
+        if reshard_after_forward and mode != "replicate":
+            checkpoint_gathers(module)
+    return model
+
+
+# -- reshard after forward ---------------------------------------------------------------------------------
+
+_COLLECTIVES = ("_c10d_functional.", "c10d_functional.")
+
+
+def _is_collective(op: Any) -> bool:
+    name = str(op)
+    return any(name.startswith(c) for c in _COLLECTIVES)
+
+
+def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective-checkpoint policy: recompute collectives (and views), save everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if _is_collective(op) or getattr(op, "is_view", False):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_SAVE
+
+
+def checkpoint_gathers(module: nn.Module) -> nn.Module:
+    """Eager reshard-after-forward for ``module``, in place: its forward runs under a selective activation
+    checkpoint that keeps every op's output for backward except the collectives' (and views of them), so
+    gathered parameters are freed after forward and gathered again in backward. Compute is not repeated.
+    Returns ``module``."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    inner = module.forward
+    context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+    module.forward = forward
+    return module
