@@ -51,10 +51,12 @@ class MixedPrecision:
     Attributes:
         param_dtype: dtype parameters are gathered in and forward/backward compute in (None: unchanged).
         reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
+        cast_forward_inputs: cast the floating-point inputs of the model's forward to ``param_dtype``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
@@ -177,7 +179,16 @@ def data_parallel(
         _swap_class(module, names, gather)
         if reshard_after_forward and mode != "replicate":
             checkpoint_gathers(module)
+    if policy.param_dtype is not None and policy.cast_forward_inputs:
+        model.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
     return model
+
+
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return torch.utils._pytree.tree_map(cast, (args, kwargs))
 
 
 # -- reshard after forward ---------------------------------------------------------------------------------
