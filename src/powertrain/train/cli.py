@@ -21,7 +21,8 @@ _HELP = {
     "data_path": "directory of text files (textdir) or .bin file / directory with train.bin, val.bin (bin)",
     "batch_size": "sequences or samples per worker per micro-step",
     "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
-    "parallel": "reference (optimizer_step API), ddp or fsdp",
+    "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2) or simple_fsdp (DTensor parametrization)",
+    "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "compressor": "NAME[:key=value,...] with NAME in none, fp16, bf16, powersgd, int8, int4, topk, randk, sign; "
     "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01",
     "nproc": "local workers to launch (ignored under torchrun, which sets the world)",

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from powertrain.compress import COMPRESSORS
 
-Parallel = Literal["reference", "ddp", "fsdp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
@@ -33,6 +33,9 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
     "medium": (6, 6, 384),
     "gpt2": (12, 12, 768),
 }
+
+
+DEFAULT_COMPRESSOR = "powersgd:rank=4,start=10"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,10 +58,11 @@ class TrainConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9
     precision: Precision = "fp32"
+    compile: bool = False
     seed: int = 0
     # distribution and compression
     parallel: Parallel = "reference"
-    compressor: str = "powersgd:rank=4,start=10"
+    compressor: str = ""  # "": powersgd:rank=4,start=10, or none with simple_fsdp (no compressed path there)
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -101,7 +105,20 @@ class TrainConfig:
             raise ValueError(f"model='resnet' trains on data='mnist1d', got data={self.data!r}")
         if self.model == "gpt" and self.data == "mnist1d":
             raise ValueError("data='mnist1d' is classification: use model='resnet'")
+        if not self.compressor:
+            object.__setattr__(self, "compressor", "none" if self.parallel == "simple_fsdp" else DEFAULT_COMPRESSOR)
         name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
+        if self.parallel == "simple_fsdp" and name not in ("none", "bf16", "fp16"):
+            raise ValueError(
+                f"compressor={name!r} is not available with parallel='simple_fsdp': it reduces gradients with "
+                "DTensor's own reduce-scatter: set compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction), "
+                "or use parallel='fsdp' or 'ddp' for compressed gradients"
+            )
+        if self.compile and self.parallel in ("ddp", "fsdp"):
+            raise ValueError(
+                f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
+                f"or 'reference', not {self.parallel!r}"
+            )
         if self.parallel == "fsdp" and name in ("topk", "randk", "sign"):
             raise ValueError(
                 f"compressor={name!r} cannot run under parallel='fsdp' (its messages have no reduce-scatter form): "

@@ -3,7 +3,11 @@
 * ``reference``: the reference PowerSGD API (``optimizer_step``; the residual lives in ``p.grad``) for
   ``powersgd``, and a compressor's ``reduce_gradients()`` after backward for the others;
 * ``ddp``: ``DistributedDataParallel`` with the compressor as its comm hook (overlapped with backward);
-* ``fsdp``: FSDP2 ``fully_shard`` on every block and the root, the compressor as its reduce-scatter.
+* ``fsdp``: FSDP2 ``fully_shard`` on every block and the root, the compressor as its reduce-scatter;
+* ``simple_fsdp``: :func:`powertrain.simple_fsdp.data_parallel` (fully sharded), gradients reduced in fp32
+  (``none``) or 16 bits (``bf16``/``fp16`` as the reduce dtype). Its gradient traffic is computed, not
+  counted: one reduce-scatter of every gradient per micro-step (it has no ``no_sync``: every backward
+  reduces).
 
 Shared by the training loop and the side-by-side benchmark, so both measure the same code.
 """
@@ -21,7 +25,7 @@ from powertrain.comm import CommStats
 from powertrain.compress import Config, make_compressor
 from powertrain.powersgd import PowerSGD, optimizer_step
 
-Parallel = Literal["reference", "ddp", "fsdp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
 
 
 class Strategy:
@@ -104,6 +108,58 @@ class _FSDP(Strategy):
         optimizer.zero_grad()
 
 
+class _SimpleFSDP(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from powertrain.simple_fsdp import MixedPrecision, data_parallel
+
+        if name not in _REDUCE_DTYPES or options:
+            raise ValueError(f"Invalid compressor {name!r} with options {options} for simple_fsdp: use none, bf16 "
+                             "or fp16 without options")  # fmt: skip
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        world = mesh.size()
+        shard_bytes = sum(
+            (-(-p.shape[0] // world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
+            for p in model.parameters()
+        )  # this rank's padded dim-0 shard of every parameter
+        reduce_dtype = _REDUCE_DTYPES[name]
+        self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype))
+        self.stats = CommStats()
+        self.state = _NoState()
+        grad_size = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype is not None else 4
+        # Gradient traffic only, as for fsdp (weight all-gathers are not gradient communication).
+        self._per_micro = {"reduce_scatter": world * shard_bytes * grad_size // 4}
+
+    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        with self.stats._lock:
+            for op, n in self._per_micro.items():
+                self.stats.by_op[op] = self.stats.by_op.get(op, 0) + n
+                self.stats.bytes_sent += n
+            self.stats.num_collectives += sum(1 for _ in self.model.parameters())
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+_REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _NoState:
+    """Per-rank state of a strategy that keeps none (checkpoints store an empty dict)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"Unexpected per-rank state {sorted(state)} for simple_fsdp: was the checkpoint "
+                             "written with another --parallel mode?")  # fmt: skip
+
+
 def build_strategy(parallel: Parallel, model: torch.nn.Module, name: str, options: dict[str, Any]) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`)."""
     match parallel:
@@ -113,4 +169,6 @@ def build_strategy(parallel: Parallel, model: torch.nn.Module, name: str, option
             return _DDP(model, name, options)
         case "fsdp":
             return _FSDP(model, name, options)
-    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp or fsdp")
+        case "simple_fsdp":
+            return _SimpleFSDP(model, name, options)
+    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp or simple_fsdp")
