@@ -1,0 +1,157 @@
+"""``powertrain bench simple_fsdp``: SimpleFSDP against FSDP2, eager and compiled, side by side.
+
+Two local gloo workers (one thread each) train the default GPT in every configuration, interleaved one step of
+each per round on the same batch (as the other side-by-side benchmarks). Reported per configuration: median
+step time and interquartile range over the timed rounds, and the memory held between forward and backward
+(heap bytes allocated by forward and still alive when backward starts: activations plus, without
+resharding, the gathered weights; the larger of the two ranks). Parameters, gradients and optimizer states
+are sharded the same way in every configuration, so they are not in the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from powertrain.bench.memory import available, heap_in_use
+from powertrain.bench.report import machine_info, publish, table
+from powertrain.train.config import TrainConfig
+from powertrain.train.data import TokenData, load_data
+from powertrain.train.launch import launch
+from powertrain.train.model import GPT, GPTConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    label: str
+    kind: str  # "fsdp2" or "simple"
+    compiled: bool
+    reshard: bool = True
+
+
+SETUPS = [
+    Setup("FSDP2 fully_shard, eager", "fsdp2", False),
+    Setup("FSDP2 fully_shard, torch.compile", "fsdp2", True),
+    Setup("SimpleFSDP, eager", "simple", False),
+    Setup("SimpleFSDP, eager, no reshard", "simple", False, reshard=False),
+    Setup("SimpleFSDP, torch.compile fullgraph", "simple", True),
+    Setup("SimpleFSDP, torch.compile fullgraph, no reshard", "simple", True, reshard=False),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: GPTConfig
+    batch: int
+    warmup: int
+    timed: int
+
+
+PRESETS = {
+    "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), batch=16, warmup=3, timed=10),
+    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), batch=2, warmup=2, timed=2),
+}
+
+
+def _build(setup: Setup, cfg: GPTConfig) -> tuple[GPT, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from powertrain.simple_fsdp import data_parallel
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if setup.kind == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        data_parallel(model, mesh, reshard_after_forward=setup.reshard)
+    run = torch.compile(model, fullgraph=setup.kind == "simple") if setup.compiled else model
+    return model, run
+
+
+def _worker(preset: str) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    p = PRESETS[preset]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = load_data(TrainConfig(data_max_mb=4.0))
+    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
+    runs: list[tuple[GPT, Any, torch.optim.Optimizer]] = []
+    for s in SETUPS:
+        model, run = _build(s, p.model)
+        runs.append((model, run, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    times: list[list[float]] = [[] for _ in SETUPS]
+    held: list[list[int]] = [[] for _ in SETUPS]
+    losses: list[float] = [0.0] * len(SETUPS)
+    for step in range(p.warmup + p.timed):
+        x, y = corpus.batch("train", rank, world, (0, rank, step), p.batch, p.model.block_size)
+        for i, (_, run, opt) in enumerate(runs):
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = run(x, y)
+            loss.backward()
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            if step >= p.warmup:
+                times[i].append(elapsed)
+            losses[i] = loss.item()
+    # Memory: a separate pass per configuration (heap_in_use runs a GC pass: keep it out of the timings);
+    # gradients exist already (zero_grad keeps them), so backward allocates nothing new that would count.
+    x, y = corpus.batch("train", rank, world, (0, rank, 10_000), p.batch, p.model.block_size)
+    for i, (_, run, opt) in enumerate(runs):
+        for _ in range(2 if available() else 0):
+            opt.zero_grad(set_to_none=False)
+            before = heap_in_use()
+            loss = run(x, y)
+            held[i].append(heap_in_use() - before)
+            loss.backward()
+    dist.destroy_process_group()
+    return {"times": times, "held": [min(h) if h else None for h in held], "loss": losses,
+            "params": runs[0][0].num_params()}  # fmt: skip
+
+
+def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
+    p = PRESETS[preset]
+    results = launch(_worker, 2, preset)
+    ranks = sorted(results)
+    rows = []
+    med = {}
+    for i, s in enumerate(SETUPS):
+        per_round = sorted(max(results[r]["times"][i][j] for r in ranks) for j in range(p.timed))
+        med[s.label] = statistics.median(per_round)
+        per_rank = [results[r]["held"][i] for r in ranks]
+        rows.append((s, per_round, None if None in per_rank else max(per_rank)))
+    base_t = med[SETUPS[0].label]
+    base_m = rows[0][2]
+    cells = []
+    for s, ts, peak in rows:
+        mem = "-" if peak is None else f"{peak / 1e6:.1f}"
+        rel = "-" if peak is None or not base_m else f"{peak / base_m:.2f}x"
+        cells.append([s.label, f"{med[s.label]:.3f}", f"{ts[len(ts) // 4]:.3f}-{ts[(3 * len(ts)) // 4]:.3f}",
+                      f"{base_t / med[s.label]:.2f}x", mem, rel,
+                      f"{sum(results[r]['loss'][SETUPS.index(s)] for r in ranks) / len(ranks):.4f}"])  # fmt: skip
+    headers = ["configuration", "s/step", "IQR", "throughput vs FSDP2 eager", "MB held fwd->bwd", "vs FSDP2 eager",
+               "last loss"]  # fmt: skip
+    text = (
+        "## SimpleFSDP vs FSDP2 (2 gloo workers on loopback, CPU)\n\n"
+        f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({results[0]['params'] / 1e6:.2f}M parameters), "
+        f"{p.batch}x{p.model.block_size} tokens per worker, AdamW, one torch thread per worker; FSDP2 shards every "
+        "block and the root, SimpleFSDP every parameter (both reshard after forward unless the row says "
+        f"otherwise). {p.timed} timed rounds after {p.warmup} warm-up rounds (compilation happens there), each "
+        "round one step of every configuration on the same batch; step time is the slower rank's. 'MB held "
+        "fwd->bwd': heap bytes allocated by forward and still alive when backward starts (activations, plus "
+        "gathered weights where they are kept), the larger rank's.\n\n"
+        f"{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
+        f"Command: `powertrain bench simple_fsdp{'' if preset == 'default' else ' --preset ' + preset}`\n"
+    )
+    publish(text, write, "simple_fsdp" if preset == "default" else f"simple_fsdp-{preset}")
+    return text
