@@ -115,3 +115,10 @@ def redistribute(
     if forward_dtype is not None:
         t = t.to(forward_dtype)
     return t.redistribute(placements=placements)
+
+
+def inductor_has_configs(*names: str) -> bool:
+    """Whether this torch's inductor knows every config option in ``names`` (they vary across versions)."""
+    import torch._inductor.config as inductor_config
+
+    return all(n in inductor_config._config for n in names)  # type: ignore[attr-defined]

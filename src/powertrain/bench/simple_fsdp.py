@@ -32,6 +32,7 @@ class Setup:
     kind: str  # "fsdp2" or "simple"
     compiled: bool
     reshard: bool = True
+    bucket: bool = True  # compiled SimpleFSDP: inductor's FSDP bucketing of the collectives
 
 
 SETUPS = [
@@ -39,8 +40,9 @@ SETUPS = [
     Setup("FSDP2 fully_shard, torch.compile", "fsdp2", True),
     Setup("SimpleFSDP, eager", "simple", False),
     Setup("SimpleFSDP, eager, no reshard", "simple", False, reshard=False),
-    Setup("SimpleFSDP, torch.compile fullgraph", "simple", True),
-    Setup("SimpleFSDP, torch.compile fullgraph, no reshard", "simple", True, reshard=False),
+    Setup("SimpleFSDP, compiled, unbucketed", "simple", True, bucket=False),
+    Setup("SimpleFSDP, compiled (fullgraph, inductor FSDP bucketing)", "simple", True),
+    Setup("SimpleFSDP, compiled, no reshard", "simple", True, reshard=False),
 ]
 
 
@@ -62,7 +64,7 @@ def _build(setup: Setup, cfg: GPTConfig) -> tuple[GPT, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from powertrain.simple_fsdp import data_parallel
+    from powertrain.simple_fsdp import compile_model, data_parallel
 
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -73,8 +75,9 @@ def _build(setup: Setup, cfg: GPTConfig) -> tuple[GPT, Any]:
         fully_shard(model, mesh=mesh)
     else:
         data_parallel(model, mesh, reshard_after_forward=setup.reshard)
-    run = torch.compile(model, fullgraph=setup.kind == "simple") if setup.compiled else model
-    return model, run
+    if not setup.compiled:
+        return model, model
+    return model, compile_model(model, bucket=setup.bucket) if setup.kind == "simple" else torch.compile(model)
 
 
 def _worker(preset: str) -> dict[str, Any]:

@@ -71,8 +71,12 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
     strategy = build_strategy(cfg.parallel, model, name, options)
-    if cfg.compile:
-        strategy.model = torch.compile(strategy.model, fullgraph=cfg.parallel == "simple_fsdp")  # type: ignore[assignment]
+    if cfg.compile and cfg.parallel == "simple_fsdp":
+        from powertrain.simple_fsdp import compile_model
+
+        strategy.model = compile_model(strategy.model)
+    elif cfg.compile:
+        strategy.model = torch.compile(strategy.model)  # type: ignore[assignment]
     if cfg.optimizer == "adamw":
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
