@@ -122,3 +122,19 @@ def inductor_has_configs(*names: str) -> bool:
     import torch._inductor.config as inductor_config
 
     return all(n in inductor_config._config for n in names)  # type: ignore[attr-defined]
+
+
+def funcol_all_gather(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Functional (traceable) all-gather along dim 0, waited; torch 2.13 renamed all_gather_tensor."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return funcol.wait_tensor(fn(t, 0, group))
+
+
+def funcol_reduce_scatter_avg(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Functional reduce-scatter (average) along dim 0, waited; torch 2.13 renamed reduce_scatter_tensor."""
+    import torch.distributed._functional_collectives as funcol
+
+    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return funcol.wait_tensor(fn(t, "avg", 0, group))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
@@ -37,7 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from powertrain._compat import inductor_has_configs, redistribute
+from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
 
 __all__ = ["MixedPrecision", "checkpoint_gathers", "compile_model", "data_parallel", "is_simple_fsdp"]
 
@@ -85,6 +86,83 @@ class _Gather:
         return full.to_local(grad_placements=[Partial("avg")] * ndim)
 
 
+class _Bucket:
+    """Several fully sharded parameters gathered by one all-gather and reduced by one reduce-scatter (eager
+    bucketing). Layout as FSDP2's: row ``r`` of the ``(W, S)`` buffer holds rank ``r``'s dim-0 chunk of every
+    parameter, each padded to ``ceil(rows / W)`` rows, in parameter order."""
+
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, policy: MixedPrecision) -> None:
+        self.params, self.mesh, self.policy = params, mesh, policy
+        self.world = mesh.size()
+        self.chunk_rows = [-(-p.shape[0] // self.world) for p in params]
+        self.cached: dict[int, torch.Tensor] = {}
+
+    def get(self, stored: torch.Tensor) -> torch.Tensor:
+        if not self.cached:  # first read in this forward: gather the whole bucket
+            shards = [p.to_local() for p in self.params]  # type: ignore[attr-defined]
+            full = _BucketGather.apply(self, *shards)
+            self.cached = {id(p): t for p, t in zip(self.params, full, strict=True)}
+        return self.cached[id(stored)]
+
+    def clear(self) -> None:
+        self.cached = {}
+
+
+class _BucketGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, bucket: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.bucket = bucket
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
+        ctx.local_rows = [t.shape[0] for t in shards]
+        dtype = bucket.policy.param_dtype or shards[0].dtype
+        padded = [_pad_rows(t.to(dtype), c).reshape(-1) for t, c in zip(shards, bucket.chunk_rows, strict=True)]
+        flat = torch.cat(padded)
+        rows = funcol_all_gather(flat, bucket.mesh).view(bucket.world, -1)
+        out, offset = [], 0
+        for p, c in zip(bucket.params, bucket.chunk_rows, strict=True):
+            inner = p.shape[1:]
+            n = c * inner.numel()
+            full = rows[:, offset : offset + n].reshape(bucket.world * c, *inner)[: p.shape[0]]
+            out.append(full.contiguous())
+            offset += n
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        bucket: _Bucket = ctx.bucket
+        dtype = bucket.policy.reduce_dtype or bucket.policy.param_dtype or bucket.params[0].dtype
+        per_rank = []
+        for p, c, g in zip(bucket.params, bucket.chunk_rows, grads, strict=True):
+            g = torch.zeros(p.shape, dtype=dtype) if g is None else g.to(dtype)
+            per_rank.append(_pad_rows(g, bucket.world * c).reshape(bucket.world, -1))
+        buf = torch.cat(per_rank, dim=1).reshape(-1)
+        mine = funcol_reduce_scatter_avg(buf, bucket.mesh)
+        out: list[torch.Tensor | None] = []
+        offset = 0
+        for p, c, local, g in zip(bucket.params, bucket.chunk_rows, ctx.local_rows, grads, strict=True):
+            n = c * p.shape[1:].numel()
+            # A parameter this rank did not use keeps grad None (as in FSDP2), so the optimizer skips it.
+            out.append(None if g is None else mine[offset : offset + n].view(c, *p.shape[1:])[:local].to(p.dtype))
+            offset += n
+        return (None, *out)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+@dataclasses.dataclass(frozen=True)
+class _BucketMember:
+    """The parametrization of a module whose parameters belong to a bucket."""
+
+    bucket: _Bucket
+
+    def __call__(self, stored: torch.Tensor) -> torch.Tensor:
+        return self.bucket.get(stored)
+
+
 def _placements(mode: Mode, mesh: DeviceMesh) -> tuple[Replicate | Shard, ...]:
     match mode:
         case "replicate" if mesh.ndim == 1:
@@ -102,7 +180,7 @@ def _placements(mode: Mode, mesh: DeviceMesh) -> tuple[Replicate | Shard, ...]:
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-def _swap_class(module: nn.Module, names: tuple[str, ...], gather: _Gather) -> None:
+def _swap_class(module: nn.Module, names: tuple[str, ...], gather: _Gather | _BucketMember) -> None:
     module._simple_fsdp_gather = gather  # type: ignore[assignment]
     key = (type(module), names)
     if key not in _CLASSES:
@@ -126,6 +204,7 @@ def data_parallel(
     mode: Mode = "fully_shard",
     mp_policy: MixedPrecision | None = None,
     reshard_after_forward: bool = True,
+    buckets: Sequence[nn.Module] = (),
 ) -> nn.Module:
     """Make ``model`` data parallel over ``mesh`` the SimpleFSDP way, in place; returns ``model``.
 
@@ -139,6 +218,10 @@ def data_parallel(
         reshard_after_forward: free gathered parameters after forward and gather them again in backward
             (:func:`checkpoint_gathers` on every module that owns parameters); False keeps them from forward
             to backward (less communication, more memory). No effect for ``replicate``.
+        buckets: eager bucketing (``fully_shard`` only): each listed module's parameters, except those of
+            listed modules inside it, share one all-gather and one reduce-scatter, like a ``fully_shard``
+            unit of FSDP2 (e.g. ``[*model.blocks, model]``). A bucket that contains other buckets (the root)
+            is not resharded after forward, as in FSDP2. Compiled runs need none (:func:`compile_model`).
 
     Steps:
         1. Each parameter becomes an ``nn.Parameter`` holding a DTensor with the mode's placements
@@ -159,6 +242,7 @@ def data_parallel(
         raise ValueError("data_parallel() was already applied to this model (or one of its submodules)")
     policy = mp_policy or MixedPrecision()
     gather = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
+    owners = _bucket_owners(model, buckets, mode)
     done: dict[int, nn.Parameter] = {}
     for mod_name, module in model.named_modules():
         names = tuple(n for n, p in module.named_parameters(recurse=False) if p is not None)
@@ -177,12 +261,80 @@ def data_parallel(
                 dt = distribute_tensor(p.detach(), mesh, placements)
                 done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             module._parameters[n] = done[id(p)]
+        if id(module) in owners:
+            continue  # parametrized with its bucket, below
         _swap_class(module, names, gather)
         if reshard_after_forward and mode != "replicate":
             checkpoint_gathers(module)
+    for owner in buckets:
+        _make_bucket(owner, owners, mesh, policy, reshard_after_forward)
     if policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
     return model
+
+
+def _bucket_owners(model: nn.Module, buckets: Sequence[nn.Module], mode: Mode) -> dict[int, nn.Module]:
+    """Map every module whose parameters go into a bucket to its bucket's module (validating ``buckets``)."""
+    buckets = list(buckets)
+    if not buckets:
+        return {}
+    if mode != "fully_shard":
+        raise ValueError(f"buckets need mode='fully_shard', got mode={mode!r}")
+    inside = {id(m) for m in model.modules()}
+    for b in buckets:
+        if not isinstance(b, nn.Module) or id(b) not in inside:
+            raise ValueError(f"Invalid bucket {type(b).__name__}: buckets must be submodules of the model")
+    if len({id(b) for b in buckets}) != len(buckets):
+        raise ValueError("A module is listed twice in buckets")
+    listed = {id(b) for b in buckets}
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, owner: nn.Module | None) -> None:
+        owner = module if id(module) in listed else owner
+        if owner is not None:
+            owners[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return owners
+
+
+def _make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecision,
+                 reshard: bool) -> None:  # fmt: skip
+    members = [m for m in owner.modules() if owners.get(id(m)) is owner]
+    params: list[nn.Parameter] = []
+    for m in members:
+        for p in m.parameters(recurse=False):
+            if p.requires_grad and all(p is not q for q in params):
+                params.append(p)
+    if not params:
+        raise ValueError(f"Bucket {type(owner).__name__} has no trainable parameters of its own")
+    bucket = _Bucket(params, mesh, policy)
+    member = _BucketMember(bucket)
+    frozen = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
+    for m in members:
+        names = tuple(n for n, p in m.named_parameters(recurse=False) if p is not None)
+        if not names:
+            continue
+        trainable = tuple(n for n in names if m._parameters[n].requires_grad)  # type: ignore[union-attr]
+        if trainable and trainable != names:
+            raise ValueError(f"{type(m).__name__} in bucket {type(owner).__name__} mixes frozen and trainable "
+                             "parameters; bucket only trainable modules")  # fmt: skip
+        _swap_class(m, names, member if trainable else frozen)
+    nested = any(owners.get(id(m)) is not owner for m in owner.modules())
+    inner = owner.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bucket.clear()  # gather afresh in every forward (and in its recomputation)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            bucket.clear()  # the cache must not keep the gathered weights alive
+
+    owner.forward = forward
+    if reshard and not nested:
+        checkpoint_gathers(owner)
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:

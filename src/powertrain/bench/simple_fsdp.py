@@ -32,14 +32,15 @@ class Setup:
     kind: str  # "fsdp2" or "simple"
     compiled: bool
     reshard: bool = True
-    bucket: bool = True  # compiled SimpleFSDP: inductor's FSDP bucketing of the collectives
+    bucket: bool = True  # SimpleFSDP: eager buckets per block + root; compiled: inductor's FSDP bucketing
 
 
 SETUPS = [
     Setup("FSDP2 fully_shard, eager", "fsdp2", False),
     Setup("FSDP2 fully_shard, torch.compile", "fsdp2", True),
-    Setup("SimpleFSDP, eager", "simple", False),
-    Setup("SimpleFSDP, eager, no reshard", "simple", False, reshard=False),
+    Setup("SimpleFSDP, eager, per parameter", "simple", False, bucket=False),
+    Setup("SimpleFSDP, eager, bucketed as FSDP2's units", "simple", False),
+    Setup("SimpleFSDP, eager, bucketed, no reshard", "simple", False, reshard=False),
     Setup("SimpleFSDP, compiled, unbucketed", "simple", True, bucket=False),
     Setup("SimpleFSDP, compiled (fullgraph, inductor FSDP bucketing)", "simple", True),
     Setup("SimpleFSDP, compiled, no reshard", "simple", True, reshard=False),
@@ -74,7 +75,8 @@ def _build(setup: Setup, cfg: GPTConfig) -> tuple[GPT, Any]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
-        data_parallel(model, mesh, reshard_after_forward=setup.reshard)
+        eager_buckets = [*model.blocks, model] if setup.bucket and not setup.compiled else []
+        data_parallel(model, mesh, reshard_after_forward=setup.reshard, buckets=eager_buckets)
     if not setup.compiled:
         return model, model
     return model, compile_model(model, bucket=setup.bucket) if setup.kind == "simple" else torch.compile(model)

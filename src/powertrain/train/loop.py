@@ -70,7 +70,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
-    strategy = build_strategy(cfg.parallel, model, name, options)
+    strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile)
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 

@@ -109,7 +109,7 @@ class _FSDP(Strategy):
 
 
 class _SimpleFSDP(Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], compiled: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from powertrain.simple_fsdp import MixedPrecision, data_parallel
@@ -125,7 +125,11 @@ class _SimpleFSDP(Strategy):
             for p in model.parameters()
         )  # this rank's padded dim-0 shard of every parameter
         reduce_dtype = _REDUCE_DTYPES[name]
-        self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype))
+        # Eager: one all-gather / reduce-scatter per block and one for the rest, as FSDP2's units; compiled:
+        # per parameter, and inductor buckets them (compile_model).
+        blocks = getattr(model, "blocks", None)
+        buckets = [*blocks, model] if isinstance(blocks, torch.nn.ModuleList) and not compiled else []
+        self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype), buckets=buckets)
         self.stats = CommStats()
         self.state = _NoState()
         grad_size = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype is not None else 4
@@ -160,8 +164,11 @@ class _NoState:
                              "written with another --parallel mode?")  # fmt: skip
 
 
-def build_strategy(parallel: Parallel, model: torch.nn.Module, name: str, options: dict[str, Any]) -> Strategy:
-    """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`)."""
+def build_strategy(
+    parallel: Parallel, model: torch.nn.Module, name: str, options: dict[str, Any], *, compiled: bool = False
+) -> Strategy:
+    """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
+    ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor)."""
     match parallel:
         case "reference":
             return _Reference(model, name, options)
@@ -170,5 +177,5 @@ def build_strategy(parallel: Parallel, model: torch.nn.Module, name: str, option
         case "fsdp":
             return _FSDP(model, name, options)
         case "simple_fsdp":
-            return _SimpleFSDP(model, name, options)
+            return _SimpleFSDP(model, name, options, compiled)
     raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp or simple_fsdp")
