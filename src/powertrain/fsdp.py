@@ -61,16 +61,22 @@ def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 
 
 class CompressedReduceScatter(ReduceScatter):
-    """FSDP2 reduce-scatter of one ``fully_shard`` module through a powertrain compressor."""
+    """Reduce-scatter of a flat ``(W, S)`` gradient buffer (FSDP2's layout: row ``r`` holds the padded dim-0
+    chunk ``r`` of every parameter, in order) through a powertrain compressor. Serves one ``fully_shard``
+    module (:meth:`for_module`) or one SimpleFSDP bucket."""
 
-    def __init__(self, compressor: Compressor, module: FSDPModule) -> None:
+    def __init__(self, compressor: Compressor, params: list[torch.nn.Parameter], sizes: list[torch.Size]) -> None:
+        self.compressor = compressor
+        self.sizes = sizes
+        self.indices = compressor.indices_of(params)
+
+    @classmethod
+    def for_module(cls, compressor: Compressor, module: FSDPModule) -> CompressedReduceScatter:
         managed = [(p, size, dim) for p, size, dim in fsdp_managed_params(module) if p.requires_grad]
         for _, _, dim in managed:
             if dim != 0:
                 raise ValueError(f"Compressed reduce-scatter supports Shard(0) parameters only, got Shard({dim})")
-        self.compressor = compressor
-        self.sizes = [size for _, size, _ in managed]
-        self.indices = compressor.indices_of([p for p, _, _ in managed])
+        return cls(compressor, [p for p, _, _ in managed], [size for _, size, _ in managed])
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -149,14 +155,10 @@ def register_compressor(model: torch.nn.Module, compressor: Compressor) -> list[
     Returns:
         The installed reduce-scatters; the compressor holds all state (``compressor.state_dict()``).
     """
-    if not isinstance(compressor, _SUPPORTED):
-        raise ValueError(
-            f"{type(compressor).__name__} cannot run under FSDP2: its messages have no reduce-scatter form. "
-            "Use PowerSGDCompressor, QuantizedCompressor (int8/int4) or AllReduceCompressor, or DDP for this one"
-        )
+    check_supported(compressor, "FSDP2")
     comms = []
     for module in _fsdp_modules(model):
-        rs = CompressedReduceScatter(compressor, module)
+        rs = CompressedReduceScatter.for_module(compressor, module)
         module.set_custom_reduce_scatter(rs)
         comms.append(rs)
     covered = sorted(i for rs in comms for i in rs.indices)
@@ -166,6 +168,15 @@ def register_compressor(model: torch.nn.Module, compressor: Compressor) -> list[
             "trainable ones; build the compressor from model.named_parameters() after fully_shard"
         )
     return comms
+
+
+def check_supported(compressor: Compressor, where: str) -> None:
+    """Raise a clear error for a compressor whose messages have no reduce-scatter form."""
+    if not isinstance(compressor, _SUPPORTED):
+        raise ValueError(
+            f"{type(compressor).__name__} cannot run under {where}: its messages have no reduce-scatter form. "
+            "Use PowerSGDCompressor, QuantizedCompressor (int8/int4) or AllReduceCompressor, or DDP for this one"
+        )
 
 
 class QuantizedAllGather(AllGather):

@@ -34,13 +34,22 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
 
-__all__ = ["MixedPrecision", "checkpoint_gathers", "compile_model", "data_parallel", "is_simple_fsdp"]
+__all__ = [
+    "MixedPrecision",
+    "checkpoint_gathers",
+    "compile_model",
+    "data_parallel",
+    "is_simple_fsdp",
+    "quantize_all_gather",
+    "register_compressor",
+]
 
 Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
 _MODES = ("replicate", "fully_shard", "hybrid_shard")
@@ -96,6 +105,8 @@ class _Bucket:
         self.world = mesh.size()
         self.chunk_rows = [-(-p.shape[0] // self.world) for p in params]
         self.cached: dict[int, torch.Tensor] = {}
+        self.reduce_scatter: Any = None  # powertrain.fsdp.CompressedReduceScatter (register_compressor)
+        self.all_gather: Any = None  # powertrain.fsdp.QuantizedAllGather (quantize_all_gather)
 
     def get(self, stored: torch.Tensor) -> torch.Tensor:
         if not self.cached:  # first read in this forward: gather the whole bucket
@@ -117,7 +128,11 @@ class _BucketGather(torch.autograd.Function):
         dtype = bucket.policy.param_dtype or shards[0].dtype
         padded = [_pad_rows(t.to(dtype), c).reshape(-1) for t, c in zip(shards, bucket.chunk_rows, strict=True)]
         flat = torch.cat(padded)
-        rows = funcol_all_gather(flat, bucket.mesh).view(bucket.world, -1)
+        if bucket.all_gather is not None:
+            rows = flat.new_empty(bucket.world, flat.numel())
+            bucket.all_gather(rows.view(-1), flat, bucket.mesh.get_group())
+        else:
+            rows = funcol_all_gather(flat, bucket.mesh).view(bucket.world, -1)
         out, offset = [], 0
         for p, c in zip(bucket.params, bucket.chunk_rows, strict=True):
             inner = p.shape[1:]
@@ -132,14 +147,25 @@ class _BucketGather(torch.autograd.Function):
         bucket: _Bucket = ctx.bucket
         dtype = bucket.policy.reduce_dtype or bucket.policy.param_dtype or bucket.params[0].dtype
         per_rank = []
-        for p, c, g in zip(bucket.params, bucket.chunk_rows, grads, strict=True):
+        # Frozen parameters are gathered with the others but have no gradient to reduce (FSDP2's layout).
+        reduced = [
+            (p, c, g) for p, c, g in zip(bucket.params, bucket.chunk_rows, grads, strict=True) if p.requires_grad
+        ]
+        for p, c, g in reduced:
             g = torch.zeros(p.shape, dtype=dtype) if g is None else g.to(dtype)
             per_rank.append(_pad_rows(g, bucket.world * c).reshape(bucket.world, -1))
         buf = torch.cat(per_rank, dim=1).reshape(-1)
-        mine = funcol_reduce_scatter_avg(buf, bucket.mesh)
+        if bucket.reduce_scatter is not None:
+            mine = buf.new_empty(buf.numel() // bucket.world)
+            bucket.reduce_scatter(mine, buf, bucket.mesh.get_group(), dist.ReduceOp.AVG)
+        else:
+            mine = funcol_reduce_scatter_avg(buf, bucket.mesh)
         out: list[torch.Tensor | None] = []
         offset = 0
         for p, c, local, g in zip(bucket.params, bucket.chunk_rows, ctx.local_rows, grads, strict=True):
+            if not p.requires_grad:
+                out.append(None)
+                continue
             n = c * p.shape[1:].numel()
             # A parameter this rank did not use keeps grad None (as in FSDP2), so the optimizer skips it.
             out.append(None if g is None else mine[offset : offset + n].view(c, *p.shape[1:])[:local].to(p.dtype))
@@ -151,6 +177,42 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _buckets(model: nn.Module) -> list[_Bucket]:
+    found: dict[int, _Bucket] = {}
+    for m in model.modules():
+        member = getattr(m, "_simple_fsdp_gather", None)
+        if isinstance(member, _BucketMember):
+            found[id(member.bucket)] = member.bucket
+    if not found:
+        raise ValueError("No SimpleFSDP buckets in this model: call data_parallel(..., buckets=[...]) first")
+    return list(found.values())
+
+
+def register_compressor(model: nn.Module, compressor: Any) -> None:
+    """Reduce the gradients of ``model``'s SimpleFSDP buckets through ``compressor`` (built from
+    ``model.named_parameters()`` after :func:`data_parallel`): the same compressed reduce-scatter as
+    :func:`powertrain.fsdp.register_compressor` (exact, powersgd, int8, int4), with error feedback on each
+    rank's full local gradient. Parameters outside buckets keep DTensor's exact reduction."""
+    from powertrain.fsdp import CompressedReduceScatter, check_supported
+
+    check_supported(compressor, "SimpleFSDP")
+    for bucket in _buckets(model):
+        trainable = [p for p in bucket.params if p.requires_grad]
+        bucket.reduce_scatter = CompressedReduceScatter(compressor, trainable, [p.shape for p in trainable])
+
+
+def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) -> None:
+    """All-gather the weights of ``model``'s SimpleFSDP buckets as ``bits``-bit integers with per-chunk
+    scales (QSDP), as :func:`powertrain.fsdp.quantize_all_gather` does for FSDP2; master weights stay exact."""
+    from powertrain.fsdp import QuantizedAllGather
+
+    gather = QuantizedAllGather(bits, chunk)
+    for bucket in _buckets(model):
+        if bucket.policy.param_dtype not in (None, torch.float32):
+            raise ValueError("quantize_all_gather needs fp32 gathered weights (no param_dtype)")
+        bucket.all_gather = gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,28 +362,30 @@ def _bucket_owners(model: nn.Module, buckets: Sequence[nn.Module], mode: Mode) -
     return owners
 
 
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    for child in module.children():
+        out.extend(_post_order(child))
+    out.append(module)
+    return out
+
+
 def _make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecision,
                  reshard: bool) -> None:  # fmt: skip
-    members = [m for m in owner.modules() if owners.get(id(m)) is owner]
+    members = [m for m in _post_order(owner) if owners.get(id(m)) is owner]
     params: list[nn.Parameter] = []
-    for m in members:
+    for m in members:  # children before their parent: FSDP2's order, so buffers match it element for element
         for p in m.parameters(recurse=False):
-            if p.requires_grad and all(p is not q for q in params):
+            if all(p is not q for q in params):
                 params.append(p)
-    if not params:
+    if not any(p.requires_grad for p in params):
         raise ValueError(f"Bucket {type(owner).__name__} has no trainable parameters of its own")
     bucket = _Bucket(params, mesh, policy)
     member = _BucketMember(bucket)
-    frozen = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
     for m in members:
         names = tuple(n for n, p in m.named_parameters(recurse=False) if p is not None)
-        if not names:
-            continue
-        trainable = tuple(n for n in names if m._parameters[n].requires_grad)  # type: ignore[union-attr]
-        if trainable and trainable != names:
-            raise ValueError(f"{type(m).__name__} in bucket {type(owner).__name__} mixes frozen and trainable "
-                             "parameters; bucket only trainable modules")  # fmt: skip
-        _swap_class(m, names, member if trainable else frozen)
+        if names:
+            _swap_class(m, names, member)
     nested = any(owners.get(id(m)) is not owner for m in owner.modules())
     inner = owner.forward
 
