@@ -82,7 +82,8 @@ def test_data_sources_and_parallel_modes(tmp_path, source):
     assert summary["world_size"] == 2 and summary["bytes_sent"] > 0 and summary["val_loss"] == summary["val_loss"]
 
 
-@pytest.mark.parametrize("mode", [["ddp", "int8"], ["simple_fsdp", "none"]], ids=["ddp-int8", "simple_fsdp"])
+@pytest.mark.parametrize("mode", [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2"]],
+                         ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd"])  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = ["train", "--preset", "tiny", "--steps", "8", "--parallel", mode[0], "--compressor", mode[1], "--quiet"]
@@ -157,7 +158,8 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--steps", "0"], "steps=0"),
         (["--lr", "-1"], "lr=-1"),
         (["--parallel", "fsdp", "--compressor", "topk"], "cannot run under parallel='fsdp'"),
-        (["--parallel", "simple_fsdp", "--compressor", "int8"], "not available with parallel='simple_fsdp'"),
+        (["--parallel", "simple_fsdp", "--compressor", "int8", "--compile"], "runs on eager buckets"),
+        (["--parallel", "simple_fsdp", "--compressor", "sign"], "cannot run under parallel='simple_fsdp'"),
         (["--parallel", "ddp", "--compile"], "compile=True is supported with"),
         (["--data", "textdir"], "needs data_path"),
         (["--data", "textdir", "--data-path", "/nonexistent/x"], "does not exist"),

@@ -108,21 +108,21 @@ class TrainConfig:
         if not self.compressor:
             object.__setattr__(self, "compressor", "none" if self.parallel == "simple_fsdp" else DEFAULT_COMPRESSOR)
         name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
-        if self.parallel == "simple_fsdp" and name not in ("none", "bf16", "fp16"):
+        if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(
-                f"compressor={name!r} is not available with parallel='simple_fsdp': it reduces gradients with "
-                "DTensor's own reduce-scatter: set compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction), "
-                "or use parallel='fsdp' or 'ddp' for compressed gradients"
+                f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
+                "compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction) with compile"
             )
         if self.compile and self.parallel in ("ddp", "fsdp"):
             raise ValueError(
                 f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
                 f"or 'reference', not {self.parallel!r}"
             )
-        if self.parallel == "fsdp" and name in ("topk", "randk", "sign"):
+        if self.parallel in ("fsdp", "simple_fsdp") and name in ("topk", "randk", "sign"):
             raise ValueError(
-                f"compressor={name!r} cannot run under parallel='fsdp' (its messages have no reduce-scatter form): "
-                "use none, fp16, bf16, powersgd, int8 or int4 with fsdp, or parallel='ddp'"
+                f"compressor={name!r} cannot run under parallel={self.parallel!r} (its messages have no "
+                f"reduce-scatter form): use none, fp16, bf16, powersgd, int8 or int4 with {self.parallel}, or "
+                "parallel='ddp'"
             )
 
     @property

@@ -112,11 +112,12 @@ class _SimpleFSDP(Strategy):
     def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], compiled: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from powertrain import simple_fsdp
         from powertrain.simple_fsdp import MixedPrecision, data_parallel
 
-        if name not in _REDUCE_DTYPES or options:
-            raise ValueError(f"Invalid compressor {name!r} with options {options} for simple_fsdp: use none, bf16 "
-                             "or fp16 without options")  # fmt: skip
+        exact = name in _REDUCE_DTYPES
+        if exact and options:
+            raise ValueError(f"Compressor {name!r} takes no options with simple_fsdp, got {options}")
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         world = mesh.size()
@@ -124,19 +125,31 @@ class _SimpleFSDP(Strategy):
             (-(-p.shape[0] // world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
             for p in model.parameters()
         )  # this rank's padded dim-0 shard of every parameter
-        reduce_dtype = _REDUCE_DTYPES[name]
+        reduce_dtype = _REDUCE_DTYPES.get(name)
         # Eager: one all-gather / reduce-scatter per block and one for the rest, as FSDP2's units; compiled:
         # per parameter, and inductor buckets them (compile_model).
         blocks = getattr(model, "blocks", None)
-        buckets = [*blocks, model] if isinstance(blocks, torch.nn.ModuleList) and not compiled else []
+        buckets = [*blocks, model] if isinstance(blocks, torch.nn.ModuleList) and not compiled else [model]
+        if compiled:
+            buckets = []
+        if not exact and not buckets:
+            raise ValueError(f"compressor={name!r} with simple_fsdp needs eager buckets: not with compile=True")
         self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype), buckets=buckets)
         self.stats = CommStats()
-        self.state = _NoState()
+        self.state: Any = _NoState()
+        self._per_micro: dict[str, int] = {}
+        if not exact:  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
+            comp = make_compressor(name, model.named_parameters(), **options)
+            simple_fsdp.register_compressor(self.model, comp)
+            self.state, self.stats = comp, comp.comm.stats
+            return
         grad_size = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype is not None else 4
         # Gradient traffic only, as for fsdp (weight all-gathers are not gradient communication).
         self._per_micro = {"reduce_scatter": world * shard_bytes * grad_size // 4}
 
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        if not self._per_micro:
+            return contextlib.nullcontext()
         with self.stats._lock:
             for op, n in self._per_micro.items():
                 self.stats.by_op[op] = self.stats.by_op.get(op, 0) + n
