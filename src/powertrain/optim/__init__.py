@@ -1,0 +1,1 @@
+"""Optimizers: Distributed Shampoo (in progress)."""

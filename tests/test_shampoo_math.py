@@ -1,0 +1,72 @@
+"""Shampoo's matrix functions at world size 1, against a float64 eigendecomposition."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powertrain.optim.shampoo.matrix import RootFailure, inverse_root
+
+
+def _psd(n: int, rank: int | None = None, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(n, rank or n, generator=g, dtype=torch.float64)
+    return b @ b.T / n
+
+
+def _reference(a: torch.Tensor, root: int, eps: float) -> torch.Tensor:
+    vals, vecs = torch.linalg.eigh(a.double())
+    return vecs @ torch.diag((vals.clamp_min(0) + eps) ** (-1.0 / root)) @ vecs.T
+
+
+@pytest.mark.parametrize("root", [1, 2, 4])
+@pytest.mark.parametrize("method", ["eigh", "newton"])
+def test_inverse_root_matches_float64_reference(root, method):
+    a = _psd(24)
+    x = inverse_root(a.float(), root, epsilon=1e-3, method=method)
+    ref = _reference(a.float(), root, 1e-3)
+    assert x.dtype == torch.float32
+    # relative Frobenius error: float32 round-off on a matrix with condition number ~1e3 (eigh), and
+    # Newton's stopping rule ||M - I||_inf < 1e-6
+    err = torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)
+    assert err < 1e-4, err
+    # defining property: X^root (A + eps I) = I
+    prod = torch.linalg.matrix_power(x.double(), root) @ (a + 1e-3 * torch.eye(24, dtype=torch.float64))
+    assert torch.allclose(prod, torch.eye(24, dtype=torch.float64), atol=2e-3)
+
+
+def test_rank_deficient_matrix_uses_epsilon_and_stays_finite():
+    """A rank-3 16x16 factor: 13 zero eigenvalues, which float32 eigh returns as +-1e-7 noise (clipped at 0);
+    epsilon 1e-4 dominates that noise, so the root is accurate to ~1e-3 relative."""
+    a = _psd(16, rank=3)
+    x = inverse_root(a.float(), 4, epsilon=1e-4)
+    assert torch.isfinite(x).all()
+    ref = _reference(a.float(), 4, 1e-4)
+    assert torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref) < 1e-2
+
+
+def test_non_finite_factor_raises_root_failure():
+    a = _psd(8).float()
+    a[2, 3] = float("nan")
+    with pytest.raises(RootFailure, match="non-finite"):
+        inverse_root(a, 2)
+
+
+def test_newton_without_convergence_raises():
+    with pytest.raises(RootFailure, match="4-th root failed \\(newton"):
+        inverse_root(_psd(8).float(), 4, method="newton", max_iters=1, retry_float64=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"root": 0}, "root=0"),
+        ({"root": 2, "epsilon": -1.0}, "epsilon=-1.0"),
+        ({"root": 2, "method": "svd"}, "method='svd'"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        inverse_root(_psd(4).float(), **kwargs)
+    with pytest.raises(ValueError, match="square"):
+        inverse_root(torch.zeros(3, 4), 2)
