@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -70,3 +72,31 @@ def test_bad_arguments(kwargs, message):
         inverse_root(_psd(4).float(), **kwargs)
     with pytest.raises(ValueError, match="square"):
         inverse_root(torch.zeros(3, 4), 2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "max_dim", "merged", "blocks"),
+    [((64, 3, 3, 3), 64, (64, 27), 1), ((7, 15), 4, (7, 15), 8), ((300,), 128, (300,), 3), ((1, 1), 8, (1,), 1),
+     ((2, 3, 4), 100, (24,), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1)],
+)  # fmt: skip
+def test_blocks_split_and_join_round_trip(shape, max_dim, merged, blocks):
+    from powertrain.optim.shampoo.blocks import join, merged_shape, split
+
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    assert merged_shape(t.shape, max_dim) == merged
+    parts = split(t, max_dim)
+    assert len(parts) == blocks
+    assert all(max(p.shape) <= max(max_dim, 1) or (p.ndim == 1 and p.numel() <= max_dim) for p in parts)
+    assert sum(p.numel() for p in parts) == t.numel()
+    assert torch.equal(join(parts, t.shape, max_dim), t)
+
+
+def test_blocks_are_views_and_bad_max_dim_refused():
+    from powertrain.optim.shampoo.blocks import merged_shape, split
+
+    t = torch.zeros(6, 10)
+    for p in split(t, 4):
+        p.fill_(1.0)
+    assert bool((t == 1).all())
+    with pytest.raises(ValueError, match="max_preconditioner_dim=0"):
+        merged_shape((3, 3), 0)

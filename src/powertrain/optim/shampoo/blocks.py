@@ -1,0 +1,65 @@
+"""How Shampoo cuts a parameter into blocks, each preconditioned by one factor matrix per dimension.
+
+1. Merge adjacent dimensions while their product stays <= ``max_dim`` (a conv weight (64, 3, 3, 3)
+   becomes (64, 27)); dimensions of size 1 are dropped (a 0-d or all-ones tensor is one 1-element block).
+2. Split every dimension of the merged shape into chunks of at most ``max_dim``: the blocks are the
+   grid of those chunks, in row-major order. A 1-D parameter is a vector, cut into pieces of <= max_dim.
+
+Blocks are views of the parameter (or gradient) when it is contiguous; :func:`join` reassembles a
+tensor of the original shape from per-block results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+
+__all__ = ["join", "merged_shape", "split"]
+
+
+def merged_shape(shape: tuple[int, ...] | torch.Size, max_dim: int) -> tuple[int, ...]:
+    if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
+        raise ValueError(f"Invalid max_preconditioner_dim={max_dim!r}: must be an integer >= 1")
+    dims = [d for d in shape if d != 1]
+    if not dims:
+        return (1,)
+    out = [dims[0]]
+    for d in dims[1:]:
+        if out[-1] * d <= max_dim:
+            out[-1] *= d
+        else:
+            out.append(d)
+    return tuple(out)
+
+
+def _chunks(n: int, max_dim: int) -> list[int]:
+    k = math.ceil(n / max_dim)
+    return [max_dim] * (k - 1) + [n - max_dim * (k - 1)]
+
+
+def split(t: torch.Tensor, max_dim: int) -> list[torch.Tensor]:
+    """The blocks of ``t`` (views when ``t`` is contiguous), row-major over the chunk grid."""
+    merged = t.reshape(merged_shape(t.shape, max_dim))
+    parts = [merged]
+    for dim, n in enumerate(merged.shape):
+        sizes = _chunks(n, max_dim)
+        parts = [q for p in parts for q in torch.split(p, sizes, dim=dim)]
+    return parts
+
+
+def join(blocks: list[torch.Tensor], shape: tuple[int, ...] | torch.Size, max_dim: int) -> torch.Tensor:
+    """Inverse of :func:`split`: a tensor of ``shape`` from its blocks."""
+    merged = merged_shape(shape, max_dim)
+    counts = [len(_chunks(n, max_dim)) for n in merged]
+    if len(blocks) != math.prod(counts):
+        raise ValueError(f"{len(blocks)} blocks do not tile shape {tuple(shape)} (expected {math.prod(counts)})")
+    grid = dict(zip(itertools.product(*(range(c) for c in counts)), blocks, strict=True))
+
+    def build(prefix: tuple[int, ...], dim: int) -> torch.Tensor:
+        if dim == len(counts):
+            return grid[prefix]
+        return torch.cat([build((*prefix, i), dim + 1) for i in range(counts[dim])], dim=dim)
+
+    return build((), 0).reshape(shape)
