@@ -1,0 +1,64 @@
+"""Shampoo's per-block math: factor statistics, their inverse roots, and the preconditioned direction.
+
+For a block ``G`` of order ``k`` (a matrix: k = 2) there is one factor per dimension ``i``:
+``L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T`` (``beta2 = 1``: AdaGrad's running sum), where ``G_(i)`` is
+``G`` unfolded along dimension ``i`` (that dimension's rows, all others flattened). Every
+``precondition_frequency`` steps ``R_i = (L_i + epsilon I)^(-1/(2k))`` is recomputed, and the direction is
+``G x_1 R_1 x_2 ... x_k R_k`` (mode-i products; for a matrix ``R_1 G R_2``).
+
+Pure functions on tensors; the optimizer owns state and decides when to recompute.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from powertrain.optim.shampoo.matrix import Method, inverse_root
+
+__all__ = ["init_factors", "inverse_roots", "precondition", "update_factors"]
+
+
+def init_factors(block: torch.Tensor) -> list[torch.Tensor]:
+    """Zero factor statistics, one (d_i x d_i) per dimension of ``block`` (float32 or wider)."""
+    dtype = torch.promote_types(block.dtype, torch.float32)
+    return [torch.zeros(d, d, dtype=dtype, device=block.device) for d in block.shape]
+
+
+def _unfold(g: torch.Tensor, dim: int) -> torch.Tensor:
+    return g.movedim(dim, 0).reshape(g.shape[dim], -1)
+
+
+def update_factors(factors: list[torch.Tensor], g: torch.Tensor, beta2: float) -> None:
+    """In place: ``L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T`` (``beta2 == 1``: ``L_i += G_(i) G_(i)^T``)."""
+    g = g.to(factors[0].dtype)
+    for i, f in enumerate(factors):
+        u = _unfold(g, i)
+        if beta2 == 1.0:
+            f.addmm_(u, u.T)
+        else:
+            f.mul_(beta2).addmm_(u, u.T, alpha=1.0 - beta2)
+
+
+def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, method: Method = "eigh",
+                  exponent_multiplier: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+    """``(L_i + epsilon I)^(-1/(2k))`` for each of the ``k`` factors (``exponent_multiplier`` scales the
+    root's exponent, as in the reference implementation; 1: Shampoo's own). May raise RootFailure."""
+    k = len(factors)
+    root = 2 * k
+    if exponent_multiplier != 1.0:
+        # (-1 / root) * multiplier = -1 / (root / multiplier): only integer roots are supported
+        scaled = root / exponent_multiplier
+        if abs(scaled - round(scaled)) > 1e-9:
+            raise ValueError(f"exponent_multiplier={exponent_multiplier} gives a non-integer root {scaled}")
+        root = round(scaled)
+    return [inverse_root(f, root, epsilon=epsilon, method=method) for f in factors]
+
+
+def precondition(g: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
+    """``G x_1 R_1 ... x_k R_k`` in the roots' dtype (the caller casts back)."""
+    out = g.to(roots[0].dtype)
+    for r in roots:
+        # contract the leading dim with R (symmetric), then move it to the back: after k steps the
+        # dimensions are back in order
+        out = torch.tensordot(out, r, dims=([0], [0]))
+    return out
