@@ -1,0 +1,280 @@
+"""``DistributedShampoo``: block-diagonal Shampoo with grafting, spreading its blocks across data-parallel ranks.
+
+Per step, for every parameter with a gradient ``g`` (averaged across ranks already: DDP, or a compressor):
+
+1. Optional gradient filtering: ``f <- beta1 f + (1 - beta1) g`` (bias-corrected), used as the direction's
+   input; the statistics always see the raw ``g``.
+2. For each block (:mod:`.blocks`) this rank owns: factor statistics (:func:`.preconditioner.update_factors`),
+   the grafting statistics, and every ``precondition_frequency`` steps (from ``start_preconditioning_step``)
+   the inverse roots. The block's direction is the preconditioned ``f`` rescaled to the norm of the
+   grafting method's direction (``adam``, ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting
+   direction alone before the first roots or after ``max_root_failures`` failed root computations.
+3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by cost (sum of d_i^3, greedy,
+   deterministic), each rank computes its blocks' directions, and one all-gather (``comm_dtype``) shares them.
+   With fp32 communication the result is bitwise the single-process optimizer's.
+4. Momentum (optionally Nesterov) on the direction, decoupled weight decay, ``p -= lr * direction``.
+
+Every rank keeps the statistics of its own blocks only (the memory saving of the distributed version);
+``state_dict()`` is therefore per rank and records the world size it was written with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from powertrain._compat import all_gather_single
+from powertrain.optim.shampoo import blocks as blocking
+from powertrain.optim.shampoo.matrix import RootFailure
+from powertrain.optim.shampoo.preconditioner import init_factors, inverse_roots, precondition, update_factors
+
+__all__ = ["DistributedShampoo"]
+
+Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    param: int  # index in the flat parameter list
+    index: int  # block index within the parameter
+    shape: tuple[int, ...]
+    owner: int
+
+
+def _assign(shapes: list[tuple[int, int, tuple[int, ...]]], world: int) -> list[_Block]:
+    """Greedy longest-processing-time assignment of blocks to ranks by eigendecomposition cost."""
+    load = [0.0] * world
+    order = sorted(range(len(shapes)), key=lambda i: (-sum(d**3 for d in shapes[i][2]), i))
+    owner = [0] * len(shapes)
+    for i in order:
+        r = min(range(world), key=lambda j: (load[j], j))
+        owner[i] = r
+        load[r] += sum(d**3 for d in shapes[i][2])
+    return [_Block(p, b, s, owner[i]) for i, (p, b, s) in enumerate(shapes)]
+
+
+class DistributedShampoo(torch.optim.Optimizer):
+    """Shampoo with grafting, momentum and decoupled weight decay; blocks spread over ``group``'s ranks.
+
+    Args:
+        params: parameters (or groups); gradients must already be averaged across data-parallel ranks.
+        lr: learning rate.
+        betas: ``(beta1, beta2)``: gradient filtering (0: off) and the factor statistics' EMA (1: sum).
+        epsilon: added to the factors' eigenvalues before the inverse root.
+        momentum, nesterov: heavy-ball momentum on the final direction.
+        weight_decay: decoupled (AdamW-style) weight decay.
+        max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
+        precondition_frequency: steps between inverse-root computations.
+        start_preconditioning_step: first step that uses Shampoo's direction (default: the frequency).
+        grafting: step-size source: ``adam``, ``rmsprop``, ``adagrad`` or ``none``.
+        grafting_beta2, grafting_epsilon: the grafting method's second-moment EMA and epsilon.
+        root_method: ``eigh`` (float64 retry) or ``newton`` (coupled Newton iteration).
+        max_root_failures: failed root computations tolerated per block before it uses the graft for good.
+        group: the data-parallel process group (default: the world when initialised, else one process).
+        comm_dtype: dtype of the all-gathered directions (float32: bitwise the single-process result).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        epsilon: float = 1e-12,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        max_preconditioner_dim: int = 1024,
+        precondition_frequency: int = 10,
+        start_preconditioning_step: int | None = None,
+        grafting: Grafting = "adam",
+        grafting_beta2: float = 0.999,
+        grafting_epsilon: float = 1e-8,
+        root_method: Literal["eigh", "newton"] = "eigh",
+        max_root_failures: int = 3,
+        group: dist.ProcessGroup | None = None,
+        comm_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        checks = {
+            "lr": lr > 0, "betas[0]": 0 <= betas[0] < 1, "betas[1]": 0 < betas[1] <= 1, "epsilon": epsilon > 0,
+            "momentum": 0 <= momentum < 1, "weight_decay": weight_decay >= 0,
+            "grafting_beta2": 0 < grafting_beta2 <= 1, "grafting_epsilon": grafting_epsilon > 0,
+            "max_root_failures": max_root_failures >= 0,
+        }  # fmt: skip
+        values = {"betas[0]": betas[0], "betas[1]": betas[1]}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"Invalid {name}={values.get(name, locals().get(name))!r}")
+        for name, v in (("precondition_frequency", precondition_frequency),
+                        ("max_preconditioner_dim", max_preconditioner_dim)):  # fmt: skip
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Invalid {name}={v!r}: must be an integer >= 1")
+        start = precondition_frequency if start_preconditioning_step is None else start_preconditioning_step
+        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
+            raise ValueError(f"Invalid start_preconditioning_step={start!r}: must be an integer >= 1")
+        if grafting not in ("adam", "rmsprop", "adagrad", "none"):
+            raise ValueError(f"Invalid grafting={grafting!r}: choose adam, rmsprop, adagrad or none")
+        if root_method not in ("eigh", "newton"):
+            raise ValueError(f"Invalid root_method={root_method!r}: choose eigh or newton")
+        if nesterov and momentum == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+        if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"Invalid comm_dtype={comm_dtype!r}: a floating dtype")
+        defaults = dict(lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
+                        weight_decay=weight_decay, grafting=grafting, grafting_beta2=grafting_beta2,
+                        grafting_epsilon=grafting_epsilon)  # fmt: skip
+        super().__init__(params, defaults)
+        self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
+        self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
+        self.group = group
+        distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        shapes = []
+        for i, p in enumerate(self._params):
+            for b, blk in enumerate(blocking.split(torch.empty(p.shape, device="meta"), self.max_dim)):
+                shapes.append((i, b, tuple(blk.shape)))
+        self.blocks = _assign(shapes, self.world)
+        self.steps = 0
+
+    # -- per-block direction -------------------------------------------------------------------------------
+
+    def _graft(self, st: dict[str, Any], g: torch.Tensor, numer: torch.Tensor, grafting: str, beta2: float,
+               eps: float, step: int) -> torch.Tensor:  # fmt: skip
+        """The grafting method's direction: ``numer`` (the filtered gradient) over the root of its
+        second-moment statistics of the raw gradient ``g``."""
+        v = st.setdefault("graft", torch.zeros_like(g, dtype=torch.float32))
+        g32 = g.float()
+        if grafting == "adagrad":
+            v.addcmul_(g32, g32)
+            denom = v.sqrt().add_(eps)
+        else:
+            v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+            corr = 1 - beta2**step if grafting == "adam" else 1.0
+            denom = (v / corr).sqrt_().add_(eps)
+        return numer.float() / denom
+
+    def _direction(self, blk: _Block, raw: torch.Tensor, filtered: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        st = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
+        step = self.steps
+        if "factors" not in st:
+            st["factors"] = init_factors(raw)
+            st["failures"] = torch.zeros((), dtype=torch.int64)
+        update_factors(st["factors"], raw, group["betas"][1])
+        graft = (filtered.float() if group["grafting"] == "none" else
+                 self._graft(st, raw, filtered, group["grafting"], group["grafting_beta2"], group["grafting_epsilon"],
+                             step))  # fmt: skip
+        failures = int(st["failures"])
+        if step >= self.start and (step - self.start) % self.frequency == 0 and failures <= self.max_root_failures:
+            try:
+                st["roots"] = inverse_roots(st["factors"], epsilon=group["epsilon"], method=self.root_method)
+            except RootFailure:
+                st["failures"] += 1
+        if step < self.start or "roots" not in st or int(st["failures"]) > self.max_root_failures:
+            return graft
+        direction = precondition(filtered, st["roots"]).float()
+        if group["grafting"] == "none":
+            return direction
+        norm = direction.norm()
+        return direction * (graft.norm() / norm) if norm > 0 else direction
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
+        out = super().state_dict()
+        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        meta = state_dict.get("shampoo")
+        if meta is None:
+            raise ValueError("Not a DistributedShampoo state dict (no 'shampoo' entry)")
+        if (meta["world"], meta["rank"]) != (self.world, self.rank):
+            raise ValueError(
+                f"This state was written by rank {meta['rank']} of {meta['world']}, this is rank {self.rank} of "
+                f"{self.world}: each rank keeps only its own blocks' statistics, so resume with the same world size"
+            )
+        state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
+        super().load_state_dict(state_dict)
+        self.steps = int(meta["steps"])
+
+    # -- step ----------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.steps += 1
+        group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        raw_blocks: dict[int, list[torch.Tensor]] = {}
+        filt_blocks: dict[int, list[torch.Tensor]] = {}
+        for i, p in enumerate(self._params):
+            if p.grad is None:
+                continue
+            g = p.grad
+            beta1 = group_of[id(p)]["betas"][0]
+            st = self.state[p]
+            if beta1 > 0:
+                buf = st.setdefault("filtered", torch.zeros_like(g, dtype=torch.float32))
+                buf.mul_(beta1).add_(g.float(), alpha=1 - beta1)
+                filtered = buf / (1 - beta1**self.steps)
+            else:
+                filtered = g
+            raw_blocks[i] = blocking.split(g.contiguous(), self.max_dim)
+            filt_blocks[i] = blocking.split(filtered.contiguous(), self.max_dim)
+        # Which blocks have gradients is the same on every rank (gradients are averaged), so every rank
+        # knows the layout of every other rank's part of the all-gather.
+        mine: list[torch.Tensor] = []
+        for blk in self.blocks:
+            if blk.owner == self.rank and blk.param in raw_blocks:
+                grp = group_of[id(self._params[blk.param])]
+                mine.append(self._direction(blk, raw_blocks[blk.param][blk.index], filt_blocks[blk.param][blk.index],
+                                            grp).reshape(-1))  # fmt: skip
+        directions = self._exchange(mine, raw_blocks)
+        for i, p in enumerate(self._params):
+            if i not in raw_blocks:
+                continue
+            grp = group_of[id(p)]
+            d = blocking.join(directions[i], p.shape, self.max_dim).to(p.dtype)
+            if grp["momentum"] > 0:
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(d))
+                buf.mul_(grp["momentum"]).add_(d)
+                d = d.add(buf, alpha=grp["momentum"]) if grp["nesterov"] else buf
+            if grp["weight_decay"] > 0:
+                p.mul_(1 - grp["lr"] * grp["weight_decay"])
+            p.add_(d, alpha=-grp["lr"])
+        return loss
+
+    def _exchange(self, mine: list[torch.Tensor], raw: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+        """Every block's direction on every rank: local when ``W == 1``, else one all-gather."""
+        active = [b for b in self.blocks if b.param in raw]
+        out: dict[int, list[torch.Tensor]] = {i: [torch.empty(0)] * len(v) for i, v in raw.items()}
+        if self.world == 1:
+            for blk, d in zip(active, mine, strict=True):
+                out[blk.param][blk.index] = d.view(blk.shape)
+            return out
+        sizes = [sum(math.prod(b.shape) for b in active if b.owner == r) for r in range(self.world)]
+        width = max(sizes)
+        device = self._params[0].device
+        send = torch.zeros(width, dtype=self.comm_dtype, device=device)
+        if mine:
+            flat = torch.cat(mine)
+            send[: flat.numel()] = flat
+        recv = torch.empty(self.world * width, dtype=self.comm_dtype, device=device)
+        all_gather_single(recv, send, group=self.group)
+        rows = recv.view(self.world, width).float()
+        offsets = [0] * self.world
+        for blk in active:
+            n = math.prod(blk.shape)
+            o = offsets[blk.owner]
+            out[blk.param][blk.index] = rows[blk.owner, o : o + n].view(blk.shape)
+            offsets[blk.owner] += n
+        return out
