@@ -96,6 +96,15 @@ def test_resume_continues_bitwise(tmp_path, mode):
     assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b)
 
 
+def test_shampoo_trains_under_ddp(tmp_path):
+    r = _run("train", "--preset", "tiny", "--steps", "6", "--parallel", "ddp", "--compressor", "none",
+             "--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max-dim", "16", "--quiet",
+             "--out", str(tmp_path / "run"))  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_loss"] < summary["first_loss"]
+
+
 def test_simple_fsdp_compiled_matches_eager(tmp_path):
     """--parallel simple_fsdp --compile: the whole step (communication included) compiles with fullgraph and
     trains like eager (inductor reorders float math: measured loss gaps <= 1e-6 here)."""
@@ -161,6 +170,8 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--parallel", "simple_fsdp", "--compressor", "int8", "--compile"], "runs on eager buckets"),
         (["--parallel", "simple_fsdp", "--compressor", "sign"], "cannot run under parallel='simple_fsdp'"),
         (["--parallel", "ddp", "--compile"], "compile=True is supported with"),
+        (["--optimizer", "shampoo", "--parallel", "fsdp"], "optimizer='shampoo' runs with"),
+        (["--optimizer", "shampoo", "--checkpoint-every", "2"], "per-rank state"),
         (["--data", "textdir"], "needs data_path"),
         (["--data", "textdir", "--data-path", "/nonexistent/x"], "does not exist"),
         (["--data", "bin", "--data-path", "/nonexistent.bin"], "does not exist"),

@@ -23,6 +23,9 @@ _HELP = {
     "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
     "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2) or simple_fsdp (DTensor parametrization)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
+    "optimizer": "adamw, sgd or shampoo (DistributedShampoo: blocks spread over the workers; reference or ddp)",
+    "shampoo_frequency": "steps between Shampoo's inverse-root computations",
+    "shampoo_max_dim": "largest Shampoo factor dimension (blocks are cut to it)",
     "compressor": "NAME[:key=value,...] with NAME in none, fp16, bf16, powersgd, int8, int4, topk, randk, sign; "
     "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01",
     "nproc": "local workers to launch (ignored under torchrun, which sets the world)",

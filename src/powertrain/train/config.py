@@ -21,7 +21,7 @@ Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
-Optimizer = Literal["adamw", "sgd"]
+Optimizer = Literal["adamw", "sgd", "shampoo"]
 Precision = Literal["fp32", "bf16"]
 Backend = Literal["auto", "gloo", "nccl"]
 
@@ -57,6 +57,8 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     momentum: float = 0.9
+    shampoo_frequency: int = 10
+    shampoo_max_dim: int = 1024
     precision: Precision = "fp32"
     compile: bool = False
     seed: int = 0
@@ -80,7 +82,8 @@ class TrainConfig:
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
-        positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches"]
+        positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches",
+                    "shampoo_frequency", "shampoo_max_dim"]  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
@@ -112,6 +115,16 @@ class TrainConfig:
             raise ValueError(
                 f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
                 "compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction) with compile"
+            )
+        if self.optimizer == "shampoo" and self.parallel in ("fsdp", "simple_fsdp"):
+            raise ValueError(
+                f"optimizer='shampoo' runs with parallel='reference' or 'ddp' (replicated parameters), not "
+                f"{self.parallel!r}: preconditioning the blocks of each local shard is not implemented yet"
+            )
+        if self.optimizer == "shampoo" and (self.checkpoint_every or self.resume):
+            raise ValueError(
+                "optimizer='shampoo' keeps per-rank state that the train command's DCP checkpoints do not hold yet: "
+                "drop checkpoint_every/resume (DistributedShampoo.state_dict() itself resumes bitwise)"
             )
         if self.compile and self.parallel in ("ddp", "fsdp"):
             raise ValueError(

@@ -81,6 +81,13 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
         )
+    elif cfg.optimizer == "shampoo":
+        from powertrain.optim.shampoo.optimizer import DistributedShampoo
+
+        optimizer = DistributedShampoo(
+            model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), epsilon=1e-12, weight_decay=cfg.weight_decay,
+            max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency, grafting="adam",
+        )  # fmt: skip
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
