@@ -59,6 +59,9 @@ SPECS = [
     Spec("powertrain powersgd r4", "powersgd", {"rank": 4}),
     Spec("powertrain powersgd r1, 2 MB buckets", "powersgd", {"rank": 1}, BUCKET_MB),
     Spec("powertrain powersgd r4, 2 MB buckets", "powersgd", {"rank": 4}, BUCKET_MB),
+    # Algorithm 1 of the paper (P and Q every step, torch's hook's algorithm): with AdamW it kept validation
+    # loss within ~1% of fp32 where the alternating (reference) variant fell 11% behind (300 steps).
+    Spec("powertrain powersgd r4 paper, 2 MB buckets", "powersgd", {"rank": 4, "variant": "paper"}, BUCKET_MB),
     Spec("powertrain int8, 2 MB buckets", "int8", bucket_cap_mb=BUCKET_MB),
     Spec("powertrain powersgd r4, reference optimizer_step", "powersgd", {"rank": 4}, parallel="reference"),
     Spec("FSDP2 fp32", "none", parallel="fsdp"),
@@ -74,6 +77,7 @@ QUALITY = (
     "torch powerSGD_hook r4",
     "powertrain powersgd r1, 2 MB buckets",
     "powertrain powersgd r4, 2 MB buckets",
+    "powertrain powersgd r4 paper, 2 MB buckets",
     "powertrain int8, 2 MB buckets",
 )
 TARGET = 1.01  # time to target: the first evaluation within 1% of fp32's final validation loss
@@ -89,7 +93,7 @@ class Preset(ddp.Preset):
 
 PRESETS = {
     "default": Preset(
-        GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, START + 2, 8, (None, 1000.0, 100.0, 10.0),
+        GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, START + 2, 10, (None, 1000.0, 100.0, 10.0),
         4.0, 300, 25,
     ),
     "tiny": Preset(
