@@ -122,3 +122,15 @@ def same_on_all_ranks(runs: list[dict[str, Any]], key: str = "params") -> None:
 def final_loss(runs: list[dict[str, Any]], last: int = 5) -> float:
     """Mean over ranks of the mean of the last ``last`` losses."""
     return sum(sum(r["losses"][-last:]) / last for r in runs) / len(runs)
+
+
+def value_errors(attempts: dict[str, Callable[[], Any]]) -> dict[str, str]:
+    """Run each attempt; its ValueError message, or "" when it did not raise (the test then fails on it)."""
+    out = {}
+    for name, fn in attempts.items():
+        try:
+            fn()
+            out[name] = ""
+        except ValueError as e:
+            out[name] = str(e)
+    return out

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks
+from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks, value_errors
 from models import batch, flat_params, make_model
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
@@ -167,20 +167,15 @@ def _torch_hook_parity(rank: int, ours: bool) -> dict[str, Any]:
 
 
 def _bad_registration(rank: int) -> dict[str, Any]:
-    out = {}
     model = make_model()
     ddp = DDP(model)
-    for label, fn in {
-        "not_ddp": lambda: register_compressor(model, make_compressor("none", model.parameters())),  # type: ignore[arg-type]
-        "other_params": lambda: register_compressor(ddp, make_compressor("none", make_model().parameters())),
-        "not_compressor": lambda: register_compressor(ddp, "powersgd"),  # type: ignore[arg-type]
-    }.items():
-        try:
-            fn()
-            out[label] = ""
-        except ValueError as e:
-            out[label] = str(e)
-    return out
+    return value_errors(
+        {
+            "not_ddp": lambda: register_compressor(model, make_compressor("none", model.parameters())),  # type: ignore[arg-type]
+            "other_params": lambda: register_compressor(ddp, make_compressor("none", make_model().parameters())),
+            "not_compressor": lambda: register_compressor(ddp, "powersgd"),  # type: ignore[arg-type]
+        }
+    )
 
 
 def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import case, guard, run_ranks
+from dist_utils import case, guard, run_ranks, value_errors
 from models import Adversarial, batch, loss_fn
 from powertrain.bench.memory import available as heap_available
 from powertrain.bench.memory import heap_in_use
@@ -216,14 +216,7 @@ def _bad(rank: int, world: int) -> dict[str, str]:
         "bucket_mode": lambda: data_parallel(_model(), mesh, mode="replicate", buckets=[Scaled()]),
         "bucket_foreign": lambda: data_parallel(_model(), mesh, buckets=[nn.Linear(2, 2)]),
     }
-    out = {}
-    for name, fn in attempts.items():
-        try:
-            fn()
-            out[name] = ""
-        except ValueError as e:
-            out[name] = str(e)
-    return out
+    return value_errors(attempts)
 
 
 def simple_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:

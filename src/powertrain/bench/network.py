@@ -204,7 +204,7 @@ def _run_rate(
     return results, check
 
 
-def _rows(p: Preset, rate: float | None, results: dict[int, Any], runnable: list[Spec], model: GPT,
+def _rows(rate: float | None, results: dict[int, Any], runnable: list[Spec], model: GPT,
           latency: float) -> list[dict[str, Any]]:  # fmt: skip
     """One dict per configuration at this rate: measured (or modelled, for rows not run) and the model."""
     ranks = sorted(results)
@@ -354,7 +354,7 @@ def run_network_bench(*, preset: str = "default", out: str | None = None, write:
         print(f"[bench network] {_rate_name(rate)}: {len(runnable)} configurations", file=sys.stderr)
         results, check = _run_rate(p, rate, runnable, emulate=emulate)
         latency = check["latency_s"] if check else latency
-        rows = _rows(p, rate, results, runnable, model, latency)
+        rows = _rows(rate, results, runnable, model, latency)
         by = {r["label"]: r for r in rows}
         report["rates"].append({
             "rate_mbit": rate, "check": check, "rows": rows,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from powertrain.bench.ddp import Preset
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.train.config import TrainConfig
@@ -45,14 +46,6 @@ SETUPS = [
     Setup("SimpleFSDP, compiled (fullgraph, inductor FSDP bucketing)", "simple", True),
     Setup("SimpleFSDP, compiled, no reshard", "simple", True, reshard=False),
 ]
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    model: GPTConfig
-    batch: int
-    warmup: int
-    timed: int
 
 
 PRESETS = {

@@ -129,9 +129,12 @@ class _SimpleFSDP(Strategy):
         # Eager: one all-gather / reduce-scatter per block and one for the rest, as FSDP2's units; compiled:
         # per parameter, and inductor buckets them (compile_model).
         blocks = getattr(model, "blocks", None)
-        buckets = [*blocks, model] if isinstance(blocks, torch.nn.ModuleList) and not compiled else [model]
         if compiled:
-            buckets = []
+            buckets: list[torch.nn.Module] = []
+        elif isinstance(blocks, torch.nn.ModuleList):
+            buckets = [*blocks, model]
+        else:
+            buckets = [model]
         if not exact and not buckets:
             raise ValueError(f"compressor={name!r} with simple_fsdp needs eager buckets: not with compile=True")
         self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype), buckets=buckets)
@@ -146,6 +149,7 @@ class _SimpleFSDP(Strategy):
         grad_size = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype is not None else 4
         # Gradient traffic only, as for fsdp (weight all-gathers are not gradient communication).
         self._per_micro = {"reduce_scatter": world * shard_bytes * grad_size // 4}
+        self._num_params = sum(1 for _ in model.parameters())
 
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
         if not self._per_micro:
@@ -154,7 +158,7 @@ class _SimpleFSDP(Strategy):
             for op, n in self._per_micro.items():
                 self.stats.by_op[op] = self.stats.by_op.get(op, 0) + n
                 self.stats.bytes_sent += n
-            self.stats.num_collectives += sum(1 for _ in self.model.parameters())
+            self.stats.num_collectives += self._num_params
         return contextlib.nullcontext()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -99,16 +99,18 @@ class DistributedShampoo(torch.optim.Optimizer):
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
     ) -> None:
-        checks = {
-            "lr": lr > 0, "betas[0]": 0 <= betas[0] < 1, "betas[1]": 0 < betas[1] <= 1, "epsilon": epsilon > 0,
-            "momentum": 0 <= momentum < 1, "weight_decay": weight_decay >= 0,
-            "grafting_beta2": 0 < grafting_beta2 <= 1, "grafting_epsilon": grafting_epsilon > 0,
-            "max_root_failures": max_root_failures >= 0,
-        }  # fmt: skip
-        values = {"betas[0]": betas[0], "betas[1]": betas[1]}
-        for name, ok in checks.items():
+        checks = [
+            ("lr", lr, lr > 0, "> 0"), ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
+            ("betas[1]", betas[1], 0 < betas[1] <= 1, "in (0, 1]"), ("epsilon", epsilon, epsilon > 0, "> 0"),
+            ("momentum", momentum, 0 <= momentum < 1, "in [0, 1)"),
+            ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+            ("grafting_beta2", grafting_beta2, 0 < grafting_beta2 <= 1, "in (0, 1]"),
+            ("grafting_epsilon", grafting_epsilon, grafting_epsilon > 0, "> 0"),
+            ("max_root_failures", max_root_failures, max_root_failures >= 0, ">= 0"),
+        ]  # fmt: skip
+        for name, value, ok, want in checks:
             if not ok:
-                raise ValueError(f"Invalid {name}={values.get(name, locals().get(name))!r}")
+                raise ValueError(f"Invalid {name}={value!r}: must be {want}")
         for name, v in (("precondition_frequency", precondition_frequency),
                         ("max_preconditioner_dim", max_preconditioner_dim)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
