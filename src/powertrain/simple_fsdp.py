@@ -13,10 +13,11 @@ forward and gathered again in backward) is one mechanism for eager and compiled 
 owns parameters runs its forward under a selective activation checkpoint whose policy recomputes the
 collectives (and views of them) and saves every other op's output, so no compute is repeated. Eagerly,
 autograd then holds no gathered weight; under ``torch.compile`` the same policy becomes recompute tags on
-the joint graph, which the min-cut partitioner honours (measured: 4-layer GPT, d_model 256, 2 ranks, memory
-held between forward and backward 23.4 MB -> 12.0 MB eager, 21.8 MB -> 8.9 MB compiled; the weights are
-12.8 MB). Because the tags are part of the traced graph, an AOTAutograd cache hit cannot drop them (a
-separate joint-graph pass could be skipped that way).
+the joint graph, which the min-cut partitioner honours (measured: 4-layer GPT, d_model 256, 2 ranks, 4x32
+tokens, memory held between forward and backward 23.4 MB -> 12.0 MB eager, 21.8 MB -> 8.9 MB compiled; the
+weights are 12.8 MB). Caveat: eager *per-parameter* resharding at 16x128 tokens held more (162 vs 154 MB, cause
+not found); eager buckets (``buckets=``) held less (116 vs 154 MB). Because the tags are part of the
+traced graph, an AOTAutograd cache hit cannot drop them (a separate joint-graph pass could be skipped).
 
 Design note: the parametrization is installed by giving each module a subclass with one property per
 parameter (as in the paper's implementation) rather than ``torch.nn.utils.parametrize``, which renames
