@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import case, guard, run_ranks
+from dist_utils import case, guard, run_ranks, value_errors
 from models import batch, loss_fn, make_model
 from powertrain.optim.shampoo.optimizer import DistributedShampoo
 
@@ -115,8 +115,160 @@ def test_distributed_equals_single_process_bitwise_and_resumes(world):
     ("kwargs", "message"),
     [({"lr": 0.0}, "lr=0.0"), ({"betas": (1.0, 0.9)}, "betas[0]=1.0"), ({"grafting": "sgd"}, "grafting='sgd'"),
      ({"precondition_frequency": 0}, "precondition_frequency=0"), ({"root_method": "svd"}, "root_method='svd'"),
-     ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0")],
+     ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
+     ({"preconditioner": "kfac"}, "preconditioner='kfac'"), ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
+     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only")],
 )  # fmt: skip
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+# ---------------------------------------------------------------- eigenvalue-corrected (SOAP) preconditioner
+
+
+def _dense_soap(grads: list[torch.Tensor], w0: torch.Tensor, lr: float, beta2: float, eps: float,
+                start: int) -> torch.Tensor:  # fmt: skip
+    """Textbook eigenvalue-corrected Shampoo on one matrix, float64: factors L, R (EMA beta2); from step
+    ``start`` on their eigenbases Q_L, Q_R are recomputed every step (identities before); every step
+    D <- beta2 D + (1 - beta2) (Q_L^T G Q_R)^2, and W -= lr Q_L [(Q_L^T G Q_R) / (sqrt(D / (1 - beta2^t)) + eps)]
+    Q_R^T from ``start`` on (plain W -= lr G before); no grafting, filtering or decay."""
+    w = w0.double().clone()
+    left = torch.zeros(w.shape[0], w.shape[0], dtype=torch.float64)
+    right = torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64)
+    ql, qr = torch.eye(w.shape[0], dtype=torch.float64), torch.eye(w.shape[1], dtype=torch.float64)
+    d2 = torch.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        left = beta2 * left + (1 - beta2) * g @ g.T
+        right = beta2 * right + (1 - beta2) * g.T @ g
+        if t >= start:
+            ql, qr = torch.linalg.eigh(left).eigenvectors, torch.linalg.eigh(right).eigenvectors
+        rot = ql.T @ g @ qr
+        d2 = beta2 * d2 + (1 - beta2) * rot**2
+        w -= lr * (ql @ (rot / ((d2 / (1 - beta2**t)).sqrt() + eps)) @ qr.T if t >= start else g)
+    return w
+
+
+def test_eigenvalue_corrected_matches_dense_float64_reference():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 9))
+    w0 = w.detach().clone()
+    # start at step 3: by then both factors have full rank. Earlier, SOAP's first (sign-like, Adam's first
+    # step) update would amplify float32 round-off in the right factor's null space into O(1) steps.
+    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 0.95), epsilon=1e-8, precondition_frequency=1,
+                             start_preconditioning_step=3, grafting="none", max_preconditioner_dim=9,
+                             preconditioner="eigenvalue_corrected")  # fmt: skip
+    g_ = torch.Generator().manual_seed(1)
+    grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    ref = _dense_soap(grads, w0, 0.05, 0.95, 1e-8, start=3)
+    err = (w.detach().double() - ref).norm() / (ref - w0.double()).norm()
+    assert err < 1e-4, err
+    assert not torch.equal(w.detach(), w0)
+
+
+def test_exponent_multiplier_changes_the_root():
+    """exponent_multiplier=2 on a matrix turns Shampoo's L^-1/4 G R^-1/4 into L^-1/2 G R^-1/2: one step from
+    zero statistics on a rank-one gradient g = u v^T moves W by -lr u v^T / (|u| |v|)^... (checked densely)."""
+    torch.manual_seed(0)
+    g = torch.randn(4, 5)
+    outs = {}
+    for mult in (1.0, 2.0):
+        w = torch.nn.Parameter(torch.zeros(4, 5))
+        opt = DistributedShampoo([w], lr=1.0, betas=(0.0, 1.0), epsilon=1e-6, precondition_frequency=1,
+                                 start_preconditioning_step=1, grafting="none", max_preconditioner_dim=5,
+                                 exponent_multiplier=mult)  # fmt: skip
+        w.grad = g.clone()
+        opt.step()
+        outs[mult] = -w.detach().double()
+
+    def power(a: torch.Tensor, e: float) -> torch.Tensor:
+        vals, vecs = torch.linalg.eigh(a)
+        return vecs @ torch.diag((vals.clamp_min(0) + 1e-6) ** e) @ vecs.T
+
+    gd = g.double()
+    for mult, e in ((1.0, -0.25), (2.0, -0.5)):
+        ref = power(gd @ gd.T, e) @ gd @ power(gd.T @ gd, e)
+        assert torch.allclose(outs[mult], ref, rtol=1e-3, atol=1e-4), mult
+    assert not torch.allclose(outs[1.0], outs[2.0])
+
+
+# ---------------------------------------------------------------- sharded parameters (FSDP2, SimpleFSDP)
+
+
+def _sharded_options(preconditioner: str) -> dict[str, Any]:
+    return {**_options(), "preconditioner": preconditioner, "epsilon": 1e-8}
+
+
+def sharded_cases(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from powertrain.simple_fsdp import data_parallel
+
+    solo = [dist.new_group([r]) for r in range(world)][rank]
+
+    def run(wrap: str, preconditioner: str) -> dict[str, Any]:
+        """Shampoo on the FSDP2 / SimpleFSDP shards == single-process Shampoo on every rank's rows of every
+        parameter as separate tensors (what "blocks of the local shard" means), bitwise; a replica whose
+        weights are the reference's rows sees the same loss, so the sharded updates reach the forward."""
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model()
+        trainable = [p for p in make_model().parameters() if p.requires_grad]
+        model = fully_shard(model, mesh=mesh) if wrap == "fsdp2" else data_parallel(model, mesh)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = DistributedShampoo(params, **_sharded_options(preconditioner))
+        # FSDP2 shards dim 0 as torch.chunk does (a rank past the last chunk holds no rows)
+        rows = [[c.clone().requires_grad_(True) for c in p.detach().chunk(world, dim=0)] for p in trainable]
+        ref = DistributedShampoo([c for r in rows for c in r], group=solo, **_sharded_options(preconditioner))
+        replica = make_model()
+        losses = []
+        for step in range(5):
+            with torch.no_grad():
+                for p, r in zip([p for p in replica.parameters() if p.requires_grad], rows, strict=True):
+                    p.copy_(torch.cat([c.detach() for c in r]))
+            opt.zero_grad()
+            loss = loss_fn(model, *batch(rank, step))
+            loss.backward()
+            losses.append((loss.item(), loss_fn(replica, *batch(rank, step)).item()))
+            for p, r in zip(params, rows, strict=True):
+                full = None if p.grad is None else p.grad.full_tensor()
+                for c, g in zip(r, [None] * len(r) if full is None else full.chunk(world, dim=0), strict=True):
+                    c.grad = None if g is None else g.clone()  # standalone tensors, as a single process has
+            opt.step()
+            ref.step()
+        mine = [r[rank] if rank < len(r) else torch.empty(0) for r in rows]
+        return {"local": torch.cat([p.to_local().detach().reshape(-1) for p in params]),
+                "expect": torch.cat([c.detach().reshape(-1) for c in mine]),
+                "start": torch.cat([p.detach().chunk(world)[rank].reshape(-1) for p in trainable
+                                    if rank < len(p.chunk(world))]),
+                "losses": losses}  # fmt: skip
+
+    def bad() -> dict[str, str]:
+        mesh = init_device_mesh("cpu", (world,))
+        model = fully_shard(make_model(), mesh=mesh)
+        return value_errors({
+            "mixed": lambda: DistributedShampoo([*model.parameters(), torch.nn.Parameter(torch.zeros(2, 2))]),
+            "group": lambda: DistributedShampoo(model.parameters(), group=solo),
+        })  # fmt: skip
+
+    out = {f"{w}_{p}": guard(run, w, p) for w in ("fsdp2", "simple") for p in ("shampoo", "eigenvalue_corrected")}
+    out["bad"] = guard(bad)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_parameters_precondition_their_local_shards(world):
+    runs = run_ranks(sharded_cases, world, timeout=150)
+    for name in ("fsdp2_shampoo", "fsdp2_eigenvalue_corrected", "simple_shampoo", "simple_eigenvalue_corrected"):
+        for r in case(runs, name):
+            assert torch.equal(r["local"], r["expect"]), (name, (r["local"] - r["expect"]).abs().max())
+            assert not torch.equal(r["local"], r["start"]), name
+            for sharded, replica in r["losses"]:
+                assert sharded == pytest.approx(replica, rel=1e-6), name
+    for r in case(runs, "bad"):
+        assert "both DTensor (sharded) and plain" in r["mixed"]
+        assert "leave group=None" in r["group"]

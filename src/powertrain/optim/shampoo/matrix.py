@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["RootFailure", "inverse_root"]
+__all__ = ["RootFailure", "eigenvectors", "inverse_root"]
 
 Method = Literal["eigh", "newton"]
 
@@ -85,3 +85,25 @@ def inverse_root(
         if torch.isfinite(out).all():
             return out.to(a.dtype)
     raise RootFailure(f"inverse {root}-th root failed ({method}, tried {', '.join(str(d) for d in attempts)})")
+
+
+def eigenvectors(a: torch.Tensor, *, retry_float64: bool = True) -> torch.Tensor:
+    """The eigenvectors (columns, ascending eigenvalues) of a symmetric matrix ``a``, in ``a``'s dtype: the
+    eigenbasis of eigenvalue-corrected Shampoo (SOAP). Retried in float64 like :func:`inverse_root`.
+
+    Raises:
+        RootFailure: non-finite input, or the decomposition failed (also after the float64 retry).
+    """
+    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+        raise ValueError(f"eigenvectors needs a square matrix, got shape {tuple(a.shape)}")
+    if not torch.isfinite(a).all():
+        raise RootFailure("the factor matrix has non-finite entries")
+    attempts = [a.dtype] + ([torch.float64] if retry_float64 and a.dtype != torch.float64 else [])
+    for dtype in attempts:
+        try:
+            vecs = torch.linalg.eigh(a.to(dtype)).eigenvectors
+        except torch.linalg.LinAlgError:
+            continue
+        if torch.isfinite(vecs).all():
+            return vecs.to(a.dtype)
+    raise RootFailure(f"eigendecomposition failed (tried {', '.join(str(d) for d in attempts)})")

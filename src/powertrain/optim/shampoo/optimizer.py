@@ -16,6 +16,15 @@ Per step, for every parameter with a gradient ``g`` (averaged across ranks alrea
 
 Every rank keeps the statistics of its own blocks only (the memory saving of the distributed version);
 ``state_dict()`` is therefore per rank and records the world size it was written with.
+
+``preconditioner="eigenvalue_corrected"`` replaces step 2's inverse roots by SOAP's eigenbasis and Adam-style
+second moment in that basis (see :mod:`.preconditioner`).
+
+Sharded parameters (FSDP2 ``fully_shard`` or :func:`powertrain.simple_fsdp.data_parallel`: DTensor parameters
+whose gradients are reduce-scattered already) are preconditioned *per local shard*: every rank blocks its own
+rows and computes their directions, with no communication (as the reference implementation's fully-sharded
+distributor does). The result therefore depends on the sharding: it equals the single-process optimizer run on
+the shards as separate parameters, which is what the tests check.
 """
 
 from __future__ import annotations
@@ -27,15 +36,29 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from powertrain._compat import all_gather_single
+from powertrain.comm import Communicator
 from powertrain.optim.shampoo import blocks as blocking
 from powertrain.optim.shampoo.matrix import RootFailure
-from powertrain.optim.shampoo.preconditioner import init_factors, inverse_roots, precondition, update_factors
+from powertrain.optim.shampoo.preconditioner import (
+    eigenbases,
+    init_factors,
+    inverse_roots,
+    precondition,
+    rotate,
+    update_factors,
+)
 
 __all__ = ["DistributedShampoo"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
+Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor: the storage the optimizer updates in place."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +88,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         params: parameters (or groups); gradients must already be averaged across data-parallel ranks.
         lr: learning rate.
         betas: ``(beta1, beta2)``: gradient filtering (0: off) and the factor statistics' EMA (1: sum).
-        epsilon: added to the factors' eigenvalues before the inverse root.
+        epsilon: added to the factors' eigenvalues before the inverse root (eigenvalue-corrected: to the root of
+            the corrected eigenvalues, like Adam's epsilon; use e.g. 1e-8 there).
         momentum, nesterov: heavy-ball momentum on the final direction.
         weight_decay: decoupled (AdamW-style) weight decay.
         max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
@@ -74,8 +98,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting: step-size source: ``adam``, ``rmsprop``, ``adagrad`` or ``none``.
         grafting_beta2, grafting_epsilon: the grafting method's second-moment EMA and epsilon.
         root_method: ``eigh`` (float64 retry) or ``newton`` (coupled Newton iteration).
+        exponent_multiplier: scales the inverse root's exponent ``-1/(2k)`` (the reference implementation's
+            option; e.g. 2 with a matrix gives ``-1/2``); must give an integer root. Shampoo preconditioner only.
+        preconditioner: ``shampoo`` (inverse roots of the factors) or ``eigenvalue_corrected`` (SOAP: Adam in
+            the factors' eigenbasis).
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
-        group: the data-parallel process group (default: the world when initialised, else one process).
+        group: the data-parallel process group (default: the world when initialised, else one process); not
+            used with sharded (DTensor) parameters, whose shards are preconditioned locally.
         comm_dtype: dtype of the all-gathered directions (float32: bitwise the single-process result).
     """
 
@@ -95,6 +124,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting_beta2: float = 0.999,
         grafting_epsilon: float = 1e-8,
         root_method: Literal["eigh", "newton"] = "eigh",
+        exponent_multiplier: float = 1.0,
+        preconditioner: Preconditioner = "shampoo",
         max_root_failures: int = 3,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
@@ -122,6 +153,15 @@ class DistributedShampoo(torch.optim.Optimizer):
             raise ValueError(f"Invalid grafting={grafting!r}: choose adam, rmsprop, adagrad or none")
         if root_method not in ("eigh", "newton"):
             raise ValueError(f"Invalid root_method={root_method!r}: choose eigh or newton")
+        if preconditioner not in ("shampoo", "eigenvalue_corrected"):
+            raise ValueError(f"Invalid preconditioner={preconditioner!r}: choose shampoo or eigenvalue_corrected")
+        if not (isinstance(exponent_multiplier, int | float) and exponent_multiplier > 0):
+            raise ValueError(f"Invalid exponent_multiplier={exponent_multiplier!r}: must be > 0")
+        if exponent_multiplier != 1.0 and preconditioner != "shampoo":
+            raise ValueError(
+                f"exponent_multiplier={exponent_multiplier!r} applies to preconditioner='shampoo' only (the "
+                "eigenvalue-corrected preconditioner always takes the square root of its second moment)"
+            )
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -132,16 +172,33 @@ class DistributedShampoo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
-        self.group = group
-        distributed = dist.is_available() and dist.is_initialized()
-        self.world = dist.get_world_size(group) if distributed else 1
-        self.rank = dist.get_rank(group) if distributed else 0
+        self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self._params = [p for g in self.param_groups for p in g["params"]]
+        sharded = [isinstance(p, DTensor) for p in self._params]
+        self.sharded = any(sharded)
+        if self.sharded and not all(sharded):
+            raise ValueError(
+                "DistributedShampoo got both DTensor (sharded) and plain parameters: pass the parameters of one "
+                "fully_shard / data_parallel model, or of a replicated one, not a mix"
+            )
+        if self.sharded and group is not None:
+            raise ValueError(
+                "group= was given, but the parameters are sharded DTensors: each rank preconditions its own shard "
+                "without communication, so leave group=None"
+            )
+        # rank and world of the group that shares the work (the world size's record in state_dict); sharded
+        # parameters are preconditioned locally, so blocks are assigned as if alone
+        self.comm = Communicator(group)
+        self.world, self.rank = self.comm.world_size, self.comm.rank
         shapes = []
         for i, p in enumerate(self._params):
-            for b, blk in enumerate(blocking.split(torch.empty(p.shape, device="meta"), self.max_dim)):
+            local = _local(p)
+            if local.numel() == 0:
+                continue  # an FSDP2 shard with no rows on this rank
+            for b, blk in enumerate(blocking.split(torch.empty(local.shape, device="meta"), self.max_dim)):
                 shapes.append((i, b, tuple(blk.shape)))
-        self.blocks = _assign(shapes, self.world)
+        self.blocks = _assign(shapes, 1) if self.sharded else _assign(shapes, self.world)
+        self._owner = 0 if self.sharded else self.rank
         self.steps = 0
 
     # -- per-block direction -------------------------------------------------------------------------------
@@ -167,19 +224,41 @@ class DistributedShampoo(torch.optim.Optimizer):
         if "factors" not in st:
             st["factors"] = init_factors(raw)
             st["failures"] = torch.zeros((), dtype=torch.int64)
-        update_factors(st["factors"], raw, group["betas"][1])
+        beta2 = group["betas"][1]
+        update_factors(st["factors"], raw, beta2)
         graft = (filtered.float() if group["grafting"] == "none" else
                  self._graft(st, raw, filtered, group["grafting"], group["grafting_beta2"], group["grafting_epsilon"],
                              step))  # fmt: skip
+        corrected = self.preconditioner == "eigenvalue_corrected"
+        if corrected and "bases" not in st:
+            st["bases"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in st["factors"]]
+            st["corrected"] = torch.zeros_like(raw, dtype=st["factors"][0].dtype)
         failures = int(st["failures"])
         if step >= self.start and (step - self.start) % self.frequency == 0 and failures <= self.max_root_failures:
             try:
-                st["roots"] = inverse_roots(st["factors"], epsilon=group["epsilon"], method=self.root_method)
+                if corrected:
+                    st["bases"] = eigenbases(st["factors"])
+                else:
+                    st["roots"] = inverse_roots(st["factors"], epsilon=group["epsilon"], method=self.root_method,
+                                                exponent_multiplier=self.exponent_multiplier)  # fmt: skip
             except RootFailure:
                 st["failures"] += 1
-        if step < self.start or "roots" not in st or int(st["failures"]) > self.max_root_failures:
+        if corrected:
+            # the second moment follows the current basis every step (also before preconditioning starts)
+            r = rotate(raw, st["bases"])
+            d2 = st["corrected"]
+            if beta2 == 1.0:
+                d2.addcmul_(r, r)
+            else:
+                d2.mul_(beta2).addcmul_(r, r, value=1.0 - beta2)
+        if step < self.start or int(st["failures"]) > self.max_root_failures or not (corrected or "roots" in st):
             return graft
-        direction = precondition(filtered, st["roots"]).float()
+        if corrected:
+            bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
+            scaled = rotate(filtered, st["bases"]) / (st["corrected"] / bias).sqrt_().add_(group["epsilon"])
+            direction = rotate(scaled, st["bases"], back=True).float()
+        else:
+            direction = precondition(filtered, st["roots"]).float()
         if group["grafting"] == "none":
             return direction
         norm = direction.norm()
@@ -219,9 +298,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         raw_blocks: dict[int, list[torch.Tensor]] = {}
         filt_blocks: dict[int, list[torch.Tensor]] = {}
         for i, p in enumerate(self._params):
-            if p.grad is None:
+            if p.grad is None or _local(p).numel() == 0:
                 continue
-            g = p.grad
+            g = _local(p.grad)
+            if self.sharded:
+                # FSDP2 gradient shards are views at arbitrary offsets of one flat buffer, and vectorised kernels
+                # round differently on differently aligned memory: a fresh copy makes a shard's result bitwise
+                # the single-process optimizer's on the same rows
+                g = g.clone()
             beta1 = group_of[id(p)]["betas"][0]
             st = self.state[p]
             if beta1 > 0:
@@ -236,7 +320,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         # knows the layout of every other rank's part of the all-gather.
         mine: list[torch.Tensor] = []
         for blk in self.blocks:
-            if blk.owner == self.rank and blk.param in raw_blocks:
+            if blk.owner == self._owner and blk.param in raw_blocks:
                 grp = group_of[id(self._params[blk.param])]
                 mine.append(self._direction(blk, raw_blocks[blk.param][blk.index], filt_blocks[blk.param][blk.index],
                                             grp).reshape(-1))  # fmt: skip
@@ -245,21 +329,22 @@ class DistributedShampoo(torch.optim.Optimizer):
             if i not in raw_blocks:
                 continue
             grp = group_of[id(p)]
-            d = blocking.join(directions[i], p.shape, self.max_dim).to(p.dtype)
+            w = _local(p)
+            d = blocking.join(directions[i], w.shape, self.max_dim).to(w.dtype)
             if grp["momentum"] > 0:
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(d))
                 buf.mul_(grp["momentum"]).add_(d)
                 d = d.add(buf, alpha=grp["momentum"]) if grp["nesterov"] else buf
             if grp["weight_decay"] > 0:
-                p.mul_(1 - grp["lr"] * grp["weight_decay"])
-            p.add_(d, alpha=-grp["lr"])
+                w.mul_(1 - grp["lr"] * grp["weight_decay"])
+            w.add_(d, alpha=-grp["lr"])
         return loss
 
     def _exchange(self, mine: list[torch.Tensor], raw: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
         """Every block's direction on every rank: local when ``W == 1``, else one all-gather."""
         active = [b for b in self.blocks if b.param in raw]
         out: dict[int, list[torch.Tensor]] = {i: [torch.empty(0)] * len(v) for i, v in raw.items()}
-        if self.world == 1:
+        if self.sharded or self.world == 1:
             for blk, d in zip(active, mine, strict=True):
                 out[blk.param][blk.index] = d.view(blk.shape)
             return out
@@ -270,9 +355,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         if mine:
             flat = torch.cat(mine)
             send[: flat.numel()] = flat
-        recv = torch.empty(self.world * width, dtype=self.comm_dtype, device=device)
-        all_gather_single(recv, send, group=self.group)
-        rows = recv.view(self.world, width).float()
+        rows = self.comm.all_gather(send)[0].float()  # (world, width)
         offsets = [0] * self.world
         for blk in active:
             n = math.prod(blk.shape)

@@ -6,6 +6,12 @@ For a block ``G`` of order ``k`` (a matrix: k = 2) there is one factor per dimen
 ``precondition_frequency`` steps ``R_i = (L_i + epsilon I)^(-1/(2k))`` is recomputed, and the direction is
 ``G x_1 R_1 x_2 ... x_k R_k`` (mode-i products; for a matrix ``R_1 G R_2``).
 
+Eigenvalue-corrected Shampoo (SOAP; George et al. 2018, Vyas et al. 2024) keeps the same factors but uses only
+their eigenvectors ``Q_i``: the gradient is rotated into that basis, ``G' = G x_1 Q_1^T ... x_k Q_k^T``, an
+Adam-style second moment ``D <- beta2 D + (1 - beta2) G'^2`` is kept *in the rotated basis* (every step), and
+the direction is ``(G' / (sqrt(D / (1 - beta2^t)) + epsilon))`` rotated back. The bases start as identities
+and are recomputed every ``precondition_frequency`` steps.
+
 Pure functions on tensors; the optimizer owns state and decides when to recompute.
 """
 
@@ -13,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from powertrain.optim.shampoo.matrix import Method, inverse_root
+from powertrain.optim.shampoo.matrix import Method, eigenvectors, inverse_root
 
-__all__ = ["init_factors", "inverse_roots", "precondition", "update_factors"]
+__all__ = ["eigenbases", "init_factors", "inverse_roots", "precondition", "rotate", "update_factors"]
 
 
 def init_factors(block: torch.Tensor) -> list[torch.Tensor]:
@@ -54,11 +60,25 @@ def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, method: Method
     return [inverse_root(f, root, epsilon=epsilon, method=method) for f in factors]
 
 
+def _mode_products(g: torch.Tensor, mats: list[torch.Tensor], *, transpose: bool) -> torch.Tensor:
+    out = g.to(mats[0].dtype)
+    for m in mats:
+        # contract the leading dim with M's rows (M^T x) or columns (M x), which moves the new dim to the
+        # back: after k steps the dimensions are back in order
+        out = torch.tensordot(out, m, dims=([0], [1 if transpose else 0]))
+    return out
+
+
 def precondition(g: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
     """``G x_1 R_1 ... x_k R_k`` in the roots' dtype (the caller casts back)."""
-    out = g.to(roots[0].dtype)
-    for r in roots:
-        # contract the leading dim with R (symmetric), then move it to the back: after k steps the
-        # dimensions are back in order
-        out = torch.tensordot(out, r, dims=([0], [0]))
-    return out
+    return _mode_products(g, roots, transpose=False)  # the roots are symmetric
+
+
+def eigenbases(factors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The eigenvectors ``Q_i`` of each factor. May raise RootFailure."""
+    return [eigenvectors(f) for f in factors]
+
+
+def rotate(g: torch.Tensor, bases: list[torch.Tensor], *, back: bool = False) -> torch.Tensor:
+    """``G x_1 Q_1^T ... x_k Q_k^T`` (into the eigenbasis), or with ``back`` ``G x_1 Q_1 ... x_k Q_k``."""
+    return _mode_products(g, bases, transpose=back)
