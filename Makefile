@@ -7,10 +7,13 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test lint bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# galore-torch: the GaLore reference tests/test_galore.py compares with. Its declared transformers and
+	# bitsandbytes are not needed by the modules the test loads, so they are not installed.
+	$(PY) -m pip install -q --no-deps galore-torch==1.0
 	touch $@
 
 demo: $(VENV)/.installed
