@@ -6,6 +6,10 @@ finished, and ``latest`` is replaced atomically afterwards, so a crash while sav
 checkpoint loadable. Per-rank state (compressor error buffers, residuals, RNG) is stored under each rank's
 own key (:class:`powertrain.checkpoint.CompressorState`) and loaded with ``weights_only=True``; DCP's own
 metadata file (plain pickle in torch) is read with an unpickler that admits only DCP's metadata classes.
+
+Optimizers whose state differs per rank (DistributedShampoo's owned blocks or local shards, DeMo's local
+momentum, GaLore's projections of local shards) are passed as ``optimizer=None`` and travel in ``per_rank``
+instead: DCP's optimizer flattening assumes replicated or DTensor-sharded state, and would keep one rank's.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from powertrain._compat import safe_dcp_reader
 from powertrain.checkpoint import CompressorState
@@ -50,13 +59,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict]:
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    return get_state_dict(model, optimizer)
+
+
+def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     per_rank: dict[str, Any]) -> Path:  # fmt: skip
     """Save after ``step`` completed steps; returns the checkpoint directory."""
     root = out / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "rank": CompressorState(_RankState(per_rank)), "step": step}
     dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
@@ -82,10 +97,10 @@ def find_checkpoint(path: str | Path) -> Path:
     raise ValueError(f"No checkpoint at {str(p)!r}: pass a run directory with checkpoints/latest, or a checkpoint")
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     per_rank: dict[str, Any]) -> int:  # fmt: skip
     """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     saved = set(safe_dcp_reader(str(path)).read_metadata().state_dict_metadata)
     missing = sorted(k for k in (f"model.{k}" for k in model_sd) if k not in saved)
     if missing:
@@ -98,5 +113,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         storage_reader=safe_dcp_reader(str(path)),
         planner=DefaultLoadPlanner(allow_partial_load=True),
     )
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])

@@ -21,7 +21,9 @@ Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
-Optimizer = Literal["adamw", "sgd", "shampoo"]
+Optimizer = Literal["adamw", "sgd", "shampoo", "galore", "demo"]
+ShampooPreconditioner = Literal["shampoo", "eigenvalue_corrected"]
+SvdMethod = Literal["randomized", "exact"]
 Precision = Literal["fp32", "bf16"]
 Backend = Literal["auto", "gloo", "nccl"]
 
@@ -59,6 +61,14 @@ class TrainConfig:
     momentum: float = 0.9
     shampoo_frequency: int = 10
     shampoo_max_dim: int = 1024
+    shampoo_preconditioner: ShampooPreconditioner = "shampoo"
+    galore_rank: int = 64  # d_model / 4 on the default GPT
+    galore_gap: int = 200  # update_proj_gap: steps between subspace refreshes
+    galore_scale: float = 0.25
+    galore_svd: SvdMethod = "randomized"
+    demo_topk: int = 32
+    demo_chunk: int = 64
+    demo_decay: float = 0.999
     precision: Precision = "fp32"
     compile: bool = False
     seed: int = 0
@@ -83,7 +93,8 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches",
-                    "shampoo_frequency", "shampoo_max_dim"]  # fmt: skip
+                    "shampoo_frequency", "shampoo_max_dim", "galore_rank", "galore_gap", "demo_topk",
+                    "demo_chunk"]  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
@@ -96,6 +107,10 @@ class TrainConfig:
         for name in ("min_lr_ratio", "momentum"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
+        if not (math.isfinite(self.galore_scale) and self.galore_scale > 0):
+            raise ValueError(f"Invalid galore_scale={self.galore_scale!r}: must be > 0")
+        if not 0 <= self.demo_decay < 1:
+            raise ValueError(f"Invalid demo_decay={self.demo_decay!r}: must be in [0, 1)")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"Invalid weight_decay={self.weight_decay!r}: must be >= 0")
         if self.data_max_mb is not None and not self.data_max_mb > 0:
@@ -108,23 +123,25 @@ class TrainConfig:
             raise ValueError(f"model='resnet' trains on data='mnist1d', got data={self.data!r}")
         if self.model == "gpt" and self.data == "mnist1d":
             raise ValueError("data='mnist1d' is classification: use model='resnet'")
+        if self.optimizer == "demo":
+            if self.compressor not in ("", "none"):
+                raise ValueError(
+                    f"optimizer='demo' exchanges its own compressed momentum and switches the gradient all-reduce "
+                    f"off: drop compressor={self.compressor!r}"
+                )
+            if self.parallel not in ("reference", "ddp"):
+                raise ValueError(
+                    f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, "
+                    "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
+                )
         if not self.compressor:
-            object.__setattr__(self, "compressor", "none" if self.parallel == "simple_fsdp" else DEFAULT_COMPRESSOR)
+            plain = self.parallel == "simple_fsdp" or self.optimizer == "demo"
+            object.__setattr__(self, "compressor", "none" if plain else DEFAULT_COMPRESSOR)
         name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(
                 f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
                 "compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction) with compile"
-            )
-        if self.optimizer == "shampoo" and self.parallel in ("fsdp", "simple_fsdp"):
-            raise ValueError(
-                f"optimizer='shampoo' runs with parallel='reference' or 'ddp' (replicated parameters), not "
-                f"{self.parallel!r}: preconditioning the blocks of each local shard is not implemented yet"
-            )
-        if self.optimizer == "shampoo" and (self.checkpoint_every or self.resume):
-            raise ValueError(
-                "optimizer='shampoo' keeps per-rank state that the train command's DCP checkpoints do not hold yet: "
-                "drop checkpoint_every/resume (DistributedShampoo.state_dict() itself resumes bitwise)"
             )
         if self.compile and self.parallel in ("ddp", "fsdp"):
             raise ValueError(

@@ -20,6 +20,7 @@ from powertrain.train.config import TrainConfig, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
+from powertrain.train.optimizers import build_optimizer
 from powertrain.train.strategy import build_strategy
 
 MB = 1e6
@@ -70,32 +71,30 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
-    strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile)
+    strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
+                              gradient_sync=cfg.optimizer != "demo")  # fmt: skip
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 
         strategy.model = compile_model(strategy.model)
     elif cfg.compile:
         strategy.model = torch.compile(strategy.model)  # type: ignore[assignment]
-    if cfg.optimizer == "adamw":
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95)
-        )
-    elif cfg.optimizer == "shampoo":
-        from powertrain.optim.shampoo.optimizer import DistributedShampoo
-
-        optimizer = DistributedShampoo(
-            model.parameters(), lr=cfg.lr, betas=(0.9, 0.999), epsilon=1e-12, weight_decay=cfg.weight_decay,
-            max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency, grafting="adam",
-        )  # fmt: skip
-    else:
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    built = build_optimizer(cfg, model)
+    optimizer = built.optimizer
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
     per_rank = {"compressor": strategy.state, "scheduler": scheduler}
+    if built.per_rank:
+        per_rank["optimizer"] = optimizer
+    dcp_optimizer = None if built.per_rank else optimizer
+    # what this rank sends: the gradients' communication and the optimizer's own (Shampoo, DeMo)
+    sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
+
+    def sent_so_far() -> int:
+        return sum(s.bytes_sent for s in sources)
 
     start = 0
     if cfg.resume:
-        start = load_checkpoint(find_checkpoint(cfg.resume), model, optimizer, per_rank)
+        start = load_checkpoint(find_checkpoint(cfg.resume), model, dcp_optimizer, per_rank)
         if start >= cfg.steps:
             if rank == 0:
                 print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
@@ -123,7 +122,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        before = (strategy.stats.bytes_sent, strategy.stats.comm_s, strategy.stats.compress_s)
+        before = (sent_so_far(), strategy.stats.comm_s, strategy.stats.compress_s)
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y = data.batch("train", rank, world, (cfg.seed, rank, step, micro), cfg.batch_size, cfg.block_size)
@@ -148,7 +147,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             raise FloatingPointError(_nonfinite_message(step, f"loss {last_loss}", out, cfg))
         if math.isnan(first_loss):
             first_loss = last_loss
-        sent = strategy.stats.bytes_sent - before[0]
+        sent = sent_so_far() - before[0]
         wall += step_time
         total_sent += sent
         done = step + 1
@@ -170,7 +169,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             dense_mb = dense_bytes / MB if world > 1 else 0.0
             progress.update(done, last_loss, per_step * cfg.grad_accum * world / step_time, unit, sent / MB, dense_mb)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            save_checkpoint(out, done, model, optimizer, per_rank)
+            save_checkpoint(out, done, model, dcp_optimizer, per_rank)
 
     summary = {
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "steps": cfg.steps,

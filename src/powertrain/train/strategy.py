@@ -9,6 +9,10 @@
   counted: one reduce-scatter of every gradient per micro-step (it has no ``no_sync``: every backward
   reduces).
 
+With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
+``reference`` leaves every rank's local gradient in place and ``ddp`` registers
+:func:`powertrain.optim.demo.local_gradients` as DDP's comm hook.
+
 Shared by the training loop and the side-by-side benchmark, so both measure the same code.
 """
 
@@ -60,6 +64,24 @@ class _Reference(Strategy):
             self.comp.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad()
+
+
+class _Local(Strategy):
+    """No gradient communication: the optimizer exchanges what it needs (``gradient_sync=False``)."""
+
+    def __init__(self, model: torch.nn.Module, ddp: bool) -> None:
+        self.model = model
+        if ddp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            from powertrain.optim.demo import local_gradients
+
+            self.model = local_gradients(DistributedDataParallel(model))
+        self.state, self.stats = _NoState(), CommStats()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
 
 
 class _DDP(Strategy):
@@ -177,15 +199,26 @@ class _NoState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            raise ValueError(f"Unexpected per-rank state {sorted(state)} for simple_fsdp: was the checkpoint "
-                             "written with another --parallel mode?")  # fmt: skip
+            raise ValueError(f"Unexpected per-rank state {sorted(state)}: was the checkpoint written with "
+                             "another --parallel mode or --compressor?")  # fmt: skip
 
 
 def build_strategy(
-    parallel: Parallel, model: torch.nn.Module, name: str, options: dict[str, Any], *, compiled: bool = False
+    parallel: Parallel,
+    model: torch.nn.Module,
+    name: str,
+    options: dict[str, Any],
+    *,
+    compiled: bool = False,
+    gradient_sync: bool = True,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
-    ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor)."""
+    ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
+    ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only)."""
+    if not gradient_sync:
+        if parallel not in ("reference", "ddp"):
+            raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
+        return _Local(model, ddp=parallel == "ddp")
     match parallel:
         case "reference":
             return _Reference(model, name, options)

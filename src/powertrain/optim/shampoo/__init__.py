@@ -1,1 +1,11 @@
-"""Distributed Shampoo (Shi et al., arXiv 2309.06497). So far: the math layer (:mod:`.matrix`, :mod:`.blocks`)."""
+"""Distributed Shampoo (Shi et al., arXiv 2309.06497).
+
+- :mod:`.matrix`: inverse matrix roots and eigenbases (eigh with a float64 retry, coupled Newton).
+- :mod:`.blocks`: how a parameter is cut into blocks of at most ``max_preconditioner_dim``.
+- :mod:`.preconditioner`: per-block factor statistics, roots, eigenvalue-corrected (SOAP) rotation.
+- :mod:`.optimizer`: :class:`DistributedShampoo`, blocks spread over ranks with one all-gather.
+"""
+
+from powertrain.optim.shampoo.optimizer import DistributedShampoo
+
+__all__ = ["DistributedShampoo"]

@@ -1,0 +1,79 @@
+"""The optimizer of ``powertrain train`` (``--optimizer``), built from the config in one place.
+
+* ``adamw``, ``sgd``: torch's; their state is replicated (or DTensor-sharded under FSDP) and goes into the
+  DCP checkpoint as usual.
+* ``shampoo``: :class:`powertrain.optim.DistributedShampoo` (grafting Adam). Under DDP its blocks are spread over
+  the ranks; under ``fsdp``/``simple_fsdp`` each rank preconditions its own shards.
+* ``galore``: :class:`powertrain.optim.GaLoreAdamW` on the 2-D weights inside the model's blocks (attention and
+  MLP, as in the paper); embeddings, head, norms and biases are plain AdamW in a second group.
+* ``demo``: :class:`powertrain.optim.DeMo` with the data-parallel gradient all-reduce switched off.
+
+``shampoo``, ``galore`` and ``demo`` keep state that differs per rank (owned blocks, local shards, local
+momentum): :attr:`Built.per_rank` tells the checkpoint code to store it under each rank's own key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from powertrain.comm import CommStats
+
+if TYPE_CHECKING:
+    from powertrain.train.config import TrainConfig
+
+__all__ = ["Built", "build_optimizer"]
+
+
+@dataclasses.dataclass
+class Built:
+    optimizer: torch.optim.Optimizer
+    per_rank: bool  # state differs per rank: checkpoint it per rank, not through DCP's optimizer flattening
+    stats: CommStats | None  # the optimizer's own communication (None: it sends nothing)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
+    """The optimizer for ``model`` (already wrapped for ``cfg.parallel``, unwrapped module passed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    match cfg.optimizer:
+        case "adamw":
+            adamw = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+            return Built(adamw, per_rank=False, stats=None)
+        case "sgd":
+            sgd = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+            return Built(sgd, per_rank=False, stats=None)
+        case "shampoo":
+            from powertrain.optim import DistributedShampoo
+
+            eps = 1e-8 if cfg.shampoo_preconditioner == "eigenvalue_corrected" else 1e-12
+            shampoo = DistributedShampoo(
+                params, lr=cfg.lr, betas=(0.9, 0.999), epsilon=eps, weight_decay=cfg.weight_decay,
+                max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency,
+                grafting="adam", preconditioner=cfg.shampoo_preconditioner,
+            )  # fmt: skip
+            return Built(shampoo, per_rank=True, stats=shampoo.comm.stats)
+        case "galore":
+            from powertrain.optim import GaLoreAdamW
+
+            blocks = getattr(model, "blocks", None)
+            in_blocks = {id(p) for p in blocks.parameters()} if isinstance(blocks, torch.nn.Module) else set()
+            low_rank = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
+            if not low_rank:
+                raise ValueError(f"optimizer='galore' found no 2-D weights in {type(model).__name__}.blocks to project")
+            chosen = {id(p) for p in low_rank}
+            groups = [
+                {"params": low_rank, "rank": cfg.galore_rank, "update_proj_gap": cfg.galore_gap,
+                 "scale": cfg.galore_scale, "svd": cfg.galore_svd},
+                {"params": [p for p in params if id(p) not in chosen]},
+            ]  # fmt: skip
+            galore = GaLoreAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+            return Built(galore, per_rank=True, stats=galore.comm_stats)
+        case "demo":
+            from powertrain.optim import DeMo
+
+            demo = DeMo(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compression_topk=cfg.demo_topk,
+                        compression_chunk=cfg.demo_chunk, compression_decay=cfg.demo_decay)  # fmt: skip
+            return Built(demo, per_rank=True, stats=demo.comm.stats)
+    raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, shampoo, galore or demo")
