@@ -1,7 +1,8 @@
 """How Shampoo cuts a parameter into blocks, each preconditioned by one factor matrix per dimension.
 
-1. Merge adjacent dimensions while their product stays <= ``max_dim`` (a conv weight (64, 3, 3, 3)
-   becomes (64, 27)); dimensions of size 1 are dropped (a 0-d or all-ones tensor is one 1-element block).
+1. Merge adjacent dimensions, from the last, while their product stays <= ``max_dim`` (a conv weight
+   (64, 3, 3, 3) becomes (64, 27) for any max_dim in [27, 1728)); dimensions of size 1 are dropped (a 0-d or
+   all-ones tensor is one 1-element block).
 2. Split every dimension of the merged shape into chunks of at most ``max_dim``: the blocks are the
    grid of those chunks, in row-major order. A 1-D parameter is a vector, cut into pieces of <= max_dim.
 
@@ -25,13 +26,15 @@ def merged_shape(shape: tuple[int, ...] | torch.Size, max_dim: int) -> tuple[int
     dims = [d for d in shape if d != 1]
     if not dims:
         return (1,)
-    out = [dims[0]]
-    for d in dims[1:]:
+    # from the last dimension backwards, as the reference implementation does: the leading (output) dimension
+    # of a conv weight keeps its own factor
+    out = [dims[-1]]
+    for d in reversed(dims[:-1]):
         if out[-1] * d <= max_dim:
             out[-1] *= d
         else:
             out.append(d)
-    return tuple(out)
+    return tuple(reversed(out))
 
 
 def _chunks(n: int, max_dim: int) -> list[int]:
