@@ -5,12 +5,8 @@ and SimpleFSDP against the single-process optimizer."""
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
 import io
-import sys
 import threading
-import types
 import warnings
 from typing import Any
 
@@ -27,31 +23,13 @@ from powertrain.optim.galore import projector as proj
 
 
 def _reference_adamw() -> Any:
-    """galore-torch's AdamW, loaded from its installed files without running the package ``__init__`` (which
-    imports bitsandbytes). Its ``adamw.py`` imports ``transformers`` only for a version check: when transformers
-    is not installed, a stand-in module provides that one function while the file is imported."""
-    spec = importlib.util.find_spec("galore_torch")
-    if spec is None or not spec.submodule_search_locations:
+    """galore-torch's AdamW (see :func:`powertrain.bench.optimizers.load_galore_torch`)."""
+    from powertrain.bench.optimizers import load_galore_torch
+
+    reference = load_galore_torch()
+    if reference is None:
         pytest.skip("galore-torch is not installed (pip install --no-deps galore-torch): no reference to compare")
-    pkg = types.ModuleType("_galore_torch_files")
-    pkg.__path__ = list(spec.submodule_search_locations)
-    stand_ins: dict[str, types.ModuleType] = {"_galore_torch_files": pkg}
-    if importlib.util.find_spec("transformers") is None:
-        versions = types.ModuleType("transformers.utils.versions")
-        versions.require_version = lambda *args, **kwargs: None  # type: ignore[attr-defined]
-        stand_ins |= {"transformers": types.ModuleType("transformers"),
-                      "transformers.utils": types.ModuleType("transformers.utils"),
-                      "transformers.utils.versions": versions}  # fmt: skip
-    before = {name: sys.modules.get(name) for name in stand_ins}
-    sys.modules.update(stand_ins)
-    try:
-        return importlib.import_module("_galore_torch_files.adamw").AdamW
-    finally:
-        for name, module in before.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    return reference
 
 
 def _mlp() -> nn.Module:

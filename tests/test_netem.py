@@ -158,3 +158,14 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     if report["emulated"]:
         assert [r["rate_mbit"] for r in report["rates"]] == [None, 100.0]
         assert _ours() == []  # nothing left behind
+
+
+def test_equal_wall_clock_picks_the_last_evaluation_within_the_fastest_run():
+    from powertrain.bench.optimizers import at_equal_wall_clock
+
+    times = [[1.0] * 4, [0.5] * 4, [2.0] * 4]  # totals 4, 2, 8: the budget is 2 s
+    curves = [[(2, 3.0), (4, 2.0)], [(2, 3.5), (4, 2.5)], [(2, 2.8), (4, 1.0)]]
+    out = at_equal_wall_clock(times, curves)
+    assert out["budget_s"] == 2.0
+    # run 0 is at 2 s after step 2; run 1 finishes exactly at 2 s; run 2 has no evaluation within 2 s
+    assert out["reached"] == [(2, 3.0), (4, 2.5), None]

@@ -184,9 +184,10 @@ def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_rate(
-    p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool
+    p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None
 ) -> tuple[dict[int, Any], dict[str, float] | None]:
-    args = _launch_args(p, specs)
+    """Run ``specs`` side by side at ``rate``: the sweep's timed rounds, or ``steps`` steps with validation."""
+    args = _launch_args(p, specs, steps)
     if not emulate:
         from powertrain.train.launch import launch
 

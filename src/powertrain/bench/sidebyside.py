@@ -27,6 +27,7 @@ from powertrain.ddp import register_compressor
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
+from powertrain.train.optimizers import build_optimizer
 from powertrain.train.strategy import Parallel, build_strategy
 
 
@@ -41,6 +42,10 @@ class Spec:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     bucket_cap_mb: float | None = None  # None: the run's default (one bucket for torch's PowerSGD hook)
     parallel: Parallel = "ddp"
+    #: "": AdamW(lr=1e-3) as in the compressor benchmarks; else ``powertrain train``'s optimizer of that name
+    #: (:func:`powertrain.train.optimizers.build_optimizer`) with ``optimizer_options`` as TrainConfig fields.
+    optimizer: str = ""
+    optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
@@ -55,19 +60,39 @@ class _Run:
 
     def __init__(self, spec: Spec, model: GPT, start: int, bucket_cap_mb: float) -> None:
         self.model = model
-        self.stats: CommStats | None
+        stats: CommStats | None
         self.wrapped: torch.nn.Module
-        if spec.parallel == "ddp":
-            self.wrapped, self.stats = _build_ddp(spec, model, start, bucket_cap_mb)
+        if spec.parallel == "ddp" and (spec.kind in _TORCH_KINDS or not spec.optimizer):
+            # torch's hooks, or a compressor hook with this run's bucket size
+            self.wrapped, stats = _build_ddp(spec, model, start, bucket_cap_mb)
             self.strategy = None
         else:
             opts = dict(spec.options)
             if spec.kind == "powersgd":
                 opts.setdefault("start_compressing_after_num_steps", start)
-            self.strategy = build_strategy(spec.parallel, model, spec.kind, opts)
-            self.wrapped, self.stats = self.strategy.model, self.strategy.stats
+            self.strategy = build_strategy(spec.parallel, model, spec.kind, opts,
+                                           gradient_sync=spec.optimizer != "demo")  # fmt: skip
+            self.wrapped, stats = self.strategy.model, self.strategy.stats
         # After wrapping: fully_shard replaces the parameters with sharded ones.
-        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.sources = [stats] if stats is not None else []
+        if spec.optimizer:
+            fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": "none"}
+            cfg = TrainConfig(**fields, **spec.optimizer_options)  # TrainConfig checks the values
+            built = build_optimizer(cfg, model)
+            self.opt = built.optimizer
+            self.sources += [built.stats] if built.stats is not None else []
+        else:
+            self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        self.stats = self.sources[0] if self.sources else None
+
+    def totals(self) -> tuple[dict[str, int], float, float, int]:
+        """Payload bytes by collective, compression and blocked-communication seconds, collectives: so far."""
+        by_op: dict[str, int] = {}
+        for st in self.sources:
+            for op, n in st.by_op.items():
+                by_op[op] = by_op.get(op, 0) + n
+        return (by_op, sum(s.compress_s for s in self.sources), sum(s.comm_s for s in self.sources),
+                sum(s.num_collectives for s in self.sources))  # fmt: skip
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.strategy is None:
@@ -137,27 +162,27 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     for step in range(warmup + timed):
         x, y = corpus.batch("train", rank, world, (0, rank, step), batch, model.block_size)
         for i, r in enumerate(runs):
-            st = r.stats
-            before = (dict(st.by_op), st.compress_s, st.comm_s, st.num_collectives) if st else None
+            before = r.totals()
             dist.barrier()
             t0 = time.perf_counter()
             loss = r.step(x, y)
             elapsed = time.perf_counter() - t0
             if step >= warmup:
                 times[i].append(elapsed)
-                if st and before:
-                    for op, n in st.by_op.items():
+                if r.sources:
+                    after = r.totals()
+                    for op, n in after[0].items():
                         sent[i][op] = sent[i].get(op, 0) + n - before[0].get(op, 0)
-                    spent[i][0] += st.compress_s - before[1]
-                    spent[i][1] += st.comm_s - before[2]
-                    spent[i][2] += st.num_collectives - before[3]
+                    spent[i][0] += after[1] - before[1]
+                    spent[i][1] += after[2] - before[2]
+                    spent[i][2] += after[3] - before[3]
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
                 curves[i].append((step + 1, r.evaluate(val_batches)))
     val = [r.evaluate(val_batches) for r in runs]
     return {"times": times, "losses": losses, "sent_per_step": [{k: v / timed for k, v in s.items()} for s in sent],
             "compress_s": [c / timed for c, _, _ in spent], "comm_s": [c / timed for _, c, _ in spent],
-            "collectives": [n / timed for _, _, n in spent], "measured_stats": [r.stats is not None for r in runs],
+            "collectives": [n / timed for _, _, n in spent], "measured_stats": [bool(r.sources) for r in runs],
             "val_loss": val, "val_curve": curves, "params": runs[0].model.num_params()}  # fmt: skip
 
 

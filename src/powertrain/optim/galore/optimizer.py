@@ -80,19 +80,29 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state`` on this rank (a DTensor counts its local shard).
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None) -> int:
+    """Bytes of every tensor in ``optimizer.state`` on this rank (a DTensor counts its local shard), of all
+    parameters or only of ``params``.
 
-    Works for any ``torch.optim.Optimizer`` (e.g. ``torch.optim.AdamW`` for comparison). Tensors that share
-    storage are counted once per tensor: GaLoreAdamW keeps none that do.
+    Works for any ``torch.optim.Optimizer`` (e.g. ``torch.optim.AdamW`` for comparison); tensors inside lists,
+    dicts and plain objects in the state (galore-torch keeps its projection in a projector object) count too.
+    Tensors that share storage are counted once per tensor: GaLoreAdamW keeps none that do.
     """
-    total = 0
-    for st in optimizer.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                t = _local(v)
-                total += t.numel() * t.element_size()
-    return total
+
+    def size(v: Any) -> int:
+        if isinstance(v, torch.Tensor):
+            t = _local(v)
+            return t.numel() * t.element_size()
+        if isinstance(v, dict):
+            return sum(size(x) for x in v.values())
+        if isinstance(v, list | tuple):
+            return sum(size(x) for x in v)
+        if hasattr(v, "__dict__") and not isinstance(v, type):
+            return sum(size(x) for x in vars(v).values())
+        return 0
+
+    keep = None if params is None else {id(p) for p in params}
+    return sum(size(st) for p, st in optimizer.state.items() if keep is None or id(p) in keep)
 
 
 @dataclasses.dataclass(frozen=True)

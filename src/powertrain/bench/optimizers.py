@@ -1,0 +1,348 @@
+"""``powertrain bench optimizers``: Shampoo, SOAP, GaLore and DeMo against AdamW, side by side in one run.
+
+1. **Quality and time** (2 workers, loopback, one thread each): every optimizer trains the default GPT side by
+   side (:mod:`powertrain.bench.sidebyside`: one step of each per round, same batches), validation every few
+   steps. Per optimizer: mean step time (it includes the amortised root, eigenbasis and subspace work, which
+   a median would hide) and median, payload bytes per step, validation loss at equal steps, and validation
+   loss at equal wall-clock (each run's last evaluation within the fastest-finishing run's total time).
+2. **Scaling**: Shampoo's step time against AdamW's with 1, 2 and 4 workers (loopback; 4 workers share the 2
+   cores, so absolute times there include time slicing, the ratio is what to read).
+3. **DeMo on a slow link**: AdamW with fp32 DDP all-reduce against DeMo (no all-reduce, one all-gather of DCT
+   components) on an emulated 100 Mbit/s link (:mod:`powertrain.bench.netem`; loopback, labelled, without
+   root): bytes per step, validation loss at equal steps and at equal wall-clock.
+4. **GaLore**: optimizer-state bytes against AdamW on the default GPT (rank d_model/4 on the blocks' 2-D
+   weights), and ``step()`` time against galore-torch's AdamW (the reference, exact SVD) without and with a
+   subspace refresh, for powertrain's randomized (GaLore 2) and exact refresh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import statistics
+import sys
+import time
+import types
+from typing import Any
+
+import torch
+
+from powertrain.bench import network
+from powertrain.bench.netem import unavailable
+from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.sidebyside import Spec
+from powertrain.train.launch import launch
+from powertrain.train.model import GPT, GPTConfig
+
+__all__ = ["load_galore_torch", "run_optimizers_bench"]
+
+LR = 3e-3  # powertrain train's default (AdamW, and the grafted Shampoo/SOAP and GaLore)
+DEMO_LR = 3e-4  # sign updates: an order of magnitude below Adam's, as for Lion
+
+
+def _specs(frequency: int, max_dim: int, galore_rank: int) -> list[Spec]:
+    common = {"lr": LR}
+    shampoo = {**common, "shampoo_frequency": frequency, "shampoo_max_dim": max_dim}
+    return [
+        Spec("AdamW", "none", optimizer="adamw", optimizer_options=common),
+        Spec(f"Shampoo (blocks {max_dim}, every {frequency})", "none", optimizer="shampoo", optimizer_options=shampoo),
+        Spec(f"SOAP (blocks {max_dim}, every {frequency})", "none", optimizer="shampoo",
+             optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"}),
+        Spec(f"GaLore r{galore_rank} (randomized)", "none", optimizer="galore",
+             optimizer_options={**common, "galore_rank": galore_rank}),
+        Spec("DeMo", "none", optimizer="demo", optimizer_options={"lr": DEMO_LR}),
+    ]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset(network.Preset):
+    frequency: int  # Shampoo's precondition_frequency
+    max_dim: int  # Shampoo's max_preconditioner_dim
+    galore_rank: int
+    scaling_steps: int  # timed steps of the scaling part (a multiple of the frequency)
+    link_steps: int  # steps of the DeMo-on-a-slow-link part
+    link_rate: float  # Mbit/s
+
+
+PRESETS = {
+    "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, 5, 0, (100.0,), 0.0,
+                      quality_steps=200, eval_every=25, frequency=50, max_dim=256, galore_rank=64, scaling_steps=50,
+                      link_steps=100, link_rate=100.0),
+    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, 1, 0, (100.0,), 0.0,
+                   quality_steps=4, eval_every=2, frequency=2, max_dim=16, galore_rank=8, scaling_steps=2, link_steps=2,
+                   link_rate=100.0),
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------- analysis (pure; unit-tested)
+
+
+def at_equal_wall_clock(times: list[list[float]], curves: list[list[tuple[int, float]]]) -> dict[str, Any]:
+    """Each run's last validation loss reached within the shortest run's total time.
+
+    Args:
+        times: per run, the step times in order (seconds).
+        curves: per run, (step, validation loss) pairs in order.
+
+    Returns:
+        ``budget_s`` and, per run, ``(step, loss)`` of its last evaluation within the budget (None if none).
+    """
+    totals = [sum(t) for t in times]
+    budget = min(totals)
+    reached = []
+    for t, curve in zip(times, curves, strict=True):
+        clock = [0.0]
+        for x in t:
+            clock.append(clock[-1] + x)
+        inside = [(s, v) for s, v in curve if clock[s] <= budget * (1 + 1e-9)]
+        reached.append(inside[-1] if inside else None)
+    return {"budget_s": budget, "reached": reached}
+
+
+def _slowest(results: dict[int, Any], key: str, i: int) -> list[float]:
+    """Per round, the slower rank's value (a step is over when both ranks are done)."""
+    ranks = sorted(results)
+    return [max(results[r][key][i][j] for r in ranks) for j in range(len(results[ranks[0]][key][i]))]
+
+
+def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> list[dict[str, Any]]:
+    r0 = results[sorted(results)[0]]
+    times = [_slowest(results, "times", i) for i in range(len(specs))]
+    equal = at_equal_wall_clock(times, [r0["val_curve"][i] for i in range(len(specs))])
+    rows = []
+    for i, spec in enumerate(specs):
+        t = times[i][skip:]
+        reached = equal["reached"][i]
+        rows.append({
+            "label": spec.label, "mean_s": statistics.fmean(t), "median_s": statistics.median(t),
+            "bytes": sum(r0["sent_per_step"][i].values()), "val_loss": r0["val_loss"][i],
+            "val_curve": r0["val_curve"][i], "total_s": sum(times[i]),
+            "wall_step": reached[0] if reached else None, "wall_loss": reached[1] if reached else None,
+        })  # fmt: skip
+    base = rows[0]
+    for row in rows:
+        row["time_vs_adamw"] = row["mean_s"] / base["mean_s"]
+        row["loss_vs_adamw"] = row["val_loss"] / base["val_loss"] - 1
+    return rows
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def _worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a loopback run; a single worker gets a one-process group of its own."""
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" in os.environ:
+        return network._loopback_worker(args)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    from powertrain.bench import sidebyside
+
+    args = dict(args)
+    specs = [Spec(**s) for s in args.pop("specs")]
+    out = sidebyside.run(specs, model=GPTConfig(**args.pop("model")), **args)
+    dist.destroy_process_group()
+    return out
+
+
+def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> dict[int, Any]:
+    return launch(_worker, nproc, network._launch_args(p, specs, steps))
+
+
+def _quality(p: Preset) -> dict[str, Any]:
+    specs = _specs(p.frequency, p.max_dim, p.galore_rank)
+    print(f"[bench optimizers] quality: {len(specs)} optimizers x {p.quality_steps} steps", file=sys.stderr)
+    results = _side_by_side(p, specs, p.quality_steps)
+    return {"steps": p.quality_steps, "rows": _rows(results, specs, skip=min(5, p.quality_steps - 1))}
+
+
+def _scaling(p: Preset) -> list[dict[str, Any]]:
+    specs = _specs(p.frequency, p.max_dim, p.galore_rank)[:2]  # AdamW, Shampoo
+    out = []
+    for world in (1, 2, 4):
+        print(f"[bench optimizers] scaling: {world} worker(s)", file=sys.stderr)
+        # after 5 warm-up steps, the timed steps span whole precondition periods (one root computation each)
+        results = _side_by_side(dataclasses.replace(p, eval_every=0), specs, 5 + p.scaling_steps, world)
+        t = [_slowest(results, "times", i)[5:] for i in range(2)]
+        out.append({"world": world, "adamw_s": statistics.fmean(t[0]), "shampoo_s": statistics.fmean(t[1]),
+                    "ratio": statistics.fmean(t[1]) / statistics.fmean(t[0])})  # fmt: skip
+    return out
+
+
+def _slow_link(p: Preset) -> dict[str, Any]:
+    specs = [_specs(p.frequency, p.max_dim, p.galore_rank)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
+    reason = unavailable()
+    rate = p.link_rate if reason is None else None
+    print(f"[bench optimizers] DeMo vs AdamW at {network._rate_name(rate)}", file=sys.stderr)
+    steps_preset = dataclasses.replace(p, warmup=0, timed=p.link_steps)
+    results, check = network._run_rate(steps_preset, rate, specs, emulate=reason is None, steps=p.link_steps)
+    rows = _rows(results, specs, skip=min(2, p.link_steps - 1))
+    return {"rate_mbit": rate, "unavailable": reason, "check": check, "steps": p.link_steps, "rows": rows,
+            "bytes_ratio": rows[0]["bytes"] / max(rows[1]["bytes"], 1)}  # fmt: skip
+
+
+def load_galore_torch() -> Any:
+    """galore-torch's AdamW, loaded from its installed files without running the package ``__init__`` (which
+    imports bitsandbytes); its ``adamw.py`` imports transformers only for a version check, which a stand-in
+    provides while the file is imported when transformers is absent. None when galore-torch is not installed."""
+    spec = importlib.util.find_spec("galore_torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pkg = types.ModuleType("_galore_torch_files")
+    pkg.__path__ = list(spec.submodule_search_locations)
+    stand_ins: dict[str, types.ModuleType] = {"_galore_torch_files": pkg}
+    if importlib.util.find_spec("transformers") is None:
+        versions = types.ModuleType("transformers.utils.versions")
+        versions.require_version = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+        stand_ins |= {"transformers": types.ModuleType("transformers"),
+                      "transformers.utils": types.ModuleType("transformers.utils"),
+                      "transformers.utils.versions": versions}  # fmt: skip
+    before = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)
+    try:
+        return importlib.import_module("_galore_torch_files.adamw").AdamW
+    finally:
+        for name, module in before.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+def _galore(p: Preset, repeats: int) -> dict[str, Any]:
+    """State bytes and ``step()`` times on the default GPT's parameters with fixed random gradients."""
+    from powertrain.optim.galore import GaLoreAdamW, optimizer_state_bytes
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(p.model, vocab_size=256))
+    blocks = {id(q) for q in model.blocks.parameters()}
+    mats = [q for q in model.parameters() if q.ndim == 2 and id(q) in blocks]
+    rest = [q for q in model.parameters() if id(q) not in {id(m) for m in mats}]
+    grads = {id(q): torch.randn_like(q) * 1e-2 for q in model.parameters()}
+    gap = 1000  # refreshes are timed on their own: steps 1 (refresh) and 2.. (no refresh)
+
+    def groups(**low: Any) -> list[dict[str, Any]]:
+        return [{"params": mats, "rank": p.galore_rank, "update_proj_gap": gap, "scale": 0.25, **low},
+                {"params": rest}]  # fmt: skip
+
+    makers: dict[str, Any] = {
+        "torch AdamW": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "powertrain GaLoreAdamW, randomized": lambda: GaLoreAdamW(groups(svd="randomized"), lr=1e-3),
+        "powertrain GaLoreAdamW, exact SVD": lambda: GaLoreAdamW(groups(svd="exact"), lr=1e-3),
+    }
+    reference = load_galore_torch()
+    if reference is not None:
+        makers["galore-torch AdamW (exact SVD)"] = lambda: reference(groups(proj_type="std"), lr=1e-3)
+    rows: list[dict[str, Any]] = []
+    initial = [q.detach().clone() for q in model.parameters()]
+    for label, make in makers.items():
+        refresh: list[float] = []
+        plain: list[float] = []
+        for _ in range(repeats):
+            with torch.no_grad():
+                for q, q0 in zip(model.parameters(), initial, strict=True):
+                    q.copy_(q0)
+            opt = make()
+            for step in range(4):
+                for q in model.parameters():
+                    q.grad = grads[id(q)].clone()
+                t0 = time.perf_counter()
+                opt.step()
+                (refresh if step == 0 else plain).append(time.perf_counter() - t0)
+        rows.append({"label": label, "state_bytes": optimizer_state_bytes(opt),
+                     "projected_bytes": optimizer_state_bytes(opt, mats),
+                     "first_s": statistics.median(refresh), "step_s": statistics.median(plain)})  # fmt: skip
+    base, base_projected = rows[0]["state_bytes"], rows[0]["projected_bytes"]
+    for row in rows:
+        row["state_vs_adamw"] = row["state_bytes"] / base - 1
+        row["projected_vs_adamw"] = row["projected_bytes"] / base_projected - 1
+        # per step with a refresh every 200 steps (the default update_proj_gap)
+        row["amortized_s"] = row["step_s"] + (row["first_s"] - row["step_s"]) / 200
+    return {"rank": p.galore_rank, "params": sum(q.numel() for q in model.parameters()), "rows": rows,
+            "reference": reference is not None}  # fmt: skip
+
+
+# ---------------------------------------------------------------- report
+
+
+def _f(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _quality_table(rows: list[dict[str, Any]], budget: float) -> str:
+    cells = [[r["label"], _f(r["mean_s"]), _f(r["median_s"]), f"{r['time_vs_adamw']:.2f}x",
+              f"{r['bytes'] / 1e6:.2f}", _f(r["val_loss"]), f"{100 * r['loss_vs_adamw']:+.1f}%",
+              f"{_f(r['wall_loss'])} (step {r['wall_step']})" if r["wall_step"] else "-"] for r in rows]  # fmt: skip
+    return table(["optimizer", "mean s/step", "median s/step", "time vs AdamW", "MB sent/step", "val loss",
+                  "vs AdamW", f"val loss at {budget:.1f} s"], cells)  # fmt: skip
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    p = PRESETS[report["preset"]]
+    q = report["quality"]
+    budget = at_equal_wall_clock([[r["total_s"]] for r in q["rows"]], [[] for _ in q["rows"]])["budget_s"]
+    parts = [
+        "## Optimizers: Shampoo, SOAP, GaLore and DeMo against AdamW\n\n"
+        f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), "
+        f"{p.batch}x{p.model.block_size} tokens per worker, one torch thread per worker, constant learning rate "
+        f"(AdamW, Shampoo/SOAP grafted on Adam and GaLore: {LR:g}, betas (0.9, 0.95) for AdamW/GaLore; DeMo: "
+        f"{DEMO_LR:g}), weight decay 0.1; every optimizer trains its own copy side by side, one step of each "
+        "per round on the same batches. Mean step time includes the amortised root / eigenbasis / subspace work "
+        f"(Shampoo/SOAP every {p.frequency} steps on blocks of at most {p.max_dim}, GaLore every 200); the "
+        "equal-wall-clock column is each run's last validation within the fastest run's total training time.",
+        f"### {q['steps']} steps, 2 workers on loopback\n\n" + _quality_table(q["rows"], budget),
+    ]
+    sc = report["scaling"]
+    parts.append(
+        "### Shampoo's overhead against AdamW by number of workers (loopback)\n\nMean step time over "
+        f"{p.scaling_steps} steps after 5 warm-up steps (whole precondition periods). With W workers "
+        "every rank preconditions about 1/W of the blocks and one all-gather shares the directions; 4 workers "
+        "time-slice the 2 cores.\n\n"
+        + table(["workers", "AdamW s/step", "Shampoo s/step", "Shampoo / AdamW"],
+                [[s["world"], _f(s["adamw_s"]), _f(s["shampoo_s"]), f"{s['ratio']:.2f}x"] for s in sc])
+    )  # fmt: skip
+    link = report["slow_link"]
+    where = (f"an emulated {link['rate_mbit']:g} Mbit/s link (2 workers in network namespaces, tc tbf)"
+             if link["rate_mbit"] else f"loopback (**no emulated network: {link['unavailable']}**)")  # fmt: skip
+    lb = at_equal_wall_clock([[r["total_s"]] for r in link["rows"]], [[] for _ in link["rows"]])["budget_s"]
+    check = link["check"]
+    parts.append(
+        f"### DeMo against AdamW (fp32 DDP all-reduce) on {where}\n\n{link['steps']} steps; DeMo sends "
+        f"{link['bytes_ratio']:.1f}x fewer bytes per step."
+        + (f" Emulation check: a {check['bytes'] / 1e6:g} MB all-reduce took {check['measured_s']:.2f} s against "
+           f"{check['expected_s']:.2f} s expected ({check['ratio']:.2f}x)." if check else "")
+        + "\n\n" + _quality_table(link["rows"], lb)
+    )  # fmt: skip
+    g = report["galore"]
+    parts.append(
+        f"### GaLore: optimizer state and step time (default GPT, rank {g['rank']} on the blocks' 2-D weights, one "
+        "thread)\n\nState: bytes of optimizer state after a step. Step: median `step()` time without a subspace "
+        "refresh; first step: with the refresh (and state allocation); amortised: with a refresh every 200 "
+        "steps. "
+        + ("" if g["reference"] else "**galore-torch is not installed: no reference row.** ")
+        + "\n\n"
+        + table(["optimizer", "state MB, projected weights", "vs AdamW", "state MB, whole model", "vs AdamW",
+                 "step ms", "first step (refresh) ms", "amortised ms"],
+                [[r["label"], f"{r['projected_bytes'] / 1e6:.2f}", f"{100 * r['projected_vs_adamw']:+.1f}%",
+                  f"{r['state_bytes'] / 1e6:.2f}", f"{100 * r['state_vs_adamw']:+.1f}%",
+                  f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['first_s']:.1f}", f"{1e3 * r['amortized_s']:.1f}"]
+                 for r in g["rows"]])
+    )  # fmt: skip
+    parts.append(f"Machine: {machine_info()}.\n\nCommand: `{command}`")
+    return "\n\n".join(parts) + "\n"
+
+
+def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
+    p = PRESETS[preset]
+    report: dict[str, Any] = {"preset": preset, "params": GPT(p.model).num_params()}
+    report["quality"] = _quality(p)
+    report["scaling"] = _scaling(p)
+    report["slow_link"] = _slow_link(p)
+    report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
+    command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")
+    publish(markdown(report, command), write, "optimizers" if preset == "default" else f"optimizers-{preset}")
+    return report
