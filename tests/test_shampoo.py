@@ -130,9 +130,9 @@ def test_bad_options_refused(kwargs, message):
 def _dense_soap(grads: list[torch.Tensor], w0: torch.Tensor, lr: float, beta2: float, eps: float,
                 start: int) -> torch.Tensor:  # fmt: skip
     """Textbook eigenvalue-corrected Shampoo on one matrix, float64: factors L, R (EMA beta2); from step
-    ``start`` on their eigenbases Q_L, Q_R are recomputed every step (identities before); every step
+    ``start`` on their eigenbases Q_L, Q_R are recomputed every step (identities before: Adam); every step
     D <- beta2 D + (1 - beta2) (Q_L^T G Q_R)^2, and W -= lr Q_L [(Q_L^T G Q_R) / (sqrt(D / (1 - beta2^t)) + eps)]
-    Q_R^T from ``start`` on (plain W -= lr G before); no grafting, filtering or decay."""
+    Q_R^T; no grafting, filtering or decay."""
     w = w0.double().clone()
     left = torch.zeros(w.shape[0], w.shape[0], dtype=torch.float64)
     right = torch.zeros(w.shape[1], w.shape[1], dtype=torch.float64)
@@ -146,7 +146,7 @@ def _dense_soap(grads: list[torch.Tensor], w0: torch.Tensor, lr: float, beta2: f
             ql, qr = torch.linalg.eigh(left).eigenvectors, torch.linalg.eigh(right).eigenvectors
         rot = ql.T @ g @ qr
         d2 = beta2 * d2 + (1 - beta2) * rot**2
-        w -= lr * (ql @ (rot / ((d2 / (1 - beta2**t)).sqrt() + eps)) @ qr.T if t >= start else g)
+        w -= lr * ql @ (rot / ((d2 / (1 - beta2**t)).sqrt() + eps)) @ qr.T
     return w
 
 

@@ -141,3 +141,32 @@ def test_preconditioner_order3_and_ema():
     r = [_reference(f.double(), 6, 1e-6) for f in factors]
     ref = torch.einsum("abc,ai,bj,ck->ijk", gd, r[0], r[1], r[2])
     assert (out - ref).norm() / ref.norm() < 1e-4
+
+
+def test_round_off_negative_eigenvalues_shift_the_spectrum():
+    """A rank-deficient factor whose round-off makes an eigenvalue negative: the spectrum is shifted so the
+    smallest is 0 (the reference implementation's rule), so that direction is treated like the other null
+    direction instead of being amplified to epsilon^(-1/p) while its twin stays at ~|round-off|^(-1/p)."""
+    from powertrain.optim.shampoo.matrix import inverse_root
+
+    q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    vals = torch.tensor([-1e-9, 1e-9, 2.0, 5.0], dtype=torch.float64)
+    a = q @ torch.diag(vals) @ q.T
+    out = inverse_root(a, 4, epsilon=1e-6)
+    shifted = vals + 1e-9 + 1e-6
+    expect = q @ torch.diag(shifted**-0.25) @ q.T
+    assert torch.allclose(out, expect, rtol=1e-6, atol=1e-9)
+
+
+def test_float64_parameters_are_optimised_in_float64():
+    from powertrain.optim.shampoo.optimizer import DistributedShampoo
+
+    w = torch.nn.Parameter(torch.randn(5, 6, dtype=torch.float64))
+    opt = DistributedShampoo([w], lr=0.1, precondition_frequency=1, start_preconditioning_step=1)
+    for _ in range(2):
+        w.grad = torch.randn(5, 6, dtype=torch.float64)
+        opt.step()
+    st = opt.state[w]
+    assert st["filtered"].dtype == torch.float64
+    blk = st["blocks"][0]
+    assert blk["graft"].dtype == torch.float64 and blk["factors"][0].dtype == torch.float64

@@ -29,7 +29,11 @@ class RootFailure(RuntimeError):
 
 def _eigh_root(a: torch.Tensor, root: float, epsilon: float) -> torch.Tensor:
     vals, vecs = torch.linalg.eigh(a)
-    vals = vals.clamp_min(0.0) + epsilon  # A is PSD in exact arithmetic: clip round-off negatives
+    # A is PSD in exact arithmetic. Round-off can make its smallest eigenvalues negative: shift the whole
+    # spectrum so the smallest is 0 (as the reference implementation does) rather than clipping each to 0,
+    # which would leave round-off-negative directions at epsilon while round-off-positive ones stay ~1e-7 ||A||
+    # and so amplify noise directions by up to epsilon^(-1/root)
+    vals = vals - vals.min().clamp(max=0.0) + epsilon
     return (vecs * vals.pow(-1.0 / root).unsqueeze(-2)) @ vecs.mT
 
 

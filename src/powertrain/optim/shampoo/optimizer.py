@@ -56,6 +56,12 @@ Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
 Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
 
 
+def _work(t: torch.Tensor) -> torch.dtype:
+    """The dtype of the optimizer's own statistics and directions for a gradient ``t``: at least float32
+    (a float64 parameter is optimised in float64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a (possibly DTensor) tensor: the storage the optimizer updates in place."""
     return t.to_local() if isinstance(t, DTensor) else t
@@ -101,7 +107,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         exponent_multiplier: scales the inverse root's exponent ``-1/(2k)`` (the reference implementation's
             option; e.g. 2 with a matrix gives ``-1/2``); must give an integer root. Shampoo preconditioner only.
         preconditioner: ``shampoo`` (inverse roots of the factors) or ``eigenvalue_corrected`` (SOAP: Adam in
-            the factors' eigenbasis).
+            the factors' eigenbasis; in the identity basis until the first eigenbasis).
+        bias_correction: with ``betas[1] < 1``, divide the factors by ``1 - betas[1]^t`` before their roots (the
+            reference implementation's default); grafting removes the scale, but not epsilon's relative weight.
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
         group: the data-parallel process group (default: the world when initialised, else one process); not
             used with sharded (DTensor) parameters, whose shards are preconditioned locally.
@@ -126,6 +134,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         root_method: Literal["eigh", "newton"] = "eigh",
         exponent_multiplier: float = 1.0,
         preconditioner: Preconditioner = "shampoo",
+        bias_correction: bool = True,
         max_root_failures: int = 3,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
@@ -173,6 +182,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
+        self.bias_correction = bool(bias_correction)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -207,8 +217,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                eps: float, step: int) -> torch.Tensor:  # fmt: skip
         """The grafting method's direction: ``numer`` (the filtered gradient) over the root of its
         second-moment statistics of the raw gradient ``g``."""
-        v = st.setdefault("graft", torch.zeros_like(g, dtype=torch.float32))
-        g32 = g.float()
+        v = st.setdefault("graft", torch.zeros_like(g, dtype=_work(g)))
+        g32 = g.to(v.dtype)
         if grafting == "adagrad":
             v.addcmul_(g32, g32)
             denom = v.sqrt().add_(eps)
@@ -216,7 +226,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
             corr = 1 - beta2**step if grafting == "adam" else 1.0
             denom = (v / corr).sqrt_().add_(eps)
-        return numer.float() / denom
+        return numer.to(v.dtype) / denom
 
     def _direction(self, blk: _Block, raw: torch.Tensor, filtered: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         st = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
@@ -226,7 +236,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             st["failures"] = torch.zeros((), dtype=torch.int64)
         beta2 = group["betas"][1]
         update_factors(st["factors"], raw, beta2)
-        graft = (filtered.float() if group["grafting"] == "none" else
+        graft = (filtered.to(_work(raw)) if group["grafting"] == "none" else
                  self._graft(st, raw, filtered, group["grafting"], group["grafting_beta2"], group["grafting_epsilon"],
                              step))  # fmt: skip
         corrected = self.preconditioner == "eigenvalue_corrected"
@@ -239,7 +249,11 @@ class DistributedShampoo(torch.optim.Optimizer):
                 if corrected:
                     st["bases"] = eigenbases(st["factors"])
                 else:
-                    st["roots"] = inverse_roots(st["factors"], epsilon=group["epsilon"], method=self.root_method,
+                    factors = st["factors"]
+                    if self.bias_correction and beta2 < 1.0:
+                        # the EMA's bias correction: it sets epsilon's weight against the statistics early on
+                        factors = [f / (1.0 - beta2**step) for f in factors]
+                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], method=self.root_method,
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
             except RootFailure:
                 st["failures"] += 1
@@ -251,14 +265,16 @@ class DistributedShampoo(torch.optim.Optimizer):
                 d2.addcmul_(r, r)
             else:
                 d2.mul_(beta2).addcmul_(r, r, value=1.0 - beta2)
-        if step < self.start or int(st["failures"]) > self.max_root_failures or not (corrected or "roots" in st):
+        # SOAP is Adam in the identity basis until its first eigenbasis (as the reference and SOAP itself);
+        # Shampoo uses the graft until its first roots
+        if int(st["failures"]) > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
             return graft
         if corrected:
             bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
             scaled = rotate(filtered, st["bases"]) / (st["corrected"] / bias).sqrt_().add_(group["epsilon"])
-            direction = rotate(scaled, st["bases"], back=True).float()
+            direction = rotate(scaled, st["bases"], back=True).to(graft.dtype)
         else:
-            direction = precondition(filtered, st["roots"]).float()
+            direction = precondition(filtered, st["roots"]).to(graft.dtype)
         if group["grafting"] == "none":
             return direction
         norm = direction.norm()
@@ -309,8 +325,8 @@ class DistributedShampoo(torch.optim.Optimizer):
             beta1 = group_of[id(p)]["betas"][0]
             st = self.state[p]
             if beta1 > 0:
-                buf = st.setdefault("filtered", torch.zeros_like(g, dtype=torch.float32))
-                buf.mul_(beta1).add_(g.float(), alpha=1 - beta1)
+                buf = st.setdefault("filtered", torch.zeros_like(g, dtype=_work(g)))
+                buf.mul_(beta1).add_(g.to(buf.dtype), alpha=1 - beta1)
                 filtered = buf / (1 - beta1**self.steps)
             else:
                 filtered = g
@@ -355,7 +371,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         if mine:
             flat = torch.cat(mine)
             send[: flat.numel()] = flat
-        rows = self.comm.all_gather(send)[0].float()  # (world, width)
+        rows = self.comm.all_gather(send)[0]  # (world, width), cast to each parameter's dtype when applied
         offsets = [0] * self.world
         for blk in active:
             n = math.prod(blk.shape)
