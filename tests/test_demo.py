@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dist_utils import case, guard, run_ranks
+from dist_utils import case, guard, run_ranks, value_errors
 from models import batch, loss_fn, make_model
 from powertrain.optim.demo import DeMo, FlexDeMo, local_gradients
 from powertrain.optim.demo.dct import (
@@ -434,19 +434,12 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
 
     def refusals() -> dict[str, str]:
         plain = make_model()
-        out = {}
-        for name, fn in {
+        return value_errors({
             "plain tensor": lambda: FlexDeMo(plain.parameters(), mesh),
             "1-D mesh": lambda: FlexDeMo(plain.parameters(), init_device_mesh("cpu", (4,))),
             "dim name": lambda: FlexDeMo(plain.parameters(), mesh, replicate_dim="dp"),
             "process_group": lambda: FlexDeMo(plain.parameters(), mesh, process_group=None),
-        }.items():
-            try:
-                fn()
-                out[name] = ""
-            except ValueError as e:
-                out[name] = str(e)
-        return out
+        })  # fmt: skip
 
     return {"run": guard(run), "aligned": guard(aligned), "refusals": guard(refusals)}
 
