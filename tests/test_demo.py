@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from dist_utils import case, guard, run_ranks, value_errors
 from models import batch, loss_fn, make_model
+from powertrain.ops.flat import local_tensor
 from powertrain.optim.demo import DeMo, FlexDeMo, local_gradients
 from powertrain.optim.demo.dct import (
     chunk_layout,
@@ -28,7 +29,6 @@ from powertrain.optim.demo.dct import (
     scatter_chunks,
     topk_per_chunk,
 )
-from powertrain.optim.demo.optimizer import local_tensor
 
 # chunk 8 and top-4: several chunks per matrix, top-k below the chunk size, odd chunks (7 x 5 for the 7x15 weight)
 OPTS: dict[str, Any] = dict(lr=0.01, compression_decay=0.9, compression_topk=4, compression_chunk=8, weight_decay=0.1)

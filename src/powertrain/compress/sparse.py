@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from powertrain.compress.base import GatherRequest, ReduceRequest
 from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange
-from powertrain.ops.flat import pack_payload, unpack_payload
+from powertrain.ops.flat import index_dtype, pack_payload, unpack_payload
 
 
 def _check_ratio(ratio: float) -> None:
@@ -19,11 +19,6 @@ def _check_ratio(ratio: float) -> None:
 
 def _k(ratio: float, numel: int) -> int:
     return max(1, min(numel, round(ratio * numel))) if numel else 0
-
-
-def _index_dtype(numel: int) -> torch.dtype:
-    """The smallest integer dtype that can address ``numel`` values (compact indices)."""
-    return torch.int16 if numel <= 2**15 else torch.int32
 
 
 class TopKCompressor(ErrorFeedbackCompressor):
@@ -47,7 +42,7 @@ class TopKCompressor(ErrorFeedbackCompressor):
 
     def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         ks = [_k(self.ratio, p.numel()) for p in parts]
-        itype = _index_dtype(max((p.numel() for p in parts), default=0))
+        itype = index_dtype(max((p.numel() for p in parts), default=0))
         picked = [p.abs().topk(k, sorted=False).indices for p, k in zip(parts, ks, strict=True)]
         values = torch.cat([p[i] for p, i in zip(parts, picked, strict=True)])
         positions = torch.cat(picked).to(itype)

@@ -6,7 +6,20 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flat_views", "pack", "pack_payload", "unpack_payload"]
+__all__ = ["flat_views", "index_dtype", "local_tensor", "pack", "pack_payload", "unpack_payload"]
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """The smallest integer dtype that addresses ``numel`` positions (compact indices in a payload): int16 up to
+    32768, else int32."""
+    return torch.int16 if numel <= 2**15 else torch.int32
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (FSDP2, SimpleFSDP; in-place changes reach the
+    DTensor), ``t`` itself otherwise."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

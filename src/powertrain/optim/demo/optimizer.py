@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator
-from powertrain.ops.flat import pack_payload, unpack_payload
+from powertrain.ops.flat import index_dtype, local_tensor, pack_payload, unpack_payload
 from powertrain.optim.demo.dct import (
     ChunkLayout,
     chunk_layout,
@@ -47,20 +47,9 @@ from powertrain.optim.demo.dct import (
     topk_per_chunk,
 )
 
-__all__ = ["DeMo", "index_dtype", "local_tensor"]
+__all__ = ["DeMo"]
 
 _COMM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def index_dtype(chunk_numel: int) -> torch.dtype:
-    """The dtype of the positions sent: int16 when a chunk has at most 32768 coefficients, else int32."""
-    return torch.int16 if chunk_numel <= 2**15 else torch.int32
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a DTensor (FSDP2), ``t`` itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class _Sent(NamedTuple):

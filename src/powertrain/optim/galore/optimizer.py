@@ -62,9 +62,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from powertrain.comm import CommStats, Communicator
+from powertrain.ops.flat import local_tensor
 from powertrain.optim.galore import projector as proj
 from powertrain.optim.galore.distributed import RowShard, gather_rows, row_shard, sum_shards
 from powertrain.optim.galore.projector import ProjType, Side, SvdMethod
@@ -73,11 +73,6 @@ __all__ = ["GaLoreAdamW", "MomentsOnRefresh", "optimizer_state_bytes"]
 
 MomentsOnRefresh = Literal["keep", "project"]
 _MOMENTS_ON_REFRESH = ("keep", "project")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) tensor; in-place changes reach the DTensor."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None) -> int:
@@ -91,7 +86,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: Iterable[tor
 
     def size(v: Any) -> int:
         if isinstance(v, torch.Tensor):
-            t = _local(v)
+            t = local_tensor(v)
             return t.numel() * t.element_size()
         if isinstance(v, dict):
             return sum(size(x) for x in v.values())
@@ -324,7 +319,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
             lay = self._layout(p, group, index)
             st = self.state[p]
             st.setdefault("step", 0)
-            g = _local(p.grad)
+            g = local_tensor(p.grad)
             if lay.projected:
                 g = g.reshape(lay.matrix)
             work.append((p, group, lay, g))
@@ -357,7 +352,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         norm = exp_avg / denom
         if lay.projected:
             norm = proj.project_back(norm, lay.side, st.get("proj_left"), st.get("proj_right"), group["scale"])
-        w = _local(p)
+        w = local_tensor(p)
         w.add_(norm.view(w.shape), alpha=-step_size)
         if group["weight_decay"] > 0.0:
             w.add_(w, alpha=-group["lr"] * group["weight_decay"])
@@ -401,13 +396,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
                             f"Invalid state for parameter {index}: {name} has shape {tuple(value.shape)}, this rank "
                             f"needs {need}; resume with the same sharding (world size), rank and proj_type"
                         )
-                    value = value.to(device=_local(p).device, copy=True)
+                    value = value.to(device=local_tensor(p).device, copy=True)
                 st[name] = value
             self.state[p] = st
 
     def _state_shapes(self, p: torch.Tensor, lay: _Layout) -> dict[str, tuple[int, ...]]:
         if not lay.projected:
-            shape = tuple(_local(p).shape)
+            shape = tuple(local_tensor(p).shape)
             return {"exp_avg": shape, "exp_avg_sq": shape}
         (m, n), r = lay.matrix, lay.rank
         moment = {"right": (m, r), "left": (r, n), "full": (r, r)}[lay.side]

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from powertrain.comm import Communicator
+from powertrain.ops.flat import local_tensor
 from powertrain.optim.shampoo import blocks as blocking
 from powertrain.optim.shampoo.matrix import RootFailure
 from powertrain.optim.shampoo.preconditioner import (
@@ -60,11 +61,6 @@ def _work(t: torch.Tensor) -> torch.dtype:
     """The dtype of the optimizer's own statistics and directions for a gradient ``t``: at least float32
     (a float64 parameter is optimised in float64)."""
     return torch.promote_types(t.dtype, torch.float32)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a (possibly DTensor) tensor: the storage the optimizer updates in place."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +198,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.world, self.rank = self.comm.world_size, self.comm.rank
         shapes = []
         for i, p in enumerate(self._params):
-            local = _local(p)
+            local = local_tensor(p)
             if local.numel() == 0:
                 continue  # an FSDP2 shard with no rows on this rank
             for b, blk in enumerate(blocking.split(torch.empty(local.shape, device="meta"), self.max_dim)):
@@ -314,9 +310,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         raw_blocks: dict[int, list[torch.Tensor]] = {}
         filt_blocks: dict[int, list[torch.Tensor]] = {}
         for i, p in enumerate(self._params):
-            if p.grad is None or _local(p).numel() == 0:
+            if p.grad is None or local_tensor(p).numel() == 0:
                 continue
-            g = _local(p.grad)
+            g = local_tensor(p.grad)
             if self.sharded:
                 # FSDP2 gradient shards are views at arbitrary offsets of one flat buffer, and vectorised kernels
                 # round differently on differently aligned memory: a fresh copy makes a shard's result bitwise
@@ -345,7 +341,7 @@ class DistributedShampoo(torch.optim.Optimizer):
             if i not in raw_blocks:
                 continue
             grp = group_of[id(p)]
-            w = _local(p)
+            w = local_tensor(p)
             d = blocking.join(directions[i], w.shape, self.max_dim).to(w.dtype)
             if grp["momentum"] > 0:
                 buf = self.state[p].setdefault("momentum", torch.zeros_like(d))
