@@ -63,6 +63,20 @@ class CommStats:
             self.comm_s += comm_s
             self.compress_s += compress_s
 
+    @staticmethod
+    def combined(parts: list[CommStats]) -> CommStats:
+        """A snapshot of several communicators' totals added up (a run whose gradient averaging and optimizer
+        communicate separately)."""
+        out = CommStats()
+        for s in parts:
+            out.bytes_sent += s.bytes_sent
+            out.num_collectives += s.num_collectives
+            out.comm_s += s.comm_s
+            out.compress_s += s.compress_s
+            for op, n in s.by_op.items():
+                out.by_op[op] = out.by_op.get(op, 0) + n
+        return out
+
     def reset(self) -> None:
         with self._lock:
             self.bytes_sent = 0

@@ -171,11 +171,18 @@ def _launch_args(p: Preset, specs: list[Spec], steps: int | None = None) -> dict
 
 
 def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank under :func:`powertrain.train.launch.launch`; a single worker (run in this process, without
+    the launcher's environment) gets a one-process group of its own."""
+    import os
+
     import torch.distributed as dist
 
     from powertrain.bench import sidebyside
 
-    dist.init_process_group("gloo")
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = dict(args)
     specs = [Spec(**s) for s in args.pop("specs")]
     out = sidebyside.run(specs, model=GPTConfig(**args.pop("model")), **args)

@@ -34,6 +34,7 @@ from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.launch import launch
 from powertrain.train.model import GPT, GPTConfig
+from powertrain.train.optimizers import galore_split
 
 __all__ = ["load_galore_torch", "run_optimizers_bench"]
 
@@ -106,7 +107,8 @@ def _slowest(results: dict[int, Any], key: str, i: int) -> list[float]:
     return [max(results[r][key][i][j] for r in ranks) for j in range(len(results[ranks[0]][key][i]))]
 
 
-def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> list[dict[str, Any]]:
+def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> dict[str, Any]:
+    """Per optimizer: step times, bytes and losses; ``budget_s``: the equal-wall-clock budget."""
     r0 = results[sorted(results)[0]]
     times = [_slowest(results, "times", i) for i in range(len(specs))]
     equal = at_equal_wall_clock(times, [r0["val_curve"][i] for i in range(len(specs))])
@@ -124,39 +126,21 @@ def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> list[dict[st
     for row in rows:
         row["time_vs_adamw"] = row["mean_s"] / base["mean_s"]
         row["loss_vs_adamw"] = row["val_loss"] / base["val_loss"] - 1
-    return rows
+    return {"rows": rows, "budget_s": equal["budget_s"]}
 
 
 # ---------------------------------------------------------------- the parts
 
 
-def _worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One rank of a loopback run; a single worker gets a one-process group of its own."""
-    import os
-
-    import torch.distributed as dist
-
-    if "RANK" in os.environ:
-        return network._loopback_worker(args)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from powertrain.bench import sidebyside
-
-    args = dict(args)
-    specs = [Spec(**s) for s in args.pop("specs")]
-    out = sidebyside.run(specs, model=GPTConfig(**args.pop("model")), **args)
-    dist.destroy_process_group()
-    return out
-
-
 def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> dict[int, Any]:
-    return launch(_worker, nproc, network._launch_args(p, specs, steps))
+    return launch(network._loopback_worker, nproc, network._launch_args(p, specs, steps))
 
 
 def _quality(p: Preset) -> dict[str, Any]:
     specs = _specs(p.frequency, p.max_dim, p.galore_rank)
     print(f"[bench optimizers] quality: {len(specs)} optimizers x {p.quality_steps} steps", file=sys.stderr)
     results = _side_by_side(p, specs, p.quality_steps)
-    return {"steps": p.quality_steps, "rows": _rows(results, specs, skip=min(5, p.quality_steps - 1))}
+    return {"steps": p.quality_steps, **_rows(results, specs, skip=min(5, p.quality_steps - 1))}
 
 
 def _scaling(p: Preset) -> list[dict[str, Any]]:
@@ -177,10 +161,10 @@ def _slow_link(p: Preset) -> dict[str, Any]:
     reason = unavailable()
     rate = p.link_rate if reason is None else None
     print(f"[bench optimizers] DeMo vs AdamW at {network._rate_name(rate)}", file=sys.stderr)
-    steps_preset = dataclasses.replace(p, warmup=0, timed=p.link_steps)
-    results, check = network._run_rate(steps_preset, rate, specs, emulate=reason is None, steps=p.link_steps)
-    rows = _rows(results, specs, skip=min(2, p.link_steps - 1))
-    return {"rate_mbit": rate, "unavailable": reason, "check": check, "steps": p.link_steps, "rows": rows,
+    results, check = network._run_rate(p, rate, specs, emulate=reason is None, steps=p.link_steps)
+    result = _rows(results, specs, skip=min(2, p.link_steps - 1))
+    rows = result["rows"]
+    return {"rate_mbit": rate, "unavailable": reason, "check": check, "steps": p.link_steps, **result,
             "bytes_ratio": rows[0]["bytes"] / max(rows[1]["bytes"], 1)}  # fmt: skip
 
 
@@ -219,9 +203,7 @@ def _galore(p: Preset, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(p.model, vocab_size=256))
-    blocks = {id(q) for q in model.blocks.parameters()}
-    mats = [q for q in model.parameters() if q.ndim == 2 and id(q) in blocks]
-    rest = [q for q in model.parameters() if id(q) not in {id(m) for m in mats}]
+    mats, rest = galore_split(model, list(model.parameters()))
     grads = {id(q): torch.randn_like(q) * 1e-2 for q in model.parameters()}
     gap = 1000  # refreshes are timed on their own: steps 1 (refresh) and 2.. (no refresh)
 
@@ -284,7 +266,6 @@ def _quality_table(rows: list[dict[str, Any]], budget: float) -> str:
 def markdown(report: dict[str, Any], command: str) -> str:
     p = PRESETS[report["preset"]]
     q = report["quality"]
-    budget = at_equal_wall_clock([[r["total_s"]] for r in q["rows"]], [[] for _ in q["rows"]])["budget_s"]
     parts = [
         "## Optimizers: Shampoo, SOAP, GaLore and DeMo against AdamW\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), "
@@ -294,7 +275,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "per round on the same batches. Mean step time includes the amortised root / eigenbasis / subspace work "
         f"(Shampoo/SOAP every {p.frequency} steps on blocks of at most {p.max_dim}, GaLore every 200); the "
         "equal-wall-clock column is each run's last validation within the fastest run's total training time.",
-        f"### {q['steps']} steps, 2 workers on loopback\n\n" + _quality_table(q["rows"], budget),
+        f"### {q['steps']} steps, 2 workers on loopback\n\n" + _quality_table(q["rows"], q["budget_s"]),
     ]
     sc = report["scaling"]
     parts.append(
@@ -308,14 +289,13 @@ def markdown(report: dict[str, Any], command: str) -> str:
     link = report["slow_link"]
     where = (f"an emulated {link['rate_mbit']:g} Mbit/s link (2 workers in network namespaces, tc tbf)"
              if link["rate_mbit"] else f"loopback (**no emulated network: {link['unavailable']}**)")  # fmt: skip
-    lb = at_equal_wall_clock([[r["total_s"]] for r in link["rows"]], [[] for _ in link["rows"]])["budget_s"]
     check = link["check"]
     parts.append(
         f"### DeMo against AdamW (fp32 DDP all-reduce) on {where}\n\n{link['steps']} steps; DeMo sends "
         f"{link['bytes_ratio']:.1f}x fewer bytes per step."
         + (f" Emulation check: a {check['bytes'] / 1e6:g} MB all-reduce took {check['measured_s']:.2f} s against "
            f"{check['expected_s']:.2f} s expected ({check['ratio']:.2f}x)." if check else "")
-        + "\n\n" + _quality_table(link["rows"], lb)
+        + "\n\n" + _quality_table(link["rows"], link["budget_s"])
     )  # fmt: skip
     g = report["galore"]
     parts.append(

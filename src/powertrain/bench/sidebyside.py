@@ -83,16 +83,6 @@ class _Run:
             self.sources += [built.stats] if built.stats is not None else []
         else:
             self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        self.stats = self.sources[0] if self.sources else None
-
-    def totals(self) -> tuple[dict[str, int], float, float, int]:
-        """Payload bytes by collective, compression and blocked-communication seconds, collectives: so far."""
-        by_op: dict[str, int] = {}
-        for st in self.sources:
-            for op, n in st.by_op.items():
-                by_op[op] = by_op.get(op, 0) + n
-        return (by_op, sum(s.compress_s for s in self.sources), sum(s.comm_s for s in self.sources),
-                sum(s.num_collectives for s in self.sources))  # fmt: skip
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.strategy is None:
@@ -162,7 +152,7 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     for step in range(warmup + timed):
         x, y = corpus.batch("train", rank, world, (0, rank, step), batch, model.block_size)
         for i, r in enumerate(runs):
-            before = r.totals()
+            before = CommStats.combined(r.sources)
             dist.barrier()
             t0 = time.perf_counter()
             loss = r.step(x, y)
@@ -170,12 +160,12 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
             if step >= warmup:
                 times[i].append(elapsed)
                 if r.sources:
-                    after = r.totals()
-                    for op, n in after[0].items():
-                        sent[i][op] = sent[i].get(op, 0) + n - before[0].get(op, 0)
-                    spent[i][0] += after[1] - before[1]
-                    spent[i][1] += after[2] - before[2]
-                    spent[i][2] += after[3] - before[3]
+                    after = CommStats.combined(r.sources)
+                    for op, n in after.by_op.items():
+                        sent[i][op] = sent[i].get(op, 0) + n - before.by_op.get(op, 0)
+                    spent[i][0] += after.compress_s - before.compress_s
+                    spent[i][1] += after.comm_s - before.comm_s
+                    spent[i][2] += after.num_collectives - before.num_collectives
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
                 curves[i].append((step + 1, r.evaluate(val_batches)))

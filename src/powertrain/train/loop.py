@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from powertrain.comm import Communicator
+from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from powertrain.train.config import TrainConfig, parse_compressor
@@ -90,7 +90,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
 
     def sent_so_far() -> int:
-        return sum(s.bytes_sent for s in sources)
+        return CommStats.combined(sources).bytes_sent
 
     start = 0
     if cfg.resume:

@@ -24,7 +24,19 @@ from powertrain.comm import CommStats
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
 
-__all__ = ["Built", "build_optimizer"]
+__all__ = ["Built", "build_optimizer", "galore_split"]
+
+
+def galore_split(
+    model: torch.nn.Module, params: list[torch.nn.Parameter]
+) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """``params`` split into GaLore's projected weights (the 2-D ones inside ``model.blocks``: attention and MLP,
+    as in the paper) and the rest (embeddings, head, norms, biases: plain AdamW)."""
+    blocks = getattr(model, "blocks", None)
+    in_blocks = {id(p) for p in blocks.parameters()} if isinstance(blocks, torch.nn.Module) else set()
+    low_rank = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
+    chosen = {id(p) for p in low_rank}
+    return low_rank, [p for p in params if id(p) not in chosen]
 
 
 @dataclasses.dataclass
@@ -57,16 +69,13 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
         case "galore":
             from powertrain.optim import GaLoreAdamW
 
-            blocks = getattr(model, "blocks", None)
-            in_blocks = {id(p) for p in blocks.parameters()} if isinstance(blocks, torch.nn.Module) else set()
-            low_rank = [p for p in params if p.ndim == 2 and id(p) in in_blocks]
+            low_rank, rest = galore_split(model, params)
             if not low_rank:
                 raise ValueError(f"optimizer='galore' found no 2-D weights in {type(model).__name__}.blocks to project")
-            chosen = {id(p) for p in low_rank}
             groups = [
                 {"params": low_rank, "rank": cfg.galore_rank, "update_proj_gap": cfg.galore_gap,
                  "scale": cfg.galore_scale, "svd": cfg.galore_svd},
-                {"params": [p for p in params if id(p) not in chosen]},
+                {"params": rest},
             ]  # fmt: skip
             galore = GaLoreAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
             return Built(galore, per_rank=True, stats=galore.comm_stats)
