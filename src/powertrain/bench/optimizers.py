@@ -1,15 +1,17 @@
 """``powertrain bench optimizers``: Shampoo, SOAP, GaLore and DeMo against AdamW, side by side in one run.
 
-1. **Quality and time** (2 workers, loopback, one thread each): every optimizer trains the default GPT side by
-   side (:mod:`powertrain.bench.sidebyside`: one step of each per round, same batches), validation every few
-   steps. Per optimizer: mean step time (it includes the amortised root, eigenbasis and subspace work, which
-   a median would hide) and median, payload bytes per step, validation loss at equal steps, and validation
-   loss at equal wall-clock (each run's last evaluation within the fastest-finishing run's total time).
-2. **Scaling**: Shampoo's step time against AdamW's with 1, 2 and 4 workers (loopback; 4 workers share the 2
+1. **Scaling**: Shampoo's step time against AdamW's with 1, 2 and 4 workers (loopback; 4 workers share the 2
    cores, so absolute times there include time slicing, the ratio is what to read).
+2. **Quality and time** (2 workers, loopback, one thread each): every optimizer trains the default GPT side by
+   side (:mod:`powertrain.bench.sidebyside`: one step of each per round, same batches) on ``powertrain
+   train``'s warm-up + cosine schedule, plus Shampoo once more with the steps that AdamW's time buys it (from
+   the 2-worker ratio of part 1), on a schedule over those steps: the equal-wall-clock comparison. Per run:
+   mean step time (it includes the amortised root, eigenbasis and subspace work, which a median would hide)
+   and median, total training time, payload bytes per step and the final validation loss.
 3. **DeMo on a slow link**: AdamW with fp32 DDP all-reduce against DeMo (no all-reduce, one all-gather of DCT
    components) on an emulated 100 Mbit/s link (:mod:`powertrain.bench.netem`; loopback, labelled, without
-   root): bytes per step, validation loss at equal steps and at equal wall-clock.
+   root), constant learning rates: bytes per step, validation loss at equal steps and at equal wall-clock
+   (each run's last validation within the faster run's training time).
 4. **GaLore**: optimizer-state bytes against AdamW on the default GPT (rank d_model/4 on the blocks' 2-D
    weights), and ``step()`` time against galore-torch's AdamW (the reference, exact SVD) without and with a
    subspace refresh, for powertrain's randomized (GaLore 2) and exact refresh.
@@ -42,18 +44,28 @@ LR = 3e-3  # powertrain train's default (AdamW, and the grafted Shampoo/SOAP and
 DEMO_LR = 3e-4  # sign updates: an order of magnitude below Adam's, as for Lion
 
 
-def _specs(frequency: int, max_dim: int, galore_rank: int) -> list[Spec]:
-    common = {"lr": LR}
-    shampoo = {**common, "shampoo_frequency": frequency, "shampoo_max_dim": max_dim}
+def _specs(p: Preset, steps: int = 0) -> list[Spec]:
+    """AdamW, Shampoo, SOAP, GaLore, DeMo. ``steps`` > 0: each run trains that many steps on ``powertrain
+    train``'s schedule (warm-up over ``p.lr_warmup`` steps, cosine decay to a tenth); 0: constant rates."""
+    common: dict[str, Any] = {"lr": LR, **({"warmup_steps": p.lr_warmup} if steps else {})}
+    shampoo = {**common, "shampoo_frequency": p.frequency, "shampoo_max_dim": p.max_dim}
+    label = f"blocks {p.max_dim}, every {p.frequency}"
     return [
-        Spec("AdamW", "none", optimizer="adamw", optimizer_options=common),
-        Spec(f"Shampoo (blocks {max_dim}, every {frequency})", "none", optimizer="shampoo", optimizer_options=shampoo),
-        Spec(f"SOAP (blocks {max_dim}, every {frequency})", "none", optimizer="shampoo",
+        Spec("AdamW", "none", optimizer="adamw", optimizer_options=common, steps=steps),
+        Spec(f"Shampoo ({label})", "none", optimizer="shampoo", optimizer_options=shampoo, steps=steps),
+        Spec(f"SOAP ({label})", "none", optimizer="shampoo", steps=steps,
              optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"}),
-        Spec(f"GaLore r{galore_rank} (randomized)", "none", optimizer="galore",
-             optimizer_options={**common, "galore_rank": galore_rank}),
-        Spec("DeMo", "none", optimizer="demo", optimizer_options={"lr": DEMO_LR}),
+        Spec(f"GaLore r{p.galore_rank} (randomized)", "none", optimizer="galore", steps=steps,
+             optimizer_options={**common, "galore_rank": p.galore_rank}),
+        Spec("DeMo", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR}, steps=steps),
     ]  # fmt: skip
+
+
+def budgeted_steps(steps: int, ratio: float) -> int:
+    """Steps that take about as long as ``steps`` AdamW steps for an optimizer ``ratio`` times slower per step."""
+    if ratio <= 0:
+        raise ValueError(f"step-time ratio {ratio} must be positive")
+    return max(1, int(steps / ratio))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +76,16 @@ class Preset(network.Preset):
     scaling_steps: int  # timed steps of the scaling part (a multiple of the frequency)
     link_steps: int  # steps of the DeMo-on-a-slow-link part
     link_rate: float  # Mbit/s
+    lr_warmup: int  # warm-up steps of the quality runs' schedule
 
 
 PRESETS = {
     "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, 5, 0, (100.0,), 0.0,
                       quality_steps=200, eval_every=25, frequency=50, max_dim=256, galore_rank=64, scaling_steps=50,
-                      link_steps=100, link_rate=100.0),
+                      link_steps=100, link_rate=100.0, lr_warmup=20),
     "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, 1, 0, (100.0,), 0.0,
                    quality_steps=4, eval_every=2, frequency=2, max_dim=16, galore_rank=8, scaling_steps=2, link_steps=2,
-                   link_rate=100.0),
+                   link_rate=100.0, lr_warmup=1),
 }  # fmt: skip
 
 
@@ -117,7 +130,8 @@ def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> dict[str, An
         t = times[i][skip:]
         reached = equal["reached"][i]
         rows.append({
-            "label": spec.label, "mean_s": statistics.fmean(t), "median_s": statistics.median(t),
+            "label": spec.label, "steps": len(times[i]), "mean_s": statistics.fmean(t),
+            "median_s": statistics.median(t),
             "bytes": sum(r0["sent_per_step"][i].values()), "val_loss": r0["val_loss"][i],
             "val_curve": r0["val_curve"][i], "total_s": sum(times[i]),
             "wall_step": reached[0] if reached else None, "wall_loss": reached[1] if reached else None,
@@ -136,15 +150,20 @@ def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> d
     return launch(network._loopback_worker, nproc, network._launch_args(p, specs, steps))
 
 
-def _quality(p: Preset) -> dict[str, Any]:
-    specs = _specs(p.frequency, p.max_dim, p.galore_rank)
-    print(f"[bench optimizers] quality: {len(specs)} optimizers x {p.quality_steps} steps", file=sys.stderr)
+def _quality(p: Preset, ratio: float) -> dict[str, Any]:
+    """Every optimizer ``p.quality_steps`` steps on the train command's schedule, plus Shampoo again with the
+    steps AdamW's time buys it (``ratio``: Shampoo's step time over AdamW's), on a schedule over those steps."""
+    specs = _specs(p, p.quality_steps)
+    budget = budgeted_steps(p.quality_steps, ratio)
+    shampoo = specs[1]
+    specs.append(dataclasses.replace(shampoo, label=f"{shampoo.label}, AdamW's time", steps=budget))
+    print(f"[bench optimizers] quality: {len(specs)} runs x up to {p.quality_steps} steps", file=sys.stderr)
     results = _side_by_side(p, specs, p.quality_steps)
-    return {"steps": p.quality_steps, **_rows(results, specs, skip=min(5, p.quality_steps - 1))}
+    return {"steps": p.quality_steps, "ratio": ratio, **_rows(results, specs, skip=min(5, budget - 1))}
 
 
 def _scaling(p: Preset) -> list[dict[str, Any]]:
-    specs = _specs(p.frequency, p.max_dim, p.galore_rank)[:2]  # AdamW, Shampoo
+    specs = _specs(p)[:2]  # AdamW, Shampoo
     out = []
     for world in (1, 2, 4):
         print(f"[bench optimizers] scaling: {world} worker(s)", file=sys.stderr)
@@ -157,7 +176,7 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
 
 
 def _slow_link(p: Preset) -> dict[str, Any]:
-    specs = [_specs(p.frequency, p.max_dim, p.galore_rank)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
+    specs = [_specs(p)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
     reason = unavailable()
     rate = p.link_rate if reason is None else None
     print(f"[bench optimizers] DeMo vs AdamW at {network._rate_name(rate)}", file=sys.stderr)
@@ -255,12 +274,33 @@ def _f(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _quality_table(rows: list[dict[str, Any]], budget: float) -> str:
-    cells = [[r["label"], _f(r["mean_s"]), _f(r["median_s"]), f"{r['time_vs_adamw']:.2f}x",
-              f"{r['bytes'] / 1e6:.2f}", _f(r["val_loss"]), f"{100 * r['loss_vs_adamw']:+.1f}%",
-              f"{_f(r['wall_loss'])} (step {r['wall_step']})" if r["wall_step"] else "-"] for r in rows]  # fmt: skip
-    return table(["optimizer", "mean s/step", "median s/step", "time vs AdamW", "MB sent/step", "val loss",
-                  "vs AdamW", f"val loss at {budget:.1f} s"], cells)  # fmt: skip
+def _quality_table(rows: list[dict[str, Any]], budget: float | None = None) -> str:
+    """One row per run; with ``budget``, each run's last validation within that many seconds of training."""
+    cells = [[r["label"], r["steps"], _f(r["mean_s"]), _f(r["median_s"]), f"{r['time_vs_adamw']:.2f}x",
+              _f(r["total_s"], ".1f"), f"{r['bytes'] / 1e6:.2f}", _f(r["val_loss"]),
+              f"{100 * r['loss_vs_adamw']:+.1f}%"] for r in rows]  # fmt: skip
+    head = ["optimizer", "steps", "mean s/step", "median s/step", "time vs AdamW", "training s", "MB sent/step",
+            "val loss", "vs AdamW"]  # fmt: skip
+    if budget is not None:
+        head.append(f"val loss at {budget:.1f} s")
+        for row, r in zip(cells, rows, strict=True):
+            row.append(f"{_f(r['wall_loss'])} (step {r['wall_step']})" if r["wall_step"] else "-")
+    return table(head, cells)
+
+
+def equal_time_sentence(q: dict[str, Any]) -> str:
+    """The equal-wall-clock comparison of the quality part, in words: AdamW (first row) against Shampoo trained
+    for the steps AdamW's time buys it (last row)."""
+    adamw, shampoo = q["rows"][0], q["rows"][-1]
+    verdict = "lower" if shampoo["val_loss"] < adamw["val_loss"] else "not lower"
+    return (
+        f"**At equal wall-clock**: the scaling part measured Shampoo's step at {q['ratio']:.2f}x AdamW's with 2 "
+        f"workers, so Shampoo got {shampoo['steps']} steps (its schedule over them) against AdamW's "
+        f"{adamw['steps']}. It trained for {shampoo['total_s']:.1f} s against AdamW's {adamw['total_s']:.1f} s "
+        f"({shampoo['total_s'] / adamw['total_s']:.2f}x) and reached a validation loss of "
+        f"{shampoo['val_loss']:.3f} against {adamw['val_loss']:.3f} ({100 * shampoo['loss_vs_adamw']:+.1f}%, "
+        f"{verdict})."
+    )
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -269,13 +309,16 @@ def markdown(report: dict[str, Any], command: str) -> str:
     parts = [
         "## Optimizers: Shampoo, SOAP, GaLore and DeMo against AdamW\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), "
-        f"{p.batch}x{p.model.block_size} tokens per worker, one torch thread per worker, constant learning rate "
-        f"(AdamW, Shampoo/SOAP grafted on Adam and GaLore: {LR:g}, betas (0.9, 0.95) for AdamW/GaLore; DeMo: "
-        f"{DEMO_LR:g}), weight decay 0.1; every optimizer trains its own copy side by side, one step of each "
-        "per round on the same batches. Mean step time includes the amortised root / eigenbasis / subspace work "
-        f"(Shampoo/SOAP every {p.frequency} steps on blocks of at most {p.max_dim}, GaLore every 200); the "
-        "equal-wall-clock column is each run's last validation within the fastest run's total training time.",
-        f"### {q['steps']} steps, 2 workers on loopback\n\n" + _quality_table(q["rows"], q["budget_s"]),
+        f"{p.batch}x{p.model.block_size} tokens per worker, one torch thread per worker; peak learning rate "
+        f"{LR:g} for AdamW, Shampoo/SOAP (grafted on Adam) and GaLore (betas (0.9, 0.95) for AdamW/GaLore), "
+        f"{DEMO_LR:g} for DeMo's sign updates; weight decay 0.1. Every optimizer trains its own copy side by "
+        "side, one step of each per round on the same batches. Mean step time includes the amortised root / "
+        f"eigenbasis / subspace work (Shampoo/SOAP every {p.frequency} steps on blocks of at most {p.max_dim}, "
+        "GaLore every 200).",
+        f"### Quality: {q['steps']} steps, 2 workers on loopback\n\nEach run follows `powertrain train`'s "
+        f"schedule over its own steps ({p.lr_warmup} warm-up steps, cosine decay to a tenth of the peak); "
+        "validation loss on the same held-out batches at the end. The last row is Shampoo with only the steps "
+        "that AdamW's time buys it.\n\n" + _quality_table(q["rows"]) + "\n\n" + equal_time_sentence(q),
     ]
     sc = report["scaling"]
     parts.append(
@@ -291,8 +334,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
              if link["rate_mbit"] else f"loopback (**no emulated network: {link['unavailable']}**)")  # fmt: skip
     check = link["check"]
     parts.append(
-        f"### DeMo against AdamW (fp32 DDP all-reduce) on {where}\n\n{link['steps']} steps; DeMo sends "
-        f"{link['bytes_ratio']:.1f}x fewer bytes per step."
+        f"### DeMo against AdamW (fp32 DDP all-reduce) on {where}\n\n{link['steps']} steps at constant "
+        "learning rates; the last column is each run's last validation within the faster run's training time. "
+        f"DeMo sends {link['bytes_ratio']:.1f}x fewer bytes per step."
         + (f" Emulation check: a {check['bytes'] / 1e6:g} MB all-reduce took {check['measured_s']:.2f} s against "
            f"{check['expected_s']:.2f} s expected ({check['ratio']:.2f}x)." if check else "")
         + "\n\n" + _quality_table(link["rows"], link["budget_s"])
@@ -319,8 +363,9 @@ def markdown(report: dict[str, Any], command: str) -> str:
 def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
     p = PRESETS[preset]
     report: dict[str, Any] = {"preset": preset, "params": GPT(p.model).num_params()}
-    report["quality"] = _quality(p)
     report["scaling"] = _scaling(p)
+    two = next(s for s in report["scaling"] if s["world"] == 2)
+    report["quality"] = _quality(p, two["ratio"])
     report["slow_link"] = _slow_link(p)
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
     command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")

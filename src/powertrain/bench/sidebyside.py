@@ -27,7 +27,7 @@ from powertrain.ddp import register_compressor
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
-from powertrain.train.optimizers import build_optimizer
+from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
 
 
@@ -46,8 +46,15 @@ class Spec:
     #: (:func:`powertrain.train.optimizers.build_optimizer`) with ``optimizer_options`` as TrainConfig fields.
     optimizer: str = ""
     optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: 0: the run takes every round at a constant learning rate. > 0: it stops after ``steps`` steps, and its
+    #: learning rate follows ``powertrain train``'s schedule over them (linear warm-up, cosine decay;
+    #: ``warmup_steps`` and ``min_lr_ratio`` may be set in ``optimizer_options``). Needs an ``optimizer``.
+    steps: int = 0
 
     def __post_init__(self) -> None:
+        if self.steps < 0 or (self.steps and not self.optimizer):
+            raise ValueError(f"Invalid Spec {self.label!r}: steps={self.steps}; use steps >= 0, and > 0 only with "
+                             "an optimizer (the schedule is powertrain train's)")  # fmt: skip
         if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
             raise ValueError(f"Invalid Spec {self.label!r}: kind {self.kind!r} is a DDP hook; use parallel='ddp'")
 
@@ -77,12 +84,16 @@ class _Run:
         self.sources = [stats] if stats is not None else []
         if spec.optimizer:
             fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": "none"}
+            if spec.steps:
+                fields["steps"] = spec.steps
             cfg = TrainConfig(**fields, **spec.optimizer_options)  # TrainConfig checks the values
             built = build_optimizer(cfg, model)
             self.opt = built.optimizer
+            self.scheduler = build_scheduler(cfg, self.opt) if spec.steps else None
             self.sources += [built.stats] if built.stats is not None else []
         else:
             self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            self.scheduler = None
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.strategy is None:
@@ -94,6 +105,8 @@ class _Run:
             loss = self.wrapped(x, y)
             loss.backward()
             self.strategy.step(self.opt)
+        if self.scheduler is not None:
+            self.scheduler.step()
         return float(loss.item())
 
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -134,7 +147,8 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
         eval_every: int = 0) -> dict[str, Any]:  # fmt: skip
     """Per configuration: step times of the timed rounds, all losses, payload bytes per step by collective,
     compression and blocked-communication seconds per step, and validation losses (mean over ranks): the
-    final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0."""
+    final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0. A run with
+    ``Spec.steps`` sits out the rounds after its last step."""
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = load_data(TrainConfig(data_max_mb=data_mb))
@@ -152,6 +166,8 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     for step in range(warmup + timed):
         x, y = corpus.batch("train", rank, world, (0, rank, step), batch, model.block_size)
         for i, r in enumerate(runs):
+            if specs[i].steps and step >= specs[i].steps:
+                continue
             before = CommStats.combined(r.sources)
             dist.barrier()
             t0 = time.perf_counter()
@@ -170,9 +186,13 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
             if eval_every and (step + 1) % eval_every == 0:
                 curves[i].append((step + 1, r.evaluate(val_batches)))
     val = [r.evaluate(val_batches) for r in runs]
-    return {"times": times, "losses": losses, "sent_per_step": [{k: v / timed for k, v in s.items()} for s in sent],
-            "compress_s": [c / timed for c, _, _ in spent], "comm_s": [c / timed for _, c, _ in spent],
-            "collectives": [n / timed for _, _, n in spent], "measured_stats": [bool(r.sources) for r in runs],
+    timed_steps = [max(len(t), 1) for t in times]
+    return {"times": times, "losses": losses,
+            "sent_per_step": [{k: v / timed_steps[i] for k, v in s.items()} for i, s in enumerate(sent)],
+            "compress_s": [c / timed_steps[i] for i, (c, _, _) in enumerate(spent)],
+            "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
+            "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
+            "measured_stats": [bool(r.sources) for r in runs],
             "val_loss": val, "val_curve": curves, "params": runs[0].model.num_params()}  # fmt: skip
 
 

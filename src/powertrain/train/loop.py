@@ -20,7 +20,7 @@ from powertrain.train.config import TrainConfig, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
-from powertrain.train.optimizers import build_optimizer
+from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import build_strategy
 
 MB = 1e6
@@ -37,14 +37,6 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_model(cfg: TrainConfig, data: TokenData | ClassData) -> torch.nn.Module:
@@ -81,7 +73,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         strategy.model = torch.compile(strategy.model)  # type: ignore[assignment]
     built = build_optimizer(cfg, model)
     optimizer = built.optimizer
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, cfg))
+    scheduler = build_scheduler(cfg, optimizer)
     per_rank = {"compressor": strategy.state, "scheduler": scheduler}
     if built.per_rank:
         per_rank["optimizer"] = optimizer

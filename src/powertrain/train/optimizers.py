@@ -15,6 +15,7 @@ momentum): :attr:`Built.per_rank` tells the checkpoint code to store it under ea
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,7 +25,21 @@ from powertrain.comm import CommStats
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
 
-__all__ = ["Built", "build_optimizer", "galore_split"]
+__all__ = ["Built", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """The learning-rate multiplier at ``step``: linear warm-up over ``cfg.warmup_steps``, then cosine decay to
+    ``cfg.min_lr_ratio`` at ``cfg.steps``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """``powertrain train``'s schedule (:func:`lr_factor`) on ``optimizer``; step it once per optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
 
 
 def galore_split(

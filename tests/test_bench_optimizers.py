@@ -1,0 +1,72 @@
+"""``powertrain bench optimizers``: the side-by-side runner's schedule, the equal-wall-clock budget, and one
+tiny end-to-end run of every part (the full default run is a benchmark, not a test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+from powertrain.bench.optimizers import budgeted_steps
+from powertrain.bench.sidebyside import Spec
+from powertrain.train.config import TrainConfig
+from powertrain.train.optimizers import lr_factor
+
+
+def test_budgeted_steps():
+    assert budgeted_steps(200, 1.08) == 185  # floor: never more time than AdamW's
+    assert budgeted_steps(200, 0.5) == 400 and budgeted_steps(3, 10.0) == 1
+    with pytest.raises(ValueError, match="ratio 0 must be positive"):
+        budgeted_steps(200, 0)
+
+
+def test_spec_steps_refused_without_an_optimizer():
+    with pytest.raises(ValueError, match="steps=-1"):
+        Spec("x", "none", optimizer="adamw", steps=-1)
+    with pytest.raises(ValueError, match="only with an optimizer"):
+        Spec("x", "none", steps=5)
+
+
+def _scheduled_lrs(rank: int, world: int) -> list[float]:
+    from powertrain.bench.sidebyside import _Run
+    from powertrain.train.model import GPT, GPTConfig
+
+    spec = Spec("AdamW", "none", optimizer="adamw", steps=5,
+                optimizer_options={"lr": 1e-2, "warmup_steps": 2, "min_lr_ratio": 0.1})  # fmt: skip
+    torch.manual_seed(0)
+    run = _Run(spec, GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)), 0, 25.0)
+    x, y = torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8))
+    lrs = []
+    for _ in range(5):
+        lrs.append(run.opt.param_groups[0]["lr"])
+        run.step(x, y)
+    return lrs
+
+
+def test_a_run_with_steps_follows_the_train_schedule():
+    lrs = run_ranks(_scheduled_lrs, 1, timeout=60)[0]
+    cfg = TrainConfig(steps=5, warmup_steps=2, min_lr_ratio=0.1)
+    assert lrs == pytest.approx([1e-2 * lr_factor(s, cfg) for s in range(5)], rel=1e-12)
+    assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2) and lrs[-1] < lrs[2]
+
+
+@pytest.mark.timeout(300)
+def test_optimizers_bench_end_to_end_tiny(tmp_path):
+    from powertrain.bench.optimizers import PRESETS, run_optimizers_bench
+
+    target = tmp_path / "B.md"
+    report = run_optimizers_bench(preset="tiny", write=str(target))
+    text = target.read_text()
+    assert "<!-- bench:optimizers-tiny -->" in text and "At equal wall-clock" in text
+    assert [s["world"] for s in report["scaling"]] == [1, 2, 4]
+    q = report["quality"]
+    steps = PRESETS["tiny"].quality_steps
+    rows = q["rows"]
+    assert [r["label"].split()[0] for r in rows] == ["AdamW", "Shampoo", "SOAP", "GaLore", "DeMo", "Shampoo"]
+    # the last run sits out the rounds after the steps AdamW's time buys it
+    assert [r["steps"] for r in rows] == [steps] * 5 + [budgeted_steps(steps, q["ratio"])]
+    assert all(r["mean_s"] > 0 and r["val_loss"] > 0 for r in rows)
+    link = report["slow_link"]
+    assert link["bytes_ratio"] > 1 and [r["label"] for r in link["rows"]] == ["AdamW", "DeMo"]
+    galore = {r["label"]: r for r in report["galore"]["rows"]}
+    assert galore["powertrain GaLoreAdamW, randomized"]["projected_vs_adamw"] < 0 and "torch AdamW" in galore
