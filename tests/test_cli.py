@@ -233,3 +233,29 @@ def test_bench_overhead_tiny(tmp_path):
     assert text.count("| alternating |") == 6 and text.count("| paper |") == 1
     main(["bench", "overhead", "--preset", "tiny", "--repeats", "1", "--write", str(target)])
     assert target.read_text().count("<!-- bench:overhead-tiny -->") == 1  # replaced, not appended
+
+
+_EXIT_PROBE = """
+import atexit, sys
+from powertrain.train.launch import _then_skip_finalization
+atexit.register(lambda: print("finalized", flush=True))
+def ok():
+    return [1.0]
+def bad():
+    raise RuntimeError("worker failed")
+def unpicklable():
+    return lambda: None
+print(_then_skip_finalization({fn}), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("fn", "code", "finalized"), [("ok", 0, False), ("bad", 1, True), ("unpicklable", 1, True)])
+def test_launched_workers_skip_finalization_only_after_success(fn, code, finalized):
+    """A worker that returned exits at once (the earlier atexit hook, standing in for the interpreter's
+    teardown, never runs); one that failed, or whose result the agent could not receive, keeps its exit code
+    and the normal teardown."""
+    r = subprocess.run([sys.executable, "-c", _EXIT_PROBE.format(fn=fn)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == code, r.stderr[-2000:]
+    assert ("finalized" in r.stdout) == finalized
+    if fn == "ok":
+        assert "[1.0]" in r.stdout  # stdout flushed before the exit

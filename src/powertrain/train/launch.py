@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import pickle
+import sys
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -19,6 +22,30 @@ def under_torchrun() -> bool:
 def _shutdown_timeout(seconds: int) -> dict[str, Any]:
     """How long the agent waits for the other workers after one fails (a newer LaunchConfig field)."""
     return {"shutdown_timeout": seconds} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+
+
+def _exit_now() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _then_skip_finalization(fn: Callable[..., T], *args: Any) -> T:
+    """A launched worker's entry point: ``fn(*args)``; once it has returned, the process exits without
+    interpreter finalisation.
+
+    Tearing the interpreter down races torch's background threads (gloo's, the autograd engine's) for the
+    GIL: seen here as a rare hang after a worker's last line, which blocks the agent for good (it joins its
+    workers without a timeout), and reported upstream (pytorch/pytorch#75097, #190489). By then there is
+    nothing left to do: the process group is destroyed, files are closed, and the agent has read the result
+    before it lets the worker leave. The atexit hook (LIFO: it runs first) flushes stdio and calls
+    ``os._exit(0)``; it is registered only after ``fn`` succeeded and its result is known to pickle, so a
+    failing worker keeps its exit code and error file.
+    """
+    result = fn(*args)
+    pickle.dumps(result)  # what the agent's queue will do: fail here, with the worker's real exit code
+    atexit.register(_exit_now)
+    return result
 
 
 def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
@@ -45,4 +72,4 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
         start_method="spawn",
         **_shutdown_timeout(5),
     )
-    return elastic_launch(config, fn)(*args)
+    return elastic_launch(config, _then_skip_finalization)(fn, *args)
