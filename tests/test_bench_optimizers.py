@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from powertrain.bench.optimizers import budgeted_steps
+from powertrain.bench.optimizers import best_lr, budgeted_steps
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.config import TrainConfig
 from powertrain.train.optimizers import lr_factor
@@ -18,6 +18,11 @@ def test_budgeted_steps():
     assert budgeted_steps(200, 0.5) == 400 and budgeted_steps(3, 10.0) == 1
     with pytest.raises(ValueError, match="ratio 0 must be positive"):
         budgeted_steps(200, 0)
+
+
+def test_best_lr_is_the_lowest_validation_loss():
+    rows = [{"lr": 5e-4, "val_loss": 2.4}, {"lr": 1e-3, "val_loss": 2.3}, {"lr": 2e-3, "val_loss": 2.35}]
+    assert best_lr(rows) == 1e-3
 
 
 def test_spec_steps_refused_without_an_optimizer():
@@ -59,6 +64,11 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     text = target.read_text()
     assert "<!-- bench:optimizers-tiny -->" in text and "At equal wall-clock" in text
     assert [s["world"] for s in report["scaling"]] == [1, 2, 4]
+    grid = PRESETS["tiny"].lr_grid
+    sweep = report["lr_sweep"]
+    assert [(r["optimizer"], r["lr"]) for r in sweep["rows"]] == [(o, lr) for lr in grid for o in ("adamw", "shampoo")]
+    assert sweep["best"]["adamw"] in grid and sweep["best"]["shampoo"] in grid
+    assert f"lr {sweep['best']['adamw']:g}" in report["quality"]["rows"][0]["label"]
     q = report["quality"]
     steps = PRESETS["tiny"].quality_steps
     rows = q["rows"]
@@ -67,6 +77,6 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     assert [r["steps"] for r in rows] == [steps] * 5 + [budgeted_steps(steps, q["ratio"])]
     assert all(r["mean_s"] > 0 and r["val_loss"] > 0 for r in rows)
     link = report["slow_link"]
-    assert link["bytes_ratio"] > 1 and [r["label"] for r in link["rows"]] == ["AdamW", "DeMo"]
+    assert link["bytes_ratio"] > 1 and [r["label"].split()[0] for r in link["rows"]] == ["AdamW", "DeMo"]
     galore = {r["label"]: r for r in report["galore"]["rows"]}
     assert galore["powertrain GaLoreAdamW, randomized"]["projected_vs_adamw"] < 0 and "torch AdamW" in galore

@@ -40,24 +40,26 @@ from powertrain.train.optimizers import galore_split
 
 __all__ = ["load_galore_torch", "run_optimizers_bench"]
 
-LR = 3e-3  # powertrain train's default (AdamW, and the grafted Shampoo/SOAP and GaLore)
 DEMO_LR = 3e-4  # sign updates: an order of magnitude below Adam's, as for Lion
 
 
-def _specs(p: Preset, steps: int = 0) -> list[Spec]:
+def _specs(p: Preset, steps: int = 0, lr: float = 1e-3, shampoo_lr: float | None = None) -> list[Spec]:
     """AdamW, Shampoo, SOAP, GaLore, DeMo. ``steps`` > 0: each run trains that many steps on ``powertrain
-    train``'s schedule (warm-up over ``p.lr_warmup`` steps, cosine decay to a tenth); 0: constant rates."""
-    common: dict[str, Any] = {"lr": LR, **({"warmup_steps": p.lr_warmup} if steps else {})}
-    shampoo = {**common, "shampoo_frequency": p.frequency, "shampoo_max_dim": p.max_dim}
+    train``'s schedule (warm-up over ``p.lr_warmup`` steps, cosine decay to a tenth); 0: constant rates.
+    ``lr``: AdamW's and GaLore's peak rate; ``shampoo_lr`` Shampoo's and SOAP's (default ``lr``)."""
+    common: dict[str, Any] = {"lr": lr, **({"warmup_steps": p.lr_warmup} if steps else {})}
+    shampoo = {**common, "lr": shampoo_lr or lr, "shampoo_frequency": p.frequency, "shampoo_max_dim": p.max_dim}
     label = f"blocks {p.max_dim}, every {p.frequency}"
     return [
-        Spec("AdamW", "none", optimizer="adamw", optimizer_options=common, steps=steps),
-        Spec(f"Shampoo ({label})", "none", optimizer="shampoo", optimizer_options=shampoo, steps=steps),
-        Spec(f"SOAP ({label})", "none", optimizer="shampoo", steps=steps,
+        Spec(f"AdamW lr {lr:g}", "none", optimizer="adamw", optimizer_options=common, steps=steps),
+        Spec(f"Shampoo ({label}) lr {shampoo['lr']:g}", "none", optimizer="shampoo", optimizer_options=shampoo,
+             steps=steps),
+        Spec(f"SOAP ({label}) lr {shampoo['lr']:g}", "none", optimizer="shampoo", steps=steps,
              optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"}),
-        Spec(f"GaLore r{p.galore_rank} (randomized)", "none", optimizer="galore", steps=steps,
+        Spec(f"GaLore r{p.galore_rank} (randomized) lr {lr:g}", "none", optimizer="galore", steps=steps,
              optimizer_options={**common, "galore_rank": p.galore_rank}),
-        Spec("DeMo", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR}, steps=steps),
+        Spec(f"DeMo lr {DEMO_LR:g}", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR},
+             steps=steps),
     ]  # fmt: skip
 
 
@@ -77,15 +79,17 @@ class Preset(network.Preset):
     link_steps: int  # steps of the DeMo-on-a-slow-link part
     link_rate: float  # Mbit/s
     lr_warmup: int  # warm-up steps of the quality runs' schedule
+    lr_grid: tuple[float, ...]  # peak learning rates AdamW and Shampoo are tuned over
 
 
 PRESETS = {
     "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, 5, 0, (100.0,), 0.0,
                       quality_steps=200, eval_every=25, frequency=50, max_dim=256, galore_rank=64, scaling_steps=50,
-                      link_steps=100, link_rate=100.0, lr_warmup=20),
+                      link_steps=100, link_rate=100.0, lr_warmup=20,
+                      lr_grid=(5e-4, 1e-3, 2e-3)),
     "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, 1, 0, (100.0,), 0.0,
                    quality_steps=4, eval_every=2, frequency=2, max_dim=16, galore_rank=8, scaling_steps=2, link_steps=2,
-                   link_rate=100.0, lr_warmup=1),
+                   link_rate=100.0, lr_warmup=1, lr_grid=(1e-3, 3e-3)),
 }  # fmt: skip
 
 
@@ -150,10 +154,28 @@ def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> d
     return launch(network._loopback_worker, nproc, network._launch_args(p, specs, steps))
 
 
-def _quality(p: Preset, ratio: float) -> dict[str, Any]:
+def best_lr(rows: list[dict[str, Any]]) -> float:
+    """The peak learning rate of the run with the lowest final validation loss."""
+    return float(min(rows, key=lambda r: r["val_loss"])["lr"])
+
+
+def _sweep(p: Preset) -> dict[str, Any]:
+    """AdamW and Shampoo at every rate of ``p.lr_grid``, ``p.quality_steps`` steps on the schedule, side by
+    side; each optimizer's best rate is the one the quality part uses."""
+    specs = [s for lr in p.lr_grid for s in _specs(p, p.quality_steps, lr)[:2]]
+    print(f"[bench optimizers] learning rates: {len(specs)} runs x {p.quality_steps} steps", file=sys.stderr)
+    results = _side_by_side(dataclasses.replace(p, eval_every=0), specs, p.quality_steps)
+    rows = _rows(results, specs, skip=min(5, p.quality_steps - 1))["rows"]
+    for row, spec in zip(rows, specs, strict=True):
+        row["optimizer"], row["lr"] = spec.optimizer, spec.optimizer_options["lr"]
+    best = {name: best_lr([r for r in rows if r["optimizer"] == name]) for name in ("adamw", "shampoo")}
+    return {"rows": rows, "best": best}
+
+
+def _quality(p: Preset, ratio: float, lr: float, shampoo_lr: float) -> dict[str, Any]:
     """Every optimizer ``p.quality_steps`` steps on the train command's schedule, plus Shampoo again with the
     steps AdamW's time buys it (``ratio``: Shampoo's step time over AdamW's), on a schedule over those steps."""
-    specs = _specs(p, p.quality_steps)
+    specs = _specs(p, p.quality_steps, lr, shampoo_lr)
     budget = budgeted_steps(p.quality_steps, ratio)
     shampoo = specs[1]
     specs.append(dataclasses.replace(shampoo, label=f"{shampoo.label}, AdamW's time", steps=budget))
@@ -175,8 +197,8 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
     return out
 
 
-def _slow_link(p: Preset) -> dict[str, Any]:
-    specs = [_specs(p)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
+def _slow_link(p: Preset, lr: float) -> dict[str, Any]:
+    specs = [_specs(p, lr=lr)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
     reason = unavailable()
     rate = p.link_rate if reason is None else None
     print(f"[bench optimizers] DeMo vs AdamW at {network._rate_name(rate)}", file=sys.stderr)
@@ -306,20 +328,27 @@ def equal_time_sentence(q: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any], command: str) -> str:
     p = PRESETS[report["preset"]]
     q = report["quality"]
+    sweep = report["lr_sweep"]
+    grid = ", ".join(f"{lr:g}" for lr in p.lr_grid)
     parts = [
         "## Optimizers: Shampoo, SOAP, GaLore and DeMo against AdamW\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), "
-        f"{p.batch}x{p.model.block_size} tokens per worker, one torch thread per worker; peak learning rate "
-        f"{LR:g} for AdamW, Shampoo/SOAP (grafted on Adam) and GaLore (betas (0.9, 0.95) for AdamW/GaLore), "
-        f"{DEMO_LR:g} for DeMo's sign updates; weight decay 0.1. Every optimizer trains its own copy side by "
-        "side, one step of each per round on the same batches. Mean step time includes the amortised root / "
-        f"eigenbasis / subspace work (Shampoo/SOAP every {p.frequency} steps on blocks of at most {p.max_dim}, "
-        "GaLore every 200).",
-        f"### Quality: {q['steps']} steps, 2 workers on loopback\n\nEach run follows `powertrain train`'s "
-        f"schedule over its own steps ({p.lr_warmup} warm-up steps, cosine decay to a tenth of the peak); "
-        "validation loss on the same held-out batches at the end. The last row is Shampoo with only the steps "
-        "that AdamW's time buys it.\n\n" + _quality_table(q["rows"]) + "\n\n" + equal_time_sentence(q),
-    ]
+        f"{p.batch}x{p.model.block_size} tokens per worker, 2 workers on loopback, one torch thread each; betas "
+        "(0.9, 0.95) for AdamW and GaLore, Shampoo/SOAP grafted on Adam; weight decay 0.1. Every optimizer "
+        "trains its own copy side by side, one step of each per round on the same batches. Mean step time "
+        "includes the amortised root / eigenbasis / subspace work (Shampoo/SOAP every "
+        f"{p.frequency} steps on blocks of at most {p.max_dim}, GaLore every 200). Runs follow `powertrain "
+        f"train`'s schedule over their own steps ({p.lr_warmup} warm-up steps, cosine decay to a tenth of the "
+        "peak) and are compared on the validation loss at their end, on the same held-out batches.",
+        f"### Peak learning rate: AdamW and Shampoo over {grid}\n\n{p.quality_steps} steps each; the best rate "
+        f"of each (AdamW {sweep['best']['adamw']:g}, Shampoo {sweep['best']['shampoo']:g}) is used below, "
+        f"AdamW's also for GaLore and Shampoo's for SOAP; DeMo's sign updates use {DEMO_LR:g}.\n\n"
+        + table(["optimizer", "peak lr", "mean s/step", "val loss"],
+                [[r["optimizer"], f"{r['lr']:g}", _f(r["mean_s"]), _f(r["val_loss"])] for r in sweep["rows"]]),
+        f"### Quality: {q['steps']} steps, tuned rates\n\nThe last row is Shampoo with only the steps that "
+        "AdamW's time buys it, on a schedule over those steps.\n\n" + _quality_table(q["rows"]) + "\n\n"
+        + equal_time_sentence(q),
+    ]  # fmt: skip
     sc = report["scaling"]
     parts.append(
         "### Shampoo's overhead against AdamW by number of workers (loopback)\n\nMean step time over "
@@ -365,8 +394,10 @@ def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHM
     report: dict[str, Any] = {"preset": preset, "params": GPT(p.model).num_params()}
     report["scaling"] = _scaling(p)
     two = next(s for s in report["scaling"] if s["world"] == 2)
-    report["quality"] = _quality(p, two["ratio"])
-    report["slow_link"] = _slow_link(p)
+    report["lr_sweep"] = _sweep(p)
+    best = report["lr_sweep"]["best"]
+    report["quality"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"])
+    report["slow_link"] = _slow_link(p, best["adamw"])
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
     command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")
     publish(markdown(report, command), write, "optimizers" if preset == "default" else f"optimizers-{preset}")

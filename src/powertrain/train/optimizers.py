@@ -75,10 +75,12 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             from powertrain.optim import DistributedShampoo
 
             eps = 1e-8 if cfg.shampoo_preconditioner == "eigenvalue_corrected" else 1e-12
+            # the factors and the Adam graft average over the same horizon as --optimizer adamw's second moment
+            # (beta2 0.95): on the default GPT, 185 steps at lr 1e-3, validation loss 2.27 against 2.34 with 0.999
             shampoo = DistributedShampoo(
-                params, lr=cfg.lr, betas=(0.9, 0.999), epsilon=eps, weight_decay=cfg.weight_decay,
+                params, lr=cfg.lr, betas=(0.9, 0.95), epsilon=eps, weight_decay=cfg.weight_decay,
                 max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency,
-                grafting="adam", preconditioner=cfg.shampoo_preconditioner,
+                grafting="adam", grafting_beta2=0.95, preconditioner=cfg.shampoo_preconditioner,
             )  # fmt: skip
             return Built(shampoo, per_rank=True, stats=shampoo.comm.stats)
         case "galore":
