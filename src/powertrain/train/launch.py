@@ -34,9 +34,9 @@ def _then_skip_finalization(fn: Callable[..., T], *args: Any) -> T:
     """A launched worker's entry point: ``fn(*args)``; once it has returned, the process exits without
     interpreter finalisation.
 
-    Tearing the interpreter down races torch's background threads (gloo's, the autograd engine's) for the
-    GIL: seen here as a rare hang after a worker's last line, which blocks the agent for good (it joins its
-    workers without a timeout), and reported upstream (pytorch/pytorch#75097, #190489). By then there is
+    Tearing the interpreter down can race torch's background threads (gloo's, the autograd engine's) for the
+    GIL, a hang reported upstream (pytorch/pytorch#75097, #190489); the agent joins its workers without a
+    timeout, so one stuck worker blocks the run for good (CI saw a run hang after its last line). By then there is
     nothing left to do: the process group is destroyed, files are closed, and the agent has read the result
     before it lets the worker leave. The atexit hook (LIFO: it runs first) flushes stdio and calls
     ``os._exit(0)``; it is registered only after ``fn`` succeeded and its result is known to pickle, so a
