@@ -151,7 +151,10 @@ def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> dict[str, An
 
 
 def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> dict[int, Any]:
-    return launch(network._loopback_worker, nproc, network._launch_args(p, specs, steps))
+    """``specs`` side by side on loopback, compared on their final validation only (no evaluations along the
+    way: only the slow-link part, through :func:`network._run_rate`, reads validation curves)."""
+    args = network._launch_args(dataclasses.replace(p, eval_every=0), specs, steps)
+    return launch(network._loopback_worker, nproc, args)
 
 
 def best_lr(rows: list[dict[str, Any]]) -> float:
@@ -164,7 +167,7 @@ def _sweep(p: Preset) -> dict[str, Any]:
     side; each optimizer's best rate is the one the quality part uses."""
     specs = [s for lr in p.lr_grid for s in _specs(p, p.quality_steps, lr)[:2]]
     print(f"[bench optimizers] learning rates: {len(specs)} runs x {p.quality_steps} steps", file=sys.stderr)
-    results = _side_by_side(dataclasses.replace(p, eval_every=0), specs, p.quality_steps)
+    results = _side_by_side(p, specs, p.quality_steps)
     rows = _rows(results, specs, skip=min(5, p.quality_steps - 1))["rows"]
     for row, spec in zip(rows, specs, strict=True):
         row["optimizer"], row["lr"] = spec.optimizer, spec.optimizer_options["lr"]
@@ -190,7 +193,7 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
     for world in (1, 2, 4):
         print(f"[bench optimizers] scaling: {world} worker(s)", file=sys.stderr)
         # after 5 warm-up steps, the timed steps span whole precondition periods (one root computation each)
-        results = _side_by_side(dataclasses.replace(p, eval_every=0), specs, 5 + p.scaling_steps, world)
+        results = _side_by_side(p, specs, 5 + p.scaling_steps, world)
         t = [_slowest(results, "times", i)[5:] for i in range(2)]
         out.append({"world": world, "adamw_s": statistics.fmean(t[0]), "shampoo_s": statistics.fmean(t[1]),
                     "ratio": statistics.fmean(t[1]) / statistics.fmean(t[0])})  # fmt: skip
