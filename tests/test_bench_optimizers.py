@@ -76,6 +76,11 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     # the last run sits out the rounds after the steps AdamW's time buys it
     assert [r["steps"] for r in rows] == [steps] * 5 + [budgeted_steps(steps, q["ratio"])]
     assert all(r["mean_s"] > 0 and r["val_loss"] > 0 for r in rows)
+    long = report["long"]
+    steps = PRESETS["tiny"].long_steps
+    assert [r["label"].split()[0] for r in long["rows"]] == ["AdamW", "Shampoo", "Shampoo"]
+    assert [r["steps"] for r in long["rows"]] == [steps, steps, budgeted_steps(steps, q["ratio"])]
+    assert f"Longer horizon: AdamW and Shampoo, {steps} steps" in text and text.count("At equal wall-clock") == 2
     link = report["slow_link"]
     assert link["bytes_ratio"] > 1 and [r["label"].split()[0] for r in link["rows"]] == ["AdamW", "DeMo"]
     galore = {r["label"]: r for r in report["galore"]["rows"]}

@@ -5,9 +5,11 @@
 2. **Quality and time** (2 workers, loopback, one thread each): every optimizer trains the default GPT side by
    side (:mod:`powertrain.bench.sidebyside`: one step of each per round, same batches) on ``powertrain
    train``'s warm-up + cosine schedule, plus Shampoo once more with the steps that AdamW's time buys it (from
-   the 2-worker ratio of part 1), on a schedule over those steps: the equal-wall-clock comparison. Per run:
-   mean step time (it includes the amortised root, eigenbasis and subspace work, which a median would hide)
-   and median, total training time, payload bytes per step and the final validation loss.
+   the 2-worker ratio of part 1), on a schedule over those steps: the equal-wall-clock comparison. AdamW's and
+   Shampoo's peak learning rates are tuned first over ``lr_grid`` at the same number of steps; AdamW, Shampoo
+   and the budgeted Shampoo then run again over ``long_steps`` (1,000 by default) with the same rates. Per
+   run: mean step time (it includes the amortised root, eigenbasis and subspace work, which a median would
+   hide) and median, total training time, payload bytes per step and the final validation loss.
 3. **DeMo on a slow link**: AdamW with fp32 DDP all-reduce against DeMo (no all-reduce, one all-gather of DCT
    components) on an emulated 100 Mbit/s link (:mod:`powertrain.bench.netem`; loopback, labelled, without
    root), constant learning rates: bytes per step, validation loss at equal steps and at equal wall-clock
@@ -80,16 +82,17 @@ class Preset(network.Preset):
     link_rate: float  # Mbit/s
     lr_warmup: int  # warm-up steps of the quality runs' schedule
     lr_grid: tuple[float, ...]  # peak learning rates AdamW and Shampoo are tuned over
+    long_steps: int  # AdamW's steps in the longer-horizon equal-wall-clock part
 
 
 PRESETS = {
     "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, 5, 0, (100.0,), 0.0,
                       quality_steps=200, eval_every=25, frequency=50, max_dim=256, galore_rank=64, scaling_steps=50,
                       link_steps=100, link_rate=100.0, lr_warmup=20,
-                      lr_grid=(5e-4, 1e-3, 2e-3)),
+                      lr_grid=(5e-4, 1e-3, 2e-3), long_steps=1000),
     "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, 1, 0, (100.0,), 0.0,
                    quality_steps=4, eval_every=2, frequency=2, max_dim=16, galore_rank=8, scaling_steps=2, link_steps=2,
-                   link_rate=100.0, lr_warmup=1, lr_grid=(1e-3, 3e-3)),
+                   link_rate=100.0, lr_warmup=1, lr_grid=(1e-3, 3e-3), long_steps=6),
 }  # fmt: skip
 
 
@@ -175,16 +178,17 @@ def _sweep(p: Preset) -> dict[str, Any]:
     return {"rows": rows, "best": best}
 
 
-def _quality(p: Preset, ratio: float, lr: float, shampoo_lr: float) -> dict[str, Any]:
-    """Every optimizer ``p.quality_steps`` steps on the train command's schedule, plus Shampoo again with the
-    steps AdamW's time buys it (``ratio``: Shampoo's step time over AdamW's), on a schedule over those steps."""
-    specs = _specs(p, p.quality_steps, lr, shampoo_lr)
-    budget = budgeted_steps(p.quality_steps, ratio)
+def _quality(p: Preset, ratio: float, lr: float, shampoo_lr: float, steps: int, every: bool = True) -> dict[str, Any]:
+    """Every optimizer (``every``; else AdamW and Shampoo) ``steps`` steps on the train command's schedule, plus
+    Shampoo again with the steps AdamW's time buys it (``ratio``: Shampoo's step time over AdamW's), on a
+    schedule over those steps: the equal-wall-clock comparison."""
+    specs = _specs(p, steps, lr, shampoo_lr)[: None if every else 2]
+    budget = budgeted_steps(steps, ratio)
     shampoo = specs[1]
     specs.append(dataclasses.replace(shampoo, label=f"{shampoo.label}, AdamW's time", steps=budget))
-    print(f"[bench optimizers] quality: {len(specs)} runs x up to {p.quality_steps} steps", file=sys.stderr)
-    results = _side_by_side(p, specs, p.quality_steps)
-    return {"steps": p.quality_steps, "ratio": ratio, **_rows(results, specs, skip=min(5, budget - 1))}
+    print(f"[bench optimizers] quality: {len(specs)} runs x up to {steps} steps", file=sys.stderr)
+    results = _side_by_side(p, specs, steps)
+    return {"steps": steps, "ratio": ratio, **_rows(results, specs, skip=min(5, budget - 1))}
 
 
 def _scaling(p: Preset) -> list[dict[str, Any]]:
@@ -351,6 +355,10 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"### Quality: {q['steps']} steps, tuned rates\n\nThe last row is Shampoo with only the steps that "
         "AdamW's time buys it, on a schedule over those steps.\n\n" + _quality_table(q["rows"]) + "\n\n"
         + equal_time_sentence(q),
+        f"### Longer horizon: AdamW and Shampoo, {report['long']['steps']} steps\n\nThe same comparison over "
+        f"{report['long']['steps']} steps (rates as tuned over {q['steps']}); the last row is Shampoo with the steps "
+        "AdamW's time buys it.\n\n" + _quality_table(report["long"]["rows"]) + "\n\n"
+        + equal_time_sentence(report["long"]),
     ]  # fmt: skip
     sc = report["scaling"]
     parts.append(
@@ -399,7 +407,8 @@ def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHM
     two = next(s for s in report["scaling"] if s["world"] == 2)
     report["lr_sweep"] = _sweep(p)
     best = report["lr_sweep"]["best"]
-    report["quality"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"])
+    report["quality"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"], p.quality_steps)
+    report["long"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"], p.long_steps, every=False)
     report["slow_link"] = _slow_link(p, best["adamw"])
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
     command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")
