@@ -52,10 +52,14 @@ class CommStats:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
-        nbytes = tensor.numel() * tensor.element_size()
+        self.record_bytes(tensor.numel() * tensor.element_size(), op)
+
+    def record_bytes(self, nbytes: int, op: str = "all_reduce", collectives: int = 1) -> None:
+        """Counts ``collectives`` collectives of kind ``op`` that sent ``nbytes`` payload bytes in all (for
+        collectives issued by code that does not go through a :class:`Communicator`, e.g. torch's FSDP)."""
         with self._lock:
             self.bytes_sent += nbytes
-            self.num_collectives += 1
+            self.num_collectives += collectives
             self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
     def add_time(self, *, comm_s: float = 0.0, compress_s: float = 0.0) -> None:

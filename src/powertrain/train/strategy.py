@@ -176,11 +176,8 @@ class _SimpleFSDP(Strategy):
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
         if not self._per_micro:
             return contextlib.nullcontext()
-        with self.stats._lock:
-            for op, n in self._per_micro.items():
-                self.stats.by_op[op] = self.stats.by_op.get(op, 0) + n
-                self.stats.bytes_sent += n
-            self.stats.num_collectives += self._num_params
+        for op, n in self._per_micro.items():  # one reduce-scatter per parameter
+            self.stats.record_bytes(n, op, collectives=self._num_params)
         return contextlib.nullcontext()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
