@@ -107,6 +107,13 @@ def test_resume_continues_bitwise(tmp_path, mode):
     b = {row["step"]: row["loss"] for row in _metrics(resumed)}
     assert sorted(b) == [5, 6, 7, 8] and all(a[s] == b[s] for s in b)
     assert a[8] < a[1], "it trains"
+    rows = _metrics(full)
+    if "demo" in mode:  # the optimizer's own compression and all-gather are in the step's figures
+        assert all(row["compress_s"] > 0 and row["comm_s"] > 0 and row["bytes_sent"] > 0 for row in rows), rows
+    if mode[0] == "ddp" and "shampoo" in mode:  # Shampoo's all-gather of the search directions
+        assert all(row["comm_s"] > 0 for row in rows), rows
+    if mode[:2] == ["simple_fsdp", "none"]:  # SimpleFSDP's reduce-scatters, counted by the strategy
+        assert all(row["bytes_sent"] > 0 for row in rows), rows
 
 
 def test_simple_fsdp_compiled_matches_eager(tmp_path):

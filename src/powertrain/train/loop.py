@@ -78,11 +78,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     if built.per_rank:
         per_rank["optimizer"] = optimizer
     dcp_optimizer = None if built.per_rank else optimizer
-    # what this rank sends: the gradients' communication and the optimizer's own (Shampoo, DeMo)
+    # what this rank sends and the time it spends on it: the gradients' communication and the optimizer's own
+    # (Shampoo's all-gather, DeMo's all-gather and compression, GaLore's refresh)
     sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
-
-    def sent_so_far() -> int:
-        return CommStats.combined(sources).bytes_sent
 
     start = 0
     if cfg.resume:
@@ -114,7 +112,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        before = (sent_so_far(), strategy.stats.comm_s, strategy.stats.compress_s)
+        before = CommStats.combined(sources)
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
             x, y = data.batch("train", rank, world, (cfg.seed, rank, step, micro), cfg.batch_size, cfg.block_size)
@@ -139,7 +137,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             raise FloatingPointError(_nonfinite_message(step, f"loss {last_loss}", out, cfg))
         if math.isnan(first_loss):
             first_loss = last_loss
-        sent = sent_so_far() - before[0]
+        after = CommStats.combined(sources)
+        sent = after.bytes_sent - before.bytes_sent
         wall += step_time
         total_sent += sent
         done = step + 1
@@ -150,8 +149,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 val = _evaluate(strategy.model, data, cfg, rank, world, metrics, device, autocast)
             row = {
                 "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0], "step_time_s": step_time,
-                "compute_s": t1 - t0, "comm_s": strategy.stats.comm_s - before[1],
-                "compress_s": strategy.stats.compress_s - before[2], "bytes_sent": sent,
+                "compute_s": t1 - t0, "comm_s": after.comm_s - before.comm_s,
+                "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
                 "bytes_uncompressed": dense_bytes if world > 1 else 0, "wall_s": wall, "bytes_total": total_sent,
             }  # fmt: skip
             if not math.isnan(val) and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):

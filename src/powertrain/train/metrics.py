@@ -3,9 +3,10 @@
 Only rank 0 writes. ``metrics.jsonl`` has one JSON object per logged step with ``step``, ``loss`` (mean over
 ranks), ``lr``, ``step_time_s``, ``compute_s`` (forward + backward; under DDP/FSDP this includes the
 communication that overlaps backward), ``comm_s`` (time blocked in synchronous collectives), ``compress_s``
-(compressor math), ``bytes_sent`` (gradient payload bytes this rank sent in the step) and
-``bytes_uncompressed`` (what a plain fp32 all-reduce of the gradients sends), plus ``val_loss`` where a
-validation ran.
+(compressor math), ``bytes_sent`` (payload bytes this rank sent in the step) and ``bytes_uncompressed`` (what
+a plain fp32 all-reduce of the gradients sends), plus ``val_loss`` where a validation ran. ``comm_s``,
+``compress_s`` and ``bytes_sent`` add up the gradients' communication and the optimizer's own (Shampoo's and
+DeMo's all-gathers, DeMo's compression, GaLore's refresh).
 """
 
 from __future__ import annotations
