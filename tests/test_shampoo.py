@@ -52,6 +52,69 @@ def test_single_process_matches_dense_float64_reference():
     assert err < 1e-5, err
 
 
+def _dense_grafted(grads: list[torch.Tensor], w0: torch.Tensor, *, graft: str, soap: bool = False) -> torch.Tensor:
+    """Shampoo (or SOAP) with every scalar factor in the tensors, float64: filtered gradient
+    F = beta1-EMA / (1 - beta1^t); factors beta2-EMA, bias-corrected before their -1/4 roots (spectrum shifted
+    to >= 0, plus epsilon); the graft F / (sqrt(V / c) + eps_g) with V the squared gradient's EMA (adam: c =
+    1 - beta2_g^t, rmsprop: c = 1) or sum (adagrad), or F (none); from step 3 on (roots every step) the
+    direction R_L F R_R (SOAP: Q_L [Q_L^T F Q_R / (sqrt(D / (1 - beta2^t)) + eps)] Q_R^T, in the identity basis
+    before) rescaled to the graft's norm unless ``graft == "none"``; W <- (1 - lr wd) W - lr direction."""
+    lr, (b1, b2), eps, gb2, geps, wd, start = 0.05, (0.9, 0.95), 1e-4, 0.9, 1e-3, 0.01, 3
+
+    def root(a: torch.Tensor) -> torch.Tensor:
+        vals, vecs = torch.linalg.eigh(a)
+        return vecs @ torch.diag((vals - vals.min().clamp(max=0) + eps) ** -0.25) @ vecs.T
+
+    w = w0.double().clone()
+    m, n = w.shape
+    left, right = torch.zeros(m, m, dtype=torch.float64), torch.zeros(n, n, dtype=torch.float64)
+    ql, qr = torch.eye(m, dtype=torch.float64), torch.eye(n, dtype=torch.float64)
+    f, v, d2 = torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w)
+    for t, g in enumerate(grads, start=1):
+        g = g.double()
+        f = b1 * f + (1 - b1) * g
+        fh = f / (1 - b1**t)
+        left, right = b2 * left + (1 - b2) * g @ g.T, b2 * right + (1 - b2) * g.T @ g
+        v = v + g**2 if graft == "adagrad" else gb2 * v + (1 - gb2) * g**2
+        c = 1 - gb2**t if graft == "adam" else 1.0
+        graft_dir = fh if graft == "none" else fh / ((v / c).sqrt() + geps)
+        if soap:
+            if t >= start:
+                ql, qr = torch.linalg.eigh(left).eigenvectors, torch.linalg.eigh(right).eigenvectors
+            d2 = b2 * d2 + (1 - b2) * (ql.T @ g @ qr) ** 2
+            direction = ql @ ((ql.T @ fh @ qr) / ((d2 / (1 - b2**t)).sqrt() + eps)) @ qr.T
+        elif t >= start:
+            direction = root(left / (1 - b2**t)) @ fh @ root(right / (1 - b2**t))
+        else:
+            direction = graft_dir
+        if graft != "none" and (soap or t >= start):
+            direction = direction * graft_dir.norm() / direction.norm()
+        w = (1 - lr * wd) * w - lr * direction
+    return w
+
+
+@pytest.mark.parametrize(("graft", "soap"), [("adam", False), ("rmsprop", False), ("adagrad", False),
+                                             ("none", False), ("adam", True), ("none", True)])  # fmt: skip
+def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference(graft, soap):
+    """The optimizer keeps scalar factors (the filter's and Adam's bias corrections) out of its tensors where
+    grafting makes them cancel: the result must still be the formulas' with every factor applied."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(6, 9))
+    w0 = w.detach().clone()
+    opt = DistributedShampoo([w], lr=0.05, betas=(0.9, 0.95), epsilon=1e-4, weight_decay=0.01, grafting=graft,
+                             grafting_beta2=0.9, grafting_epsilon=1e-3, precondition_frequency=1,
+                             start_preconditioning_step=3, max_preconditioner_dim=9,
+                             preconditioner="eigenvalue_corrected" if soap else "shampoo")  # fmt: skip
+    g_ = torch.Generator().manual_seed(1)
+    grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
+    for g in grads:
+        w.grad = g.clone()
+        opt.step()
+    ref = _dense_grafted(grads, w0, graft=graft, soap=soap)
+    err = (w.detach().double() - ref).norm() / (ref - w0.double()).norm()
+    assert err < 1e-4, err
+
+
 def _options() -> dict[str, Any]:
     # small blocks so that every parameter has several and ranks share the work; every feature on
     return dict(lr=1e-2, betas=(0.9, 0.999), epsilon=1e-8, momentum=0.9, nesterov=True, weight_decay=0.01,
@@ -59,9 +122,10 @@ def _options() -> dict[str, Any]:
                 grafting="adam")  # fmt: skip
 
 
-def _train(opt_group: Any, steps: int, start: int = 0, state: dict | None = None) -> tuple[torch.Tensor, Any]:
+def _train(opt_group: Any, steps: int, start: int = 0, state: dict | None = None,
+           **extra: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
     model = make_model()
-    opt = DistributedShampoo(model.parameters(), group=opt_group, **_options())
+    opt = DistributedShampoo(model.parameters(), group=opt_group, **{**_options(), **extra})
     if state is not None:
         opt.load_state_dict({k: v for k, v in state.items() if k != "params"})
         with torch.no_grad():
@@ -97,7 +161,20 @@ def shampoo_cases(rank: int, world: int) -> dict[str, Any]:
             return str(e)
         return ""
 
-    return {"run": guard(run), "wrong_world": guard(wrong_world)}
+    def bf16() -> dict[str, Any]:
+        """bf16 directions: every rank applies the same rounded values, its own blocks' included."""
+        params, (opt, _) = _train(None, 6, comm_dtype=torch.bfloat16)
+        gathered = [torch.empty_like(params) for _ in range(world)]
+        dist.all_gather(gathered, params)
+        fp32, (opt32, _) = _train(None, 6)
+        return {
+            "params": params,
+            "all": gathered,
+            "fp32": fp32,
+            "bytes": [o.comm.stats.by_op.get("all_gather", 0) for o in (opt, opt32)],
+        }
+
+    return {"run": guard(run), "wrong_world": guard(wrong_world), "bf16": guard(bf16)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -109,6 +186,13 @@ def test_distributed_equals_single_process_bitwise_and_resumes(world):
         assert torch.equal(r["resumed"], r["dist"])
     for msg in case(runs, "wrong_world"):
         assert "resume with the same world size" in msg
+    for r in case(runs, "bf16"):
+        assert all(torch.equal(r["params"], other) for other in r["all"]), "replicas stay identical"
+        start = make_model()
+        moved = torch.cat([p.detach().reshape(-1) for p in start.parameters()]) - r["fp32"]
+        assert not torch.equal(r["params"], r["fp32"])
+        assert (r["params"] - r["fp32"]).norm() < 0.05 * moved.norm()
+        assert 0 < 2 * r["bytes"][0] == r["bytes"][1], r["bytes"]
 
 
 @pytest.mark.parametrize(
@@ -122,6 +206,21 @@ def test_distributed_equals_single_process_bitwise_and_resumes(world):
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 3))], **kwargs)
+
+
+def test_state_of_an_older_layout_refused():
+    """State written with the filtered gradient per parameter (layout 1) cannot resume bitwise: refused."""
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    opt = DistributedShampoo([w], precondition_frequency=1)
+    w.grad = torch.randn(4, 5)
+    opt.step()
+    state = opt.state_dict()
+    old = {**state, "shampoo": {k: v for k, v in state["shampoo"].items() if k != "layout"}}
+    with pytest.raises(ValueError, match="layout 1, this version reads layout 2"):
+        DistributedShampoo([w], precondition_frequency=1).load_state_dict(old)
+    with pytest.raises(ValueError, match="Not a DistributedShampoo state dict"):
+        DistributedShampoo([w]).load_state_dict(torch.optim.AdamW([w]).state_dict())
+    DistributedShampoo([w], precondition_frequency=1).load_state_dict(state)  # the current layout loads
 
 
 # ---------------------------------------------------------------- eigenvalue-corrected (SOAP) preconditioner

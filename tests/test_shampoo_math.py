@@ -124,6 +124,30 @@ def test_preconditioner_matches_dense_float64_shampoo_on_a_matrix():
     assert torch.linalg.matrix_norm(out - ref) / torch.linalg.matrix_norm(ref) < 1e-4
 
 
+@pytest.mark.parametrize(("shape", "beta2"), [((256, 160), 0.95), ((131, 200), 1.0), ((300, 20), 0.9)])
+def test_large_factor_updates_match_the_full_product(shape, beta2):
+    """Factors of 128+ rows take the lower-half products and mirror the off-diagonal quarter (an odd size
+    splits unevenly); fewer than 32 columns take one product: all equal the float64 EMA of G G^T, G^T G, and
+    the mirrored part is exactly the transpose of the computed one."""
+    from powertrain.optim.shampoo.preconditioner import init_factors, update_factors
+
+    g_ = torch.Generator().manual_seed(4)
+    grads = [torch.randn(*shape, generator=g_) for _ in range(3)]
+    factors = init_factors(grads[0])
+    left = torch.zeros(shape[0], shape[0], dtype=torch.float64)
+    right = torch.zeros(shape[1], shape[1], dtype=torch.float64)
+    for g in grads:
+        update_factors(factors, g, beta2)
+        gd = g.double()
+        a = 1.0 if beta2 == 1.0 else 1.0 - beta2
+        left, right = beta2 * left + a * gd @ gd.T, beta2 * right + a * gd.T @ gd
+    for f, ref, columns in zip(factors, (left, right), (shape[1], shape[0]), strict=True):
+        assert torch.linalg.matrix_norm(f.double() - ref) / torch.linalg.matrix_norm(ref) < 1e-6
+        if f.shape[0] >= 128 and columns >= 32:
+            h = f.shape[0] // 2
+            assert torch.equal(f[:h, h:], f[h:, :h].T)
+
+
 def test_preconditioner_order3_and_ema():
     """Order 3: each factor gets the -1/6 root, mode products in order; beta2 < 1 is an EMA."""
     from powertrain.optim.shampoo.preconditioner import init_factors, inverse_roots, precondition, update_factors
@@ -167,6 +191,27 @@ def test_float64_parameters_are_optimised_in_float64():
         w.grad = torch.randn(5, 6, dtype=torch.float64)
         opt.step()
     st = opt.state[w]
-    assert st["filtered"].dtype == torch.float64
     blk = st["blocks"][0]
+    assert blk["filtered"].dtype == torch.float64
     assert blk["graft"].dtype == torch.float64 and blk["factors"][0].dtype == torch.float64
+
+
+def test_non_contiguous_parameters_are_updated_in_place():
+    """A permuted (non-contiguous) parameter whose merged block shape is no view of it gets the same update as a
+    contiguous copy, written into the parameter itself (the update runs on a contiguous copy, copied back)."""
+    from powertrain.optim.shampoo.optimizer import DistributedShampoo
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5, 3, 4).permute(2, 1, 0))  # (4, 3, 5), merged to (4, 15) blocks
+    ref = torch.nn.Parameter(w.detach().contiguous())
+    start = ref.detach().clone()
+    assert not w.is_contiguous()
+    opts = dict(lr=0.1, momentum=0.9, weight_decay=0.1, precondition_frequency=1, max_preconditioner_dim=16)
+    a, b = DistributedShampoo([w], **opts), DistributedShampoo([ref], **opts)
+    for step in range(3):
+        g = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(step))
+        w.grad, ref.grad = g.clone(), g.clone()
+        a.step()
+        b.step()
+    assert torch.equal(w.detach(), ref.detach())
+    assert not torch.equal(ref.detach(), start)

@@ -1,21 +1,25 @@
 """``DistributedShampoo``: block-diagonal Shampoo with grafting, spreading its blocks across data-parallel ranks.
 
-Per step, for every parameter with a gradient ``g`` (averaged across ranks already: DDP, or a compressor):
+Per step, for every parameter with a gradient ``g`` (averaged across ranks already: DDP, or a compressor), and
+for each of its blocks (:mod:`.blocks`) that this rank owns:
 
 1. Optional gradient filtering: ``f <- beta1 f + (1 - beta1) g`` (bias-corrected), used as the direction's
    input; the statistics always see the raw ``g``.
-2. For each block (:mod:`.blocks`) this rank owns: factor statistics (:func:`.preconditioner.update_factors`),
-   the grafting statistics, and every ``precondition_frequency`` steps (from ``start_preconditioning_step``)
-   the inverse roots. The block's direction is the preconditioned ``f`` rescaled to the norm of the
-   grafting method's direction (``adam``, ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting
-   direction alone before the first roots or after ``max_root_failures`` failed root computations.
+2. Factor statistics (:func:`.preconditioner.update_factors`), the grafting statistics, and every
+   ``precondition_frequency`` steps (from ``start_preconditioning_step``) the inverse roots. The block's
+   direction is the preconditioned ``f`` rescaled to the norm of the grafting method's direction (``adam``,
+   ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots or
+   after ``max_root_failures`` failed root computations.
 3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by cost (sum of d_i^3, greedy,
-   deterministic), each rank computes its blocks' directions, and one all-gather (``comm_dtype``) shares them.
-   With fp32 communication the result is bitwise the single-process optimizer's.
-4. Momentum (optionally Nesterov) on the direction, decoupled weight decay, ``p -= lr * direction``.
+   deterministic), each rank writes its blocks' directions into its part of one all-gather (``comm_dtype``),
+   and updates its own blocks while the all-gather is in flight, the others' once it has arrived. With fp32
+   communication the result is bitwise the single-process optimizer's.
+4. Decoupled weight decay, momentum (optionally Nesterov) on the direction, ``p -= lr * direction``, block by
+   block on views of the parameter.
 
-Every rank keeps the statistics of its own blocks only (the memory saving of the distributed version);
-``state_dict()`` is therefore per rank and records the world size it was written with.
+Every rank keeps the statistics of its own blocks only (the memory saving of the distributed version), the
+filtered gradient included; ``state_dict()`` is therefore per rank and records the world size it was written
+with.
 
 ``preconditioner="eigenvalue_corrected"`` replaces step 2's inverse roots by SOAP's eigenbasis and Adam-style
 second moment in that basis (see :mod:`.preconditioner`).
@@ -24,13 +28,13 @@ Sharded parameters (FSDP2 ``fully_shard`` or :func:`powertrain.simple_fsdp.data_
 whose gradients are reduce-scattered already) are preconditioned *per local shard*: every rank blocks its own
 rows and computes their directions, with no communication (as the reference implementation's fully-sharded
 distributor does). The result therefore depends on the sharding: it equals the single-process optimizer run on
-the shards as separate parameters, which is what the tests check.
-"""
+the shards as separate parameters, which is what the tests check."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -54,6 +58,8 @@ from powertrain.optim.shampoo.preconditioner import (
 __all__ = ["DistributedShampoo"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
+# version of state_dict()'s layout: 2 keeps the filtered gradient per block (1: per parameter, on every rank)
+_LAYOUT = 2
 Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
 
 
@@ -81,6 +87,13 @@ def _assign(shapes: list[tuple[int, int, tuple[int, ...]]], world: int) -> list[
         owner[i] = r
         load[r] += sum(d**3 for d in shapes[i][2])
     return [_Block(p, b, s, owner[i]) for i, (p, b, s) in enumerate(shapes)]
+
+
+def _scaled(t: torch.Tensor, c: float, out: torch.Tensor | None) -> torch.Tensor:
+    """``c * t``, or written into the flat slice ``out``."""
+    if out is None:
+        return t * c if c != 1.0 else t  # t may be state (the filtered gradient): never scaled in place
+    return torch.mul(t.reshape(out.shape), c, out=out)
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -208,33 +221,53 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.steps = 0
 
     # -- per-block direction -------------------------------------------------------------------------------
+    #
+    # Scalar factors are kept out of the tensors where the result does not need them: the grafted direction is
+    # Shampoo's rescaled to the graft's norm, so neither the filtered gradient's bias correction nor Adam's
+    # enters a tensor pass unless the graft itself is the direction (each pass over a block costs about as much
+    # as the arithmetic it carries on a CPU, where these steps are memory-bound).
 
-    def _graft(self, st: dict[str, Any], g: torch.Tensor, numer: torch.Tensor, grafting: str, beta2: float,
-               eps: float, step: int) -> torch.Tensor:  # fmt: skip
-        """The grafting method's direction: ``numer`` (the filtered gradient) over the root of its
-        second-moment statistics of the raw gradient ``g``."""
-        v = st.setdefault("graft", torch.zeros_like(g, dtype=_work(g)))
+    def _graft(self, st: dict[str, Any], g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any],
+               step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """The grafting direction as ``(t, c)`` with direction ``= c * t``, given the filtered gradient as
+        ``scale * numer``: ``numer`` over the root of the raw gradient's second moment (plus epsilon)."""
+        grafting, eps = group["grafting"], group["grafting_epsilon"]
+        if grafting == "none":
+            return numer, scale
+        if "graft" not in st:
+            st["graft"] = torch.zeros_like(g, dtype=_work(g))
+        v = st["graft"]
         g32 = g.to(v.dtype)
         if grafting == "adagrad":
             v.addcmul_(g32, g32)
-            denom = v.sqrt().add_(eps)
         else:
+            beta2 = group["grafting_beta2"]
             v.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
-            corr = 1 - beta2**step if grafting == "adam" else 1.0
-            denom = (v / corr).sqrt_().add_(eps)
-        return numer.to(v.dtype) / denom
+        # Adam: sqrt(v / c) + eps = (sqrt(v) + eps sqrt(c)) / sqrt(c), so the bias correction c is a scalar
+        root_corr = math.sqrt(1 - group["grafting_beta2"] ** step) if grafting == "adam" else 1.0
+        denom = v.sqrt().add_(eps * root_corr)
+        return torch.div(numer.to(v.dtype), denom, out=denom), scale * root_corr
 
-    def _direction(self, blk: _Block, raw: torch.Tensor, filtered: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+    def _direction(self, blk: _Block, raw: torch.Tensor, group: dict[str, Any],
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """This block's direction, written into ``out`` (a flat slice of the all-gather's buffer) when given."""
         st = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
         step = self.steps
         if "factors" not in st:
             st["factors"] = init_factors(raw)
             st["failures"] = torch.zeros((), dtype=torch.int64)
-        beta2 = group["betas"][1]
+        beta1, beta2 = group["betas"]
+        # the filtered gradient is scale * filtered
+        if beta1 > 0:
+            if "filtered" not in st:
+                st["filtered"] = torch.zeros_like(raw, dtype=_work(raw))
+            filtered = st["filtered"]
+            filtered.mul_(beta1).add_(raw.to(filtered.dtype), alpha=1 - beta1)
+            scale = 1.0 / (1 - beta1**step)
+        else:
+            filtered, scale = raw, 1.0
         update_factors(st["factors"], raw, beta2)
-        graft = (filtered.to(_work(raw)) if group["grafting"] == "none" else
-                 self._graft(st, raw, filtered, group["grafting"], group["grafting_beta2"], group["grafting_epsilon"],
-                             step))  # fmt: skip
+        graft, graft_scale = self._graft(st, raw, filtered, scale, group, step)
         corrected = self.preconditioner == "eigenvalue_corrected"
         if corrected and "bases" not in st:
             st["bases"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in st["factors"]]
@@ -253,6 +286,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
             except RootFailure:
                 st["failures"] += 1
+                failures += 1
         if corrected:
             # the second moment follows the current basis every step (also before preconditioning starts)
             r = rotate(raw, st["bases"])
@@ -263,31 +297,41 @@ class DistributedShampoo(torch.optim.Optimizer):
                 d2.mul_(beta2).addcmul_(r, r, value=1.0 - beta2)
         # SOAP is Adam in the identity basis until its first eigenbasis (as the reference and SOAP itself);
         # Shampoo uses the graft until its first roots
-        if int(st["failures"]) > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
-            return graft
+        work = _work(raw)
+        if failures > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
+            return _scaled(graft, graft_scale, out)
         if corrected:
             bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
-            scaled = rotate(filtered, st["bases"]) / (st["corrected"] / bias).sqrt_().add_(group["epsilon"])
-            direction = rotate(scaled, st["bases"], back=True).to(graft.dtype)
+            # the epsilon compares with the scaled gradient's root second moment, so the filter's scale stays in
+            rotated = rotate(filtered, st["bases"]).mul_(scale)
+            direction = rotate(rotated / (st["corrected"] / bias).sqrt_().add_(group["epsilon"]), st["bases"],
+                               back=True).to(work)  # fmt: skip
+            scale = 1.0
         else:
-            direction = precondition(filtered, st["roots"]).to(graft.dtype)
+            direction = precondition(filtered, st["roots"]).to(work)
         if group["grafting"] == "none":
-            return direction
+            return _scaled(direction, scale, out)
         norm = direction.norm()
-        return direction * (graft.norm() / norm) if norm > 0 else direction
+        return _scaled(direction, float(graft.norm() * graft_scale / norm) if norm > 0 else 0.0, out)
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
         out = super().state_dict()
-        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank}
+        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("shampoo")
         if meta is None:
             raise ValueError("Not a DistributedShampoo state dict (no 'shampoo' entry)")
+        if meta.get("layout", 1) != _LAYOUT:
+            raise ValueError(
+                f"This DistributedShampoo state has layout {meta.get('layout', 1)}, this version reads layout "
+                f"{_LAYOUT} (the filtered gradient moved into each block's state): it cannot resume it bitwise; "
+                "restart the optimizer state or resume with the powertrain version that wrote it"
+            )
         if (meta["world"], meta["rank"]) != (self.world, self.rank):
             raise ValueError(
                 f"This state was written by rank {meta['rank']} of {meta['world']}, this is rank {self.rank} of "
@@ -307,71 +351,105 @@ class DistributedShampoo(torch.optim.Optimizer):
                 loss = closure()
         self.steps += 1
         group_of = {id(p): g for g in self.param_groups for p in g["params"]}
-        raw_blocks: dict[int, list[torch.Tensor]] = {}
-        filt_blocks: dict[int, list[torch.Tensor]] = {}
+        grads: dict[int, torch.Tensor] = {}
         for i, p in enumerate(self._params):
             if p.grad is None or local_tensor(p).numel() == 0:
                 continue
             g = local_tensor(p.grad)
-            if self.sharded:
-                # FSDP2 gradient shards are views at arbitrary offsets of one flat buffer, and vectorised kernels
-                # round differently on differently aligned memory: a fresh copy makes a shard's result bitwise
-                # the single-process optimizer's on the same rows
-                g = g.clone()
-            beta1 = group_of[id(p)]["betas"][0]
-            st = self.state[p]
-            if beta1 > 0:
-                buf = st.setdefault("filtered", torch.zeros_like(g, dtype=_work(g)))
-                buf.mul_(beta1).add_(g.to(buf.dtype), alpha=1 - beta1)
-                filtered = buf / (1 - beta1**self.steps)
-            else:
-                filtered = g
-            raw_blocks[i] = blocking.split(g.contiguous(), self.max_dim)
-            filt_blocks[i] = blocking.split(filtered.contiguous(), self.max_dim)
-        # Which blocks have gradients is the same on every rank (gradients are averaged), so every rank
-        # knows the layout of every other rank's part of the all-gather.
+            # FSDP2 gradient shards are views at arbitrary offsets of one flat buffer, and vectorised kernels
+            # round differently on differently aligned memory: a fresh copy makes a shard's result bitwise the
+            # single-process optimizer's on the same rows
+            grads[i] = g.clone() if self.sharded else g.contiguous()
+        # Which blocks have gradients is the same on every rank (gradients are averaged), so every rank knows
+        # the layout of every other rank's part of the all-gather. Only this rank's blocks are filtered and
+        # preconditioned, their directions written straight into its part; the others' arrive with the all-gather.
+        active = [b for b in self.blocks if b.param in grads]
+        distributed = not self.sharded and self.world > 1
+        sizes = [0] * self.world
+        for b in active:
+            sizes[b.owner] += math.prod(b.shape)
+        send = torch.empty(max(sizes), dtype=self.comm_dtype, device=self._params[0].device) if distributed else None
+        split: dict[int, list[torch.Tensor]] = {}
         mine: list[torch.Tensor] = []
-        for blk in self.blocks:
-            if blk.owner == self._owner and blk.param in raw_blocks:
+        offset = 0
+        for blk in active:
+            if blk.owner == self._owner:
+                if blk.param not in split:
+                    split[blk.param] = blocking.split(grads[blk.param], self.max_dim)
+                n = math.prod(blk.shape)
+                out = None if send is None else send[offset : offset + n]
+                offset += n
                 grp = group_of[id(self._params[blk.param])]
-                mine.append(self._direction(blk, raw_blocks[blk.param][blk.index], filt_blocks[blk.param][blk.index],
-                                            grp).reshape(-1))  # fmt: skip
-        directions = self._exchange(mine, raw_blocks)
-        for i, p in enumerate(self._params):
-            if i not in raw_blocks:
-                continue
-            grp = group_of[id(p)]
-            w = local_tensor(p)
-            d = blocking.join(directions[i], w.shape, self.max_dim).to(w.dtype)
-            if grp["momentum"] > 0:
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(d))
-                buf.mul_(grp["momentum"]).add_(d)
-                d = d.add(buf, alpha=grp["momentum"]) if grp["nesterov"] else buf
-            if grp["weight_decay"] > 0:
-                w.mul_(1 - grp["lr"] * grp["weight_decay"])
-            w.add_(d, alpha=-grp["lr"])
+                mine.append(self._direction(blk, split[blk.param][blk.index], grp, out))
+        if send is None:
+            self._update(grads, group_of, active, mine)
+            return loss
+        send[offset:].zero_()
+        rows, pending = self.comm.all_gather(send, async_op=True)  # (world, width)
+        assert pending is not None, "a distributed all-gather returns a future"
+        self._update(grads, group_of, active, mine, (rows, pending, sizes))
         return loss
 
-    def _exchange(self, mine: list[torch.Tensor], raw: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Every block's direction on every rank: local when ``W == 1``, else one all-gather."""
-        active = [b for b in self.blocks if b.param in raw]
-        out: dict[int, list[torch.Tensor]] = {i: [torch.empty(0)] * len(v) for i, v in raw.items()}
-        if self.sharded or self.world == 1:
-            for blk, d in zip(active, mine, strict=True):
-                out[blk.param][blk.index] = d.view(blk.shape)
-            return out
-        sizes = [sum(math.prod(b.shape) for b in active if b.owner == r) for r in range(self.world)]
-        width = max(sizes)
-        device = self._params[0].device
-        send = torch.zeros(width, dtype=self.comm_dtype, device=device)
-        if mine:
-            flat = torch.cat(mine)
-            send[: flat.numel()] = flat
-        rows = self.comm.all_gather(send)[0]  # (world, width), cast to each parameter's dtype when applied
-        offsets = [0] * self.world
+    def _update(
+        self,
+        grads: dict[int, torch.Tensor],
+        group_of: dict[int, dict[str, Any]],
+        active: list[_Block],
+        mine: list[torch.Tensor],
+        gather: tuple[torch.Tensor, torch.futures.Future, list[int]] | None = None,
+    ) -> None:
+        """Weight decay, momentum and ``p -= lr * direction``, block by block on views of the parameters (no
+        reassembled copy of a direction). With ``gather`` (the all-gather's rows, its future and every rank's
+        part size), this rank's own blocks are updated while the all-gather is in flight (their directions are
+        the rows it sends, so every rank applies the same values) and the others' once it has arrived."""
+        targets = {i: _Target(self, self._params[i], group_of[id(self._params[i])]) for i in grads}
+        own = iter(mine)
         for blk in active:
-            n = math.prod(blk.shape)
-            o = offsets[blk.owner]
-            out[blk.param][blk.index] = rows[blk.owner, o : o + n].view(blk.shape)
-            offsets[blk.owner] += n
-        return out
+            if gather is None or blk.owner == self._owner:
+                targets[blk.param].add(blk.index, next(own))
+        if gather is not None:
+            rows, pending, sizes = gather
+            t0 = time.perf_counter()
+            pending.wait()
+            self.comm.stats.add_time(comm_s=time.perf_counter() - t0)
+            offsets = [0] * self.world
+            for blk in active:
+                k = math.prod(blk.shape)
+                if blk.owner != self._owner:
+                    targets[blk.param].add(blk.index, rows[blk.owner, offsets[blk.owner] : offsets[blk.owner] + k])
+                offsets[blk.owner] += k
+            assert offsets == sizes, f"all-gather layout {offsets} does not match the sizes sent {sizes}"
+        for t in targets.values():
+            t.finish()
+
+
+class _Target:
+    """One parameter being updated block by block: decayed on creation, then ``add`` per block direction."""
+
+    def __init__(self, opt: DistributedShampoo, p: torch.Tensor, grp: dict[str, Any]) -> None:
+        self.w = local_tensor(p)
+        self.grp = grp
+        # split's blocks must be views to write through: a non-contiguous parameter is updated in a copy
+        self.target = self.w if self.w.is_contiguous() else self.w.contiguous()
+        self.views = blocking.split(self.target, opt.max_dim)
+        self.bufs: list[torch.Tensor] | None = None
+        if grp["momentum"] > 0:
+            st = opt.state[p]
+            if "momentum" not in st:
+                st["momentum"] = torch.zeros(self.w.shape, dtype=self.w.dtype, device=self.w.device)
+            self.bufs = blocking.split(st["momentum"], opt.max_dim)
+        if grp["weight_decay"] > 0:
+            self.target.mul_(1 - grp["lr"] * grp["weight_decay"])
+
+    def add(self, index: int, d: torch.Tensor) -> None:
+        grp, view = self.grp, self.views[index]
+        d = d.view(view.shape).to(self.w.dtype)
+        if self.bufs is not None:
+            buf = self.bufs[index]
+            buf.mul_(grp["momentum"]).add_(d)
+            d = d.add(buf, alpha=grp["momentum"]) if grp["nesterov"] else buf
+        view.add_(d, alpha=-grp["lr"])
+
+    def finish(self) -> None:
+        if self.target is not self.w:
+            self.w.copy_(self.target)

