@@ -89,9 +89,11 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
     "mode",
     [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2"],
      ["ddp", "none", *_SHAMPOO], ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
+     ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"]],
-    ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "ddp-demo", "fsdp-galore"],
+    ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
+         "ddp-demo", "fsdp-galore"],
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
@@ -110,8 +112,13 @@ def test_resume_continues_bitwise(tmp_path, mode):
     rows = _metrics(full)
     if "demo" in mode:  # the optimizer's own compression and all-gather are in the step's figures
         assert all(row["compress_s"] > 0 and row["comm_s"] > 0 and row["bytes_sent"] > 0 for row in rows), rows
-    if mode[0] == "ddp" and "shampoo" in mode:  # Shampoo's all-gather of the search directions
+    if mode[0] in ("ddp", "reference") and "shampoo" in mode:  # Shampoo's all-gather of the search directions
         assert all(row["comm_s"] > 0 for row in rows), rows
+    if "bf16" in mode:  # the option reaches the optimizer: fewer bytes than with fp32 directions
+        fp32 = _run(*common[: common.index("--shampoo-comm-dtype")], "--out", str(tmp_path / "fp32"))
+        assert fp32.returncode == 0, fp32.stderr[-3000:]
+        sent = [json.loads((d / "summary.json").read_text())["bytes_sent"] for d in (full, tmp_path / "fp32")]
+        assert 0 < sent[0] < sent[1], sent
     if mode[:2] == ["simple_fsdp", "none"]:  # SimpleFSDP's reduce-scatters, counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
 
@@ -185,6 +192,7 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
         (["--galore-scale", "0"], "galore_scale=0"),
         (["--demo-decay", "1"], "demo_decay=1"),
+        (["--shampoo-comm-dtype", "fp8"], "invalid choice: 'fp8'"),
         (["--data", "textdir"], "needs data_path"),
         (["--data", "textdir", "--data-path", "/nonexistent/x"], "does not exist"),
         (["--data", "bin", "--data-path", "/nonexistent.bin"], "does not exist"),

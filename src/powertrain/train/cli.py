@@ -28,6 +28,8 @@ _HELP = {
     "shampoo_frequency": "steps between Shampoo's inverse-root (or eigenbasis) computations",
     "shampoo_max_dim": "largest Shampoo factor dimension (blocks are cut to it)",
     "shampoo_preconditioner": "shampoo (inverse roots) or eigenvalue_corrected (SOAP: Adam in the factors' eigenbasis)",
+    "shampoo_comm_dtype": "dtype of the all-gathered search directions under ddp/reference: fp32 (bitwise the "
+    "single-process optimizer) or bf16 (half the bytes)",
     "galore_rank": "GaLore projection rank (d_model / 4 on the default GPT)",
     "galore_gap": "steps between GaLore subspace refreshes (update_proj_gap)",
     "galore_scale": "GaLore's scale of the projected-back update",

@@ -23,6 +23,7 @@ ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
 Optimizer = Literal["adamw", "sgd", "shampoo", "galore", "demo"]
 ShampooPreconditioner = Literal["shampoo", "eigenvalue_corrected"]
+CommDtype = Literal["fp32", "bf16"]
 SvdMethod = Literal["randomized", "exact"]
 Precision = Literal["fp32", "bf16"]
 Backend = Literal["auto", "gloo", "nccl"]
@@ -62,6 +63,7 @@ class TrainConfig:
     shampoo_frequency: int = 50  # with blocks of 256: bench optimizers' configuration (overhead in BENCHMARKS.md)
     shampoo_max_dim: int = 256
     shampoo_preconditioner: ShampooPreconditioner = "shampoo"
+    shampoo_comm_dtype: CommDtype = "fp32"  # fp32: bitwise the single-process optimizer; bf16: half the bytes
     galore_rank: int = 64  # d_model / 4 on the default GPT
     galore_gap: int = 200  # update_proj_gap: steps between subspace refreshes
     galore_scale: float = 0.25
