@@ -29,8 +29,8 @@ class RootFailure(RuntimeError):
 
 def _finite(a: torch.Tensor) -> bool:
     """Whether every entry of ``a`` is finite: a NaN or infinity makes the sum non-finite, and a float64 sum of
-    float32 (or smaller) entries cannot overflow. A tenth of ``isfinite(a).all()``'s time on a 256 x 256
-    matrix."""
+    float32 (or smaller) entries cannot overflow. About a fifth of ``isfinite(a).all()``'s time on a 256 x 256
+    matrix (23 against 127 microseconds on one CPU thread)."""
     return bool(torch.isfinite(a.sum(dtype=torch.float64)))
 
 
