@@ -6,18 +6,17 @@
 2. Split every dimension of the merged shape into chunks of at most ``max_dim``: the blocks are the
    grid of those chunks, in row-major order. A 1-D parameter is a vector, cut into pieces of <= max_dim.
 
-Blocks are views of the parameter (or gradient) when it is contiguous; :func:`join` reassembles a
-tensor of the original shape from per-block results.
+Blocks are views of the parameter (or gradient) when it is contiguous: the optimizer writes each block's
+update through them, and the same index names the same rows and columns of every tensor of that shape.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
-__all__ = ["join", "merged_shape", "split"]
+__all__ = ["merged_shape", "split"]
 
 
 def merged_shape(shape: tuple[int, ...] | torch.Size, max_dim: int) -> tuple[int, ...]:
@@ -50,19 +49,3 @@ def split(t: torch.Tensor, max_dim: int) -> list[torch.Tensor]:
         sizes = _chunks(n, max_dim)
         parts = [q for p in parts for q in torch.split(p, sizes, dim=dim)]
     return parts
-
-
-def join(blocks: list[torch.Tensor], shape: tuple[int, ...] | torch.Size, max_dim: int) -> torch.Tensor:
-    """Inverse of :func:`split`: a tensor of ``shape`` from its blocks."""
-    merged = merged_shape(shape, max_dim)
-    counts = [len(_chunks(n, max_dim)) for n in merged]
-    if len(blocks) != math.prod(counts):
-        raise ValueError(f"{len(blocks)} blocks do not tile shape {tuple(shape)} (expected {math.prod(counts)})")
-    grid = dict(zip(itertools.product(*(range(c) for c in counts)), blocks, strict=True))
-
-    def build(prefix: tuple[int, ...], dim: int) -> torch.Tensor:
-        if dim == len(counts):
-            return grid[prefix]
-        return torch.cat([build((*prefix, i), dim + 1) for i in range(counts[dim])], dim=dim)
-
-    return build((), 0).reshape(shape)
