@@ -64,6 +64,8 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     text = target.read_text()
     assert "<!-- bench:optimizers-tiny -->" in text and "At equal wall-clock" in text
     assert [s["world"] for s in report["scaling"]] == [1, 2, 4]
+    assert all(s["vectors_s"] > 0 and s["vectors_ratio"] > 0 for s in report["scaling"])
+    assert "1-D preconditioned / AdamW" in text
     grid = PRESETS["tiny"].lr_grid
     sweep = report["lr_sweep"]
     assert [(r["optimizer"], r["lr"]) for r in sweep["rows"]] == [(o, lr) for lr in grid for o in ("adamw", "shampoo")]

@@ -88,7 +88,8 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
 @pytest.mark.parametrize(
     "mode",
     [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2"],
-     ["ddp", "none", *_SHAMPOO], ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
+     ["ddp", "none", *_SHAMPOO, "--shampoo-vectors", "shampoo"],
+     ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"]],
@@ -121,6 +122,16 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert 0 < sent[0] < sent[1], sent
     if mode[:2] == ["simple_fsdp", "none"]:  # SimpleFSDP's reduce-scatters, counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
+
+
+@pytest.mark.parametrize(("vectors", "preconditioned"), [("graft", False), ("shampoo", True)])
+def test_shampoo_vectors_reach_the_optimizer(vectors, preconditioned):
+    from powertrain.train.config import TrainConfig
+    from powertrain.train.optimizers import build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    built = build_optimizer(TrainConfig(optimizer="shampoo", shampoo_vectors=vectors), model)
+    assert built.optimizer.precondition_1d is preconditioned
 
 
 def test_simple_fsdp_compiled_matches_eager(tmp_path):
@@ -193,6 +204,7 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--galore-scale", "0"], "galore_scale=0"),
         (["--demo-decay", "1"], "demo_decay=1"),
         (["--shampoo-comm-dtype", "fp8"], "invalid choice: 'fp8'"),
+        (["--shampoo-vectors", "diagonal"], "invalid choice: 'diagonal'"),
         (["--data", "textdir"], "needs data_path"),
         (["--data", "textdir", "--data-path", "/nonexistent/x"], "does not exist"),
         (["--data", "bin", "--data-path", "/nonexistent.bin"], "does not exist"),

@@ -152,6 +152,22 @@ def shampoo_cases(rank: int, world: int) -> dict[str, Any]:
         owned = sorted({b.owner for b in opt.blocks})
         return {"dist": dist_params, "single": single, "resumed": resumed, "owners": owned}
 
+    def graft_1d() -> dict[str, Any]:
+        """Vectors updated by the graft alone: the same guarantees, and a state of other blocks is refused."""
+        dist_params, (opt, saved) = _train(None, 6, precondition_1d=False)
+        single, _ = _train(solo, 6, precondition_1d=False)
+        resumed, _ = _train(None, 6, start=3, state=saved, precondition_1d=False)
+        vectors = [b for b in opt.blocks if len(b.shape) == 1 and b.owner == rank]
+        states = [opt.state[opt._params[b.param]].get("blocks", {}).get(b.index) for b in vectors]
+        live = [sorted(st) for st in states if st]  # vectors of parameters with gradients
+        state = {k: v for k, v in saved.items() if k != "params"}
+        try:  # written with precondition_1d=False, loaded with True: loading only (no collective to hang in)
+            DistributedShampoo(make_model().parameters(), **_options()).load_state_dict(state)
+            refused = ""
+        except ValueError as e:
+            refused = str(e)
+        return {"dist": dist_params, "single": single, "resumed": resumed, "live": live, "refused": refused}
+
     def wrong_world() -> str:
         _, (_, saved) = _train(None, 3)
         model = make_model()
@@ -174,7 +190,7 @@ def shampoo_cases(rank: int, world: int) -> dict[str, Any]:
             "bytes": [o.comm.stats.by_op.get("all_gather", 0) for o in (opt, opt32)],
         }
 
-    return {"run": guard(run), "wrong_world": guard(wrong_world), "bf16": guard(bf16)}
+    return {"run": guard(run), "graft_1d": guard(graft_1d), "wrong_world": guard(wrong_world), "bf16": guard(bf16)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -184,6 +200,11 @@ def test_distributed_equals_single_process_bitwise_and_resumes(world):
         assert r["owners"] == list(range(world)), "every rank owns blocks"
         assert torch.equal(r["dist"], r["single"])
         assert torch.equal(r["resumed"], r["dist"])
+    for r in case(runs, "graft_1d"):
+        assert torch.equal(r["dist"], r["single"])
+        assert torch.equal(r["resumed"], r["dist"])
+        assert r["live"] and all(keys == ["filtered", "graft"] for keys in r["live"]), "vectors keep no factors"
+    assert any("other blocks than this rank owns" in r["refused"] for r in case(runs, "graft_1d"))
     for msg in case(runs, "wrong_world"):
         assert "resume with the same world size" in msg
     for r in case(runs, "bf16"):
@@ -193,6 +214,44 @@ def test_distributed_equals_single_process_bitwise_and_resumes(world):
         assert not torch.equal(r["params"], r["fp32"])
         assert (r["params"] - r["fp32"]).norm() < 0.05 * moved.norm()
         assert 0 < 2 * r["bytes"][0] == r["bytes"][1], r["bytes"]
+
+
+@pytest.mark.parametrize("precondition_1d", [True, False])
+def test_blocks_are_balanced_by_their_estimated_time(precondition_1d):
+    """The default GPT's blocks (max_preconditioner_dim 256) over 2 and 4 ranks: every rank's estimated time per
+    step is within 2% of the mean, and a vector the graft alone updates costs a small part of a matrix block."""
+    from powertrain.optim.shampoo.optimizer import _assign, _cost
+    from powertrain.train.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=128))
+    opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=256, precondition_frequency=50,
+                             precondition_1d=precondition_1d)  # fmt: skip
+    costs = [_cost(b.shape, len(b.shape) > 1 or precondition_1d, 2, 50) for b in opt.blocks]
+    for world in (2, 4):
+        blocks = _assign([(b.param, b.index, b.shape, c) for b, c in zip(opt.blocks, costs, strict=True)], world)
+        load = [sum(c for b, c in zip(blocks, costs, strict=True) if b.owner == r) for r in range(world)]
+        assert max(load) < 1.02 * sum(load) / world, load
+    assert _cost((256,), False, 2, 50) < 0.1 * _cost((256, 256), True, 2, 50)
+
+
+def test_vectors_without_preconditioning_are_adam():
+    """precondition_1d=False: a bias is updated by Adam (the filtered gradient as its first moment), while a
+    matrix in the same optimizer keeps its factors."""
+    torch.manual_seed(0)
+    bias, weight = torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(6, 5))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    opt = DistributedShampoo([bias, weight], lr=1e-2, betas=(0.9, 0.95), grafting="adam", grafting_beta2=0.95,
+                             grafting_epsilon=1e-8, precondition_frequency=2, max_preconditioner_dim=8,
+                             precondition_1d=False)  # fmt: skip
+    adam = torch.optim.Adam([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    for _ in range(8):
+        g = torch.randn(37)
+        bias.grad, twin.grad, weight.grad = g.clone(), g.clone(), torch.randn(6, 5)
+        opt.step()
+        adam.step()
+    torch.testing.assert_close(bias, twin, rtol=1e-5, atol=1e-6)
+    assert len(opt.state[bias]["blocks"]) == 5 and not any("factors" in b for b in opt.state[bias]["blocks"].values())
+    assert "roots" in opt.state[weight]["blocks"][0], "the matrix is still preconditioned"
 
 
 @pytest.mark.parametrize(
@@ -216,7 +275,7 @@ def test_state_of_an_older_layout_refused():
     opt.step()
     state = opt.state_dict()
     old = {**state, "shampoo": {k: v for k, v in state["shampoo"].items() if k != "layout"}}
-    with pytest.raises(ValueError, match="layout 1, this version reads layout 2"):
+    with pytest.raises(ValueError, match="layout 1, this version reads layout 3"):
         DistributedShampoo([w], precondition_frequency=1).load_state_dict(old)
     with pytest.raises(ValueError, match="Not a DistributedShampoo state dict"):
         DistributedShampoo([w]).load_state_dict(torch.optim.AdamW([w]).state_dict())

@@ -30,6 +30,8 @@ _HELP = {
     "shampoo_preconditioner": "shampoo (inverse roots) or eigenvalue_corrected (SOAP: Adam in the factors' eigenbasis)",
     "shampoo_comm_dtype": "dtype of the all-gathered search directions under ddp/reference: fp32 (bitwise the "
     "single-process optimizer) or bf16 (half the bytes)",
+    "shampoo_vectors": "how Shampoo updates 1-D blocks (biases, norm gains): graft (Adam alone, as SOAP does; a tenth "
+    "less optimizer time on the default GPT) or shampoo (a full d x d factor, the reference implementation's way)",
     "galore_rank": "GaLore projection rank (d_model / 4 on the default GPT)",
     "galore_gap": "steps between GaLore subspace refreshes (update_proj_gap)",
     "galore_scale": "GaLore's scale of the projected-back update",

@@ -23,6 +23,7 @@ ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
 Optimizer = Literal["adamw", "sgd", "shampoo", "galore", "demo"]
 ShampooPreconditioner = Literal["shampoo", "eigenvalue_corrected"]
+ShampooVectors = Literal["graft", "shampoo"]
 CommDtype = Literal["fp32", "bf16"]
 SvdMethod = Literal["randomized", "exact"]
 Precision = Literal["fp32", "bf16"]
@@ -64,6 +65,7 @@ class TrainConfig:
     shampoo_max_dim: int = 256
     shampoo_preconditioner: ShampooPreconditioner = "shampoo"
     shampoo_comm_dtype: CommDtype = "fp32"  # fp32: bitwise the single-process optimizer; bf16: half the bytes
+    shampoo_vectors: ShampooVectors = "graft"  # 1-D blocks: Adam alone (as SOAP), or full-matrix factors
     galore_rank: int = 64  # d_model / 4 on the default GPT
     galore_gap: int = 200  # update_proj_gap: steps between subspace refreshes
     galore_scale: float = 0.25

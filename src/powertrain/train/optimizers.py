@@ -82,6 +82,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
                 max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency,
                 grafting="adam", grafting_beta2=0.95, preconditioner=cfg.shampoo_preconditioner,
                 comm_dtype=torch.bfloat16 if cfg.shampoo_comm_dtype == "bf16" else torch.float32,
+                precondition_1d=cfg.shampoo_vectors == "shampoo",
             )  # fmt: skip
             return Built(shampoo, per_rank=True, stats=shampoo.comm.stats)
         case "galore":

@@ -8,12 +8,13 @@ for each of its blocks (:mod:`.blocks`) that this rank owns:
 2. Factor statistics (:func:`.preconditioner.update_factors`), the grafting statistics, and every
    ``precondition_frequency`` steps (from ``start_preconditioning_step``) the inverse roots. The block's
    direction is the preconditioned ``f`` rescaled to the norm of the grafting method's direction (``adam``,
-   ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots or
-   after ``max_root_failures`` failed root computations.
-3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by cost (sum of d_i^3, greedy,
-   deterministic), each rank writes its blocks' directions into its part of one all-gather (``comm_dtype``),
-   and updates its own blocks while the all-gather is in flight, the others' once it has arrived. With fp32
-   communication the result is bitwise the single-process optimizer's.
+   ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots,
+   after ``max_root_failures`` failed root computations, or for good for a vector with ``precondition_1d=False``.
+3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by their estimated time per step
+   (products, amortised roots, elementwise and fixed work; greedy, deterministic), each rank writes its
+   blocks' directions into its part of one all-gather (``comm_dtype``), and updates its own blocks while the
+   all-gather is in flight, the others' once it has arrived. With fp32 communication the result is bitwise the
+   single-process optimizer's.
 4. Decoupled weight decay, momentum (optionally Nesterov) on the direction, ``p -= lr * direction``, block by
    block on views of the parameter.
 
@@ -58,8 +59,9 @@ from powertrain.optim.shampoo.preconditioner import (
 __all__ = ["DistributedShampoo"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
-# version of state_dict()'s layout: 2 keeps the filtered gradient per block (1: per parameter, on every rank)
-_LAYOUT = 2
+# version of state_dict()'s layout: 3 records the blocks the rank owns (2: the filtered gradient per block, blocks
+# assigned by d^3; 1: the filtered gradient per parameter, on every rank)
+_LAYOUT = 3
 Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
 
 
@@ -77,16 +79,36 @@ class _Block:
     owner: int
 
 
-def _assign(shapes: list[tuple[int, int, tuple[int, ...]]], world: int) -> list[_Block]:
-    """Greedy longest-processing-time assignment of blocks to ranks by eigendecomposition cost."""
+# Balancing model: a block's time per step in multiply-adds of a large matrix product, from measurements on one
+# CPU thread (float32, 256 x 256 blocks; a 256^3 product takes 0.33 ms): an eigendecomposition of a d x d factor
+# costs about 10 d^3 (3.1 ms for d = 256), the step's elementwise passes about 140 per entry (about 15 passes of
+# 12 us over 65,536 entries), and each block about 5e6 of fixed work (0.1 ms: dispatch, Python). Only the balance
+# depends on it: any deterministic assignment keeps the distributed optimizer bitwise the single-process one.
+_ROOT_COST, _PASS_COST, _BLOCK_COST = 10, 140, 5e6
+
+
+def _cost(shape: tuple[int, ...], preconditioned: bool, products: int, frequency: int) -> float:
+    """Estimated time of one step of a block: fixed and elementwise work, plus for a preconditioned block its
+    ``products`` mode products per step (each ``numel * d_i`` multiply-adds per dimension ``i``; 2 for Shampoo:
+    the factor update and the preconditioning; 4 eigenvalue-corrected: the factor update and three rotations) and
+    its eigendecompositions amortised over ``frequency`` steps."""
+    n = math.prod(shape)
+    cost = _BLOCK_COST + _PASS_COST * n
+    if preconditioned:
+        cost += products * n * sum(shape) + _ROOT_COST * sum(d**3 for d in shape) / frequency
+    return cost
+
+
+def _assign(blocks: list[tuple[int, int, tuple[int, ...], float]], world: int) -> list[_Block]:
+    """Greedy longest-processing-time assignment of ``(param, index, shape, cost)`` blocks to ranks: the most
+    costly first, each to the least loaded rank (ties: the lowest rank), deterministic."""
     load = [0.0] * world
-    order = sorted(range(len(shapes)), key=lambda i: (-sum(d**3 for d in shapes[i][2]), i))
-    owner = [0] * len(shapes)
-    for i in order:
+    owner = [0] * len(blocks)
+    for i in sorted(range(len(blocks)), key=lambda i: (-blocks[i][3], i)):
         r = min(range(world), key=lambda j: (load[j], j))
         owner[i] = r
-        load[r] += sum(d**3 for d in shapes[i][2])
-    return [_Block(p, b, s, owner[i]) for i, (p, b, s) in enumerate(shapes)]
+        load[r] += blocks[i][3]
+    return [_Block(p, b, s, owner[i]) for i, (p, b, s, _) in enumerate(blocks)]
 
 
 def _scaled(t: torch.Tensor, c: float, out: torch.Tensor | None) -> torch.Tensor:
@@ -120,6 +142,11 @@ class DistributedShampoo(torch.optim.Optimizer):
         bias_correction: with ``betas[1] < 1``, divide the factors by ``1 - betas[1]^t`` before their roots (the
             reference implementation's default); grafting removes the scale, but not epsilon's relative weight.
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
+        precondition_1d: precondition vector blocks (1-D parameters such as biases and norm gains, and parameters
+            whose merged shape is 1-D) with a full ``d x d`` factor, as the reference implementation does; False
+            updates them by the grafting method alone (with ``adam``: Adam with the filtered gradient as its first
+            moment), as SOAP does by default. On the default GPT: 0.3% of the parameters, a tenth of the
+            optimizer's time.
         group: the data-parallel process group (default: the world when initialised, else one process); not
             used with sharded (DTensor) parameters, whose shards are preconditioned locally.
         comm_dtype: dtype of the all-gathered directions (float32: bitwise the single-process result).
@@ -145,6 +172,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         preconditioner: Preconditioner = "shampoo",
         bias_correction: bool = True,
         max_root_failures: int = 3,
+        precondition_1d: bool = True,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
     ) -> None:
@@ -191,7 +219,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
-        self.bias_correction = bool(bias_correction)
+        self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -210,15 +238,21 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.comm = Communicator(group)
         self.world, self.rank = self.comm.world_size, self.comm.rank
         shapes = []
+        products = 4 if preconditioner == "eigenvalue_corrected" else 2
         for i, p in enumerate(self._params):
             local = local_tensor(p)
             if local.numel() == 0:
                 continue  # an FSDP2 shard with no rows on this rank
             for b, blk in enumerate(blocking.split(torch.empty(local.shape, device="meta"), self.max_dim)):
-                shapes.append((i, b, tuple(blk.shape)))
+                shape = tuple(blk.shape)
+                shapes.append((i, b, shape, _cost(shape, self._preconditioned(shape), products, self.frequency)))
         self.blocks = _assign(shapes, 1) if self.sharded else _assign(shapes, self.world)
         self._owner = 0 if self.sharded else self.rank
         self.steps = 0
+
+    def _preconditioned(self, shape: tuple[int, ...]) -> bool:
+        """Whether a block of this shape is preconditioned (else its direction is the graft's alone)."""
+        return len(shape) > 1 or self.precondition_1d
 
     # -- per-block direction -------------------------------------------------------------------------------
     #
@@ -253,7 +287,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         """This block's direction, written into ``out`` (a flat slice of the all-gather's buffer) when given."""
         st = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
         step = self.steps
-        if "factors" not in st:
+        preconditioned = self._preconditioned(blk.shape)
+        if preconditioned and "factors" not in st:
             st["factors"] = init_factors(raw)
             st["failures"] = torch.zeros((), dtype=torch.int64)
         beta1, beta2 = group["betas"]
@@ -266,8 +301,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             scale = 1.0 / (1 - beta1**step)
         else:
             filtered, scale = raw, 1.0
-        update_factors(st["factors"], raw, beta2)
         graft, graft_scale = self._graft(st, raw, filtered, scale, group, step)
+        if not preconditioned:
+            return _scaled(graft, graft_scale, out)
+        update_factors(st["factors"], raw, beta2)
         corrected = self.preconditioner == "eigenvalue_corrected"
         if corrected and "bases" not in st:
             st["bases"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in st["factors"]]
@@ -319,8 +356,13 @@ class DistributedShampoo(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
         out = super().state_dict()
-        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT}
+        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT,
+                          "owned": self._owned()}  # fmt: skip
         return out
+
+    def _owned(self) -> list[list[int]]:
+        """``[param, block]`` of every block this rank keeps statistics for."""
+        return [[b.param, b.index] for b in self.blocks if b.owner == self._owner]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("shampoo")
@@ -329,13 +371,21 @@ class DistributedShampoo(torch.optim.Optimizer):
         if meta.get("layout", 1) != _LAYOUT:
             raise ValueError(
                 f"This DistributedShampoo state has layout {meta.get('layout', 1)}, this version reads layout "
-                f"{_LAYOUT} (the filtered gradient moved into each block's state): it cannot resume it bitwise; "
-                "restart the optimizer state or resume with the powertrain version that wrote it"
+                f"{_LAYOUT} (blocks are assigned to ranks by their time per step, and each rank records its own): "
+                "it cannot resume it bitwise; restart the optimizer state or resume with the powertrain version "
+                "that wrote it"
             )
         if (meta["world"], meta["rank"]) != (self.world, self.rank):
             raise ValueError(
                 f"This state was written by rank {meta['rank']} of {meta['world']}, this is rank {self.rank} of "
                 f"{self.world}: each rank keeps only its own blocks' statistics, so resume with the same world size"
+            )
+        if meta["owned"] != self._owned():
+            raise ValueError(
+                f"This state holds the statistics of other blocks than this rank owns ({len(meta['owned'])} blocks "
+                f"against {len(self._owned())}): the parameters or the options that set the blocks and their "
+                "assignment (max_preconditioner_dim, precondition_1d, preconditioner, precondition_frequency) "
+                "differ from the run that wrote it; resume with the same ones"
             )
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         super().load_state_dict(state_dict)
