@@ -226,7 +226,7 @@ def test_blocks_are_balanced_by_their_estimated_time(precondition_1d):
     model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=128))
     opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=256, precondition_frequency=50,
                              precondition_1d=precondition_1d)  # fmt: skip
-    costs = [_cost(b.shape, len(b.shape) > 1 or precondition_1d, 2, 50) for b in opt.blocks]
+    costs = [_cost(b.shape, opt._preconditioned(b.shape), 2, 50) for b in opt.blocks]
     for world in (2, 4):
         blocks = _assign([(b.param, b.index, b.shape, c) for b, c in zip(opt.blocks, costs, strict=True)], world)
         load = [sum(c for b, c in zip(blocks, costs, strict=True) if b.owner == r) for r in range(world)]
