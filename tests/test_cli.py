@@ -262,27 +262,32 @@ def test_bench_overhead_tiny(tmp_path):
     assert target.read_text().count("<!-- bench:overhead-tiny -->") == 1  # replaced, not appended
 
 
-_EXIT_PROBE = """
-import atexit, sys
-from powertrain.train.launch import _then_skip_finalization
-atexit.register(lambda: print("finalized", flush=True))
-def ok():
-    return [1.0]
-def bad():
-    raise RuntimeError("worker failed")
-def unpicklable():
-    return lambda: None
-print(_then_skip_finalization({fn}), flush=True)
-"""
+def _returns(marker: str) -> int:
+    import atexit
+
+    atexit.register(lambda: Path(marker).write_text("finalized"))  # stands in for the interpreter's teardown
+    return int(os.environ["RANK"]) * 10
 
 
-@pytest.mark.parametrize(("fn", "code", "finalized"), [("ok", 0, False), ("bad", 1, True), ("unpicklable", 1, True)])
-def test_launched_workers_skip_finalization_only_after_success(fn, code, finalized):
-    """A worker that returned exits at once (the earlier atexit hook, standing in for the interpreter's
-    teardown, never runs); one that failed, or whose result the agent could not receive, keeps its exit code
-    and the normal teardown."""
-    r = subprocess.run([sys.executable, "-c", _EXIT_PROBE.format(fn=fn)], capture_output=True, text=True, timeout=60)
-    assert r.returncode == code, r.stderr[-2000:]
-    assert ("finalized" in r.stdout) == finalized
-    if fn == "ok":
-        assert "[1.0]" in r.stdout  # stdout flushed before the exit
+def _rank1_fails(marker: str) -> None:
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom\non two lines")
+    time.sleep(60)  # rank 0 would wait for rank 1 forever: the launcher must stop it
+
+
+def test_launcher_returns_results_and_stops_everyone_on_a_failure(tmp_path):
+    """Workers that returned exit without interpreter finalisation (the atexit hook never runs); a failing
+    worker's own one-line cause reaches the caller, and the others are stopped at once."""
+    from powertrain.train.launch import WorkerFailed, launch
+
+    marker = tmp_path / "finalized"
+    assert launch(_returns, 2, str(marker)) == {0: 0, 1: 10}
+    assert not marker.exists()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailed) as e:
+        launch(_rank1_fails, 2, str(marker), trace_dir=tmp_path / "logs", grace_s=2.0)
+    assert time.monotonic() - t0 < 30
+    assert [(f.rank, f.cause.split(" (traceback")[0]) for f in e.value.failures] == [
+        (1, "RuntimeError: boom on two lines")
+    ]
+    assert "Traceback" in (tmp_path / "logs" / "rank1.traceback").read_text()

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks
 from models import make_model
+from powertrain import checkpoint
 from powertrain import fsdp as pfsdp
 from powertrain.checkpoint import CompressorState
 from powertrain.compress import make_compressor
@@ -114,7 +114,7 @@ def _resume(rank: int, world: int, name: str, ckpt: str, mode: str) -> torch.Ten
     elif mode == "resume":
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd, "compressor": CompressorState(comp)}
-        dcp.load(state, checkpoint_id=f"{ckpt}/{name}")
+        checkpoint.load(state, f"{ckpt}/{name}")
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = save_at
     for step in range(start, total):
@@ -122,9 +122,9 @@ def _resume(rank: int, world: int, name: str, ckpt: str, mode: str) -> torch.Ten
             plain = {"model": model.state_dict(), "optim": opt.state_dict(), "compressor": comp.state_dict()}
             torch.save(plain, f"{ckpt}/{name}-rank{rank}.pt")
             model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save(
+            checkpoint.save(
                 {"model": model_sd, "optim": optim_sd, "compressor": CompressorState(comp)},
-                checkpoint_id=f"{ckpt}/{name}",
+                f"{ckpt}/{name}",
             )
         opt.zero_grad()
         _loss(model, *_teacher_batch(rank, step)).backward()

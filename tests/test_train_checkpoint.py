@@ -43,7 +43,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     fresh = torch.nn.Linear(4, 3)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     loaded = _Counter()
-    assert load_checkpoint(first, fresh, fresh_opt, {"c": loaded}) == 3
+    assert load_checkpoint(first, fresh, fresh_opt, {"c": loaded})[0] == 3
     assert loaded.value == 7
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
     assert fresh_opt.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from typing import Any, ClassVar
 
 import torch
@@ -33,28 +34,44 @@ def fsdp_param_group_count(module: Any) -> int:
     return len(module._get_fsdp_state()._fsdp_param_groups)
 
 
-class SafeUnpickler(pickle.Unpickler):
-    """Unpickles DCP checkpoint metadata without running arbitrary code: only DCP's own metadata and
-    storage classes, torch sizes/dtypes/devices and plain containers may be named in the stream."""
+# pickle's pure-Python unpickler: unlike the C one, its opcodes can be hooked (typeshed does not describe it)
+_PyUnpickler: Any = pickle._Unpickler
 
-    _MODULES: ClassVar[tuple[str, ...]] = (
-        "torch.distributed.checkpoint.metadata",
-        "torch.distributed.checkpoint.filesystem",
-        "torch.distributed.checkpoint.planner",
-        "torch.distributed.checkpoint._extension",
-    )
+
+class SafeUnpickler(_PyUnpickler):
+    """Unpickles DCP checkpoint metadata (``.metadata``, a plain pickle in torch) without running code.
+
+    * ``find_class`` admits an exact list of (module, name) pairs: DCP's metadata dataclasses, ``torch.Size``,
+      dtypes, layouts and memory formats, ``PosixPath`` and plain containers. Dotted names (pickle protocol 4
+      resolves ``os.system`` inside any admitted module) and ``builtins.getattr`` are refused.
+    * ``BUILD`` only fills instances of admitted classes: setting attributes on a class (or on anything else)
+      is refused, so a stream cannot patch the classes it may name.
+    Every callable a stream can reach is therefore the constructor of an admitted class, none of which has side
+    effects. torch's own ``weights_only`` unpickler cannot be used here: it rejects protocol 4's framing, which
+    DCP writes.
+    """
+
     _ALLOWED: ClassVar[frozenset[tuple[str, str]]] = frozenset(
         {
+            ("torch.distributed.checkpoint.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorStorageMetadata",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        }
+        | {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
             ("torch", "Size"),
-            ("torch", "dtype"),
             ("torch", "device"),
-            ("torch", "layout"),
-            ("torch", "memory_format"),
-            ("builtins", "getattr"),  # how some torch enums pickle themselves
             ("torch.serialization", "_get_layout"),  # how torch.strided and friends pickle themselves
             ("pathlib", "PosixPath"),  # the checkpoint id DCP records
             ("pathlib", "PurePosixPath"),
-            ("pathlib", "WindowsPath"),
             ("collections", "OrderedDict"),
             ("builtins", "set"),
             ("builtins", "frozenset"),
@@ -63,29 +80,54 @@ class SafeUnpickler(pickle.Unpickler):
     )
 
     def find_class(self, module: str, name: str) -> Any:
-        torch_type = module == "torch" and isinstance(
-            getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
-        )
-        if module in self._MODULES or (module, name) in self._ALLOWED or torch_type:
-            return super().find_class(module, name)
+        if "." not in name:
+            torch_value = module == "torch" and isinstance(
+                getattr(torch, name, None), torch.dtype | torch.layout | torch.memory_format
+            )
+            if torch_value or (module, name) in self._ALLOWED:
+                return super().find_class(module, name)
         raise pickle.UnpicklingError(
             f"checkpoint metadata names {module}.{name}, which is not allowed: refusing to load it"
         )
 
+    def load_build(self) -> None:
+        inst = self.stack[-2]  # BUILD pops the state (stack[-1]) and applies it to the object below it
+        kind = type(inst)
+        if isinstance(inst, type) or (kind.__module__, kind.__qualname__) not in self._ALLOWED:
+            raise pickle.UnpicklingError(
+                f"checkpoint metadata sets the state of a {kind.__module__}.{kind.__qualname__}, which is not "
+                "allowed: refusing to load it"
+            )
+        super().load_build()
+
+    dispatch: ClassVar[dict[int, Any]] = {**_PyUnpickler.dispatch, pickle.BUILD[0]: load_build}
+
+
+_DATA_FILE = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
+
 
 def safe_dcp_reader(path: str) -> Any:
-    """A DCP FileSystemReader whose metadata load cannot execute code (DCP itself uses plain pickle)."""
+    """A DCP FileSystemReader whose metadata load cannot execute code (DCP itself uses plain pickle), and
+    whose metadata may name data files inside the checkpoint directory only."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class _Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             meta_path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(meta_path, "rb") as f:
                 metadata = SafeUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            if not isinstance(metadata, Metadata):
+                raise pickle.UnpicklingError(f"{meta_path} holds a {type(metadata).__name__}, not DCP metadata")
+            for info in (metadata.storage_data or {}).values():
+                name = getattr(info, "relative_path", None)
+                if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
+                    raise pickle.UnpicklingError(
+                        f"{meta_path} names the data file {name!r}, which is not a file name inside the checkpoint"
+                    )
+            storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+            storage_meta.load_id = self.load_id
+            metadata.storage_meta = storage_meta
             return metadata
 
     return _Reader(path)

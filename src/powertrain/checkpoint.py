@@ -1,57 +1,291 @@
-"""Checkpointing compressor state with torch.distributed.checkpoint (DCP).
+"""Checkpoints with torch.distributed.checkpoint (DCP) that cannot run code, drop state or load corrupted data.
 
-A compressor's state differs on every rank (each rank's error buffers hold what *its* gradients still
-owe). DCP treats tensors saved under the same name on several ranks as replicas and keeps one copy, which
-would silently drop the others. :class:`CompressorState` therefore stores each rank's state under its own
-key, as one serialized blob, and reads it back with ``torch.load(weights_only=True)``. Resuming needs the
-same world size (the error buffers cannot be redistributed meaningfully).
+DCP as torch ships it is unsafe to load from an untrusted directory: its ``.metadata`` is a plain pickle, and
+every non-tensor item (a number, an optimizer's ``lr``, an ``io.BytesIO``) is read back with
+``torch.load(weights_only=False)``. :func:`load` closes both paths and adds two checks DCP lacks:
+
+1. ``.metadata`` is read by an unpickler that admits DCP's metadata classes only
+   (:class:`powertrain._compat.SafeUnpickler`), and may name data files inside the checkpoint only.
+2. Non-tensor items are read with ``torch.load(weights_only=True)`` (numbers, strings, tuples, tensors).
+3. Nothing is silently left out: every entry of the state dict to fill must be in the checkpoint, except
+   those an ``optional`` predicate admits (an optimizer slot that never had a gradient); a tensor entry must
+   be a tensor in the checkpoint.
+4. :func:`save` records a SHA-256 per file in ``manifest.json``; :func:`load` verifies them first, so a
+   flipped byte is a one-line :class:`CheckpointError` naming the file instead of a model trained on garbage.
+
+State that differs per rank (compressor error buffers, per-rank optimizer state) goes through
+:class:`CompressorState`: DCP treats tensors saved under one name on several ranks as replicas and keeps one.
+It stores each rank's state as a byte tensor (``torch.save`` output, loaded with ``weights_only=True``) under
+its own key; the key names the world size, so loading into another world size fails with both sizes named.
 
 Usage::
 
-    import torch.distributed.checkpoint as dcp
-    from powertrain.checkpoint import CompressorState
+    from powertrain import checkpoint
 
-    dcp.save({"model": model.state_dict(), "compressor": CompressorState(compressor)}, checkpoint_id=path)
+    state = {"model": model.state_dict(), "compressor": checkpoint.CompressorState(compressor)}
+    checkpoint.save(state, path)
     ...
-    dcp.load({"model": model.state_dict(), "compressor": CompressorState(compressor)}, checkpoint_id=path)
+    checkpoint.load(state, path)  # verifies checksums, then fills model and compressor in place
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from powertrain._compat import safe_dcp_reader
 from powertrain.comm import Communicator
-from powertrain.compress.base import Compressor
 
-__all__ = ["CompressorState"]
+__all__ = [
+    "CheckpointError",
+    "CompressorState",
+    "load",
+    "never_stepped",
+    "read_manifest",
+    "save",
+    "saved_world_size",
+    "verify",
+]
+
+MANIFEST = "manifest.json"
+FORMAT = 2  # 1: per-rank state as pickled io.BytesIO (not loadable safely), no manifest
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupted, unsafe, or made for another model or world size."""
+
+
+# ---------------------------------------------------------------- per-rank state
+
+
+def _rank_key() -> str:
+    comm = Communicator()  # rank and world size of the default group, with the world-size-1 fallback
+    return f"rank{comm.rank}_of_{comm.world_size}"
+
+
+_RANK_KEY = re.compile(r"rank(\d+)_of_(\d+)")
+
+
+def to_blob(state: Any) -> torch.Tensor:
+    """``state`` (tensors, numbers, strings, containers) as a uint8 tensor: ``torch.save``'s bytes."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+
+
+def from_blob(blob: torch.Tensor) -> Any:
+    """The inverse of :func:`to_blob`, with ``weights_only=True``: it cannot run code."""
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
 
 
 class CompressorState:
-    """A DCP ``Stateful`` wrapper around a compressor (or anything with state_dict/load_state_dict)."""
+    """A DCP ``Stateful`` wrapper storing the state of ``obj`` (anything with ``state_dict`` /
+    ``load_state_dict``: a compressor, a per-rank optimizer) under this rank's own key, as a byte tensor.
 
-    def __init__(self, compressor: Compressor | Any) -> None:
-        self.compressor = compressor
+    On load it offers an empty uint8 tensor, which :func:`load`'s planner sizes from the checkpoint (a plain
+    ``dcp.load`` refuses it with a size mismatch rather than unpickling anything).
+    """
 
-    def _key(self) -> str:
-        comm = Communicator()  # rank and world size of the default group, with the world-size-1 fallback
-        return f"rank{comm.rank}_of_{comm.world_size}"
+    def __init__(self, obj: Any) -> None:
+        self.compressor = obj
 
     def state_dict(self) -> dict[str, Any]:
-        buf = io.BytesIO()
-        torch.save(self.compressor.state_dict(), buf)
-        buf.seek(0)
-        return {self._key(): buf}
+        return {_rank_key(): to_blob(self.compressor.state_dict())}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        key = self._key()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        key = _rank_key()
         if key not in state:
-            raise ValueError(
-                f"The checkpoint holds compressor state for {sorted(state)}, not for {key}: resume with the "
-                "world size it was saved with"
+            raise CheckpointError(
+                f"The checkpoint holds per-rank state for {sorted(state)}, not for {key}: resume with the world "
+                "size it was saved with"
             )
-        buf = state[key]
-        buf.seek(0)
-        self.compressor.load_state_dict(torch.load(buf, weights_only=True))
+        self.compressor.load_state_dict(from_blob(state[key]))
+
+
+# ---------------------------------------------------------------- loading
+
+
+Optional = Callable[[str, Metadata], bool]
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner with the checks of this module's docstring (2 and 3).
+
+    Args:
+        optional: ``optional(fqn, metadata)`` is True for a state-dict entry the checkpoint may lack (it keeps
+            its current value). Anything else missing raises :class:`CheckpointError` listing the keys.
+    """
+
+    def __init__(self, *, optional: Optional | None = None) -> None:
+        super().__init__(allow_partial_load=True)  # the strict check is ours (DCP's has no exceptions)
+        self.optional = optional or (lambda fqn, md: False)
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:  # fmt: skip
+        assert metadata is not None, "DCP passes the checkpoint's metadata"
+        saved = metadata.state_dict_metadata
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        missing = []
+        for fqn, value in self.state_dict.items():
+            md = saved.get(fqn)
+            if md is None:
+                if not self.optional(fqn, metadata):
+                    missing.append(fqn)
+                continue
+            if not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                raise CheckpointError(f"Checkpoint item {fqn!r} should be a tensor but is stored as an object")
+            if value.dtype == torch.uint8 and value.numel() == 0:
+                value.resize_(md.size)  # a CompressorState blob: its length is known from the checkpoint only
+        if missing:
+            ranks = sorted({m.group(0) for k in saved if (m := _RANK_KEY.search(k))})
+            hint = f" (it has per-rank state for {', '.join(ranks)})" if ranks else ""
+            raise CheckpointError(
+                f"The checkpoint lacks {len(missing)} entries this run needs{hint}: {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+            )
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)  # numbers, strings, tuples: never code
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:  # put it where it was in the nested state dict (DCP's set_element is private)
+            *parents, last = self.mappings[fqn]
+            node: Any = self.original_state_dict
+            for key in parents:
+                node = node[key]
+            node[last] = obj
+        else:
+            self.state_dict[fqn] = obj
+
+
+def never_stepped(key: str = "optim") -> Optional:
+    """An ``optional`` predicate for :func:`load`: the optimizer state (``get_state_dict``'s, stored under ``key``)
+    of a parameter that never had a gradient may be absent, since ``get_state_dict`` creates every slot when it
+    loads. Only a parameter with no saved state at all qualifies; anything else missing is still an error."""
+
+    def optional(fqn: str, metadata: Metadata) -> bool:
+        parts = fqn.split(".")
+        if parts[:2] != [key, "state"] or len(parts) < 4:
+            return False
+        prefix = ".".join(parts[:-1]) + "."  # key.state.<parameter fqn>.
+        return not any(k.startswith(prefix) for k in metadata.state_dict_metadata)
+
+    return optional
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """DCP's metadata of the checkpoint at ``path``, read safely."""
+    return safe_dcp_reader(str(path)).read_metadata()
+
+
+def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | None = None,
+         process_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
+
+    Verifies the manifest's checksums first (:func:`verify`), then loads through :class:`SafeLoadPlanner`.
+    Every rank of ``process_group`` must call it.
+    """
+    verify(path)
+    # A CompressorState offers an empty blob to load into (its own state_dict() would serialise the current state).
+    wrapped = {k: v for k, v in state_dict.items() if isinstance(v, CompressorState)}
+    for k in wrapped:
+        state_dict[k] = {_rank_key(): torch.empty(0, dtype=torch.uint8)}
+    try:
+        dcp.load(state_dict, storage_reader=safe_dcp_reader(str(path)), planner=SafeLoadPlanner(optional=optional),
+                 process_group=process_group)  # fmt: skip
+        for k, v in wrapped.items():
+            v.load_state_dict(state_dict[k])
+    except CheckpointException as e:  # DCP gathers every rank's traceback into one message: keep the cause
+        causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        first = next((c for c in causes if isinstance(c, CheckpointError)), causes[0] if causes else e)
+        raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {first}") from None
+    finally:
+        state_dict.update(wrapped)
+
+
+# ---------------------------------------------------------------- saving and the manifest
+
+
+def _digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, Any] | None = None,
+         process_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+    """``dcp.save`` to ``path``, then rank 0 writes ``manifest.json``: the format, the world size, each file's
+    size and SHA-256, and ``extra`` (JSON values). Every rank of ``process_group`` must call it; it returns once
+    the manifest exists."""
+    dcp.save(state_dict, checkpoint_id=str(path), process_group=process_group)
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        dist.barrier(group=process_group)
+    comm = Communicator(process_group)
+    if comm.rank == 0:
+        root = Path(path)
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
+                 for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST}  # fmt: skip
+        manifest = {"format": FORMAT, "world_size": comm.world_size, **(extra or {}), "files": files}
+        tmp = root / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+        tmp.replace(root / MANIFEST)
+    if initialized:
+        dist.barrier(group=process_group)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``manifest.json`` (plain JSON), or a :class:`CheckpointError` saying why not."""
+    f = Path(path) / MANIFEST
+    if not f.is_file():
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete, or was written by a powertrain older "
+            "than checkpoint format 2, whose per-rank state cannot be loaded safely"
+        )
+    try:
+        manifest = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{str(f)!r} is not valid JSON ({e}): the checkpoint is corrupted") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if manifest.get("format") != FORMAT or not isinstance(files, dict):
+        raise CheckpointError(f"{str(f)!r} is not a format-{FORMAT} powertrain manifest")
+    return manifest
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """Check every file of the checkpoint at ``path`` against its manifest (present, same size and SHA-256, no
+    unlisted data files); return the manifest. Raises :class:`CheckpointError` naming the first bad file."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    listed = manifest["files"]
+    for name, entry in listed.items():
+        f = root / name
+        if "/" in name or name.startswith(".."):
+            raise CheckpointError(f"{str(root / MANIFEST)!r} lists {name!r}, which is not a file of the checkpoint")
+        if not f.is_file():
+            raise CheckpointError(f"Checkpoint file {str(f)!r} is missing")
+        if f.stat().st_size != entry.get("bytes") or _digest(f) != entry.get("sha256"):
+            raise CheckpointError(f"Checkpoint file {str(f)!r} is corrupted: its checksum differs from the manifest")
+    extra = sorted(p.name for p in root.iterdir() if p.is_file() and p.name not in listed and p.name != MANIFEST)
+    if extra:
+        raise CheckpointError(f"Checkpoint {str(root)!r} has files its manifest does not list: {extra[:5]}")
+    return manifest
+
+
+def saved_world_size(path: str | Path) -> int:
+    """The world size the checkpoint at ``path`` was written with (from its manifest)."""
+    size = read_manifest(path).get("world_size")
+    if not isinstance(size, int) or size < 1:
+        raise CheckpointError(f"{str(Path(path) / MANIFEST)!r} has no valid world_size")
+    return size

@@ -151,6 +151,16 @@ class DDPCompressionHook:
     compressor: Compressor
     _seq: _Sequencer
     _calls: int = 0
+    _error: BaseException | None = None
+
+    def take_error(self) -> BaseException | None:
+        """The exception a hook call failed with since the last call of this method (e.g. a
+        :class:`~powertrain.compress.NonFiniteGradientError`), and forget it.
+
+        DDP turns a failed hook into a ``RuntimeError`` that loses the exception's type (``Unable to cast ...``);
+        catch that around ``backward()`` and ask here what happened."""
+        error, self._error = self._error, None
+        return error
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
         grads = bucket.gradients()
@@ -164,7 +174,16 @@ class DDPCompressionHook:
 
         chain = _Chain(self.compressor.program(grads, idx), self._seq, self._calls, done)
         self._calls += 1
-        return chain.start()
+        fut = chain.start()
+
+        def record(f: torch.futures.Future) -> None:
+            try:
+                f.wait()
+            except BaseException as e:
+                self._error = self._error or e
+
+        fut.add_done_callback(record)
+        return fut
 
     def state_dict(self) -> dict[str, Any]:
         return self.compressor.state_dict()

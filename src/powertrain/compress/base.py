@@ -27,6 +27,7 @@ __all__ = [
     "NonFiniteGradientError",
     "Program",
     "ReduceRequest",
+    "check_state_tensors",
     "guard_nonfinite",
     "named_trainable",
     "run_program",
@@ -139,16 +140,38 @@ def guard_nonfinite(program: Program, *, local_ok: bool, error: Callable[[], Non
             return stop.value
 
 
+def check_state_tensors(owner: str, what: str, saved: Any, shapes: Sequence[Sequence[int] | None]) -> None:
+    """A saved list of per-parameter tensors fits: one entry per parameter, each None or a finite tensor of
+    the expected shape (None in ``shapes``: the entry must be None). Raises ValueError naming the first misfit."""
+    if not isinstance(saved, list | tuple) or len(saved) != len(shapes):
+        n = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
+        raise ValueError(f"{owner} state_dict has {n} {what}, expected one per parameter ({len(shapes)})")
+    for i, (t, shape) in enumerate(zip(saved, shapes, strict=True)):
+        if t is None:
+            continue
+        if shape is None or not isinstance(t, torch.Tensor) or list(t.shape) != list(shape):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{owner} state_dict's {what}[{i}] is {got}, expected {None if shape is None else list(shape)}"
+            )
+        if t.is_floating_point() and not all_finite([t]):
+            raise ValueError(f"{owner} state_dict's {what}[{i}] holds NaN or Inf: refusing to resume from it")
+
+
 def named_trainable(
     params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[list[str], list[torch.Tensor]]:
     """Accept ``model.parameters()`` or ``model.named_parameters()``; keep those that require grad."""
     names: list[str] = []
     tensors: list[torch.Tensor] = []
+    seen: dict[int, str] = {}
     for i, item in enumerate(params):
         name, p = item if isinstance(item, tuple) else (f"param[{i}]", item)
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"Expected parameters (tensors), got {type(p).__name__} for {name}")
+        if id(p) in seen:  # its gradient would be sent, and its error fed back, twice
+            raise ValueError(f"Parameter {name} is listed twice (also as {seen[id(p)]}): pass each parameter once")
+        seen[id(p)] = name
         if p.requires_grad:
             if not p.is_floating_point():
                 raise ValueError(f"Gradient compression needs floating-point parameters; {name} is {p.dtype}")
@@ -291,8 +314,9 @@ class Compressor(abc.ABC):
         bad = [name for name, g in zip(names, grads, strict=True) if not all_finite([g])]
         if not all_finite([e for e in errors if e is not None]):
             bad.append("<error buffer>")
+        names_ = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
         where = (
-            f"non-finite gradient in {', '.join(bad)} on rank {rank}"
+            f"non-finite gradient in {names_} on rank {rank}"
             if bad
             else f"gradients on rank {rank} are finite, another rank sent non-finite values"
         )

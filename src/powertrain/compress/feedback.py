@@ -29,6 +29,7 @@ from powertrain.compress.base import (
     Program,
     Request,
     Rows,
+    check_state_tensors,
     guard_nonfinite,
     slice_rows,
 )
@@ -136,6 +137,7 @@ class ErrorFeedbackCompressor(Compressor):
                 f"state_dict of a {state['kind']} for shapes {state['shapes']} does not fit this "
                 f"{type(self).__name__} for {shapes}"
             )
+        check_state_tensors(type(self).__name__, "errors", state["errors"], self._shapes)
         self._errors = [None if e is None else e.to(self.device, self.error_dtype, copy=True) for e in state["errors"]]
         self._steps = [int(s) for s in state["steps"]]
         self.seed = int(state["seed"])

@@ -50,7 +50,14 @@ import torch
 import torch.distributed as dist
 
 from powertrain._compat import foreach_add_
-from powertrain.compress.base import Compressor, Program, ReduceRequest, Rows, guard_nonfinite
+from powertrain.compress.base import (
+    Compressor,
+    Program,
+    ReduceRequest,
+    Rows,
+    check_state_tensors,
+    guard_nonfinite,
+)
 from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize
@@ -473,6 +480,9 @@ class PowerSGDCompressor(Compressor):
                 f"(n, m, rank) per parameter {state['layout']}, this one has {self.config.variant!r} with {layout}; "
                 "build it with the same parameters and Config"
             )
+        check_state_tensors("PowerSGD", "p", state["p"], [None if m is None else (m[0], m[2]) for m in self._mat])
+        check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
+        check_state_tensors("PowerSGD", "errors", state["errors"], [None if m is None else m[:2] for m in self._mat])
         copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
         self.num_steps = int(state["num_steps"])
         self._steps = [int(x) for x in state["steps"]]

@@ -52,7 +52,9 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
             raise ValueError(f"Invalid bits={bits!r}: must be 4 or 8")
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8:
             raise ValueError(f"Invalid chunk={chunk!r}: must be an integer >= 8")
-        if not 0.0 <= loco_beta < 1.0:
+        if not isinstance(stochastic, bool):
+            raise ValueError(f"Invalid stochastic={stochastic!r}: must be True or False")
+        if isinstance(loco_beta, bool) or not isinstance(loco_beta, int | float) or not 0.0 <= loco_beta < 1.0:
             raise ValueError(f"Invalid loco_beta={loco_beta!r}: must be in [0, 1); 0 is plain error feedback")
         if isinstance(loco_reset_every, bool) or not isinstance(loco_reset_every, int) or loco_reset_every < 1:
             raise ValueError(f"Invalid loco_reset_every={loco_reset_every!r}: must be an integer >= 1")

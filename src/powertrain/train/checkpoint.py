@@ -1,11 +1,17 @@
-"""Checkpoints of a training run: model, optimizer, scheduler, compressor, step and RNG, via DCP.
+"""Checkpoints of a training run: model, optimizer, scheduler, compressor, step, progress and RNG, via DCP.
 
-Layout: ``OUT/checkpoints/step_00000042/`` (a DCP checkpoint) and ``OUT/checkpoints/latest`` (the name of
-the newest complete one). A checkpoint is written to ``step_XXXXXXXX.tmp`` and renamed once every rank has
-finished, and ``latest`` is replaced atomically afterwards, so a crash while saving leaves the previous
-checkpoint loadable. Per-rank state (compressor error buffers, residuals, RNG) is stored under each rank's
-own key (:class:`powertrain.checkpoint.CompressorState`) and loaded with ``weights_only=True``; DCP's own
-metadata file (plain pickle in torch) is read with an unpickler that admits only DCP's metadata classes.
+Layout: ``OUT/checkpoints/step_00000042/`` (a DCP checkpoint with a ``manifest.json`` of checksums) and
+``OUT/checkpoints/latest`` (the name of the newest complete one). A checkpoint is written to
+``step_XXXXXXXX.tmp`` and renamed once every rank has finished and the manifest is written, and ``latest`` is
+replaced atomically afterwards, so a crash while saving leaves the previous checkpoint loadable. A step
+directory that already exists (a save that was renamed but never became ``latest``, or one from a run this run
+resumed before) is replaced.
+
+Everything is stored as tensors except the optimizer's hyperparameters (numbers, read with
+``weights_only=True``); loading goes through :func:`powertrain.checkpoint.load`, which cannot run code, verifies
+the checksums and refuses to leave anything out. Per-rank state (compressor error buffers, residuals, RNG, the
+scheduler) travels in :class:`powertrain.checkpoint.CompressorState` under each rank's own key, so resuming
+needs the world size the checkpoint was written with; :func:`check_resumable` says so before any worker starts.
 
 Optimizers whose state differs per rank (DistributedShampoo's owned blocks or local shards, DeMo's local
 momentum, GaLore's projections of local shards) are passed as ``optimizer=None`` and travel in ``per_rank``
@@ -15,13 +21,13 @@ instead: DCP's optimizer flattening assumes replicated or DTensor-sharded state,
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -29,10 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from powertrain._compat import safe_dcp_reader
-from powertrain.checkpoint import CompressorState
+from powertrain import checkpoint
+from powertrain.checkpoint import CheckpointError, CompressorState
 
-__all__ = ["find_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["check_resumable", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+#: Run-level counters a resume continues from (so a resume into a new directory reports the whole run).
+PROGRESS = ("wall_s", "bytes_total", "first_loss")
 
 
 class _RankState:
@@ -40,7 +49,6 @@ class _RankState:
 
     def __init__(self, parts: dict[str, Any]) -> None:
         self.parts = parts  # name -> object with state_dict/load_state_dict
-        self.loaded: dict[str, Any] = {}
 
     def state_dict(self) -> dict[str, Any]:
         out = {name: obj.state_dict() for name, obj in self.parts.items()}
@@ -48,10 +56,16 @@ class _RankState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        absent = sorted(set(self.parts) - set(state))
+        if absent:
+            raise CheckpointError(f"The checkpoint's per-rank state lacks {absent} (it has {sorted(state)})")
         for name, obj in self.parts.items():
             obj.load_state_dict(state[name])
         torch.set_rng_state(state["rng"])
-        self.loaded = state
+
+
+def _rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def _barrier() -> None:
@@ -65,23 +79,47 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return get_state_dict(model, optimizer)
 
 
+def _state(model_sd: dict, optim_sd: dict, per_rank: dict[str, Any], step: int,
+           progress: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "rank": CompressorState(_RankState(per_rank)),
+        "step": torch.tensor(step, dtype=torch.int64),
+        "progress": {k: torch.tensor(float(progress.get(k, 0.0)), dtype=torch.float64) for k in PROGRESS},
+    }
+
+
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    per_rank: dict[str, Any]) -> Path:  # fmt: skip
-    """Save after ``step`` completed steps; returns the checkpoint directory."""
+                    per_rank: dict[str, Any], progress: dict[str, float] | None = None) -> Path:  # fmt: skip
+    """Save after ``step`` completed steps; returns the checkpoint directory. Every rank must call it."""
     root = out / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "rank": CompressorState(_RankState(per_rank)), "step": step}
-    dcp.save(state, checkpoint_id=str(tmp))
+    if _rank0() and tmp.exists():  # left by a save that died: its files must not mix with ours
+        shutil.rmtree(tmp)
     _barrier()
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        os.replace(tmp, final)  # a directory rename: atomic
-        latest = root / "latest.tmp"
-        latest.write_text(final.name + "\n")
-        os.replace(latest, root / "latest")
+    model_sd, optim_sd = _state_dicts(model, optimizer)
+    checkpoint.save(_state(model_sd, optim_sd, per_rank, step, progress or {}), tmp, extra={"step": step})
+    if _rank0():
+        if final.exists():  # an earlier save of this step that is not (or no longer) the one to continue from
+            stale = root / f"{final.name}.stale-{uuid.uuid4().hex[:8]}"
+            os.replace(final, stale)
+            os.replace(tmp, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.replace(tmp, final)  # a directory rename: atomic
+        set_latest(out, final)
     _barrier()
     return final
+
+
+def set_latest(out: Path, ckpt: Path) -> None:
+    """Point ``out/checkpoints/latest`` at ``ckpt`` (a directory in it), atomically."""
+    root = out / "checkpoints"
+    tmp = root / "latest.tmp"
+    tmp.write_text(ckpt.name + "\n")
+    os.replace(tmp, root / "latest")
 
 
 def find_checkpoint(path: str | Path) -> Path:
@@ -91,30 +129,59 @@ def find_checkpoint(path: str | Path) -> Path:
         return p
     latest = p / "checkpoints" / "latest"
     if latest.is_file():
-        ckpt = p / "checkpoints" / latest.read_text().strip()
-        if (ckpt / ".metadata").is_file():
+        name = latest.read_text().strip()
+        ckpt = p / "checkpoints" / name
+        if "/" not in name and (ckpt / ".metadata").is_file():
             return ckpt
-    raise ValueError(f"No checkpoint at {str(p)!r}: pass a run directory with checkpoints/latest, or a checkpoint")
+        raise CheckpointError(f"{str(latest)!r} names {name!r}, which is not a complete checkpoint in {str(p)!r}")
+    raise CheckpointError(f"No checkpoint at {str(p)!r}: pass a run directory with checkpoints/latest, or a checkpoint")
+
+
+def _older_than(ckpt: Path) -> str:
+    """' (an older complete checkpoint: PATH)' where one exists beside ``ckpt``."""
+    older = sorted(
+        (p for p in ckpt.parent.glob("step_*") if p.is_dir() and p.name < ckpt.name and p.suffix == ""),
+        reverse=True,
+    )
+    for p in older:
+        try:
+            checkpoint.verify(p)
+        except CheckpointError:
+            continue
+        return f"; an older complete checkpoint is {p}"
+    return ""
+
+
+def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` (checksums, format) and that ``world_size`` workers can resume it;
+    returns its manifest. Raises :class:`CheckpointError` with a one-line reason."""
+    try:
+        manifest = checkpoint.verify(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{_older_than(path)}") from None
+    saved = checkpoint.saved_world_size(path)
+    if saved != world_size:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} was written by {saved} worker(s) and this run has {world_size}: resume with "
+            f"{saved} (--nproc {saved}); error-feedback buffers, per-rank optimizer state and RNG streams belong to "
+            "their worker and are not redistributed"
+        )
+    return manifest
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    per_rank: dict[str, Any]) -> int:  # fmt: skip
-    """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps."""
+                    per_rank: dict[str, Any]) -> tuple[int, dict[str, float]]:  # fmt: skip
+    """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps and the run's
+    progress counters (:data:`PROGRESS`) at that step."""
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    saved = set(safe_dcp_reader(str(path)).read_metadata().state_dict_metadata)
+    saved = set(checkpoint.read_metadata(path).state_dict_metadata)
     missing = sorted(k for k in (f"model.{k}" for k in model_sd) if k not in saved)
     if missing:
-        raise ValueError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
-    rank_state = _RankState(per_rank)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "rank": CompressorState(rank_state), "step": 0}
-    # Optimizer slots of parameters that never had a gradient are absent from the checkpoint: allow that.
-    dcp.load(
-        state,
-        storage_reader=safe_dcp_reader(str(path)),
-        planner=DefaultLoadPlanner(allow_partial_load=True),
-    )
+        raise CheckpointError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
+    state = _state(model_sd, optim_sd, per_rank, 0, {})
+    checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"))
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["step"])
+    return int(state["step"]), {k: float(v) for k, v in state["progress"].items()}

@@ -101,7 +101,8 @@ def _default_out() -> str:
     return str(Path("runs") / stamp)
 
 
-def _prepare_out(path: str) -> Path:
+def _prepare_out(path: str, *, resume: Path | None) -> Path:
+    """The run directory: created if needed, writable, and empty unless this run continues a checkpoint in it."""
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -110,13 +111,17 @@ def _prepare_out(path: str) -> Path:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"Cannot write to out={path!r}: {e.strerror or e}; choose another --out") from None
+    inside = resume is not None and out.resolve() in resume.resolve().parents
+    if not inside and any(out.iterdir()):
+        hint = f", or continue it with --resume {path}" if (out / "checkpoints" / "latest").is_file() else ""
+        raise ValueError(f"out={path!r} is not empty (it holds another run): choose a new --out{hint}")
     return out
 
 
 def _train(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    from powertrain.train.launch import launch
+    from powertrain.train.checkpoint import check_resumable, find_checkpoint, set_latest
+    from powertrain.train.data import check_source
+    from powertrain.train.launch import Interrupted, WorkerFailed, launch, under_torchrun
     from powertrain.train.loop import run_worker
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -125,61 +130,42 @@ def _train(args: argparse.Namespace) -> int:
     cfg = resolve(args.preset, toml, flags)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=_default_out())
-    out = _prepare_out(str(cfg.out))
-    _check_data_path(cfg)
-    if cfg.resume is not None:
-        from powertrain.train.checkpoint import find_checkpoint
-
-        find_checkpoint(cfg.resume)  # a clear error now rather than in every worker
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    check_source(cfg)
+    ckpt, world = None, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+    if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
+        ckpt = find_checkpoint(cfg.resume)
+        manifest = check_resumable(ckpt, world)
+        if int(manifest.get("step", -1)) >= cfg.steps:
+            print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
+                  "--steps to train further.")  # fmt: skip
+            return 0
+    out = _prepare_out(str(cfg.out), resume=ckpt) if rank0 else Path(str(cfg.out))
     if rank0:
-        (out / "config.toml").write_text(to_toml(cfg))
+        config = out / "config.toml"
+        if ckpt is not None and ckpt.parent == out / "checkpoints":
+            set_latest(out, ckpt)  # this run continues from here: later checkpoints in out are superseded
+            if config.exists():  # keep the configuration each part of the run was trained with
+                config.replace(out / f"config.before_resume_at_{ckpt.name}.toml")
+        config.write_text(to_toml(cfg))
         if not cfg.quiet:
-            print(f"resolved config (saved to {out / 'config.toml'}):\n" + to_toml(cfg), flush=True)
+            print(f"resolved config (saved to {config}):\n" + to_toml(cfg), flush=True)
     try:
-        launch(run_worker, cfg.nproc, cfg)
-    except ChildFailedError as e:
-        print(f"powertrain train: {_describe_failure(e)}", file=sys.stderr)
+        launch(run_worker, cfg.nproc, cfg, trace_dir=out / "logs")
+    except WorkerFailed as e:
+        print(f"powertrain train: {e.describe()}", file=sys.stderr)
         if cfg.checkpoint_every:
             print(f"Resume from the last checkpoint with: powertrain train ... --resume {out}", file=sys.stderr)
         return 1
     except FloatingPointError as e:  # single process: the worker's own error
         print(f"powertrain train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:
+        how = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
+        hint = f"; resume with: powertrain train ... --resume {out}" if cfg.checkpoint_every else ""
+        print(f"powertrain train: interrupted ({how}), every worker stopped{hint}", file=sys.stderr)
+        return 130
     return 0
-
-
-def _check_data_path(cfg: TrainConfig) -> None:
-    """A missing or empty data path is a clear error here, before any worker starts."""
-    if cfg.data not in ("textdir", "bin"):
-        return
-    path = Path(str(cfg.data_path))
-    if not path.exists():
-        raise ValueError(f"data_path={cfg.data_path!r} does not exist")
-    if cfg.data == "textdir":
-        if not path.is_dir():
-            raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads the files in it)")
-        if not any(p.is_file() and p.stat().st_size > 0 for p in path.rglob("*")):
-            raise ValueError(f"data_path={cfg.data_path!r} has no non-empty files")
-    else:
-        f = path / "train.bin" if path.is_dir() else path
-        if not f.is_file() or f.stat().st_size < 2:
-            raise ValueError(f"data_path={cfg.data_path!r}: {str(f)!r} is missing or empty (uint16 tokens expected)")
-
-
-def _describe_failure(e: Any) -> str:
-    parts = []
-    for rank, failure in sorted(e.failures.items()):
-        msg = failure.message
-        if isinstance(msg, dict):  # torchelastic's error file: {"message": ..., "extraInfo": ...}
-            msg = msg.get("message", "")
-        reason = msg if isinstance(msg, str) else ""
-        if failure.signal_name() not in ("", "<N/A>", "UNKNOWN_SIGNAL"):
-            reason = f"killed by {failure.signal_name()}" + (f": {reason}" if reason and "Signal" not in reason else "")
-        elif not reason:
-            reason = f"exit code {failure.exitcode}"
-        parts.append(f"worker rank {rank} (pid {failure.pid}) failed: {reason.strip().splitlines()[-1][:500]}")
-    return "; ".join(parts) + ". The other workers were stopped."
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 
 DEFAULT_COMPRESSOR = "powersgd:rank=4,start=10"
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,9 +107,23 @@ class TrainConfig:
         for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0")
+        for f in dataclasses.fields(self):  # no value may overflow what it is handed to (torch, timedelta)
+            v = getattr(self, f.name)
+            if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+                raise ValueError(f"Invalid {f.name}={v!r}: must fit in 64 bits")
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"Invalid {f.name}={v!r}: must be a finite number")
         for name in ("lr", "timeout_s"):
-            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+            if not getattr(self, name) > 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be a number > 0")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ValueError(f"Invalid timeout_s={self.timeout_s!r}: must be at most {MAX_TIMEOUT_S} (a week)")
+        cores = os.cpu_count() or 1
+        if self.threads > cores:
+            raise ValueError(
+                f"Invalid threads={self.threads!r}: this machine has {cores} cores; use at most {cores} threads per "
+                "worker (more only slow it down)"
+            )
         for name in ("min_lr_ratio", "momentum"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be in [0, 1]")
@@ -139,7 +155,7 @@ class TrainConfig:
                     "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
                 )
         if not self.compressor:
-            plain = self.parallel == "simple_fsdp" or self.optimizer == "demo"
+            plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else DEFAULT_COMPRESSOR)
         name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
@@ -162,6 +178,12 @@ class TrainConfig:
     @property
     def gpt_shape(self) -> tuple[int, int, int]:
         return GPT_SIZES[self.gpt_size]
+
+
+def plain_by_default(optimizer: str, parallel: str) -> bool:
+    """Whether a run gets no compressor unless it names one: DeMo sends its own messages, SimpleFSDP reduces in
+    fp32 (its compressed path runs on eager buckets only)."""
+    return optimizer == "demo" or parallel == "simple_fsdp"
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
@@ -201,6 +223,8 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
         key, eq, value = item.partition("=")
         if not eq or not key.strip() or not value.strip():
             raise ValueError(f"Bad compressor option {item!r} in {spec!r}: expected key=value")
+        if key.strip() in options:
+            raise ValueError(f"Compressor option {key.strip()!r} is given twice in {spec!r}: give it once")
         options[key.strip()] = _typed(value.strip())
     if name == "powersgd":
         aliases = {
@@ -208,7 +232,10 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
             "min_rate": "min_compression_rate",
             "start": "start_compressing_after_num_steps",
         }
-        options = {aliases.get(k, k): v for k, v in options.items()}
+        full = {aliases.get(k, k): v for k, v in options.items()}
+        if len(full) != len(options):
+            raise ValueError(f"{spec!r} gives an option both by its short and its long name: give it once")
+        options = full
         options.setdefault("rank", 4)
     from powertrain.compress import make_compressor
 
@@ -269,7 +296,12 @@ def resolve(preset: str, toml: Mapping[str, Any] | None, flags: Mapping[str, Any
     """defaults < preset < TOML < flags."""
     if preset not in PRESETS:
         raise ValueError(f"Unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
-    return TrainConfig(**{**PRESETS[preset], **(toml or {}), **flags})
+    user = {**(toml or {}), **flags}
+    base = dict(PRESETS[preset])
+    # A preset's compressor is its choice for runs that compress by default; it yields to what the user asked.
+    if "compressor" not in user and plain_by_default(user.get("optimizer", ""), user.get("parallel", "")):
+        base.pop("compressor", None)
+    return TrainConfig(**{**base, **user})
 
 
 def to_toml(cfg: TrainConfig) -> str:

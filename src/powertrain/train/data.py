@@ -20,9 +20,10 @@ import torch
 
 from powertrain.train.config import TrainConfig
 
-__all__ = ["ClassData", "TokenData", "load_data", "stdlib_files"]
+__all__ = ["ClassData", "TokenData", "bin_tokens", "check_source", "load_data", "stdlib_files"]
 
 MB = 1_000_000
+MIN_TOKENS = 64  # below this no split can hold a window of even a tiny block_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,8 @@ def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, descript
     size = 0
     for path in files:
         try:
-            data = path.read_bytes()
+            with path.open("rb") as f:  # never more than the budget left, even from one huge file
+                data = f.read(-1 if max_bytes is None else max(max_bytes - size, 0))
         except OSError:
             continue
         if not data:
@@ -122,8 +124,10 @@ def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, descript
         size += len(data)
         if max_bytes is not None and size >= max_bytes:
             break
-    if not train:
+    if not train and not val:
         raise ValueError(f"No data found under {str(root)!r}: it has no readable, non-empty files")
+    if not train:  # every file hashed to validation (a corpus of one or two files): split them as below
+        train, val = val, []
     if not val:  # tiny corpora: hold out the last file's tail
         last = train[-1]
         train[-1], val = last[: len(last) * 9 // 10], [last[len(last) * 9 // 10 :]]
@@ -134,31 +138,54 @@ def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, descript
 
 def _bin(path: Path, max_bytes: int | None) -> TokenData:
     """nanoGPT format: raw uint16 tokens. A directory with train.bin and val.bin, or one file (last 5% held out)."""
-    if path.is_dir():
-        train_file, val_file = path / "train.bin", path / "val.bin"
-        if not train_file.is_file():
-            raise ValueError(f"data_path={str(path)!r} has no train.bin")
-    else:
-        train_file, val_file = path, None
-        if not path.is_file():
-            raise ValueError(f"data_path={str(path)!r} does not exist (data='bin' reads uint16 tokens)")
+    train_file, val_file = (path / "train.bin", path / "val.bin") if path.is_dir() else (path, None)
 
     def read(f: Path) -> torch.Tensor:
-        n = f.stat().st_size // 2
-        if max_bytes is not None:
-            n = min(n, max_bytes // 2)
-        if n == 0:
-            raise ValueError(f"{str(f)!r} is empty")
-        return torch.from_file(str(f), dtype=torch.uint16, size=n).to(torch.int32)
+        return torch.from_file(str(f), dtype=torch.uint16, size=bin_tokens(f, max_bytes)).to(torch.int32)
 
     train = read(train_file)
-    if val_file is not None and val_file.is_file():
+    if val_file is not None and val_file.exists():
         val = read(val_file)
-    else:
+    else:  # hold out the last 5%
         cut = train.numel() * 95 // 100
         train, val = train[:cut], train[cut:]
     vocab = int(max(train.max().item(), val.max().item())) + 1
     return TokenData(train, val, vocab, f"{path} ({train.numel() + val.numel()} uint16 tokens, vocab {vocab})")
+
+
+def bin_tokens(f: Path, max_bytes: int | None) -> int:
+    """How many uint16 tokens to read from the nanoGPT ``.bin`` file ``f``; ValueError if it cannot be one."""
+    if not f.is_file():
+        raise ValueError(f"{str(f)!r} is missing (data='bin' reads uint16 tokens)")
+    size = f.stat().st_size
+    if size % 2:
+        raise ValueError(f"{str(f)!r} has {size} bytes, an odd number: not uint16 tokens (truncated?)")
+    n = size // 2 if max_bytes is None else min(size, max_bytes) // 2
+    if n < MIN_TOKENS:
+        raise ValueError(f"{str(f)!r} holds {n} tokens (data_max_mb included): at least {MIN_TOKENS} are needed")
+    return n
+
+
+def check_source(cfg: TrainConfig) -> None:
+    """A missing, empty or malformed data path is a clear ValueError, before any worker starts."""
+    if cfg.data not in ("textdir", "bin"):
+        return
+    path = Path(str(cfg.data_path))
+    if not path.exists():
+        raise ValueError(f"data_path={cfg.data_path!r} does not exist")
+    if cfg.data == "textdir":
+        if not path.is_dir():
+            raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads the files in it)")
+        if not any(p.is_file() and p.stat().st_size > 0 for p in path.rglob("*")):
+            raise ValueError(f"data_path={cfg.data_path!r} has no non-empty files")
+        return
+    max_bytes = None if cfg.data_max_mb is None else int(cfg.data_max_mb * MB)
+    if path.is_dir():
+        bin_tokens(path / "train.bin", max_bytes)
+        if (path / "val.bin").exists():
+            bin_tokens(path / "val.bin", max_bytes)
+    else:
+        bin_tokens(path, max_bytes)
 
 
 def _mnist1d() -> ClassData:

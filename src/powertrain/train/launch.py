@@ -1,16 +1,39 @@
-"""Start N local workers through torch's elastic launcher, or run in place under ``torchrun``."""
+"""Start N local workers bound to loopback, or run in place under ``torchrun``.
+
+The single-node launcher is small on purpose; what it guarantees:
+
+* Every socket it opens listens on 127.0.0.1: the rendezvous store is a ``TCPStore`` served from a socket this
+  process binds to loopback (torch's store and its elastic agent listen on all interfaces whatever host name
+  the clients use), the workers join it as clients (``TORCHELASTIC_USE_AGENT_STORE``), and gloo binds to ``lo``
+  unless ``GLOO_SOCKET_IFNAME`` is set.
+* A worker that fails or dies stops the others within seconds (SIGTERM, then SIGKILL after ``grace_s``), and
+  the failure reaches the caller as :class:`WorkerFailed` carrying the worker's own one-line cause (its
+  exception's type and message, uncut; or the signal that killed it); a traceback goes to a file or stderr.
+* Ctrl-C or SIGTERM stops every worker and raises :class:`Interrupted`, without a traceback from each worker.
+* A worker that returned exits without interpreter finalisation, which can race torch's background threads
+  for the GIL and hang (pytorch/pytorch#75097): its result is written and its output flushed by then.
+"""
 
 from __future__ import annotations
 
-import atexit
+import dataclasses
+import datetime
 import os
 import pickle
+import signal
+import socket
 import sys
-import uuid
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["Interrupted", "WorkerFailed", "launch", "under_torchrun"]
 
 T = TypeVar("T")
 
@@ -19,57 +42,164 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
-def _shutdown_timeout(seconds: int) -> dict[str, Any]:
-    """How long the agent waits for the other workers after one fails (a newer LaunchConfig field)."""
-    return {"shutdown_timeout": seconds} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    rank: int
+    pid: int
+    cause: str  # "ValueError: ...", or "killed by SIGKILL", or "exit code 3"
 
 
-def _exit_now() -> None:
+class WorkerFailed(RuntimeError):
+    """One or more workers failed; ``failures`` in the order they were seen (the first is the likely cause)."""
+
+    def __init__(self, failures: list[Failure]) -> None:
+        self.failures = failures
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        groups: dict[str, list[Failure]] = {}
+        for f in self.failures:
+            groups.setdefault(f.cause.rstrip(". "), []).append(f)
+        parts = []
+        for cause, fs in groups.items():
+            who = (f"worker rank {fs[0].rank} (pid {fs[0].pid})" if len(fs) == 1
+                   else "worker ranks " + ", ".join(str(f.rank) for f in fs))  # fmt: skip
+            parts.append(f"{who} failed: {cause}")
+        return "; ".join(parts) + ". The other workers were stopped."
+
+
+class Interrupted(KeyboardInterrupt):
+    """The launcher was interrupted (Ctrl-C or SIGTERM) and stopped its workers."""
+
+    def __init__(self, signal_name: str) -> None:
+        self.signal_name = signal_name
+        super().__init__(signal_name)
+
+
+def _cause(e: BaseException) -> str:
+    """An exception as one line: its type and message (multi-line messages joined)."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, trace_dir: str | None,
+            args: tuple) -> None:  # fmt: skip
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
+    os.environ.update({
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the launcher's loopback store as a client (env:// init)
+    })  # fmt: skip
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    code = 0
+    try:
+        result = fn(*args)
+        with open(f"{tmp}/result_{rank}.pkl", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException as e:
+        code = 1
+        cause = _cause(e)
+        if not isinstance(e, ValueError | FloatingPointError):  # those carry their whole story in the message
+            trace = traceback.format_exc()
+            if trace_dir is None:
+                sys.stderr.write(f"[rank {rank}] {trace}")
+            else:
+                path = Path(trace_dir) / f"rank{rank}.traceback"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(trace)
+                cause += f" (traceback: {path})"
+        with open(f"{tmp}/error_{rank}.txt", "w") as f:
+            f.write(cause)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def _then_skip_finalization(fn: Callable[..., T], *args: Any) -> T:
-    """A launched worker's entry point: ``fn(*args)``; once it has returned, the process exits without
-    interpreter finalisation.
-
-    Tearing the interpreter down can race torch's background threads (gloo's, the autograd engine's) for the
-    GIL, a hang reported upstream (pytorch/pytorch#75097, #190489); the agent joins its workers without a
-    timeout, so one stuck worker blocks the run for good (CI saw a run hang after its last line). By then there is
-    nothing left to do: the process group is destroyed, files are closed, and the agent has read the result
-    before it lets the worker leave. The atexit hook (LIFO: it runs first) flushes stdio and calls
-    ``os._exit(0)``; it is registered only after ``fn`` succeeded and its result is known to pickle, so a
-    failing worker keeps its exit code and error file.
-    """
-    result = fn(*args)
-    pickle.dumps(result)  # what the agent's queue will do: fail here, with the worker's real exit code
-    atexit.register(_exit_now)
-    return result
+def _loopback_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
+    return store, port
 
 
-def launch(fn: Callable[..., T], nproc: int, *args: Any) -> dict[int, T]:
-    """Run ``fn(*args)`` on ``nproc`` local processes; return each rank's result.
+def _stop(procs: list[Any], grace_s: float) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
 
-    Under ``torchrun`` (or any launcher that sets RANK/WORLD_SIZE), runs ``fn`` in this process only. The
-    rendezvous binds to 127.0.0.1 on a free port, and gloo to the loopback interface unless
-    ``GLOO_SOCKET_IFNAME`` is already set.
+
+def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path | None = None, grace_s: float = 5.0,
+           store_timeout_s: float = 300.0) -> dict[int, T]:  # fmt: skip
+    """Run ``fn(*args)`` on ``nproc`` local processes (spawned); return each rank's result.
+
+    Under ``torchrun`` (or any launcher that sets RANK/WORLD_SIZE), runs ``fn`` in this process only, in the world
+    that launcher set up. ``nproc == 1`` runs it in this process. Raises :class:`WorkerFailed` or
+    :class:`Interrupted` as the module docstring says; a worker's traceback (other than a ValueError's or a
+    FloatingPointError's, whose message says it all) goes to ``trace_dir/rankN.traceback``, or to stderr.
     """
     if under_torchrun():
         return {int(os.environ.get("RANK", "0")): fn(*args)}
     if nproc == 1:
         return {0: fn(*args)}
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"powertrain-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        **_shutdown_timeout(5),
-    )
-    return elastic_launch(config, _then_skip_finalization)(fn, *args)
+    store, port = _loopback_store(store_timeout_s)
+    trace = None if trace_dir is None else str(trace_dir)
+    ctx = mp.get_context("spawn")
+    interrupted: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        interrupted.append(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    procs: list[Any] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
+            for rank in range(nproc):
+                p = ctx.Process(target=_worker, args=(fn, rank, nproc, port, tmp, trace, args), daemon=False)
+                p.start()
+                procs.append(p)
+            failures: list[Failure] = []
+            while any(p.exitcode is None for p in procs) and not failures and not interrupted:
+                time.sleep(0.05)
+                _collect(procs, Path(tmp), failures)
+            if failures or interrupted:
+                time.sleep(0.2)  # ranks failing for the same reason (every rank raises on a NaN) report it too
+                _collect(procs, Path(tmp), failures)
+                _stop(procs, grace_s)
+                if interrupted:
+                    raise Interrupted(interrupted[0])
+                raise WorkerFailed(failures)
+            for p in procs:
+                p.join()
+            return {rank: pickle.loads((Path(tmp) / f"result_{rank}.pkl").read_bytes()) for rank in range(nproc)}
+    finally:
+        _stop(procs, grace_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        del store
+
+
+def _collect(procs: list[Any], tmp: Path, failures: list[Failure]) -> None:
+    """Append the workers that failed since the last call, with their causes."""
+    known = {f.rank for f in failures}
+    for rank, p in enumerate(procs):
+        if p.exitcode in (None, 0) or rank in known:
+            continue
+        error_file = tmp / f"error_{rank}.txt"
+        if error_file.is_file():
+            cause = error_file.read_text().strip() or f"exit code {p.exitcode}"
+        elif p.exitcode < 0:
+            cause = f"killed by {signal.Signals(-p.exitcode).name}"
+        else:
+            cause = f"exit code {p.exitcode}"
+        failures.append(Failure(rank, p.pid, cause))

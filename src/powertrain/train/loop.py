@@ -27,13 +27,20 @@ MB = 1e6
 
 
 def _init_distributed(cfg: TrainConfig) -> torch.device:
-    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+    """Join the launcher's world (env://); one worker under ddp/fsdp/simple_fsdp gets a world of one (an
+    in-process store: no socket), since those modes need a process group."""
+    alone = "WORLD_SIZE" not in os.environ
+    if not dist.is_initialized() and not (alone and cfg.parallel == "reference"):
         backend = cfg.backend
         if backend == "auto":
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        if alone:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -82,9 +89,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     # (Shampoo's all-gather, DeMo's all-gather and compression, GaLore's refresh)
     sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
 
-    start = 0
+    start, counters = 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
     if cfg.resume:
-        start = load_checkpoint(find_checkpoint(cfg.resume), model, dcp_optimizer, per_rank)
+        start, counters = load_checkpoint(find_checkpoint(cfg.resume), model, dcp_optimizer, per_rank)
         if start >= cfg.steps:
             if rank == 0:
                 print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
@@ -104,10 +111,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             flush=True,
         )
 
-    prev = writer.rows[-1] if writer and writer.rows else {}
-    prev_wall = float(prev.get("wall_s", 0.0))
-    wall, total_sent = prev_wall, int(prev.get("bytes_total", 0))
-    first_loss = float(writer.rows[0]["loss"]) if writer and writer.rows else math.nan
+    # the run's counters continue from the checkpoint (not from metrics.jsonl: a resume may use a new --out)
+    prev_wall = wall = counters["wall_s"]
+    total_sent, first_loss = int(counters["bytes_total"]), counters["first_loss"]
     last_loss, val = math.nan, math.nan
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     for step in range(start, cfg.steps):
@@ -122,6 +128,11 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 loss.backward()
             except NonFiniteGradientError as e:
                 raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
+            except RuntimeError:  # DDP reports a failed comm hook as a RuntimeError: what did the hook raise?
+                cause = strategy.take_error()
+                if isinstance(cause, NonFiniteGradientError):
+                    raise FloatingPointError(_nonfinite_message(step, cause, out, cfg)) from None
+                raise
             loss_sum += loss.item()
         t1 = time.perf_counter()
         try:
@@ -160,7 +171,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             dense_mb = dense_bytes / MB if world > 1 else 0.0
             progress.update(done, last_loss, per_step * cfg.grad_accum * world / step_time, unit, sent / MB, dense_mb)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            save_checkpoint(out, done, model, dcp_optimizer, per_rank)
+            run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
+            save_checkpoint(out, done, model, dcp_optimizer, per_rank, run)
 
     summary = {
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "steps": cfg.steps,
@@ -199,7 +211,8 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
         if latest.exists()
         else ("no checkpoint was written (use --checkpoint-every)")
     )
-    return f"training stopped at step {step + 1}: {what}. Nothing was applied; {kept}. Try a lower --lr (now {cfg.lr})."
+    what = str(what).rstrip(". ")
+    return f"training stopped at step {step + 1}: {what}; {kept}; try a lower --lr (now {cfg.lr})"
 
 
 def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassData, world: int, n_params: int,

@@ -58,11 +58,23 @@ class RunWriter:
         self.out = out
         self.metrics_path = out / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
-        if resume_step is not None and self.metrics_path.exists():
-            # Continue the same log: drop what was logged after the checkpoint we resume from.
-            kept = [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
-            self.rows = [r for r in kept if r["step"] <= resume_step]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        if self.metrics_path.exists():
+            if resume_step is None:
+                raise AssertionError(f"{self.metrics_path} exists: a new run must start in an empty directory")
+            # Continue the same log. Rows after the checkpoint we resume from belong to a trajectory this run
+            # replaces: they move to metrics.superseded.jsonl (appended), nothing is deleted.
+            lines = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
+            rows = [json.loads(line) for line in lines]
+            self.rows = [r for r in rows if r["step"] <= resume_step]
+            later = [line for line, r in zip(lines, rows, strict=True) if r["step"] > resume_step]
+            if later:
+                with (out / "metrics.superseded.jsonl").open("a") as f:
+                    f.write("".join(line + "\n" for line in later))
+                tmp = out / "metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+                tmp.replace(self.metrics_path)
+        else:
+            self.metrics_path.touch()
         self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter

@@ -45,6 +45,10 @@ class Strategy:
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         raise NotImplementedError
 
+    def take_error(self) -> BaseException | None:
+        """What the gradient communication failed with, where backward() reports it under another type."""
+        return None
+
 
 class _Reference(Strategy):
     def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
@@ -92,11 +96,14 @@ class _DDP(Strategy):
 
         self.model = DistributedDataParallel(model)
         comp = make_compressor(name, model.named_parameters(), **options)
-        register_compressor(self.model, comp)
+        self.hook = register_compressor(self.model, comp)
         self.state, self.stats = comp, comp.comm.stats
 
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext() if last_micro else self.model.no_sync()  # type: ignore[operator]
+
+    def take_error(self) -> BaseException | None:
+        return self.hook.take_error()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()

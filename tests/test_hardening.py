@@ -1,0 +1,472 @@
+"""What an attacker or a careless user tries: crafted checkpoints, exposed sockets, lost state, bad input.
+
+Code-execution tests check the side effect (a marker file a payload would create), not only that loading
+raised; each attack also has a control showing that it does run code through the path torch offers by default
+(plain pickle, DCP's default planner), so the test cannot pass because the payload was inert.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from powertrain import checkpoint
+from powertrain.checkpoint import CheckpointError, CompressorState
+from powertrain.compress import make_compressor
+from powertrain.train.checkpoint import load_checkpoint, save_checkpoint
+from powertrain.train.cli import main
+from powertrain.train.config import resolve
+from powertrain.train.data import load_data
+
+TINY = ["train", "--preset", "tiny", "--quiet"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "powertrain", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and "Warning" not in line and "warn(" not in line]
+
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-worker run of 4 steps with checkpoints after steps 2 and 4 (copy it before changing it)."""
+    out = tmp_path_factory.mktemp("run2") / "run"
+    r = _run(*TINY, "--steps", "4", "--checkpoint-every", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _copy(run: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    return dst
+
+
+# ---------------------------------------------------------------- 1. checkpoints cannot run code
+
+
+def _small_checkpoint(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return save_checkpoint(tmp_path, 1, model, opt, {}), model, opt
+
+
+def _rewrite_manifest(ckpt: Path) -> None:
+    """What an attacker who edits files also does: make the checksums match again."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (ckpt / name).read_bytes()
+        import hashlib
+
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"\x8c" + bytes([len(module)]) + module.encode() + b"\x8c" + bytes([len(name)]) + name.encode() + b"\x93"
+
+
+def _str(s: str) -> bytes:
+    return b"\x8c" + bytes([len(s)]) + s.encode()
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    cmd = _str(f"touch {marker}")
+    return {
+        # a plain os.system reduce
+        "reduce": b"\x80\x04" + _global("os", "system") + cmd + b"\x85R.",
+        # protocol 4 resolves dotted names inside an admitted module
+        "dotted": b"\x80\x04" + _global("torch.distributed.checkpoint.filesystem", "os.system") + cmd + b"\x85R.",
+        # getattr(getattr(getattr(PosixPath, "__init__"), "__globals__")...) reaches os
+        "getattr": b"\x80\x04" + _global("builtins", "getattr") + _global("pathlib", "PosixPath") + _str("__init__")
+        + b"\x86R.",
+        # BUILD on an admitted class patches it for everyone
+        "build_on_class": b"\x80\x04" + _global("torch.distributed.checkpoint.metadata", "Metadata")
+        + b"}" + _str("pwned") + b"\x88sb.",  # {"pwned": True} applied to the class
+        # BUILD with slot state: setattr on the class
+        "build_slots": b"\x80\x04" + _global("torch.distributed.checkpoint.metadata", "Metadata")
+        + b"N}" + _str("pwned") + b"\x88s\x86b.",
+    }  # fmt: skip
+
+
+def test_crafted_metadata_runs_nothing(tmp_path):
+    ckpt, model, opt = _small_checkpoint(tmp_path)
+    marker = tmp_path / "pwned"
+    from torch.distributed.checkpoint import metadata as md
+
+    for name, payload in _payloads(marker).items():
+        if name == "reduce":  # the control: plain pickle, as DCP's own reader does, runs it
+            pickle.loads(payload)
+            assert marker.exists(), "the payload must be live for the test to mean anything"
+            marker.unlink()
+        (ckpt / ".metadata").write_bytes(payload)
+        _rewrite_manifest(ckpt)
+        with pytest.raises((pickle.UnpicklingError, CheckpointError)) as e:
+            load_checkpoint(ckpt, model, opt, {})
+        assert "not allowed" in str(e.value), (name, e.value)
+        assert not marker.exists(), name
+        assert not hasattr(md.Metadata, "pwned"), name
+
+
+def test_metadata_may_only_name_files_inside_the_checkpoint(tmp_path):
+    ckpt, model, opt = _small_checkpoint(tmp_path)
+    meta = checkpoint.read_metadata(ckpt)
+    for info in meta.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _rewrite_manifest(ckpt)
+    with pytest.raises(pickle.UnpicklingError, match="not a file name inside the checkpoint"):
+        load_checkpoint(ckpt, model, opt, {})
+
+
+class _Evil:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _crafted(tmp_path: Path, where: str, marker: Path) -> Path:
+    """A checkpoint shaped like save_checkpoint's with a code-running pickle in one item, checksums updated."""
+    _, model, opt = _small_checkpoint(tmp_path / "base")
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    rank = CompressorState(_Holder({}))
+    progress = {k: torch.tensor(0.0, dtype=torch.float64) for k in ("wall_s", "bytes_total", "first_loss")}
+    state = {"model": model_sd, "optim": optim_sd, "rank": rank, "step": torch.tensor(1), "progress": progress}
+    evil = _Evil(marker)
+    if where == "param_group":  # a bytes item DCP reads with torch.load(weights_only=False)
+        optim_sd["param_groups"][0]["lr"] = evil
+    elif where == "step":  # the step counter as older versions stored it: a bytes item
+        state["step"] = evil
+    elif where == "rank_blob":  # the per-rank state tensor holding a pickle that runs code
+        buf = io.BytesIO()
+        torch.save({"rng": evil}, buf)
+        state["rank"] = {"rank0_of_1": torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)}
+    out = tmp_path / "crafted"
+    checkpoint.save(state, out, extra={"step": 1})
+    return out
+
+
+class _Holder:
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return self.state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = state
+
+
+@pytest.mark.parametrize("where", ["param_group", "step", "rank_blob"])
+def test_crafted_data_items_run_nothing(tmp_path, where):
+    marker = tmp_path / "pwned"
+    ckpt = _crafted(tmp_path, where, marker)
+    assert not marker.exists()
+    _, model, opt = _small_checkpoint(tmp_path / "fresh")
+    with pytest.raises((CheckpointError, pickle.UnpicklingError)):
+        load_checkpoint(ckpt, model, opt, {})
+    assert not marker.exists(), where
+    if where != "rank_blob":  # the control: DCP's default planner does run it
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        _, optim_sd = get_state_dict(model, opt)
+        state = {"optim": optim_sd} if where == "param_group" else {"step": 0}
+        dcp.load(state, checkpoint_id=str(ckpt), planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+        assert marker.exists(), "the payload must be live for the test to mean anything"
+
+
+def test_loading_is_strict_and_names_what_is_missing(tmp_path):
+    ckpt, model, _ = _small_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=r"lacks 1 entries this run needs.*extra\.x"):
+        checkpoint.load({"extra": {"x": torch.zeros(2)}, "model": model.state_dict()}, ckpt)
+
+
+# ---------------------------------------------------------------- 2. the launcher listens on loopback only
+
+
+def _listeners(pids: list[int]) -> list[tuple[int, str]]:
+    """(pid, local address) of every listening TCP socket the processes hold, from /proc."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes[target[8:-1]] = pid
+    found = []
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                hexaddr = local.split(":")[0]
+                addr = (socket.inet_ntop(socket.AF_INET, bytes.fromhex(hexaddr)[::-1]) if width == 8
+                        else socket.inet_ntop(socket.AF_INET6, b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1]
+                                                                      for i in range(0, 32, 8))))  # fmt: skip
+                found.append((inodes[inode], addr))
+    return found
+
+
+def test_listener_check_sees_a_wildcard_socket():
+    """The control for the next test: a socket on every interface is reported as such."""
+    s = socket.socket()
+    s.bind(("0.0.0.0", 0))
+    s.listen(1)
+    try:
+        assert (os.getpid(), "0.0.0.0") in _listeners([os.getpid()])
+    finally:
+        s.close()
+
+
+def test_launcher_and_workers_listen_on_loopback_only_and_sigterm_stops_cleanly(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out),
+            "--checkpoint-every", "1000"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not ((out / "pids" / "rank1").exists() and (out / "pids" / "rank0").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the process group is up: gloo's listeners exist by now
+        pids = [proc.pid] + [int((out / "pids" / f"rank{r}").read_text()) for r in range(2)]
+        found = _listeners(pids)
+        assert any(pid == proc.pid for pid, _ in found), f"the launcher's store should be listening: {found}"
+        assert all(addr in ("127.0.0.1", "::1") for _, addr in found), found
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    lines = _lines(err)
+    assert len(lines) == 1 and "interrupted (SIGTERM)" in lines[0] and "--resume" in lines[0], err[-2000:]
+    for pid in pids[1:]:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-2000:]
+    lines = _lines(err)
+    assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], err[-2000:]
+
+
+# ---------------------------------------------------------------- 3-6. resumes that lose nothing, clear errors
+
+
+def test_resume_with_another_world_size_is_refused(run2, tmp_path):
+    r = _run(*TINY, "--steps", "6", "--nproc", "1", "--out", str(tmp_path / "one"), "--resume", str(run2))
+    assert r.returncode == 2
+    assert "written by 2 worker(s) and this run has 1" in r.stderr and "--nproc 2" in r.stderr, r.stderr[-2000:]
+    single = tmp_path / "single"
+    r = _run(*TINY, "--steps", "2", "--nproc", "1", "--checkpoint-every", "2", "--out", str(single))
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _run(*TINY, "--steps", "4", "--out", str(tmp_path / "two"), "--resume", str(single))
+    assert r.returncode == 2 and "written by 1 worker(s) and this run has 2" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_new_run_never_overwrites_an_old_one(run2, tmp_path):
+    out = _copy(run2, tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = _run(*TINY, "--steps", "4", "--out", str(out))
+    assert r.returncode == 2 and "is not empty" in r.stderr and f"--resume {out}" in r.stderr, r.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
+def test_resume_into_the_same_directory_from_an_older_checkpoint(run2, tmp_path):
+    """As after a kill between a checkpoint's rename and the update of ``latest``: latest names step 2 while
+    step 4 exists. The resumed run saves step 4 again (replacing it), keeps every metrics row, and continues the
+    same trajectory."""
+    out = _copy(run2, tmp_path)
+    old = _metrics(out)
+    (out / "checkpoints" / "latest").write_text("step_00000002\n")
+    r = _run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--out", str(out), "--resume", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = _metrics(out)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    superseded = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in superseded] == [3, 4]  # moved, not deleted
+    assert [row["loss"] for row in rows[:4]] == [row["loss"] for row in old]  # the same trajectory, bitwise
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+    assert (out / "config.before_resume_at_step_00000002.toml").is_file()
+    checkpoint.verify(out / "checkpoints" / "step_00000004")
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "manifest"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(run2, tmp_path, damage):
+    out = _copy(run2, tmp_path)
+    ckpt = out / "checkpoints" / "step_00000004"
+    data = sorted(ckpt.glob("*.distcp"))[0]
+    if damage == "flip":
+        raw = bytearray(data.read_bytes())
+        mid = len(raw) // 2
+        raw[mid : mid + 400] = bytes(b ^ 0xFF for b in raw[mid : mid + 400])
+        data.write_bytes(bytes(raw))
+    elif damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "delete":
+        data.unlink()
+    else:
+        (ckpt / "manifest.json").unlink()
+    r = _run(*TINY, "--steps", "6", "--out", str(tmp_path / "again"), "--resume", str(out))
+    assert r.returncode == 2, r.stderr[-2000:]
+    expect = {
+        "flip": "is corrupted",
+        "truncate": "is corrupted",
+        "delete": "is missing",
+        "manifest": "no manifest.json",
+    }
+    assert expect[damage] in r.stderr and (damage == "manifest" or data.name in r.stderr), r.stderr[-2000:]
+    assert "an older complete checkpoint is" in r.stderr and "step_00000002" in r.stderr, r.stderr[-2000:]
+    assert len(_lines(r.stderr)) == 1, r.stderr
+
+
+def test_worker_failures_reach_the_user_as_one_line(run2, tmp_path):
+    r = _run(*TINY, "--steps", "6", "--block-size", "16", "--out", str(tmp_path / "a"), "--resume", str(run2))
+    assert r.returncode == 1
+    lines = _lines(r.stderr)
+    assert len(lines) == 1 and "Size mismatch" in lines[0] and "model.pos.weight" in lines[0], r.stderr[-3000:]
+    # a non-finite gradient under DDP surfaces as the compressor's error, not as DDP's RuntimeError
+    r = _run(*TINY, "--steps", "4", "--parallel", "ddp", "--compressor", "int8", "--lr", "1e30", "--optimizer", "sgd",
+             "--momentum", "0", "--checkpoint-every", "1", "--out", str(tmp_path / "b"))  # fmt: skip
+    assert r.returncode == 1
+    lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
+    assert len(lines) == 1 and "training stopped at step 2: QuantizedCompressor: non-finite gradient" in lines[0]
+    assert "the last good checkpoint is" in lines[0] and "try a lower --lr" in lines[0], lines
+    # too little data for two workers: the worker's own message, once
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "one.txt").write_text("0123456789")
+    r = _run(*TINY, "--data", "textdir", "--data-path", str(texts), "--out", str(tmp_path / "c"))
+    assert r.returncode == 1 and len(_lines(r.stderr)) == 1 and "too small" in r.stderr, r.stderr[-3000:]
+
+
+def test_resumed_run_reports_the_whole_run(run2, tmp_path):
+    """A resume into a new directory continues the run's byte and time counters (the summary's ratio)."""
+    step2 = run2 / "checkpoints" / "step_00000002"
+    r = _run(*TINY, "--steps", "4", "--out", str(tmp_path / "resumed"), "--resume", str(step2))
+    assert r.returncode == 0, r.stderr[-2000:]
+    full = json.loads((run2 / "summary.json").read_text())
+    resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed["bytes_sent"] == full["bytes_sent"] and resumed["bytes_uncompressed"] == full["bytes_uncompressed"]
+    assert resumed["first_loss"] == full["first_loss"] and resumed["final_loss"] == full["final_loss"]
+
+
+def test_one_worker_under_ddp_and_the_tiny_preset_with_demo(tmp_path):
+    r = _run(*TINY, "--steps", "2", "--parallel", "ddp", "--nproc", "1", "--out", str(tmp_path / "ddp1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert resolve("tiny", None, {"optimizer": "demo"}).compressor == "none"  # the preset's choice yields
+    assert resolve("tiny", None, {}).compressor == "powersgd:rank=2,start=2"
+
+
+# ---------------------------------------------------------------- 7. bad input: one clear line
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--threads", "100000"], "Invalid threads=100000: this machine has"),
+        (["--data-max-mb", "inf"], "Invalid data_max_mb=inf: must be a finite number"),
+        (["--timeout-s", "1e300"], "Invalid timeout_s=1e+300: must be at most"),
+        (["--seed", "12345678901234567890123"], "Invalid seed=12345678901234567890123: must fit in 64 bits"),
+        (["--compressor", "powersgd:rank=4,rank=8"], "'rank' is given twice"),
+        (["--compressor", "powersgd:iters=2,num_iters_per_step=3"], "both by its short and its long name"),
+        (["--compressor", "int8:stochastic=maybe"], "Invalid stochastic='maybe'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(args, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"train.bin": 3}, "an odd number"),
+        ({"train.bin": 4}, "holds 2 tokens"),
+        ({"train.bin": 4000, "val.bin": 1001}, "an odd number"),
+        ({"train.bin": 4000, "val.bin": 0}, "holds 0 tokens"),
+    ],
+)
+def test_malformed_bin_files_are_refused(files, message, capsys, tmp_path):
+    d = tmp_path / "bin"
+    d.mkdir()
+    for name, size in files.items():
+        (d / name).write_bytes(bytes(size))
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "tiny", "--data", "bin", "--data-path", str(d), "--out", str(tmp_path / "o")])
+    assert message in capsys.readouterr().err
+
+
+def test_data_max_mb_holds_inside_one_file(tmp_path):
+    d = tmp_path / "texts"
+    d.mkdir()
+    (d / "big.txt").write_bytes(b"abcdefgh" * 250_000)  # 2 MB in one file
+    data = load_data(resolve("tiny", None, {"data": "textdir", "data_path": str(d), "data_max_mb": 0.5}))
+    assert data.train.numel() + data.val.numel() == 500_000
+
+
+def test_compressor_refuses_a_parameter_twice_and_misshapen_state():
+    p = torch.nn.Parameter(torch.randn(64, 48))
+    with pytest.raises(ValueError, match="listed twice"):
+        make_compressor("int8", [p, p])
+    for name, key in (("int8", "errors"), ("powersgd", "q")):
+        comp = make_compressor(name, [("w", p)], **({"rank": 2, "start_compressing_after_num_steps": 0}
+                                                      if name == "powersgd" else {}))  # fmt: skip
+        p.grad = torch.randn(64, 48)
+        comp.reduce_gradients()
+        state = comp.state_dict()
+        bad = dict(state, **{key: [torch.zeros(7, 3)]})
+        with pytest.raises(ValueError, match=rf"{key}\[0\] is \[7, 3\]"):
+            comp.load_state_dict(bad)
+        nan = dict(state, **{key: [torch.full_like(state[key][0], float("nan"))]})
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            comp.load_state_dict(nan)
+        comp.load_state_dict(state)  # the real one still loads
