@@ -260,7 +260,8 @@ def test_vectors_without_preconditioning_are_adam():
      ({"precondition_frequency": 0}, "precondition_frequency=0"), ({"root_method": "svd"}, "root_method='svd'"),
      ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
      ({"preconditioner": "kfac"}, "preconditioner='kfac'"), ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
-     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only")],
+     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only"),
+     ({"rel_epsilon": 1.0}, "rel_epsilon=1.0"), ({"rel_epsilon": -1e-7}, "rel_epsilon=-1e-07")],
 )  # fmt: skip
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):

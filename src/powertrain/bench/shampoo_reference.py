@@ -61,10 +61,12 @@ PreconditionerKind = Literal["shampoo", "eigenvalue_corrected"]
 #: Found by reading both implementations, as (probe key, text); those with a key are re-checked at run time by
 #: :func:`probe_differences` (either implementation may change), the others hold as of the recorded commit.
 DESIGN_DIFFERENCES: list[tuple[str | None, str]] = [
-    ("eigenvalues", "Negative (round-off) eigenvalues of a factor, common as factors are rank-deficient early on "
-     "and for vectors: powertrain clamps each to 0, then adds epsilon; the reference shifts the whole spectrum by "
-     "-min(lambda_min, 0) (or, adding epsilon before eigh, by -lambda_min when lambda_min < epsilon). With "
-     "float32 factors and epsilon 1e-12 powertrain amplifies round-off directions by up to epsilon^(-1/2k)."),
+    ("eigenvalues", "Damping of the factors' eigenvalues: powertrain adds max(epsilon, rel_epsilon * lambda_max) with "
+     "rel_epsilon defaulting to the factor dtype's unit round-off (float32: 1.2e-7), the reference epsilon alone "
+     "(both after shifting a round-off-negative spectrum to >= 0). With float32 factors and epsilon 1e-12 a "
+     "rank-deficient factor's round-off eigenvalues then weigh up to epsilon^(-1/2k) in the reference's root, and "
+     "its preconditioned direction can be mostly round-off (issue 19: a 16 x 32 weight merged into a 512-vector "
+     "stalled at the first preconditioned step). The agreement runs set powertrain's rel_epsilon=0."),
     (None, "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
      "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
      "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on)."),
@@ -93,7 +95,8 @@ def probe_differences(ref: Any) -> dict[str, bool]:
     functions = importlib.import_module("distributed_shampoo.preconditioner.matrix_functions")
     shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30)]
     blocking = any(blocks.merged_shape(s, d) != tuple(utils.merge_small_dims(s, d, 1)) for s, d in shapes)
-    a = torch.diag(torch.tensor([1.0, 1e-11, -1e-10], dtype=torch.float64))  # a round-off negative eigenvalue
+    # a float32 factor with eigenvalues far below its round-off floor (1.2e-7) and a round-off negative one
+    a = torch.diag(torch.tensor([1.0, 1e-9, 1e-11, -1e-10]))
     config = ref.EigenConfig(rank_deficient_stability_config=ref.PerturbationConfig(perturb_before_computation=False))
     ours = inverse_root(a, 2, epsilon=1e-12)
     theirs = functions.matrix_inverse_root(a, Fraction(2), root_inv_config=config, epsilon=1e-12)
@@ -210,6 +213,8 @@ def reference_version(ref: Any, commit: str | None = None) -> dict[str, str]:
 def powertrain_optimizer(params: Any, case: Case) -> DistributedShampoo:
     # only passed when not the default, so this also runs against a DistributedShampoo without the option
     extra: dict[str, Any] = {} if case.preconditioner == "shampoo" else {"preconditioner": case.preconditioner}
+    if case.preconditioner == "shampoo" and "rel_epsilon" in inspect.signature(DistributedShampoo).parameters:
+        extra["rel_epsilon"] = 0.0  # the reference damps by epsilon alone
     return DistributedShampoo(
         params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, momentum=case.momentum,
         weight_decay=case.weight_decay, max_preconditioner_dim=case.max_preconditioner_dim,

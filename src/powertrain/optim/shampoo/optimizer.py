@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -125,8 +126,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         params: parameters (or groups); gradients must already be averaged across data-parallel ranks.
         lr: learning rate.
         betas: ``(beta1, beta2)``: gradient filtering (0: off) and the factor statistics' EMA (1: sum).
-        epsilon: added to the factors' eigenvalues before the inverse root (eigenvalue-corrected: to the root of
-            the corrected eigenvalues, like Adam's epsilon; use e.g. 1e-8 there).
+        epsilon: Shampoo: the smallest damping added to every eigenvalue of a (bias-corrected) factor before its
+            inverse root, in the factor's units: squared gradient entries summed over the other dimensions
+            (``(L + delta I)^(-1/2k)``, ``delta = max(epsilon, rel_epsilon * lambda_max(L))``). It bounds the
+            weight of a direction the statistics have (almost) not seen to ``delta^(-1/2k)``. Eigenvalue-corrected:
+            added to the root of the corrected eigenvalues, like Adam's epsilon (use e.g. 1e-8 there).
+        rel_epsilon: Shampoo: damping relative to each factor's largest eigenvalue (see ``epsilon``); None (the
+            default): the unit round-off of the factors' dtype (float32: 1.2e-7), below which eigenvalues are
+            round-off (:mod:`.matrix`); 0: epsilon alone (the reference implementation's rule, whose
+            preconditioned direction can then be mostly round-off on a rank-deficient factor). Not used by the
+            eigenvalue-corrected preconditioner.
         momentum, nesterov: heavy-ball momentum on the final direction.
         weight_decay: decoupled (AdamW-style) weight decay.
         max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
@@ -175,6 +184,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_1d: bool = True,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
+        rel_epsilon: float | None = None,
     ) -> None:
         checks = [
             ("lr", lr, lr > 0, "> 0"), ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
@@ -208,6 +218,17 @@ class DistributedShampoo(torch.optim.Optimizer):
                 f"exponent_multiplier={exponent_multiplier!r} applies to preconditioner='shampoo' only (the "
                 "eigenvalue-corrected preconditioner always takes the square root of its second moment)"
             )
+        if rel_epsilon is not None and not (isinstance(rel_epsilon, int | float) and 0 <= rel_epsilon < 1):
+            raise ValueError(
+                f"Invalid rel_epsilon={rel_epsilon!r}: must be in [0, 1) (a fraction of the largest eigenvalue), or "
+                "None for the factors' round-off floor"
+            )
+        if rel_epsilon is not None and preconditioner != "shampoo":
+            warnings.warn(
+                f"rel_epsilon={rel_epsilon!r} has no effect with preconditioner={preconditioner!r} (it damps "
+                "Shampoo's inverse roots; the eigenvalue-corrected preconditioner uses epsilon alone)",
+                stacklevel=2,
+            )
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -220,6 +241,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
+        self.rel_epsilon = None if rel_epsilon is None else float(rel_epsilon)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -319,7 +341,8 @@ class DistributedShampoo(torch.optim.Optimizer):
                     if self.bias_correction and beta2 < 1.0:
                         # the EMA's bias correction: it sets epsilon's weight against the statistics early on
                         factors = [f / (1.0 - beta2**step) for f in factors]
-                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], method=self.root_method,
+                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], rel_epsilon=self.rel_epsilon,
+                                                method=self.root_method,
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
             except RootFailure:
                 st["failures"] += 1
