@@ -38,8 +38,8 @@ def test_single_process_matches_dense_float64_reference():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 9))
     w0 = w.detach().clone()
-    # max_preconditioner_dim=9: the 6x9 matrix stays one block with two factors (a larger limit would merge
-    # it into a 54-vector with one 54x54 factor, as the reference implementation's dimension merging does)
+    # max_preconditioner_dim=9: the 6x9 matrix is one block with two factors (so it is with any larger limit: a
+    # matrix is never merged into a vector, unlike in the reference implementation's default)
     opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 1.0), epsilon=1e-4, precondition_frequency=1,
                              start_preconditioning_step=1, grafting="none", max_preconditioner_dim=9)  # fmt: skip
     g_ = torch.Generator().manual_seed(1)
@@ -281,6 +281,22 @@ def test_state_of_an_older_layout_refused():
     with pytest.raises(ValueError, match="Not a DistributedShampoo state dict"):
         DistributedShampoo([w]).load_state_dict(torch.optim.AdamW([w]).state_dict())
     DistributedShampoo([w], precondition_frequency=1).load_state_dict(state)  # the current layout loads
+
+
+def test_factors_of_another_blocking_refused():
+    """A state whose factors do not fit the blocks (a (16, 32) weight's single 512 x 512 factor, as versions that
+    merged small matrices into vectors wrote it) is refused before anything is loaded."""
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    opt = DistributedShampoo([w], precondition_frequency=1)
+    w.grad = torch.randn(16, 32)
+    opt.step()
+    assert [tuple(f.shape) for f in opt.state[w]["blocks"][0]["factors"]] == [(16, 16), (32, 32)]
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["blocks"][0]["factors"] = [torch.zeros(512, 512)]
+    fresh = DistributedShampoo([w], precondition_frequency=1)
+    with pytest.raises(ValueError, match=r"have shapes \[\(512, 512\)\], but the block is \(16, 32\) here"):
+        fresh.load_state_dict(state)
+    assert not fresh.state, "nothing was loaded"
 
 
 # ---------------------------------------------------------------- eigenvalue-corrected (SOAP) preconditioner

@@ -78,7 +78,8 @@ def test_bad_arguments(kwargs, message):
     ("shape", "max_dim", "merged", "blocks"),
     [((64, 3, 3, 3), 64, (64, 27), 1), ((64, 3, 3, 3), 1024, (64, 27), 1), ((8, 3, 5), 32, (8, 15), 1),
      ((7, 15), 4, (7, 15), 8), ((300,), 128, (300,), 3), ((1, 1), 8, (1,), 1),
-     ((2, 3, 4), 100, (24,), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1)],
+     ((2, 3, 4), 100, (2, 12), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1), ((16, 32), 1024, (16, 32), 1),
+     ((1, 512), 1024, (512,), 1), ((4, 5, 6, 7), 30, (4, 30, 7), 1), ((4, 5, 6, 7), 10**6, (4, 210), 1)],
 )  # fmt: skip
 def test_blocks_split_and_write_back_round_trip(shape, max_dim, merged, blocks):
     """Writing every block of ``t`` through the same block of a zero tensor's split rebuilds ``t`` (the blocks

@@ -70,8 +70,10 @@ DESIGN_DIFFERENCES: list[tuple[str | None, str]] = [
     (None, "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
      "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
      "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on)."),
-    ("blocking", "Blocking of tensors with 3+ dimensions: powertrain merges adjacent dimensions from the first, "
-     "the reference from the last (conv1d (8, 3, 5), max_preconditioner_dim 32: (24, 5) vs (8, 15))."),
+    ("blocking", "Blocking: powertrain merges adjacent dimensions from the last but keeps at least two, so a matrix "
+     "keeps a factor per side however small; the reference's default (target_parameter_dimensionality=1) merges "
+     "down to one dimension (a (16, 32) weight with max_preconditioner_dim 1024 becomes a 512-vector with one "
+     "512 x 512 factor). The agreement runs set the reference's target_parameter_dimensionality=2 where it has it."),
     ("float32_state", "powertrain keeps the filtered gradient, the grafting statistics and the direction in "
      "float32 even for float64 parameters; the reference keeps them in the parameters' dtype."),
     (None, "The reference's lr and its bias corrections of the filtered gradient and of Adam grafting are float32 "
@@ -93,7 +95,7 @@ def probe_differences(ref: Any) -> dict[str, bool]:
 
     utils = importlib.import_module("distributed_shampoo.utils.shampoo_utils")
     functions = importlib.import_module("distributed_shampoo.preconditioner.matrix_functions")
-    shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30)]
+    shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30), ((16, 32), 1024)]
     blocking = any(blocks.merged_shape(s, d) != tuple(utils.merge_small_dims(s, d, 1)) for s, d in shapes)
     # a float32 factor with eigenvalues far below its round-off floor (1.2e-7) and a round-off negative one
     a = torch.diag(torch.tensor([1.0, 1e-9, 1e-11, -1e-10]))
@@ -229,7 +231,8 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
 
     Mapping: ``grafting`` -> ``grafting_config`` (Adam/RMSprop/AdaGrad ``PreconditionerConfig`` with
     ``beta2``/``epsilon``; none -> ``None``); ``momentum`` -> ``iterate_averaging_config=ClassicMomentumConfig``;
-    decoupled weight decay; ``start_preconditioning_step = precondition_frequency``; ``preconditioner`` ->
+    decoupled weight decay; ``start_preconditioning_step = precondition_frequency``; blocking as powertrain's
+    (``target_parameter_dimensionality=2``, where the reference has it); ``preconditioner`` ->
     ``RootInvShampooPreconditionerConfig(EigenConfig)`` or ``EigenvalueCorrectedShampooPreconditionerConfig(
     EighEigendecompositionConfig)``, all matrices in ``dtype``; epsilon added after the eigendecomposition
     (``perturb_before_computation=False``), unpacked storage; ``use_bias_correction=True`` (powertrain
@@ -259,12 +262,16 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
         case _:
             graft = None
     momentum = types.ClassicMomentumConfig(momentum=case.momentum) if case.momentum > 0 else None
+    extra: dict[str, Any] = {}
+    single = getattr(ref, "SingleDeviceDistributedConfig", None)
+    if single is not None and "target_parameter_dimensionality" in {f.name for f in dataclasses.fields(single)}:
+        extra["distributed_config"] = single(target_parameter_dimensionality=2)  # powertrain's blocking
     return ref.DistributedShampoo(
         params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, weight_decay=case.weight_decay,
         weight_decay_type=types.WeightDecayType.DECOUPLED, max_preconditioner_dim=case.max_preconditioner_dim,
         precondition_frequency=case.precondition_frequency, start_preconditioning_step=case.precondition_frequency,
         use_bias_correction=True, grafting_config=graft, iterate_averaging_config=momentum,
-        preconditioner_config=pre,
+        preconditioner_config=pre, **extra,
     )  # fmt: skip
 
 

@@ -410,9 +410,28 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "assignment (max_preconditioner_dim, precondition_1d, preconditioner, precondition_frequency) "
                 "differ from the run that wrote it; resume with the same ones"
             )
+        self._check_factors(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         super().load_state_dict(state_dict)
         self.steps = int(meta["steps"])
+
+    def _check_factors(self, state_dict: dict[str, Any]) -> None:
+        """Refuse factors that do not fit this rank's blocks, before any state is replaced: e.g. a small matrix's
+        single full-matrix factor, written by a version that merged small matrices into vectors (see :mod:`.blocks`).
+        ``state_dict()`` numbers parameters in the order of :attr:`_params`."""
+        state = state_dict.get("state", {})
+        for blk in self.blocks:
+            if blk.owner != self._owner:
+                continue
+            factors = state.get(blk.param, {}).get("blocks", {}).get(blk.index, {}).get("factors", [])
+            shapes = [tuple(f.shape) for f in factors]
+            if shapes and shapes != [(d, d) for d in blk.shape]:
+                raise ValueError(
+                    f"This state's factors for block {blk.index} of parameter {blk.param} have shapes {shapes}, but "
+                    f"the block is {blk.shape} here: the state was written for other parameters, or by a powertrain "
+                    "version that merged small matrices into one vector (a matrix now keeps one factor per side); "
+                    "restart the optimizer state, or resume with the version that wrote it"
+                )
 
     # -- step ----------------------------------------------------------------------------------------------
 
