@@ -283,6 +283,49 @@ def test_state_of_an_older_layout_refused():
     DistributedShampoo([w], precondition_frequency=1).load_state_dict(state)  # the current layout loads
 
 
+def test_root_failures_are_counted_warned_once_and_survive_state_dict(monkeypatch):
+    """Every failed root computation is counted, with the steps it sends to the graft and the blocks given up for
+    good (max_root_failures); the first failure and the first block given up warn once each; the counts travel
+    with state_dict() and are restored by load_state_dict()."""
+    import powertrain.optim.shampoo.optimizer as shampoo_optimizer
+    from powertrain.optim.shampoo.matrix import RootFailure
+
+    def fail(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        raise RootFailure("forced")
+
+    torch.manual_seed(0)
+    w, v = torch.nn.Parameter(torch.randn(6, 9)), torch.nn.Parameter(torch.randn(4))
+    opt = DistributedShampoo([w, v], precondition_frequency=2, max_root_failures=1, precondition_1d=False)
+    monkeypatch.setattr(shampoo_optimizer, "inverse_roots", fail)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(7):
+            w.grad, v.grad = torch.randn(6, 9), torch.randn(4)
+            opt.step()
+    messages = [str(m.message) for m in caught]
+    assert len(messages) == 2, messages
+    assert "failed (forced)" in messages[0] and "this warning is shown once" in messages[0]
+    assert "failed 2 times (more than max_root_failures=1)" in messages[1]
+    # roots at steps 2 and 4 fail (the second gives up), steps 6.. are not tried; the graft from step 2 on is a
+    # fallback (6 steps), the vector's graft (precondition_1d=False) is not
+    assert opt.root_stats() == shampoo_optimizer.RootStats(computed=0, failed=2, graft_steps=6, abandoned=1)
+    state = copy.deepcopy(opt.state_dict())
+    assert state["shampoo"]["root_stats"] == opt.root_stats()._asdict()
+    again = DistributedShampoo([w, v], precondition_frequency=2, max_root_failures=1, precondition_1d=False)
+    again.load_state_dict(state)
+    assert again.root_stats() == opt.root_stats()
+    monkeypatch.undo()
+    fresh = DistributedShampoo([w, v], precondition_frequency=2)
+    for _ in range(4):
+        w.grad, v.grad = torch.randn(6, 9), torch.randn(4)
+        fresh.step()
+    assert fresh.root_stats() == (4, 0, 0, 0)  # steps 2 and 4, the matrix's block and the vector's
+    older = copy.deepcopy(fresh.state_dict())
+    del older["shampoo"]["root_stats"]  # written before the counters existed: they start at 0
+    again = DistributedShampoo([w, v], precondition_frequency=2)
+    again.load_state_dict(older)
+    assert again.root_stats() == (0, 0, 0, 0)
+
+
 def test_factors_of_another_blocking_refused():
     """A state whose factors do not fit the blocks (a (16, 32) weight's single 512 x 512 factor, as versions that
     merged small matrices into vectors wrote it) is refused before anything is loaded."""

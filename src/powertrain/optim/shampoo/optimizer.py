@@ -10,6 +10,7 @@ for each of its blocks (:mod:`.blocks`) that this rank owns:
    direction is the preconditioned ``f`` rescaled to the norm of the grafting method's direction (``adam``,
    ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots,
    after ``max_root_failures`` failed root computations, or for good for a vector with ``precondition_1d=False``.
+   Failed computations and the steps they send to the graft are counted (:meth:`DistributedShampoo.root_stats`).
 3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by their estimated time per step
    (products, amortised roots, elementwise and fixed work; greedy, deterministic), each rank writes its
    blocks' directions into its part of one all-gather (``comm_dtype``), and updates its own blocks while the
@@ -56,8 +57,9 @@ from powertrain.optim.shampoo.preconditioner import (
     rotate,
     update_factors,
 )
+from powertrain.optim.shampoo.stats import RootCounter, RootStats
 
-__all__ = ["DistributedShampoo"]
+__all__ = ["DistributedShampoo", "RootStats"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
 # version of state_dict()'s layout: 3 records the blocks the rank owns (2: the filtered gradient per block, blocks
@@ -151,6 +153,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         bias_correction: with ``betas[1] < 1``, divide the factors by ``1 - betas[1]^t`` before their roots (the
             reference implementation's default); grafting removes the scale, but not epsilon's relative weight.
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
+            Failures are counted (:meth:`root_stats`) and the first one, and the first block given up, warn.
         precondition_1d: precondition vector blocks (1-D parameters such as biases and norm gains, and parameters
             whose merged shape is 1-D) with a full ``d x d`` factor, as the reference implementation does; False
             updates them by the grafting method alone (with ``adam``: Adam with the filtered gradient as its first
@@ -242,6 +245,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
         self.rel_epsilon = None if rel_epsilon is None else float(rel_epsilon)
+        what = "eigenbasis" if preconditioner == "eigenvalue_corrected" else "inverse roots"
+        self._root_counter = RootCounter(what, max_root_failures)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -344,9 +349,13 @@ class DistributedShampoo(torch.optim.Optimizer):
                     st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], rel_epsilon=self.rel_epsilon,
                                                 method=self.root_method,
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
-            except RootFailure:
+            except RootFailure as e:
                 st["failures"] += 1
                 failures += 1
+                where = f"block {blk.index} {blk.shape} of parameter {blk.param} (rank {self.rank})"
+                self._root_counter.failed(where, e, failures)
+            else:
+                self._root_counter.computed()
         if corrected:
             # the second moment follows the current basis every step (also before preconditioning starts)
             r = rotate(raw, st["bases"])
@@ -359,6 +368,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         # Shampoo uses the graft until its first roots
         work = _work(raw)
         if failures > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
+            if failures > 0:  # before the first roots the graft is the plan; after a failure it is a fallback
+                self._root_counter.graft_step()
             return _scaled(graft, graft_scale, out)
         if corrected:
             bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
@@ -374,13 +385,18 @@ class DistributedShampoo(torch.optim.Optimizer):
         norm = direction.norm()
         return _scaled(direction, float(graft.norm() * graft_scale / norm) if norm > 0 else 0.0, out)
 
+    def root_stats(self) -> RootStats:
+        """This rank's counts of root computations, failures and fallbacks to the graft (see :class:`RootStats`).
+        No communication: under data parallelism sum them over the ranks for the run's totals."""
+        return self._root_counter.stats()
+
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
         out = super().state_dict()
         out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT,
-                          "owned": self._owned()}  # fmt: skip
+                          "owned": self._owned(), "root_stats": self._root_counter.state_dict()}  # fmt: skip
         return out
 
     def _owned(self) -> list[list[int]]:
@@ -414,6 +430,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         super().load_state_dict(state_dict)
         self.steps = int(meta["steps"])
+        self._root_counter.load_state_dict(meta.get("root_stats"))  # absent from states written before the counters
 
     def _check_factors(self, state_dict: dict[str, Any]) -> None:
         """Refuse factors that do not fit this rank's blocks, before any state is replaced: e.g. a small matrix's
