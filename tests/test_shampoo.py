@@ -38,8 +38,8 @@ def test_single_process_matches_dense_float64_reference():
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 9))
     w0 = w.detach().clone()
-    # max_preconditioner_dim=9: the 6x9 matrix stays one block with two factors (a larger limit would merge
-    # it into a 54-vector with one 54x54 factor, as the reference implementation's dimension merging does)
+    # max_preconditioner_dim=9: the 6x9 matrix is one block with two factors (so it is with any larger limit: a
+    # matrix is never merged into a vector, unlike in the reference implementation's default)
     opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 1.0), epsilon=1e-4, precondition_frequency=1,
                              start_preconditioning_step=1, grafting="none", max_preconditioner_dim=9)  # fmt: skip
     g_ = torch.Generator().manual_seed(1)
@@ -260,7 +260,8 @@ def test_vectors_without_preconditioning_are_adam():
      ({"precondition_frequency": 0}, "precondition_frequency=0"), ({"root_method": "svd"}, "root_method='svd'"),
      ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
      ({"preconditioner": "kfac"}, "preconditioner='kfac'"), ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
-     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only")],
+     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only"),
+     ({"rel_epsilon": 1.0}, "rel_epsilon=1.0"), ({"rel_epsilon": -1e-7}, "rel_epsilon=-1e-07")],
 )  # fmt: skip
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -280,6 +281,65 @@ def test_state_of_an_older_layout_refused():
     with pytest.raises(ValueError, match="Not a DistributedShampoo state dict"):
         DistributedShampoo([w]).load_state_dict(torch.optim.AdamW([w]).state_dict())
     DistributedShampoo([w], precondition_frequency=1).load_state_dict(state)  # the current layout loads
+
+
+def test_root_failures_are_counted_warned_once_and_survive_state_dict(monkeypatch):
+    """Every failed root computation is counted, with the steps it sends to the graft and the blocks given up for
+    good (max_root_failures); the first failure and the first block given up warn once each; the counts travel
+    with state_dict() and are restored by load_state_dict()."""
+    import powertrain.optim.shampoo.optimizer as shampoo_optimizer
+    from powertrain.optim.shampoo.matrix import RootFailure
+
+    def fail(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        raise RootFailure("forced")
+
+    torch.manual_seed(0)
+    w, v = torch.nn.Parameter(torch.randn(6, 9)), torch.nn.Parameter(torch.randn(4))
+    opt = DistributedShampoo([w, v], precondition_frequency=2, max_root_failures=1, precondition_1d=False)
+    monkeypatch.setattr(shampoo_optimizer, "inverse_roots", fail)
+    with pytest.warns(RuntimeWarning) as caught:
+        for _ in range(7):
+            w.grad, v.grad = torch.randn(6, 9), torch.randn(4)
+            opt.step()
+    messages = [str(m.message) for m in caught]
+    assert len(messages) == 2, messages
+    assert "failed (forced)" in messages[0] and "this warning is shown once" in messages[0]
+    assert "failed 2 times (more than max_root_failures=1)" in messages[1]
+    # roots at steps 2 and 4 fail (the second gives up), steps 6.. are not tried; the graft from step 2 on is a
+    # fallback (6 steps), the vector's graft (precondition_1d=False) is not
+    assert opt.root_stats() == shampoo_optimizer.RootStats(computed=0, failed=2, graft_steps=6, abandoned=1)
+    state = copy.deepcopy(opt.state_dict())
+    assert state["shampoo"]["root_stats"] == opt.root_stats()._asdict()
+    again = DistributedShampoo([w, v], precondition_frequency=2, max_root_failures=1, precondition_1d=False)
+    again.load_state_dict(state)
+    assert again.root_stats() == opt.root_stats()
+    monkeypatch.undo()
+    fresh = DistributedShampoo([w, v], precondition_frequency=2)
+    for _ in range(4):
+        w.grad, v.grad = torch.randn(6, 9), torch.randn(4)
+        fresh.step()
+    assert fresh.root_stats() == (4, 0, 0, 0)  # steps 2 and 4, the matrix's block and the vector's
+    older = copy.deepcopy(fresh.state_dict())
+    del older["shampoo"]["root_stats"]  # written before the counters existed: they start at 0
+    again = DistributedShampoo([w, v], precondition_frequency=2)
+    again.load_state_dict(older)
+    assert again.root_stats() == (0, 0, 0, 0)
+
+
+def test_factors_of_another_blocking_refused():
+    """A state whose factors do not fit the blocks (a (16, 32) weight's single 512 x 512 factor, as versions that
+    merged small matrices into vectors wrote it) is refused before anything is loaded."""
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    opt = DistributedShampoo([w], precondition_frequency=1)
+    w.grad = torch.randn(16, 32)
+    opt.step()
+    assert [tuple(f.shape) for f in opt.state[w]["blocks"][0]["factors"]] == [(16, 16), (32, 32)]
+    state = copy.deepcopy(opt.state_dict())
+    state["state"][0]["blocks"][0]["factors"] = [torch.zeros(512, 512)]
+    fresh = DistributedShampoo([w], precondition_frequency=1)
+    with pytest.raises(ValueError, match=r"have shapes \[\(512, 512\)\], but the block is \(16, 32\) here"):
+        fresh.load_state_dict(state)
+    assert not fresh.state, "nothing was loaded"
 
 
 # ---------------------------------------------------------------- eigenvalue-corrected (SOAP) preconditioner

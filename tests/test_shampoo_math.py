@@ -78,7 +78,8 @@ def test_bad_arguments(kwargs, message):
     ("shape", "max_dim", "merged", "blocks"),
     [((64, 3, 3, 3), 64, (64, 27), 1), ((64, 3, 3, 3), 1024, (64, 27), 1), ((8, 3, 5), 32, (8, 15), 1),
      ((7, 15), 4, (7, 15), 8), ((300,), 128, (300,), 3), ((1, 1), 8, (1,), 1),
-     ((2, 3, 4), 100, (24,), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1)],
+     ((2, 3, 4), 100, (2, 12), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1), ((16, 32), 1024, (16, 32), 1),
+     ((1, 512), 1024, (512,), 1), ((4, 5, 6, 7), 30, (4, 30, 7), 1), ((4, 5, 6, 7), 10**6, (4, 210), 1)],
 )  # fmt: skip
 def test_blocks_split_and_write_back_round_trip(shape, max_dim, merged, blocks):
     """Writing every block of ``t`` through the same block of a zero tensor's split rebuilds ``t`` (the blocks
@@ -185,6 +186,41 @@ def test_round_off_negative_eigenvalues_shift_the_spectrum():
     shifted = vals + 1e-9 + 1e-6
     expect = q @ torch.diag(shifted**-0.25) @ q.T
     assert torch.allclose(out, expect, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("epsilon", "rel_epsilon", "damping"),
+    [(1e-12, None, 2.0 * 2.0**-23), (1e-3, None, 1e-3), (1e-12, 0.0, 1e-12), (1e-12, 1e-4, 2e-4)],
+)
+def test_damping_is_epsilon_or_the_round_off_floor(epsilon, rel_epsilon, damping):
+    """Eigenvalues get max(epsilon, rel_epsilon * lambda_max) after the round-off shift; by default rel_epsilon is the
+    dtype's unit round-off (float32: 2^-23), below which a float32 factor's eigenvalues are round-off. A diagonal
+    factor (exact eigendecomposition) checks the rule itself; the spectrum's -1e-10 shifts it by 1e-10."""
+    vals = torch.tensor([2.0, 1e-3, 1e-9, 0.0, -1e-10])
+    out = inverse_root(torch.diag(vals), 2, epsilon=epsilon, rel_epsilon=rel_epsilon)
+    expect = (vals.double() + 1e-10 + damping) ** -0.5
+    torch.testing.assert_close(out.diagonal().double(), expect, rtol=1e-6, atol=0.0)
+    if rel_epsilon != 0.0:  # newton damps by the Frobenius norm, here lambda_max (one dominant eigenvalue) to 1e-6
+        newton = inverse_root(torch.diag(vals.clamp(min=0)), 2, epsilon=epsilon, rel_epsilon=rel_epsilon,
+                              method="newton")  # fmt: skip
+        torch.testing.assert_close(newton.diagonal().double(), (vals.double().clamp(min=0) + damping) ** -0.5,
+                                   rtol=1e-3, atol=0.0)  # fmt: skip
+
+
+def test_newton_takes_a_rank_deficient_factor_with_round_off_negative_eigenvalues():
+    """The coupled Newton iteration diverges on a negative eigenvalue: with epsilon alone (1e-12) a float32 factor
+    of 3 gradients (rank 3, round-off eigenvalues of either sign) fails, also in float64; the round-off floor makes
+    it positive definite, and the iteration converges in float32 to the root on the factor's range (measured
+    relative error 5e-3: float32 at a condition number of ~1e7; eigh: 6e-4)."""
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(64, 3, generator=g)
+    a = u @ u.T
+    out = inverse_root(a, 2, method="newton") @ u
+    vals, vecs = torch.linalg.eigh(a.double())
+    ref = vecs[:, -3:] @ torch.diag(vals[-3:] ** -0.5) @ vecs[:, -3:].T @ u.double()  # the root on the range
+    assert torch.linalg.matrix_norm(out.double() - ref) < 5e-2 * torch.linalg.matrix_norm(ref)
+    with pytest.raises(ValueError, match=r"rel_epsilon=-1\.0"):
+        inverse_root(a, 2, rel_epsilon=-1.0)
 
 
 def test_float64_parameters_are_optimised_in_float64():

@@ -61,15 +61,19 @@ PreconditionerKind = Literal["shampoo", "eigenvalue_corrected"]
 #: Found by reading both implementations, as (probe key, text); those with a key are re-checked at run time by
 #: :func:`probe_differences` (either implementation may change), the others hold as of the recorded commit.
 DESIGN_DIFFERENCES: list[tuple[str | None, str]] = [
-    ("eigenvalues", "Negative (round-off) eigenvalues of a factor, common as factors are rank-deficient early on "
-     "and for vectors: powertrain clamps each to 0, then adds epsilon; the reference shifts the whole spectrum by "
-     "-min(lambda_min, 0) (or, adding epsilon before eigh, by -lambda_min when lambda_min < epsilon). With "
-     "float32 factors and epsilon 1e-12 powertrain amplifies round-off directions by up to epsilon^(-1/2k)."),
+    ("eigenvalues", "Damping of the factors' eigenvalues: powertrain adds max(epsilon, rel_epsilon * lambda_max) with "
+     "rel_epsilon defaulting to the factor dtype's unit round-off (float32: 1.2e-7), the reference epsilon alone "
+     "(both after shifting a round-off-negative spectrum to >= 0). With float32 factors and epsilon 1e-12 a "
+     "rank-deficient factor's round-off eigenvalues then weigh up to epsilon^(-1/2k) in the reference's root, and "
+     "its preconditioned direction can be mostly round-off (issue 19: a 16 x 32 weight merged into a 512-vector "
+     "stalled at the first preconditioned step). The agreement runs set powertrain's rel_epsilon=0."),
     (None, "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
      "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
      "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on)."),
-    ("blocking", "Blocking of tensors with 3+ dimensions: powertrain merges adjacent dimensions from the first, "
-     "the reference from the last (conv1d (8, 3, 5), max_preconditioner_dim 32: (24, 5) vs (8, 15))."),
+    ("blocking", "Blocking: powertrain merges adjacent dimensions from the last but keeps at least two, so a matrix "
+     "keeps a factor per side however small; the reference's default (target_parameter_dimensionality=1) merges "
+     "down to one dimension (a (16, 32) weight with max_preconditioner_dim 1024 becomes a 512-vector with one "
+     "512 x 512 factor). The agreement runs set the reference's target_parameter_dimensionality=2 where it has it."),
     ("float32_state", "powertrain keeps the filtered gradient, the grafting statistics and the direction in "
      "float32 even for float64 parameters; the reference keeps them in the parameters' dtype."),
     (None, "The reference's lr and its bias corrections of the filtered gradient and of Adam grafting are float32 "
@@ -91,9 +95,10 @@ def probe_differences(ref: Any) -> dict[str, bool]:
 
     utils = importlib.import_module("distributed_shampoo.utils.shampoo_utils")
     functions = importlib.import_module("distributed_shampoo.preconditioner.matrix_functions")
-    shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30)]
+    shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30), ((16, 32), 1024)]
     blocking = any(blocks.merged_shape(s, d) != tuple(utils.merge_small_dims(s, d, 1)) for s, d in shapes)
-    a = torch.diag(torch.tensor([1.0, 1e-11, -1e-10], dtype=torch.float64))  # a round-off negative eigenvalue
+    # a float32 factor with eigenvalues far below its round-off floor (1.2e-7) and a round-off negative one
+    a = torch.diag(torch.tensor([1.0, 1e-9, 1e-11, -1e-10]))
     config = ref.EigenConfig(rank_deficient_stability_config=ref.PerturbationConfig(perturb_before_computation=False))
     ours = inverse_root(a, 2, epsilon=1e-12)
     theirs = functions.matrix_inverse_root(a, Fraction(2), root_inv_config=config, epsilon=1e-12)
@@ -210,6 +215,8 @@ def reference_version(ref: Any, commit: str | None = None) -> dict[str, str]:
 def powertrain_optimizer(params: Any, case: Case) -> DistributedShampoo:
     # only passed when not the default, so this also runs against a DistributedShampoo without the option
     extra: dict[str, Any] = {} if case.preconditioner == "shampoo" else {"preconditioner": case.preconditioner}
+    if case.preconditioner == "shampoo" and "rel_epsilon" in inspect.signature(DistributedShampoo).parameters:
+        extra["rel_epsilon"] = 0.0  # the reference damps by epsilon alone
     return DistributedShampoo(
         params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, momentum=case.momentum,
         weight_decay=case.weight_decay, max_preconditioner_dim=case.max_preconditioner_dim,
@@ -224,7 +231,8 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
 
     Mapping: ``grafting`` -> ``grafting_config`` (Adam/RMSprop/AdaGrad ``PreconditionerConfig`` with
     ``beta2``/``epsilon``; none -> ``None``); ``momentum`` -> ``iterate_averaging_config=ClassicMomentumConfig``;
-    decoupled weight decay; ``start_preconditioning_step = precondition_frequency``; ``preconditioner`` ->
+    decoupled weight decay; ``start_preconditioning_step = precondition_frequency``; blocking as powertrain's
+    (``target_parameter_dimensionality=2``, where the reference has it); ``preconditioner`` ->
     ``RootInvShampooPreconditionerConfig(EigenConfig)`` or ``EigenvalueCorrectedShampooPreconditionerConfig(
     EighEigendecompositionConfig)``, all matrices in ``dtype``; epsilon added after the eigendecomposition
     (``perturb_before_computation=False``), unpacked storage; ``use_bias_correction=True`` (powertrain
@@ -254,12 +262,16 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
         case _:
             graft = None
     momentum = types.ClassicMomentumConfig(momentum=case.momentum) if case.momentum > 0 else None
+    extra: dict[str, Any] = {}
+    single = getattr(ref, "SingleDeviceDistributedConfig", None)
+    if single is not None and "target_parameter_dimensionality" in {f.name for f in dataclasses.fields(single)}:
+        extra["distributed_config"] = single(target_parameter_dimensionality=2)  # powertrain's blocking
     return ref.DistributedShampoo(
         params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, weight_decay=case.weight_decay,
         weight_decay_type=types.WeightDecayType.DECOUPLED, max_preconditioner_dim=case.max_preconditioner_dim,
         precondition_frequency=case.precondition_frequency, start_preconditioning_step=case.precondition_frequency,
         use_bias_correction=True, grafting_config=graft, iterate_averaging_config=momentum,
-        preconditioner_config=pre,
+        preconditioner_config=pre, **extra,
     )  # fmt: skip
 
 

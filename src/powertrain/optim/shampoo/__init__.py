@@ -4,8 +4,10 @@
 - :mod:`.blocks`: how a parameter is cut into blocks of at most ``max_preconditioner_dim``.
 - :mod:`.preconditioner`: per-block factor statistics, roots, eigenvalue-corrected (SOAP) rotation.
 - :mod:`.optimizer`: :class:`DistributedShampoo`, blocks spread over ranks with one all-gather.
+- :mod:`.stats`: :class:`RootStats`, the counts of root computations, failures and fallbacks to the graft.
 """
 
 from powertrain.optim.shampoo.optimizer import DistributedShampoo
+from powertrain.optim.shampoo.stats import RootStats
 
-__all__ = ["DistributedShampoo"]
+__all__ = ["DistributedShampoo", "RootStats"]

@@ -1,8 +1,13 @@
 """How Shampoo cuts a parameter into blocks, each preconditioned by one factor matrix per dimension.
 
-1. Merge adjacent dimensions, from the last, while their product stays <= ``max_dim`` (a conv weight
-   (64, 3, 3, 3) becomes (64, 27) for any max_dim in [27, 1728)); dimensions of size 1 are dropped (a 0-d or
-   all-ones tensor is one 1-element block).
+1. Merge adjacent dimensions, from the last, while their product stays <= ``max_dim`` and at least two
+   dimensions remain (a conv weight (64, 3, 3, 3) becomes (64, 27) for any max_dim >= 27); dimensions of size 1
+   are dropped (a 0-d or all-ones tensor is one 1-element block). A matrix therefore stays a matrix, with one
+   factor per side (Kronecker-factored), however small: the reference implementation's default
+   (``target_parameter_dimensionality=1``) merges a (16, 32) weight with max_dim 1024 into one 512-vector with a
+   single 512 x 512 factor (full-matrix AdaGrad), whose statistics have rank at most the number of steps seen,
+   cost 64 times the memory of the two Kronecker factors and an eigendecomposition of 512 x 512 instead of 16 x 16
+   and 32 x 32 (``target_parameter_dimensionality=2`` there is this rule).
 2. Split every dimension of the merged shape into chunks of at most ``max_dim``: the blocks are the
    grid of those chunks, in row-major order. A 1-D parameter is a vector, cut into pieces of <= max_dim.
 
@@ -28,8 +33,10 @@ def merged_shape(shape: tuple[int, ...] | torch.Size, max_dim: int) -> tuple[int
     # from the last dimension backwards, as the reference implementation does: the leading (output) dimension
     # of a conv weight keeps its own factor
     out = [dims[-1]]
-    for d in reversed(dims[:-1]):
-        if out[-1] * d <= max_dim:
+    for left, d in enumerate(reversed(dims[:-1])):
+        # ``len(dims) - 1 - left`` dimensions are still to place, d included: merging d leaves at least two only
+        # if out has two already or more are to come
+        if out[-1] * d <= max_dim and len(out) + len(dims) - 2 - left >= 2:
             out[-1] *= d
         else:
             out.append(d)

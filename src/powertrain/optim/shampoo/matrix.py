@@ -1,15 +1,25 @@
 """Matrix functions of Shampoo's factor statistics: pure functions on tensors, no process group.
 
-``inverse_root(A, p)`` computes ``(A + epsilon I)^(-1/p)`` for a symmetric positive semi-definite ``A``:
+``inverse_root(A, p)`` computes ``(A + d I)^(-1/p)`` for a symmetric positive semi-definite ``A`` (n x n), with the
+damping ``d = max(epsilon, rel_epsilon * lambda_max(A))``: ``epsilon`` in ``A``'s units, ``rel_epsilon`` relative to
+its largest eigenvalue. By default ``rel_epsilon`` is a round-off floor, ``FLOOR * u`` with ``u`` the unit round-off
+of ``A``'s dtype (float32: 1.2e-7): accumulating ``A`` and decomposing it each leave errors of about
+``u lambda_max``, of either sign, so eigenvalues below that are not resolved and their eigenvectors are round-off.
+An absolute epsilon far below it (Shampoo's customary 1e-12 is, for any factor whose eigenvalues exceed 1e-5)
+would weight those directions by up to ``epsilon^(-1/p)`` against ``lambda_max^(-1/p)`` for the informative
+ones, and the preconditioned direction of a rank-deficient factor (fewer gradients seen than its dimension:
+every factor early on, a vector's full-matrix factor for ``n`` steps) would be mostly round-off.
 
-* ``method="eigh"``: symmetric eigendecomposition ``A = Q diag(l) Q^T``, then ``Q diag((l + eps)^(-1/p)) Q^T``.
+* ``method="eigh"``: symmetric eigendecomposition ``A = Q diag(l) Q^T``, then ``Q diag((l' + d)^(-1/p)) Q^T`` with
+  ``l'`` the spectrum shifted so that its smallest value is at least 0 (the reference implementation's rule).
   If the decomposition fails or returns non-finite values in the factor's dtype, it is retried in
-  float64 (``retry_float64``); a failure after that raises :class:`RootFailure`, which the optimizer
-  counts and, past its tolerance, answers by falling back to the grafting method.
+  float64 (``retry_float64``; the default floor stays that of ``A``'s own dtype); a failure after that raises
+  :class:`RootFailure`, which the optimizer counts and, past its tolerance, answers by falling back to the
+  grafting method.
 * ``method="newton"``: the coupled Newton iteration (Higham 2008; Guo & Higham 2006) for the inverse
-  p-th root, matrix products only (fast on accelerators): ``X_0 = c^-1 I``, ``M_0 = c^-p A`` with
-  ``c = (2 ||A||_F / (p + 1))^(1/p)``... iterated as ``T = ((p + 1) I - M) / p``, ``X <- X T``,
-  ``M <- T^p M`` until ``||M - I||_inf < tol`` or ``max_iters``.
+  p-th root of ``B = A + d I`` (``lambda_max`` bounded by ``||A||_F``), matrix products only (fast on
+  accelerators): ``X_0 = c^-1 I``, ``M_0 = c^-p B`` with ``c = (2 ||B||_F / (p + 1))^(1/p)``... iterated as
+  ``T = ((p + 1) I - M) / p``, ``X <- X T``, ``M <- T^p M`` until ``||M - I||_inf < tol`` or ``max_iters``.
 """
 
 from __future__ import annotations
@@ -18,9 +28,12 @@ from typing import Literal
 
 import torch
 
-__all__ = ["RootFailure", "eigenvectors", "inverse_root"]
+__all__ = ["FLOOR", "RootFailure", "eigenvectors", "inverse_root"]
 
 Method = Literal["eigh", "newton"]
+
+#: The default ``rel_epsilon`` in units of the factor dtype's unit round-off (see the module docstring).
+FLOOR = 1.0
 
 
 class RootFailure(RuntimeError):
@@ -34,20 +47,24 @@ def _finite(a: torch.Tensor) -> bool:
     return bool(torch.isfinite(a.sum(dtype=torch.float64)))
 
 
-def _eigh_root(a: torch.Tensor, root: float, epsilon: float) -> torch.Tensor:
+def _eigh_root(a: torch.Tensor, root: float, epsilon: float, rel_epsilon: float) -> torch.Tensor:
     vals, vecs = torch.linalg.eigh(a)
     # A is PSD in exact arithmetic. Round-off can make its smallest eigenvalues negative: shift the whole
     # spectrum so the smallest is 0 (as the reference implementation does) rather than clipping each to 0,
-    # which would leave round-off-negative directions at epsilon while round-off-positive ones stay ~1e-7 ||A||
-    # and so amplify noise directions by up to epsilon^(-1/root)
-    vals = vals - vals.min().clamp(max=0.0) + epsilon
+    # which would leave round-off-negative directions apart from their round-off-positive twins; the floor then
+    # lifts every round-off eigenvalue to the same order (see the module docstring)
+    damping = (rel_epsilon * vals[-1]).clamp(min=epsilon)
+    vals = vals - vals[0].clamp(max=0.0) + damping
     return (vecs * vals.pow(-1.0 / root).unsqueeze(-2)) @ vecs.mT
 
 
-def _newton_root(a: torch.Tensor, root: int, epsilon: float, max_iters: int, tol: float) -> torch.Tensor:
+def _newton_root(a: torch.Tensor, root: int, epsilon: float, rel_epsilon: float, max_iters: int,
+                 tol: float) -> torch.Tensor:  # fmt: skip
     n = a.shape[-1]
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
-    a = a + epsilon * eye
+    # ||A||_F bounds lambda_max from above; the floor also makes a factor with round-off-negative eigenvalues
+    # (which the iteration cannot take) positive definite
+    a = a + (rel_epsilon * torch.linalg.matrix_norm(a)).clamp(min=epsilon) * eye
     z = (1 + root) / (2 * torch.linalg.matrix_norm(a))  # scales the spectrum into the iteration's basin
     x = eye * z.pow(1.0 / root)
     m = a * z
@@ -65,15 +82,22 @@ def inverse_root(
     root: int,
     *,
     epsilon: float = 1e-12,
+    rel_epsilon: float | None = None,
     method: Method = "eigh",
     retry_float64: bool = True,
     max_iters: int = 100,
     tol: float = 1e-6,
 ) -> torch.Tensor:
-    """``(a + epsilon I)^(-1/root)`` of a symmetric PSD matrix ``a`` (n x n), in ``a``'s dtype.
+    """``(a + max(epsilon, rel_epsilon lambda_max(a)) I)^(-1/root)`` of a symmetric PSD matrix ``a`` (n x n), in
+    ``a``'s dtype.
+
+    Args:
+        epsilon: absolute damping, in ``a``'s units.
+        rel_epsilon: damping relative to ``a``'s largest eigenvalue (``newton``: to ``||a||_F``, an upper bound);
+            None: :data:`FLOOR` times the unit round-off of ``a``'s dtype (see the module docstring); 0: none.
 
     Raises:
-        ValueError: bad arguments (not square, root < 1, epsilon < 0, unknown method).
+        ValueError: bad arguments (not square, root < 1, epsilon < 0, rel_epsilon < 0, unknown method).
         RootFailure: non-finite input, or the computation failed (also after the float64 retry).
     """
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
@@ -82,6 +106,10 @@ def inverse_root(
         raise ValueError(f"Invalid root={root!r}: must be an integer >= 1")
     if not epsilon >= 0:
         raise ValueError(f"Invalid epsilon={epsilon!r}: must be >= 0")
+    if rel_epsilon is None:
+        rel_epsilon = FLOOR * torch.finfo(a.dtype).eps
+    elif not rel_epsilon >= 0:
+        raise ValueError(f"Invalid rel_epsilon={rel_epsilon!r}: must be >= 0 (None: the dtype's round-off floor)")
     if method not in ("eigh", "newton"):
         raise ValueError(f"Invalid method={method!r}: choose eigh or newton")
     if not _finite(a):
@@ -90,7 +118,10 @@ def inverse_root(
     for dtype in attempts:
         x = a.to(dtype)
         try:
-            out = _eigh_root(x, root, epsilon) if method == "eigh" else _newton_root(x, root, epsilon, max_iters, tol)
+            if method == "eigh":
+                out = _eigh_root(x, root, epsilon, rel_epsilon)
+            else:
+                out = _newton_root(x, root, epsilon, rel_epsilon, max_iters, tol)
         except (torch.linalg.LinAlgError, RootFailure):
             continue
         if _finite(out):

@@ -10,6 +10,7 @@ for each of its blocks (:mod:`.blocks`) that this rank owns:
    direction is the preconditioned ``f`` rescaled to the norm of the grafting method's direction (``adam``,
    ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots,
    after ``max_root_failures`` failed root computations, or for good for a vector with ``precondition_1d=False``.
+   Failed computations and the steps they send to the graft are counted (:meth:`DistributedShampoo.root_stats`).
 3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by their estimated time per step
    (products, amortised roots, elementwise and fixed work; greedy, deterministic), each rank writes its
    blocks' directions into its part of one all-gather (``comm_dtype``), and updates its own blocks while the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
@@ -55,8 +57,9 @@ from powertrain.optim.shampoo.preconditioner import (
     rotate,
     update_factors,
 )
+from powertrain.optim.shampoo.stats import RootCounter, RootStats
 
-__all__ = ["DistributedShampoo"]
+__all__ = ["DistributedShampoo", "RootStats"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
 # version of state_dict()'s layout: 3 records the blocks the rank owns (2: the filtered gradient per block, blocks
@@ -124,9 +127,20 @@ class DistributedShampoo(torch.optim.Optimizer):
     Args:
         params: parameters (or groups); gradients must already be averaged across data-parallel ranks.
         lr: learning rate.
-        betas: ``(beta1, beta2)``: gradient filtering (0: off) and the factor statistics' EMA (1: sum).
-        epsilon: added to the factors' eigenvalues before the inverse root (eigenvalue-corrected: to the root of
-            the corrected eigenvalues, like Adam's epsilon; use e.g. 1e-8 there).
+        betas: ``(beta1, beta2)``: gradient filtering (0: off) and the factor statistics' EMA (1: sum). The
+            default beta2 0.95 (and ``grafting_beta2``'s) averages over the horizon of ``powertrain train``'s AdamW:
+            on the default GPT it trained to a clearly lower loss than 0.999, and so it did on issue 19's
+            ill-conditioned least squares and MLP under a cosine schedule (``tests/test_shampoo_convergence.py``).
+        epsilon: Shampoo: the smallest damping added to every eigenvalue of a (bias-corrected) factor before its
+            inverse root, in the factor's units: squared gradient entries summed over the other dimensions
+            (``(L + delta I)^(-1/2k)``, ``delta = max(epsilon, rel_epsilon * lambda_max(L))``). It bounds the
+            weight of a direction the statistics have (almost) not seen to ``delta^(-1/2k)``. Eigenvalue-corrected:
+            added to the root of the corrected eigenvalues, like Adam's epsilon (use e.g. 1e-8 there).
+        rel_epsilon: Shampoo: damping relative to each factor's largest eigenvalue (see ``epsilon``); None (the
+            default): the unit round-off of the factors' dtype (float32: 1.2e-7), below which eigenvalues are
+            round-off (:mod:`.matrix`); 0: epsilon alone (the reference implementation's rule, whose
+            preconditioned direction can then be mostly round-off on a rank-deficient factor). Not used by the
+            eigenvalue-corrected preconditioner.
         momentum, nesterov: heavy-ball momentum on the final direction.
         weight_decay: decoupled (AdamW-style) weight decay.
         max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
@@ -142,6 +156,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         bias_correction: with ``betas[1] < 1``, divide the factors by ``1 - betas[1]^t`` before their roots (the
             reference implementation's default); grafting removes the scale, but not epsilon's relative weight.
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
+            Failures are counted (:meth:`root_stats`) and the first one, and the first block given up, warn.
         precondition_1d: precondition vector blocks (1-D parameters such as biases and norm gains, and parameters
             whose merged shape is 1-D) with a full ``d x d`` factor, as the reference implementation does; False
             updates them by the grafting method alone (with ``adam``: Adam with the filtered gradient as its first
@@ -156,7 +171,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self,
         params: Iterable[Any],
         lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        betas: tuple[float, float] = (0.9, 0.95),
         epsilon: float = 1e-12,
         momentum: float = 0.0,
         nesterov: bool = False,
@@ -165,7 +180,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_frequency: int = 10,
         start_preconditioning_step: int | None = None,
         grafting: Grafting = "adam",
-        grafting_beta2: float = 0.999,
+        grafting_beta2: float = 0.95,
         grafting_epsilon: float = 1e-8,
         root_method: Literal["eigh", "newton"] = "eigh",
         exponent_multiplier: float = 1.0,
@@ -175,6 +190,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_1d: bool = True,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
+        rel_epsilon: float | None = None,
     ) -> None:
         checks = [
             ("lr", lr, lr > 0, "> 0"), ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
@@ -208,6 +224,17 @@ class DistributedShampoo(torch.optim.Optimizer):
                 f"exponent_multiplier={exponent_multiplier!r} applies to preconditioner='shampoo' only (the "
                 "eigenvalue-corrected preconditioner always takes the square root of its second moment)"
             )
+        if rel_epsilon is not None and not (isinstance(rel_epsilon, int | float) and 0 <= rel_epsilon < 1):
+            raise ValueError(
+                f"Invalid rel_epsilon={rel_epsilon!r}: must be in [0, 1) (a fraction of the largest eigenvalue), or "
+                "None for the factors' round-off floor"
+            )
+        if rel_epsilon is not None and preconditioner != "shampoo":
+            warnings.warn(
+                f"rel_epsilon={rel_epsilon!r} has no effect with preconditioner={preconditioner!r} (it damps "
+                "Shampoo's inverse roots; the eigenvalue-corrected preconditioner uses epsilon alone)",
+                stacklevel=2,
+            )
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -220,6 +247,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
+        self.rel_epsilon = None if rel_epsilon is None else float(rel_epsilon)
+        what = "eigenbasis" if preconditioner == "eigenvalue_corrected" else "inverse roots"
+        self._root_counter = RootCounter(what, max_root_failures)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -319,11 +349,16 @@ class DistributedShampoo(torch.optim.Optimizer):
                     if self.bias_correction and beta2 < 1.0:
                         # the EMA's bias correction: it sets epsilon's weight against the statistics early on
                         factors = [f / (1.0 - beta2**step) for f in factors]
-                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], method=self.root_method,
+                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], rel_epsilon=self.rel_epsilon,
+                                                method=self.root_method,
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
-            except RootFailure:
+            except RootFailure as e:
                 st["failures"] += 1
                 failures += 1
+                where = f"block {blk.index} {blk.shape} of parameter {blk.param} (rank {self.rank})"
+                self._root_counter.failed(where, e, failures)
+            else:
+                self._root_counter.computed()
         if corrected:
             # the second moment follows the current basis every step (also before preconditioning starts)
             r = rotate(raw, st["bases"])
@@ -336,6 +371,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         # Shampoo uses the graft until its first roots
         work = _work(raw)
         if failures > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
+            if failures > 0:  # before the first roots the graft is the plan; after a failure it is a fallback
+                self._root_counter.graft_step()
             return _scaled(graft, graft_scale, out)
         if corrected:
             bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
@@ -351,13 +388,18 @@ class DistributedShampoo(torch.optim.Optimizer):
         norm = direction.norm()
         return _scaled(direction, float(graft.norm() * graft_scale / norm) if norm > 0 else 0.0, out)
 
+    def root_stats(self) -> RootStats:
+        """This rank's counts of root computations, failures and fallbacks to the graft (see :class:`RootStats`).
+        No communication: under data parallelism sum them over the ranks for the run's totals."""
+        return self._root_counter.stats()
+
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
         out = super().state_dict()
         out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT,
-                          "owned": self._owned()}  # fmt: skip
+                          "owned": self._owned(), "root_stats": self._root_counter.state_dict()}  # fmt: skip
         return out
 
     def _owned(self) -> list[list[int]]:
@@ -387,9 +429,29 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "assignment (max_preconditioner_dim, precondition_1d, preconditioner, precondition_frequency) "
                 "differ from the run that wrote it; resume with the same ones"
             )
+        self._check_factors(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         super().load_state_dict(state_dict)
         self.steps = int(meta["steps"])
+        self._root_counter.load_state_dict(meta.get("root_stats"))  # absent from states written before the counters
+
+    def _check_factors(self, state_dict: dict[str, Any]) -> None:
+        """Refuse factors that do not fit this rank's blocks, before any state is replaced: e.g. a small matrix's
+        single full-matrix factor, written by a version that merged small matrices into vectors (see :mod:`.blocks`).
+        ``state_dict()`` numbers parameters in the order of :attr:`_params`."""
+        state = state_dict.get("state", {})
+        for blk in self.blocks:
+            if blk.owner != self._owner:
+                continue
+            factors = state.get(blk.param, {}).get("blocks", {}).get(blk.index, {}).get("factors", [])
+            shapes = [tuple(f.shape) for f in factors]
+            if shapes and shapes != [(d, d) for d in blk.shape]:
+                raise ValueError(
+                    f"This state's factors for block {blk.index} of parameter {blk.param} have shapes {shapes}, but "
+                    f"the block is {blk.shape} here: the state was written for other parameters, or by a powertrain "
+                    "version that merged small matrices into one vector (a matrix now keeps one factor per side); "
+                    "restart the optimizer state, or resume with the version that wrote it"
+                )
 
     # -- step ----------------------------------------------------------------------------------------------
 

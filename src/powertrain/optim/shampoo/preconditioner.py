@@ -3,8 +3,9 @@
 For a block ``G`` of order ``k`` (a matrix: k = 2) there is one factor per dimension ``i``:
 ``L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T`` (``beta2 = 1``: AdaGrad's running sum), where ``G_(i)`` is
 ``G`` unfolded along dimension ``i`` (that dimension's rows, all others flattened). Every
-``precondition_frequency`` steps ``R_i = (L_i + epsilon I)^(-1/(2k))`` is recomputed, and the direction is
-``G x_1 R_1 x_2 ... x_k R_k`` (mode-i products; for a matrix ``R_1 G R_2``).
+``precondition_frequency`` steps ``R_i = (L_i + delta_i I)^(-1/(2k))`` is recomputed (``delta_i``: epsilon, or the
+round-off floor relative to ``L_i``'s largest eigenvalue where that is larger, see :mod:`.matrix`), and the
+direction is ``G x_1 R_1 x_2 ... x_k R_k`` (mode-i products; for a matrix ``R_1 G R_2``).
 
 Eigenvalue-corrected Shampoo (SOAP; George et al. 2018, Vyas et al. 2024) keeps the same factors but uses only
 their eigenvectors ``Q_i``: the gradient is rotated into that basis, ``G' = G x_1 Q_1^T ... x_k Q_k^T``, an
@@ -62,10 +63,11 @@ def update_factors(factors: list[torch.Tensor], g: torch.Tensor, beta2: float) -
             _add_gram(f, u, beta2, 1.0 - beta2)
 
 
-def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, method: Method = "eigh",
-                  exponent_multiplier: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
-    """``(L_i + epsilon I)^(-1/(2k))`` for each of the ``k`` factors (``exponent_multiplier`` scales the
-    root's exponent, as in the reference implementation; 1: Shampoo's own). May raise RootFailure."""
+def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, rel_epsilon: float | None = None,
+                  method: Method = "eigh", exponent_multiplier: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+    """``(L_i + delta_i I)^(-1/(2k))`` for each of the ``k`` factors, with ``delta_i = max(epsilon, rel_epsilon
+    lambda_max(L_i))`` (:func:`.matrix.inverse_root`; ``exponent_multiplier`` scales the root's exponent, as in the
+    reference implementation; 1: Shampoo's own). May raise RootFailure."""
     k = len(factors)
     root = 2 * k
     if exponent_multiplier != 1.0:
@@ -74,7 +76,7 @@ def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, method: Method
         if abs(scaled - round(scaled)) > 1e-9:
             raise ValueError(f"exponent_multiplier={exponent_multiplier} gives a non-integer root {scaled}")
         root = round(scaled)
-    return [inverse_root(f, root, epsilon=epsilon, method=method) for f in factors]
+    return [inverse_root(f, root, epsilon=epsilon, rel_epsilon=rel_epsilon, method=method) for f in factors]
 
 
 def _mode_products(g: torch.Tensor, mats: list[torch.Tensor], *, transpose: bool) -> torch.Tensor:
