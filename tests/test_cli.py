@@ -115,6 +115,9 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert all(row["compress_s"] > 0 and row["comm_s"] > 0 and row["bytes_sent"] > 0 for row in rows), rows
     if mode[0] in ("ddp", "reference") and "shampoo" in mode:  # Shampoo's all-gather of the search directions
         assert all(row["comm_s"] > 0 for row in rows), rows
+    if "shampoo" in mode:  # root computations counted over the ranks (issue 19), none failed
+        roots = json.loads((full / "summary.json").read_text())["shampoo_roots"]
+        assert roots["computed"] > 0 and roots["failed"] == roots["graft_steps"] == 0, roots
     if "bf16" in mode:  # the option reaches the optimizer: fewer bytes than with fp32 directions
         fp32 = _run(*common[: common.index("--shampoo-comm-dtype")], "--out", str(tmp_path / "fp32"))
         assert fp32.returncode == 0, fp32.stderr[-3000:]
@@ -122,6 +125,14 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert 0 < sent[0] < sent[1], sent
     if mode[:2] == ["simple_fsdp", "none"]:  # SimpleFSDP's reduce-scatters, counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
+
+
+def test_shampoo_fallbacks_are_reported_once():
+    from powertrain.train.loop import _roots_text
+
+    assert _roots_text({"computed": 9, "failed": 0, "graft_steps": 0, "abandoned": 0}) == ""
+    text = _roots_text({"computed": 9, "failed": 3, "graft_steps": 7, "abandoned": 1})
+    assert "3 of 12 root computations failed" in text and "7 block-steps" in text and "1 block(s) given up" in text
 
 
 @pytest.mark.parametrize(("vectors", "preconditioned"), [("graft", False), ("shampoo", True)])

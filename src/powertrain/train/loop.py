@@ -174,12 +174,14 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
             save_checkpoint(out, done, model, dcp_optimizer, per_rank, run)
 
+    roots = _root_stats(optimizer)
     summary = {
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "steps": cfg.steps,
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
         "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps if world > 1 else 0,
         f"{unit}_per_s": per_step * cfg.grad_accum * world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
         "params": n_params,
+        **({"shampoo_roots": roots} if roots is not None else {}),
     }  # fmt: skip
     if writer:
         writer.finish(summary)
@@ -188,6 +190,30 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def _root_stats(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+    """Shampoo's root computations, failures and graft fallbacks summed over ranks (every rank calls this)."""
+    from powertrain.optim.shampoo import RootStats
+
+    stats = getattr(optimizer, "root_stats", None)
+    if not callable(stats):
+        return None
+    counts = torch.tensor(list(stats()), dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return dict(zip(RootStats._fields, counts.tolist(), strict=True))
+
+
+def _roots_text(roots: dict[str, int] | None) -> str:
+    """One sentence when Shampoo fell back to its grafting direction, else nothing."""
+    if not roots or not (roots["failed"] or roots["graft_steps"]):
+        return ""
+    what = f" ({roots['abandoned']} block(s) given up for good)" if roots["abandoned"] else ""
+    return (
+        f" Shampoo: {roots['failed']} of {roots['failed'] + roots['computed']} root computations failed and "
+        f"{roots['graft_steps']} block-steps used the grafting direction instead{what}."
+    )
 
 
 def _evaluate(model: torch.nn.Module, data: TokenData | ClassData, cfg: TrainConfig, rank: int, world: int,
@@ -225,6 +251,6 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         f"for {cfg.steps} steps in {s['wall_s']:.1f} s of training time, with --parallel {cfg.parallel}. The training "
         f"loss went from {s['first_loss']:.3f} to {s['final_loss']:.3f} and the held-out validation loss is "
         f"{s['val_loss']:.3f}{uniform}. Gradient communication ({cfg.compressor}) sent {sent / MB:.1f} MB per worker "
-        f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio}). Metrics, plots and the resolved "
-        f"config are in {out}."
+        f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio})."
+        f"{_roots_text(s.get('shampoo_roots'))} Metrics, plots and the resolved config are in {out}."
     )
