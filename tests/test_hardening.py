@@ -139,7 +139,7 @@ def test_metadata_may_only_name_files_inside_the_checkpoint(tmp_path):
         info.relative_path = "../../etc/passwd"
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
     _rewrite_manifest(ckpt)
-    with pytest.raises(pickle.UnpicklingError, match="not a file name inside the checkpoint"):
+    with pytest.raises(CheckpointError, match="which is not a file of the checkpoint"):
         load_checkpoint(ckpt, model, opt, {})
 
 
@@ -324,6 +324,7 @@ def test_resume_into_the_same_directory_from_an_older_checkpoint(run2, tmp_path)
     same trajectory."""
     out = _copy(run2, tmp_path)
     old = _metrics(out)
+    config_before = (out / "config.toml").read_bytes()
     (out / "checkpoints" / "latest").write_text("step_00000002\n")
     r = _run(*TINY, "--steps", "6", "--checkpoint-every", "2", "--out", str(out), "--resume", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -333,7 +334,7 @@ def test_resume_into_the_same_directory_from_an_older_checkpoint(run2, tmp_path)
     assert [row["step"] for row in superseded] == [3, 4]  # moved, not deleted
     assert [row["loss"] for row in rows[:4]] == [row["loss"] for row in old]  # the same trajectory, bitwise
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000006"
-    assert (out / "config.before_resume_at_step_00000002.toml").is_file()
+    assert (out / "config.toml").read_bytes() == config_before and (out / "config.resume1.toml").is_file()
     checkpoint.verify(out / "checkpoints" / "step_00000004")
 
 
@@ -367,10 +368,11 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(run2, tmp_path, damage)
 
 
 def test_worker_failures_reach_the_user_as_one_line(run2, tmp_path):
+    # another model shape: refused before any worker starts, naming the setting
     r = _run(*TINY, "--steps", "6", "--block-size", "16", "--out", str(tmp_path / "a"), "--resume", str(run2))
-    assert r.returncode == 1
+    assert r.returncode == 2
     lines = _lines(r.stderr)
-    assert len(lines) == 1 and "Size mismatch" in lines[0] and "model.pos.weight" in lines[0], r.stderr[-3000:]
+    assert len(lines) == 1 and "block_size=32 -> 16" in lines[0], r.stderr[-3000:]
     # a non-finite gradient under DDP surfaces as the compressor's error, not as DDP's RuntimeError
     r = _run(*TINY, "--steps", "4", "--parallel", "ddp", "--compressor", "int8", "--lr", "1e30", "--optimizer", "sgd",
              "--momentum", "0", "--checkpoint-every", "1", "--out", str(tmp_path / "b"))  # fmt: skip
@@ -412,11 +414,21 @@ def test_one_worker_under_ddp_and_the_tiny_preset_with_demo(tmp_path):
     [
         (["--threads", "100000"], "Invalid threads=100000: this machine has"),
         (["--data-max-mb", "inf"], "Invalid data_max_mb=inf: must be a finite number"),
-        (["--timeout-s", "1e300"], "Invalid timeout_s=1e+300: must be at most"),
+        (["--timeout-s", "1e300"], "Invalid timeout_s=1e+300: must be from 1 to"),
         (["--seed", "12345678901234567890123"], "Invalid seed=12345678901234567890123: must fit in 64 bits"),
         (["--compressor", "powersgd:rank=4,rank=8"], "'rank' is given twice"),
         (["--compressor", "powersgd:iters=2,num_iters_per_step=3"], "both by its short and its long name"),
         (["--compressor", "int8:stochastic=maybe"], "Invalid stochastic='maybe'"),
+        (["--data-max-mb", "1e300"], "must be at most"),
+        (["--data-max-mb", "1e-9"], "at least 0.001"),
+        (["--lr", "1e300"], "must be at most"),
+        (["--block-size", "1099511627776"], "must be at most"),
+        (["--nproc", "100000"], "must be at most"),
+        (["--timeout-s", "1e-9"], "must be from 1"),
+        (["--backend", "nccl"], "needs CUDA"),
+        (["--out", ""], "give --out a path"),
+        (["--compressor", "powersgd:seed=99999999999999999999"], "below 2**63"),
+        (["--config", "/proc/self/mem"], "cannot be read"),
     ],
 )
 def test_bad_values_are_one_line_errors(args, message, capsys, tmp_path):
@@ -470,3 +482,169 @@ def test_compressor_refuses_a_parameter_twice_and_misshapen_state():
         with pytest.raises(ValueError, match="NaN or Inf"):
             comp.load_state_dict(nan)
         comp.load_state_dict(state)  # the real one still loads
+
+
+# ---------------------------------------------------------------- found by trying to break the above
+
+
+def _bytearray_bomb(n: int) -> bytes:
+    """A torch.save payload whose pickle builds bytearray(n): weights_only admits it, so it is a memory bomb."""
+    buf = io.BytesIO()
+    torch.save(0.1, buf)
+    import zipfile
+
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = b"\x80\x02cbuiltins\nbytearray\n\x8a\x08" + n.to_bytes(8, "little") + b"\x85R."
+            dst.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def test_allocation_bombs_are_refused_before_loading(tmp_path):
+    from powertrain.serialize import TENSOR_GLOBALS, UnsafeData, check_torch_pickle
+
+    bomb = _bytearray_bomb(1 << 40)  # a terabyte, from 800 bytes
+    assert len(bomb) < 2000
+    for allowed in ((), TENSOR_GLOBALS):
+        with pytest.raises(UnsafeData, match=r"names builtins\.bytearray"):
+            check_torch_pickle(bomb, allowed=allowed, what="item")
+    small = _bytearray_bomb(16)  # the control: torch's weights_only loader does build it
+    assert torch.load(io.BytesIO(small), weights_only=True) == bytearray(16)
+    # through a checkpoint: an optimizer item replaced by the bomb, checksums updated
+    ckpt, model, opt = _small_checkpoint(tmp_path)
+    meta = checkpoint.read_metadata(ckpt)
+    info = next(v for i, v in meta.storage_data.items() if i.fqn == "optim.param_groups.0.lr")
+    data = ckpt / info.relative_path
+    raw = data.read_bytes()
+    evil = _bytearray_bomb(1 << 40)
+    data.write_bytes(raw[: info.offset] + evil + raw[info.offset + info.length :])
+    shift = len(evil) - info.length
+    for v in meta.storage_data.values():
+        if v.relative_path == info.relative_path and v.offset > info.offset:
+            v.offset += shift
+    info.length = len(evil)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _rewrite_manifest(ckpt)
+    with pytest.raises(CheckpointError, match="bytearray"):
+        load_checkpoint(ckpt, model, opt, {})
+
+
+def test_blob_size_is_bounded_by_what_is_stored(tmp_path):
+    ckpt, model, opt = _small_checkpoint(tmp_path)
+    meta = checkpoint.read_metadata(ckpt)
+    key = next(k for k in meta.state_dict_metadata if k.startswith("rank."))
+    meta.state_dict_metadata[key].size = torch.Size([8_000_000_000])
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    _rewrite_manifest(ckpt)
+    with pytest.raises(CheckpointError, match="claims a size its data file does not hold"):
+        load_checkpoint(ckpt, model, opt, {})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "transform", "junk_manifest", "step_type"])
+def test_special_files_and_junk_are_refused_without_hanging(tmp_path, kind):
+    ckpt, model, opt = _small_checkpoint(tmp_path)
+    data = next(ckpt.glob("*.distcp"))
+    if kind == "fifo":  # a listed name that is a pipe: open() would block for ever
+        data.unlink()
+        os.mkfifo(data)
+        match = "not a regular file"
+    elif kind == "symlink":
+        target = tmp_path / "elsewhere.distcp"
+        shutil.move(data, target)
+        data.symlink_to(target)
+        match = "not a regular file"
+    elif kind == "transform":  # decompression has no size bound
+        meta = checkpoint.read_metadata(ckpt)
+        next(iter(meta.storage_data.values())).transform_descriptors = ["stream.zstd/1"]
+        (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+        _rewrite_manifest(ckpt)
+        match = "stream transforms"
+    elif kind == "junk_manifest":
+        (ckpt / "manifest.json").write_text("[1, 2]")
+        match = "not a format-3 powertrain manifest"
+    else:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest["step"] = "abc"
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+        match = "step is not a valid count"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ckpt, model, opt, {})
+
+
+def test_reference_powersgd_refuses_misfit_residuals_before_changing_anything():
+    from powertrain.powersgd import Config, PowerSGD
+
+    params = [torch.nn.Parameter(torch.randn(32, 24))]
+    ps = PowerSGD(params, config=Config(rank=2, start_compressing_after_num_steps=0))
+    state = ps.state_dict()
+    before = ps.compressor.state_dict()
+    for bad, match in (([torch.full((32, 24), float("nan"))], "NaN or Inf"), ([torch.zeros(3, 3)], r"\[3, 3\]")):
+        with pytest.raises(ValueError, match=match):
+            ps.load_state_dict(dict(state, residuals=bad))
+        assert ps.compressor.state_dict()["num_steps"] == before["num_steps"]
+    with pytest.raises(ValueError, match="missing"):
+        ps.load_state_dict({"compressor": state["compressor"]})
+
+
+def test_resume_guards(run2, tmp_path):
+    """A failed resume changes nothing; another run's directory is never taken over; settings a checkpoint restores
+    cannot silently differ; two runs never share a directory."""
+    out = _copy(run2, tmp_path)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    # another model: latest, config and checkpoints stay as they were
+    step2 = out / "checkpoints" / "step_00000002"
+    r = _run(*TINY, "--steps", "6", "--block-size", "16", "--out", str(out), "--resume", str(step2))
+    assert r.returncode == 2 and "block_size=32 -> 16" in r.stderr, r.stderr[-2000:]  # refused before any worker
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    # a checkpoint of a run in a subdirectory does not make --out resumable
+    sub = out / "sub" / "checkpoints"
+    sub.mkdir(parents=True)
+    shutil.copytree(out / "checkpoints" / "step_00000002", sub / "step_00000002")
+    r = _run(*TINY, "--steps", "6", "--out", str(out), "--resume", str(sub / "step_00000002"))
+    assert r.returncode == 2 and "is not empty" in r.stderr, r.stderr[-2000:]
+    # a run holding the lock keeps a second one out
+    import fcntl
+
+    with (out / ".lock").open("w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        r = _run(*TINY, "--steps", "6", "--out", str(out), "--resume", str(out))
+    assert r.returncode == 2 and "Another run is using" in r.stderr, r.stderr[-2000:]
+
+
+def test_validation_split_too_small_fails_before_training(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("x" * 3000)
+    r = _run(*TINY, "--data", "textdir", "--data-path", str(texts), "--block-size", "200", "--steps", "50",
+             "--out", str(tmp_path / "o"))  # fmt: skip
+    assert r.returncode == 1 and "val split" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o" / "metrics.jsonl").exists(), "it failed before the first step"
+
+
+def test_workers_die_with_the_launcher(tmp_path):
+    out = tmp_path / "run"
+    args = [*TINY, "--steps", "3000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not ((out / "pids" / "rank0").exists() and (out / "pids" / "rank1").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        pids = [int((out / "pids" / f"rank{r}").read_text()) for r in range(2)]
+        proc.kill()
+        proc.wait(30)
+        deadline = time.monotonic() + 20
+        alive = lambda pid: Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in pids), "orphaned workers kept running"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,5 +1,9 @@
 import sys
 
-from powertrain.train.cli import main
+try:
+    from powertrain.train.cli import main  # imports torch: seconds, during which Ctrl-C must not print a traceback
 
-sys.exit(main())
+    sys.exit(main())
+except KeyboardInterrupt:
+    print("powertrain: interrupted", file=sys.stderr)
+    sys.exit(130)

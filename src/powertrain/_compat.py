@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 from typing import Any, ClassVar
@@ -106,11 +107,22 @@ class SafeUnpickler(_PyUnpickler):
 _DATA_FILE = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 
-def safe_dcp_reader(path: str) -> Any:
-    """A DCP FileSystemReader whose metadata load cannot execute code (DCP itself uses plain pickle), and
-    whose metadata may name data files inside the checkpoint directory only."""
+def safe_dcp_reader(path: str, files: frozenset[str]) -> Any:
+    """A DCP FileSystemReader that cannot be made to run code or inflate data:
+
+    * its metadata is read by :class:`SafeUnpickler` (DCP itself uses plain pickle), may name only the data files
+      in ``files`` (the checkpoint's manifest) and no stream transforms (decompression has no size bound);
+    * each item's bytes are read whole (within its file) and checked by
+      :func:`powertrain.serialize.check_torch_pickle` before DCP's ``torch.load(weights_only=True)`` sees them.
+    ``FileSystemReader._slice_file`` is DCP's (private) hook for reading one item; it exists in torch 2.11-2.13.
+    """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    from powertrain.serialize import TENSOR_GLOBALS, check_torch_pickle
+
+    if not hasattr(FileSystemReader, "_slice_file"):
+        raise RuntimeError("this torch's FileSystemReader has no _slice_file: powertrain cannot read items safely")
 
     class _Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
@@ -121,14 +133,31 @@ def safe_dcp_reader(path: str) -> Any:
                 raise pickle.UnpicklingError(f"{meta_path} holds a {type(metadata).__name__}, not DCP metadata")
             for info in (metadata.storage_data or {}).values():
                 name = getattr(info, "relative_path", None)
-                if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
+                if not isinstance(name, str) or not _DATA_FILE.fullmatch(name) or name not in files:
                     raise pickle.UnpicklingError(
-                        f"{meta_path} names the data file {name!r}, which is not a file name inside the checkpoint"
+                        f"{meta_path} names the data file {str(name)[:80]!r}, which is not a file of the checkpoint"
                     )
+                if getattr(info, "transform_descriptors", None):
+                    raise pickle.UnpicklingError(
+                        f"{meta_path} asks for stream transforms, which powertrain never writes"
+                    )
+                if not (
+                    type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0
+                ):
+                    raise pickle.UnpicklingError(f"{meta_path} has a malformed byte range")
             storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
             storage_meta.load_id = self.load_id
             metadata.storage_meta = storage_meta
             return metadata
+
+        def _slice_file(self, file: Any, sinfo: Any) -> Any:
+            file.seek(0, io.SEEK_END)
+            if sinfo.offset + sinfo.length > file.tell():
+                raise pickle.UnpicklingError(f"an item's byte range lies outside {sinfo.relative_path}")
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)
+            check_torch_pickle(data, allowed=TENSOR_GLOBALS, what=f"an item of {sinfo.relative_path}")
+            return io.BytesIO(data)
 
     return _Reader(path)
 

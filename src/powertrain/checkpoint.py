@@ -2,21 +2,25 @@
 
 DCP as torch ships it is unsafe to load from an untrusted directory: its ``.metadata`` is a plain pickle, and
 every non-tensor item (a number, an optimizer's ``lr``, an ``io.BytesIO``) is read back with
-``torch.load(weights_only=False)``. :func:`load` closes both paths and adds two checks DCP lacks:
+``torch.load(weights_only=False)``. :func:`load` closes both paths and adds the checks DCP lacks:
 
-1. ``.metadata`` is read by an unpickler that admits DCP's metadata classes only
-   (:class:`powertrain._compat.SafeUnpickler`), and may name data files inside the checkpoint only.
-2. Non-tensor items are read with ``torch.load(weights_only=True)`` (numbers, strings, tuples, tensors).
-3. Nothing is silently left out: every entry of the state dict to fill must be in the checkpoint, except
+1. :func:`save` records each file's size and SHA-256 in ``manifest.json``; :func:`load` verifies them first
+   (regular files only: no symlinks, FIFOs or devices; nothing unlisted), so a flipped byte is a one-line
+   :class:`CheckpointError` naming the file instead of a model trained on garbage.
+2. ``.metadata`` is read by an unpickler that admits DCP's metadata classes only
+   (:class:`powertrain._compat.SafeUnpickler`); it may name only files the manifest lists, and no stream
+   transforms (decompression could inflate without bound).
+3. Every item is a ``torch.save`` payload whose pickle is checked before ``torch.load(weights_only=True)`` reads
+   it (:func:`powertrain.serialize.check_torch_pickle`): tensors may name tensor-rebuilding globals only, other
+   items (an optimizer's ``lr``) none at all, and must decode to plain numbers, strings and containers.
+4. Nothing is silently left out: every entry of the state dict to fill must be in the checkpoint, except
    those an ``optional`` predicate admits (an optimizer slot that never had a gradient); a tensor entry must
    be a tensor in the checkpoint.
-4. :func:`save` records a SHA-256 per file in ``manifest.json``; :func:`load` verifies them first, so a
-   flipped byte is a one-line :class:`CheckpointError` naming the file instead of a model trained on garbage.
 
 State that differs per rank (compressor error buffers, per-rank optimizer state) goes through
 :class:`CompressorState`: DCP treats tensors saved under one name on several ranks as replicas and keeps one.
-It stores each rank's state as a byte tensor (``torch.save`` output, loaded with ``weights_only=True``) under
-its own key; the key names the world size, so loading into another world size fails with both sizes named.
+It stores each rank's state as a byte tensor in :mod:`powertrain.serialize`'s format (parsed, never unpickled)
+under its own key; the key names the world size, so loading into another world size fails with both named.
 
 Usage::
 
@@ -33,7 +37,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
+import stat
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from powertrain import serialize
 from powertrain._compat import safe_dcp_reader
 from powertrain.comm import Communicator
 
@@ -53,17 +60,26 @@ __all__ = [
     "load",
     "never_stepped",
     "read_manifest",
+    "read_metadata",
     "save",
     "saved_world_size",
     "verify",
 ]
 
 MANIFEST = "manifest.json"
-FORMAT = 2  # 1: per-rank state as pickled io.BytesIO (not loadable safely), no manifest
+FORMAT = 3  # 2: per-rank state as torch.save bytes; 1: as pickled io.BytesIO, no manifest
+_NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")  # a plain file name: no "/", no "..", no leading "."
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is incomplete, corrupted, unsafe, or made for another model or world size."""
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    """An exception as one bounded line (messages may quote what a crafted checkpoint holds)."""
+    text = " ".join(str(e).split())
+    text = text.split(" Re-running `torch.load`")[0]  # torch's advice to load unsafely: never the right fix here
+    return (text[:limit] + " ...") if len(text) > limit else text
 
 
 # ---------------------------------------------------------------- per-rank state
@@ -78,23 +94,23 @@ _RANK_KEY = re.compile(r"rank(\d+)_of_(\d+)")
 
 
 def to_blob(state: Any) -> torch.Tensor:
-    """``state`` (tensors, numbers, strings, containers) as a uint8 tensor: ``torch.save``'s bytes."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+    """``state`` (tensors, numbers, strings, containers) as a uint8 tensor (:func:`powertrain.serialize.dumps`)."""
+    return torch.frombuffer(bytearray(serialize.dumps(state)), dtype=torch.uint8)
 
 
 def from_blob(blob: torch.Tensor) -> Any:
-    """The inverse of :func:`to_blob`, with ``weights_only=True``: it cannot run code."""
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=True)
+    """The inverse of :func:`to_blob`: parsed, never unpickled; :class:`CheckpointError` if malformed."""
+    try:
+        return serialize.loads(blob.numpy().tobytes())
+    except serialize.UnsafeData as e:
+        raise CheckpointError(f"The checkpoint's per-rank state is not valid: {e}") from None
 
 
 class CompressorState:
     """A DCP ``Stateful`` wrapper storing the state of ``obj`` (anything with ``state_dict`` /
     ``load_state_dict``: a compressor, a per-rank optimizer) under this rank's own key, as a byte tensor.
 
-    On load it offers an empty uint8 tensor, which :func:`load`'s planner sizes from the checkpoint (a plain
-    ``dcp.load`` refuses it with a size mismatch rather than unpickling anything).
+    :func:`load` offers an empty uint8 tensor in its place, which its planner sizes from the checkpoint.
     """
 
     def __init__(self, obj: Any) -> None:
@@ -106,10 +122,8 @@ class CompressorState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         key = _rank_key()
         if key not in state:
-            raise CheckpointError(
-                f"The checkpoint holds per-rank state for {sorted(state)}, not for {key}: resume with the world "
-                "size it was saved with"
-            )
+            raise CheckpointError(f"The checkpoint has no per-rank state for {key}: resume with the world size it "
+                                  "was saved with")  # fmt: skip
         self.compressor.load_state_dict(from_blob(state[key]))
 
 
@@ -119,8 +133,21 @@ class CompressorState:
 Optional = Callable[[str, Metadata], bool]
 
 
+def _plain(o: Any, depth: int = 0) -> bool:
+    """Numbers, strings, None and (shallow) containers of them: what an optimizer's hyperparameters are."""
+    if depth > 8:
+        return False
+    if o is None or isinstance(o, bool | int | float | str):
+        return True
+    if isinstance(o, list | tuple):
+        return all(_plain(v, depth + 1) for v in o)
+    if isinstance(o, dict):
+        return all(isinstance(k, str | int) and _plain(v, depth + 1) for k, v in o.items())
+    return False
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner with the checks of this module's docstring (2 and 3).
+    """DCP's default planner with the checks of this module's docstring (3 and 4).
 
     Args:
         optional: ``optional(fqn, metadata)`` is True for a state-dict entry the checkpoint may lack (it keeps
@@ -136,6 +163,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         assert metadata is not None, "DCP passes the checkpoint's metadata"
         saved = metadata.state_dict_metadata
         super().set_up_planner(state_dict, metadata, is_coordinator)
+        stored: dict[str, int] = {}  # bytes stored per item: a blob cannot be longer
+        for index, info in (metadata.storage_data or {}).items():
+            stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
         missing = []
         for fqn, value in self.state_dict.items():
             md = saved.get(fqn)
@@ -147,10 +177,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 continue
             if not isinstance(md, TensorStorageMetadata):
                 raise CheckpointError(f"Checkpoint item {fqn!r} should be a tensor but is stored as an object")
-            if value.dtype == torch.uint8 and value.numel() == 0:
-                value.resize_(md.size)  # a CompressorState blob: its length is known from the checkpoint only
+            if value.dtype == torch.uint8 and value.numel() == 0:  # a CompressorState blob: sized from the checkpoint
+                if len(md.size) != 1 or not 0 <= math.prod(md.size) <= stored.get(fqn, 0):
+                    raise CheckpointError(f"Checkpoint item {fqn!r} claims a size its data file does not hold")
+                value.resize_(md.size)
         if missing:
-            ranks = sorted({m.group(0) for k in saved if (m := _RANK_KEY.search(k))})
+            ranks = sorted({m.group(0) for k in saved if (m := _RANK_KEY.search(k))})[:8]
             hint = f" (it has per-rank state for {', '.join(ranks)})" if ranks else ""
             raise CheckpointError(
                 f"The checkpoint lacks {len(missing)} entries this run needs{hint}: {', '.join(missing[:5])}"
@@ -158,8 +190,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             )
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        obj = torch.load(value, weights_only=True)  # numbers, strings, tuples: never code
         fqn = read_item.dest_index.fqn
+        raw = value.getvalue()
+        try:
+            serialize.check_torch_pickle(raw, allowed=(), what=f"checkpoint item {fqn!r}")
+            obj = torch.load(io.BytesIO(raw), weights_only=True)
+        except Exception as e:
+            raise CheckpointError(_short(e)) from None
+        if not _plain(obj):
+            raise CheckpointError(f"Checkpoint item {fqn!r} holds a {type(obj).__name__}, not plain data")
         if self.flatten_state_dict:  # put it where it was in the nested state dict (DCP's set_element is private)
             *parents, last = self.mappings[fqn]
             node: Any = self.original_state_dict
@@ -185,32 +224,47 @@ def never_stepped(key: str = "optim") -> Optional:
     return optional
 
 
-def read_metadata(path: str | Path) -> Metadata:
-    """DCP's metadata of the checkpoint at ``path``, read safely."""
-    return safe_dcp_reader(str(path)).read_metadata()
+def _reader(path: str | Path, manifest: Mapping[str, Any]) -> Any:
+    return safe_dcp_reader(str(path), files=frozenset(manifest["files"]))
+
+
+def read_metadata(path: str | Path, manifest: Mapping[str, Any] | None = None) -> Metadata:
+    """DCP's metadata of the checkpoint at ``path``, read safely (verifying the checkpoint unless its
+    ``manifest`` from :func:`verify` is given)."""
+    manifest = verify(path) if manifest is None else manifest
+    try:
+        return _reader(path, manifest).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{str(Path(path) / '.metadata')!r} cannot be read safely: {_short(e)}") from None
 
 
 def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | None = None,
-         process_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+         process_group: dist.ProcessGroup | None = None,
+         manifest: Mapping[str, Any] | None = None) -> None:  # fmt: skip
     """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
 
-    Verifies the manifest's checksums first (:func:`verify`), then loads through :class:`SafeLoadPlanner`.
-    Every rank of ``process_group`` must call it.
+    Verifies the checkpoint first (:func:`verify`; skipped when its ``manifest`` is passed), then loads through
+    :class:`SafeLoadPlanner`. Every rank of ``process_group`` must call it. Any failure is a
+    :class:`CheckpointError` with a one-line reason.
     """
-    verify(path)
+    manifest = verify(path) if manifest is None else manifest
     # A CompressorState offers an empty blob to load into (its own state_dict() would serialise the current state).
     wrapped = {k: v for k, v in state_dict.items() if isinstance(v, CompressorState)}
     for k in wrapped:
         state_dict[k] = {_rank_key(): torch.empty(0, dtype=torch.uint8)}
     try:
-        dcp.load(state_dict, storage_reader=safe_dcp_reader(str(path)), planner=SafeLoadPlanner(optional=optional),
+        dcp.load(state_dict, storage_reader=_reader(path, manifest), planner=SafeLoadPlanner(optional=optional),
                  process_group=process_group)  # fmt: skip
         for k, v in wrapped.items():
             v.load_state_dict(state_dict[k])
     except CheckpointException as e:  # DCP gathers every rank's traceback into one message: keep the cause
         causes = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
         first = next((c for c in causes if isinstance(c, CheckpointError)), causes[0] if causes else e)
-        raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {first}") from None
+        raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {_short(first)}") from None
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, RuntimeError, MemoryError) as e:  # a state that does not fit
+        raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {type(e).__name__}: {_short(e)}") from None
     finally:
         state_dict.update(wrapped)
 
@@ -246,38 +300,55 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``manifest.json`` (plain JSON), or a :class:`CheckpointError` saying why not."""
+    """The checkpoint's ``manifest.json`` (plain JSON, checked field by field), or a :class:`CheckpointError`."""
     f = Path(path) / MANIFEST
-    if not f.is_file():
+    if not f.is_file() or f.is_symlink():
         raise CheckpointError(
             f"Checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete, or was written by a powertrain older "
-            "than checkpoint format 2, whose per-rank state cannot be loaded safely"
+            f"than checkpoint format {FORMAT}, whose per-rank state cannot be loaded safely"
         )
     try:
-        manifest = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{str(f)!r} is not valid JSON ({e}): the checkpoint is corrupted") from None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if manifest.get("format") != FORMAT or not isinstance(files, dict):
-        raise CheckpointError(f"{str(f)!r} is not a format-{FORMAT} powertrain manifest")
+        manifest = json.loads(f.read_bytes()[: 1 << 26])
+    except (ValueError, RecursionError):
+        raise CheckpointError(f"{str(f)!r} is not valid JSON: the checkpoint is corrupted") from None
+    bad = f"{str(f)!r} is not a format-{FORMAT} powertrain manifest"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(bad)
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(_entry_ok(name, e) for name, e in files.items()):
+        raise CheckpointError(f"{bad}: its file list is malformed")
+    for key in ("world_size", "step"):
+        value = manifest.get(key)
+        if key in manifest and not (type(value) is int and value >= (1 if key == "world_size" else 0)):
+            raise CheckpointError(f"{bad}: {key} is not a valid count")
     return manifest
 
 
+def _entry_ok(name: Any, entry: Any) -> bool:
+    return (
+        isinstance(name, str) and (name == ".metadata" or bool(_NAME.fullmatch(name))) and isinstance(entry, dict)
+        and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
+    )  # fmt: skip
+
+
 def verify(path: str | Path) -> dict[str, Any]:
-    """Check every file of the checkpoint at ``path`` against its manifest (present, same size and SHA-256, no
-    unlisted data files); return the manifest. Raises :class:`CheckpointError` naming the first bad file."""
+    """Check every file of the checkpoint at ``path`` against its manifest (each a regular file, not a link, of the
+    listed size and SHA-256; nothing unlisted); return the manifest. Raises :class:`CheckpointError` naming the
+    first bad file."""
     root = Path(path)
     manifest = read_manifest(root)
     listed = manifest["files"]
     for name, entry in listed.items():
         f = root / name
-        if "/" in name or name.startswith(".."):
-            raise CheckpointError(f"{str(root / MANIFEST)!r} lists {name!r}, which is not a file of the checkpoint")
-        if not f.is_file():
-            raise CheckpointError(f"Checkpoint file {str(f)!r} is missing")
-        if f.stat().st_size != entry.get("bytes") or _digest(f) != entry.get("sha256"):
+        try:
+            st = f.lstat()
+        except OSError:
+            raise CheckpointError(f"Checkpoint file {str(f)!r} is missing") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"Checkpoint file {str(f)!r} is not a regular file (a link, pipe or device)")
+        if st.st_size != entry["bytes"] or _digest(f) != entry["sha256"]:
             raise CheckpointError(f"Checkpoint file {str(f)!r} is corrupted: its checksum differs from the manifest")
-    extra = sorted(p.name for p in root.iterdir() if p.is_file() and p.name not in listed and p.name != MANIFEST)
+    extra = sorted(p.name for p in root.iterdir() if p.name not in listed and p.name != MANIFEST)
     if extra:
         raise CheckpointError(f"Checkpoint {str(root)!r} has files its manifest does not list: {extra[:5]}")
     return manifest
@@ -286,6 +357,6 @@ def verify(path: str | Path) -> dict[str, Any]:
 def saved_world_size(path: str | Path) -> int:
     """The world size the checkpoint at ``path`` was written with (from its manifest)."""
     size = read_manifest(path).get("world_size")
-    if not isinstance(size, int) or size < 1:
-        raise CheckpointError(f"{str(Path(path) / MANIFEST)!r} has no valid world_size")
+    if type(size) is not int:
+        raise CheckpointError(f"{str(Path(path) / MANIFEST)!r} has no world_size")
     return size

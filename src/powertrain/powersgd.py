@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator
-from powertrain.compress.base import NonFiniteGradientError, run_program
+from powertrain.compress.base import NonFiniteGradientError, check_state_tensors, run_program
 from powertrain.compress.powersgd import Config, PowerSGDCompressor
 from powertrain.ops.flat import flat_views, pack
 
@@ -136,12 +136,12 @@ class PowerSGD(Aggregator):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the compressor and put the saved residuals back into ``p.grad``."""
+        missing = {"compressor", "residuals"} - set(state)
+        if missing:
+            raise ValueError(f"PowerSGD state_dict is missing {sorted(missing)}")
         residuals = state["residuals"]
-        if len(residuals) != len(self.compressor.params):
-            raise ValueError(
-                f"state_dict has {len(residuals)} residuals, this PowerSGD has "
-                f"{len(self.compressor.params)} trainable parameters"
-            )
+        # checked before anything changes: a state that does not fit leaves this PowerSGD as it was
+        check_state_tensors("PowerSGD", "residuals", residuals, [p.shape for p in self.compressor.params])
         self.compressor.load_state_dict(state["compressor"])
         for p, r in zip(self.compressor.params, residuals, strict=True):
             p.grad = None if r is None else r.to(p.device, p.dtype, copy=True)

@@ -58,4 +58,6 @@ class AllReduceCompressor(Compressor):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != type(self).__name__ or state.get("dtype") != str(self.dtype):
-            raise ValueError(f"state_dict {dict(state)} does not fit an AllReduceCompressor with dtype {self.dtype}")
+            kind = state.get("kind")
+            kind = kind[:60] if isinstance(kind, str) else "another compressor"
+            raise ValueError(f"A state_dict of {kind} does not fit an AllReduceCompressor with dtype {self.dtype}")

@@ -95,6 +95,8 @@ class Config:
         _check_int("num_iters_per_step", self.num_iters_per_step, 1)
         _check_int("start_compressing_after_num_steps", self.start_compressing_after_num_steps, 0)
         _check_int("seed", self.seed, 0)
+        if self.seed >= 2**63:
+            raise ValueError(f"Invalid Config.seed={self.seed!r}: must be below 2**63")
         rate = self.min_compression_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate < 0:
             raise ValueError(

@@ -56,9 +56,11 @@ class _RankState:
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+            raise CheckpointError("The checkpoint's per-rank state is not a dict of named parts")
         absent = sorted(set(self.parts) - set(state))
         if absent:
-            raise CheckpointError(f"The checkpoint's per-rank state lacks {absent} (it has {sorted(state)})")
+            raise CheckpointError(f"The checkpoint's per-rank state lacks {absent}")
         for name, obj in self.parts.items():
             obj.load_state_dict(state[name])
         torch.set_rng_state(state["rng"])
@@ -91,8 +93,10 @@ def _state(model_sd: dict, optim_sd: dict, per_rank: dict[str, Any], step: int,
 
 
 def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    per_rank: dict[str, Any], progress: dict[str, float] | None = None) -> Path:  # fmt: skip
-    """Save after ``step`` completed steps; returns the checkpoint directory. Every rank must call it."""
+                    per_rank: dict[str, Any], progress: dict[str, float] | None = None,
+                    config: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """Save after ``step`` completed steps; returns the checkpoint directory. Every rank must call it. ``config``
+    (JSON values: the run's resolved configuration) goes into the manifest, for :func:`check_resumable`."""
     root = out / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -100,7 +104,8 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
         shutil.rmtree(tmp)
     _barrier()
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    checkpoint.save(_state(model_sd, optim_sd, per_rank, step, progress or {}), tmp, extra={"step": step})
+    extra = {"step": step, **({"config": config} if config is not None else {})}
+    checkpoint.save(_state(model_sd, optim_sd, per_rank, step, progress or {}), tmp, extra=extra)
     if _rank0():
         if final.exists():  # an earlier save of this step that is not (or no longer) the one to continue from
             stale = root / f"{final.name}.stale-{uuid.uuid4().hex[:8]}"
@@ -152,9 +157,16 @@ def _older_than(ckpt: Path) -> str:
     return ""
 
 
-def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
-    """Verify the checkpoint at ``path`` (checksums, format) and that ``world_size`` workers can resume it;
-    returns its manifest. Raises :class:`CheckpointError` with a one-line reason."""
+#: Settings a resume may change; every other one is part of what the run is (the model, the data, the optimizer's
+#: hyperparameters, which the checkpoint restores anyway), so a resume asking for another value is refused.
+RESUME_MAY_CHANGE = frozenset({"steps", "out", "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every",
+                               "quiet", "timeout_s", "threads", "nproc"})  # fmt: skip
+
+
+def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` (checksums, format), that ``world_size`` workers can resume it and, when
+    given, that ``config`` (the new run's settings) changes only :data:`RESUME_MAY_CHANGE`; returns its manifest.
+    Raises :class:`CheckpointError` with a one-line reason."""
     try:
         manifest = checkpoint.verify(path)
     except CheckpointError as e:
@@ -166,6 +178,15 @@ def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
             f"{saved} (--nproc {saved}); error-feedback buffers, per-rank optimizer state and RNG streams belong to "
             "their worker and are not redistributed"
         )
+    saved_cfg = manifest.get("config")
+    if config is not None and isinstance(saved_cfg, dict):
+        changed = [k for k, v in config.items() if k not in RESUME_MAY_CHANGE and k in saved_cfg and saved_cfg[k] != v]
+        if changed:
+            diffs = ", ".join(f"{k}={saved_cfg[k]!r} -> {config[k]!r}" for k in changed[:4])
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} belongs to a run with other settings ({diffs}): a resume continues that run "
+                "(the checkpoint restores its optimizer and schedule); drop those flags, or start a new run"
+            )
     return manifest
 
 
@@ -174,14 +195,18 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps and the run's
     progress counters (:data:`PROGRESS`) at that step."""
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    saved = set(checkpoint.read_metadata(path).state_dict_metadata)
+    manifest = checkpoint.verify(path)
+    saved = set(checkpoint.read_metadata(path, manifest).state_dict_metadata)
     missing = sorted(k for k in (f"model.{k}" for k in model_sd) if k not in saved)
     if missing:
         raise CheckpointError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
     state = _state(model_sd, optim_sd, per_rank, 0, {})
-    checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"))
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"), manifest=manifest)
+    try:
+        if optimizer is None:
+            set_model_state_dict(model, state["model"])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"Checkpoint {str(path)!r} does not fit this model or optimizer: {e}"[:400]) from None
     return int(state["step"]), {k: float(v) for k, v in state["progress"].items()}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import fcntl
 import os
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,6 +95,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _train(args) if args.command == "train" else _bench(args)
     except ValueError as e:
         parser.exit(2, f"powertrain {args.command}: error: {e}\n")
+    except KeyboardInterrupt:  # before any worker started (workers' interrupts are handled in _launch)
+        print(f"powertrain {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _default_out() -> str:
@@ -101,8 +106,14 @@ def _default_out() -> str:
     return str(Path("runs") / stamp)
 
 
+LOCK = ".lock"
+
+
 def _prepare_out(path: str, *, resume: Path | None) -> Path:
-    """The run directory: created if needed, writable, and empty unless this run continues a checkpoint in it."""
+    """The run directory: created if needed, writable, and empty unless this run continues one of its own
+    checkpoints (``OUT/checkpoints/step_*``)."""
+    if not path.strip():
+        raise ValueError("out='' is not a directory: give --out a path")
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -111,18 +122,41 @@ def _prepare_out(path: str, *, resume: Path | None) -> Path:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"Cannot write to out={path!r}: {e.strerror or e}; choose another --out") from None
-    inside = resume is not None and out.resolve() in resume.resolve().parents
-    if not inside and any(out.iterdir()):
+    own = resume is not None and resume.parent.resolve() == (out / "checkpoints").resolve()
+    if not own and any(p.name != LOCK for p in out.iterdir()):
         hint = f", or continue it with --resume {path}" if (out / "checkpoints" / "latest").is_file() else ""
         raise ValueError(f"out={path!r} is not empty (it holds another run): choose a new --out{hint}")
     return out
 
 
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Hold ``OUT/.lock`` for the run: a second run in the same directory is refused, not interleaved."""
+    with (out / LOCK).open("w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ValueError(
+                f"Another run is using out={str(out)!r} right now: wait for it, or choose another --out"
+            ) from None
+        yield
+
+
+def _config_path(out: Path, resumed: bool) -> Path:
+    """config.toml for a new run; a resume keeps it and records its own settings beside it, never overwriting."""
+    config = out / "config.toml"
+    if not resumed or not config.exists():
+        return config
+    n = 1
+    while (out / f"config.resume{n}.toml").exists():
+        n += 1
+    return out / f"config.resume{n}.toml"
+
+
 def _train(args: argparse.Namespace) -> int:
-    from powertrain.train.checkpoint import check_resumable, find_checkpoint, set_latest
+    from powertrain.train.checkpoint import check_resumable, find_checkpoint
     from powertrain.train.data import check_source
-    from powertrain.train.launch import Interrupted, WorkerFailed, launch, under_torchrun
-    from powertrain.train.loop import run_worker
+    from powertrain.train.launch import under_torchrun
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -135,21 +169,26 @@ def _train(args: argparse.Namespace) -> int:
     ckpt, world = None, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
         ckpt = find_checkpoint(cfg.resume)
-        manifest = check_resumable(ckpt, world)
+        manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))
         if int(manifest.get("step", -1)) >= cfg.steps:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
             return 0
-    out = _prepare_out(str(cfg.out), resume=ckpt) if rank0 else Path(str(cfg.out))
-    if rank0:
-        config = out / "config.toml"
-        if ckpt is not None and ckpt.parent == out / "checkpoints":
-            set_latest(out, ckpt)  # this run continues from here: later checkpoints in out are superseded
-            if config.exists():  # keep the configuration each part of the run was trained with
-                config.replace(out / f"config.before_resume_at_{ckpt.name}.toml")
+    if not rank0:
+        return _launch(cfg, Path(str(cfg.out)))
+    out = _prepare_out(str(cfg.out), resume=ckpt)
+    with _exclusive(out):
+        config = _config_path(out, ckpt is not None)
         config.write_text(to_toml(cfg))
         if not cfg.quiet:
             print(f"resolved config (saved to {config}):\n" + to_toml(cfg), flush=True)
+        return _launch(cfg, out)
+
+
+def _launch(cfg: TrainConfig, out: Path) -> int:
+    from powertrain.train.launch import Interrupted, WorkerFailed, launch
+    from powertrain.train.loop import run_worker
+
     try:
         launch(run_worker, cfg.nproc, cfg, trace_dir=out / "logs")
     except WorkerFailed as e:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from powertrain.compress import COMPRESSORS
 
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
@@ -116,8 +118,16 @@ class TrainConfig:
         for name in ("lr", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be a number > 0")
-        if self.timeout_s > MAX_TIMEOUT_S:
-            raise ValueError(f"Invalid timeout_s={self.timeout_s!r}: must be at most {MAX_TIMEOUT_S} (a week)")
+        if not 1 <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"Invalid timeout_s={self.timeout_s!r}: must be from 1 to {MAX_TIMEOUT_S:g} (a week)")
+        for name, top in (("lr", 1e30), ("data_max_mb", 1e7), ("block_size", 1 << 16), ("batch_size", 1 << 16),
+                          ("grad_accum", 1 << 16), ("nproc", 1024), ("steps", 1 << 40)):  # fmt: skip
+            if (v := getattr(self, name)) is not None and v > top:
+                raise ValueError(f"Invalid {name}={v!r}: must be at most {top:g}")
+        if self.data_max_mb is not None and self.data_max_mb < 0.001:
+            raise ValueError(f"Invalid data_max_mb={self.data_max_mb!r}: must be at least 0.001 (a kilobyte)")
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, which this torch does not have: use backend='gloo' or 'auto'")
         cores = os.cpu_count() or 1
         if self.threads > cores:
             raise ValueError(
@@ -285,6 +295,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"Config file {str(p)!r} is not valid TOML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"Config file {str(p)!r} cannot be read: {e}") from None
     valid = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(data) - valid)
     if unknown:

@@ -38,15 +38,25 @@ class TokenData:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows from this rank's shard: inputs and next-token targets, ``(batch, block)`` int64."""
         tokens = self.train if split == "train" else self.val
-        lo, hi = _shard(tokens.numel(), rank, world)
-        if hi - lo < block_size + 2:
-            raise ValueError(
-                f"The {split} split has {tokens.numel()} tokens: a shard of {world} is too small for block_size="
-                f"{block_size}; use more data (data_max_mb) or a smaller block_size"
-            )
+        lo, hi = self._shard(split, rank, world, block_size)
         starts = lo + torch.randint(0, hi - lo - block_size - 1, (batch_size,), generator=_generator(key))
         windows = tokens[starts[:, None] + torch.arange(block_size + 1)].long()
         return windows[:, :-1], windows[:, 1:]
+
+    def _shard(self, split: str, rank: int, world: int, block_size: int) -> tuple[int, int]:
+        n = (self.train if split == "train" else self.val).numel()
+        lo, hi = _shard(n, rank, world)
+        if hi - lo < block_size + 2:
+            raise ValueError(
+                f"The {split} split has {n} tokens: a shard of {world} is too small for block_size={block_size}; use "
+                "more data (data_max_mb) or a smaller block_size"
+            )
+        return lo, hi
+
+    def check(self, rank: int, world: int, block_size: int) -> None:
+        """ValueError now if a batch of either split could not be drawn later (before any training)."""
+        for split in ("train", "val"):
+            self._shard(split, rank, world, block_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +77,13 @@ class ClassData:
             raise ValueError(f"The {split} split has {x.shape[0]} samples: too few for {world} workers")
         idx = lo + torch.randint(0, hi - lo, (batch_size,), generator=_generator(key))
         return x[idx], y[idx]
+
+    def check(self, rank: int, world: int, block_size: int = 0) -> None:
+        """ValueError now if a batch of either split could not be drawn later."""
+        for split, n in (("train", self.x_train.shape[0]), ("val", self.x_val.shape[0])):
+            lo, hi = _shard(n, rank, world)
+            if hi <= lo:
+                raise ValueError(f"The {split} split has {n} samples: too few for {world} workers")
 
 
 def _shard(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -155,8 +172,10 @@ def _bin(path: Path, max_bytes: int | None) -> TokenData:
 
 def bin_tokens(f: Path, max_bytes: int | None) -> int:
     """How many uint16 tokens to read from the nanoGPT ``.bin`` file ``f``; ValueError if it cannot be one."""
-    if not f.is_file():
+    if not f.exists():
         raise ValueError(f"{str(f)!r} is missing (data='bin' reads uint16 tokens)")
+    if not f.is_file():
+        raise ValueError(f"{str(f)!r} is not a regular file (data='bin' reads uint16 tokens)")
     size = f.stat().st_size
     if size % 2:
         raise ValueError(f"{str(f)!r} has {size} bytes, an odd number: not uint16 tokens (truncated?)")

@@ -9,7 +9,8 @@ The single-node launcher is small on purpose; what it guarantees:
 * A worker that fails or dies stops the others within seconds (SIGTERM, then SIGKILL after ``grace_s``), and
   the failure reaches the caller as :class:`WorkerFailed` carrying the worker's own one-line cause (its
   exception's type and message, uncut; or the signal that killed it); a traceback goes to a file or stderr.
-* Ctrl-C or SIGTERM stops every worker and raises :class:`Interrupted`, without a traceback from each worker.
+* Ctrl-C, SIGTERM or SIGHUP stops every worker and raises :class:`Interrupted`, without a traceback from each
+  worker; if the launcher itself dies (SIGKILL), its workers are killed too (``PR_SET_PDEATHSIG``).
 * A worker that returned exits without interpreter finalisation, which can race torch's background threads
   for the GIL and hang (pytorch/pytorch#75097): its result is written and its output flushed by then.
 """
@@ -82,8 +83,22 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _die_with(parent: int) -> None:
+    """Be killed when the launcher dies, whatever kills it (Linux's PR_SET_PDEATHSIG): no orphan keeps training."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the launcher's own handlers still stop us
+        return
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, trace_dir: str | None,
-            args: tuple) -> None:  # fmt: skip
+            parent: int, args: tuple) -> None:  # fmt: skip
+    _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
     os.environ.update({
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
@@ -160,12 +175,14 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
     def on_signal(signum: int, frame: Any) -> None:
         interrupted.append(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     procs: list[Any] = []
     try:
         with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
             for rank in range(nproc):
-                p = ctx.Process(target=_worker, args=(fn, rank, nproc, port, tmp, trace, args), daemon=False)
+                p = ctx.Process(
+                    target=_worker, args=(fn, rank, nproc, port, tmp, trace, os.getpid(), args), daemon=False
+                )
                 p.start()
                 procs.append(p)
             failures: list[Failure] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -15,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
-from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
 from powertrain.train.config import TrainConfig, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.metrics import Progress, RunWriter
@@ -65,6 +66,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         (out / "pids" / f"rank{rank}").write_text(f"{os.getpid()}\n")  # lets operators (and tests) find us
 
     data = load_data(cfg)
+    data.check(rank, world, cfg.block_size)  # a split too small fails now, not at the first validation
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = build_model(cfg, data).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -91,7 +93,10 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
 
     start, counters = 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
     if cfg.resume:
-        start, counters = load_checkpoint(find_checkpoint(cfg.resume), model, dcp_optimizer, per_rank)
+        ckpt = find_checkpoint(cfg.resume)
+        start, counters = load_checkpoint(ckpt, model, dcp_optimizer, per_rank)
+        if rank == 0 and ckpt.parent.resolve() == (out / "checkpoints").resolve():
+            set_latest(out, ckpt)  # it loaded: this run continues from here, later checkpoints in out are superseded
         if start >= cfg.steps:
             if rank == 0:
                 print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
@@ -172,7 +177,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             progress.update(done, last_loss, per_step * cfg.grad_accum * world / step_time, unit, sent / MB, dense_mb)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
-            save_checkpoint(out, done, model, dcp_optimizer, per_rank, run)
+            save_checkpoint(out, done, model, dcp_optimizer, per_rank, run, dataclasses.asdict(cfg))
 
     roots = _root_stats(optimizer)
     summary = {
