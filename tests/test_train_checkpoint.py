@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from powertrain.checkpoint import CheckpointError
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 
@@ -71,5 +72,14 @@ def test_metadata_cannot_run_code(tmp_path):
             return (print, ("pwned",))
 
     (ckpt / ".metadata").write_bytes(pickle.dumps(Evil()))
-    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print"):
+    with pytest.raises(CheckpointError, match=r"\.metadata' is corrupted"):  # the checksum catches it first
+        load_checkpoint(ckpt, model, opt, {})
+    import hashlib
+    import json
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    data = (ckpt / ".metadata").read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"names builtins\.print, which is not allowed"):  # then the unpickler
         load_checkpoint(ckpt, model, opt, {})
