@@ -244,6 +244,7 @@ def test_quantized_weight_all_gather(results):
 @pytest.mark.parametrize("name", LOSSY)
 @pytest.mark.parametrize("how", ["dcp", "plain"])
 def test_resume_is_bitwise(results, name, how):
+    # Bitwise on any CPU: the state is restored bit for bit, then the same operations run (see test_powersgd_resume).
     full = case(results[1], f"resume_full/{name}")
     resumed = [r[name if how == "dcp" else f"plain/{name}"] for r in results[2]]
     for a, b in zip(full, resumed, strict=True):

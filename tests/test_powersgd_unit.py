@@ -110,8 +110,8 @@ def test_warm_start_converges_to_best_rank_r(variant, rank):
     approx, start = _fixed_gradient_approximation(variant, g, rank, steps)
     # Subspace iteration: tan(angle to the top-r singular space) shrinks by s[r] / s[r-1] per half-iteration
     # (one matrix product); the last step's subspace has had steps - 1 of them (alternating: one per step) or
-    # 2 steps - 1 (paper: P = M Q, then Q = M^T P). Rounding keeps the angle above n u s[0] / (s[r-1] - s[r])
-    # (Wedin: a perturbation of size n u ||g||_2 per step moves the space by that over the gap).
+    # 2 steps - 1 (paper: P = M Q, then Q = M^T P). Rounding adds up to n u s[0] / (s[r-1] - s[r]) to the angle
+    # (Wedin: a perturbation of size n u ||g||_2 moves the singular space by that over the gap).
     half_iterations = steps - 1 if variant == "alternating" else 2 * steps - 1
     tan0 = _tan_angle(start, u if variant == "alternating" else v)
     nu = g.shape[0] * EPS64 / 2  # n u
