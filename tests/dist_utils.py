@@ -10,6 +10,7 @@ are killed and the test fails: a hang never eats the CI budget.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import tempfile
 import time
@@ -115,8 +116,38 @@ def case(per_rank: list[dict[str, Any]], name: str) -> list[Any]:
 
 
 def same_on_all_ranks(runs: list[dict[str, Any]], key: str = "params") -> None:
+    """Bitwise: every rank runs the same operations (same shapes, one thread each) on the same inputs, since
+    a collective hands every rank the same bits (gloo's ring all-reduce all-gathers the reduced chunks, and
+    gathered messages are decoded in rank order everywhere); nothing here depends on the CPU's code path."""
     for r in runs[1:]:
         assert torch.equal(r[key], runs[0][key]), "ranks diverged"
+
+
+# ---------------------------------------------------------------- derived tolerances
+
+EPS32 = torch.finfo(torch.float32).eps  # 2**-23; the unit roundoff u is eps / 2
+EPS64 = torch.finfo(torch.float64).eps  # 2**-52
+
+
+def within(err: torch.Tensor | float, bound: torch.Tensor | float, what: str) -> None:
+    """Assert ``err <= bound`` (elementwise for tensors); the message names the worst element.
+
+    Each bound is derived next to its call. With ``POWERTRAIN_TOLERANCE_LOG`` set to a file, the worst
+    ``err / bound`` is appended there as a JSON line, to compare the margins of every CPU code path.
+    """
+    err_t = torch.as_tensor(err, dtype=torch.float64)
+    bound_t = torch.as_tensor(bound, dtype=torch.float64).expand_as(err_t)
+    ratio = torch.where(err_t == 0, 0.0, err_t / bound_t)  # inf where the bound is 0 and the error is not
+    worst = int(ratio.argmax()) if ratio.numel() else 0
+    e, b = (err_t.reshape(-1)[worst].item(), bound_t.reshape(-1)[worst].item()) if ratio.numel() else (0.0, 0.0)
+    log = os.environ.get("POWERTRAIN_TOLERANCE_LOG")
+    if log:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(log, "a") as f:
+            f.write(
+                json.dumps({"test": test, "what": what, "err": e, "bound": b, "ratio": e / b if b else None}) + "\n"
+            )
+    assert not ratio.isnan().any() and (err_t <= bound_t).all(), f"{what}: error {e:.3e} > bound {b:.3e}"
 
 
 def final_loss(runs: list[dict[str, Any]], last: int = 5) -> float:
@@ -134,3 +165,23 @@ def value_errors(attempts: dict[str, Callable[[], Any]]) -> dict[str, str]:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+def feedback_bound(
+    x: torch.Tensor, e1: torch.Tensor, *, eps: float, iters: int = 0, rank: int = 0, matrix: bool = False
+) -> torch.Tensor:
+    """Elementwise bound on ``|mean_w(x_w) - (average + mean_w(e1_w))|``: error feedback's conservation, in
+    floating point. ``x`` and ``e1`` are stacked over the ``W`` ranks (dim 0): each rank's input (gradient +
+    old error) and new error. ``iters`` and ``rank`` describe PowerSGD's power iterations (0 for the other
+    compressors); ``matrix`` says the tensor was compressed as a matrix by PowerSGD.
+
+    Derivation, in roundings of size u = eps / 2: each rank's ``e1 = x - sent`` (1); PowerSGD's 2 * iters
+    updates of (rank + 1)-term sums (residual and approximation) over terms <= |x| + (iters + 2) * ||x||_F
+    (|P Q^T|_ij <= ||x||_F when P has orthonormal columns); the W-term sum over ranks (W - 1), and the test's
+    two means over W and its final sum (2 (W - 1) + 1), over terms <= |x| + |e1|. Together
+    u * (2 iters (rank + 1) + 3 W) * (|x| + |e1| + (iters + 2) ||x||_F); 2x safety makes it eps * (...).
+    """
+    world = x.shape[0]
+    frob = x.flatten(1).norm(dim=1).max() if matrix else x.new_zeros(())
+    scale = x.abs().amax(0) + e1.abs().amax(0) + (iters + 2) * frob
+    return eps * (2 * iters * (rank + 1) + 3 * world) * scale

@@ -16,6 +16,6 @@ def test_record_and_record_bytes_count_alike_and_combine():
     total = CommStats.combined([a, b])
     assert (total.bytes_sent, total.num_collectives) == (340, 5)
     assert total.by_op == {"all_gather": 40, "reduce_scatter": 300}
-    assert (total.comm_s, total.compress_s) == (0.5, 0.25)
+    assert (total.comm_s, total.compress_s) == (0.5, 0.25)  # sums of binary fractions: exact
     b.reset()
     assert (b.bytes_sent, b.num_collectives, b.by_op, b.comm_s) == (0, 0, {}, 0.0)

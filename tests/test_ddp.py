@@ -15,7 +15,17 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import case, final_loss, guard, run_ranks, same_on_all_ranks, value_errors
+from dist_utils import (
+    EPS32,
+    case,
+    feedback_bound,
+    final_loss,
+    guard,
+    run_ranks,
+    same_on_all_ranks,
+    value_errors,
+    within,
+)
 from models import batch, flat_params, make_model
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
@@ -208,16 +218,20 @@ def results(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
 
 
 def test_lossless_equals_plain_ddp_bitwise(results):
+    """Bitwise: the "none" hook divides each bucket by W (as DDP does: exact, W is a power of two) and all-reduces
+    the same bucket with the same collective; everything else is the same code."""
     plain = case(results[1], "plain")
     ours = case(results[1], "train/none")
     for a, b in zip(plain, ours, strict=True):
         assert torch.equal(a["params"], b["params"])
 
 
-# Largest allowed (final loss - exact final loss) / initial loss after 30 Adam steps on the teacher task.
-# Measured on this machine (2 and 4 ranks): 16-bit, int8 (incl. LoCo), int4 and PowerSGD paper k=2 <= 0.1%;
-# PowerSGD rank 2 alternating 1.2-1.4%; sign 3.5-4.6%; top-k 10% 8-9%; random-k 25% 10-21% over four seeds
-# (it is the noisiest). Bounds ~2x the worst measured.
+# Largest allowed (final loss - exact final loss) / initial loss after 30 Adam steps on the teacher task. Not
+# rounding bounds: this is each compressor's own approximation error, which no CPU code path changes by more
+# than rounding (<1e-5 here). Measured at 2 and 4 ranks, worst over the 7 CPU code paths (MKL native, CBWR
+# COMPATIBLE / AVX2, MKL's Intel AVX-512 path with and without CBWR, ATen default / avx2): 16-bit, int8 (incl.
+# LoCo) and PowerSGD paper k=2 <= 0.02%, int4 0.11%; PowerSGD rank 2 alternating 1.4%; sign 4.6%; top-k 10% 9.1%;
+# random-k 25% 21% (10-21% over four seeds: the noisiest). Bounds ~2x the worst measured.
 LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper_k2": 0.005, "int8": 0.005,
             "int4": 0.005, "int8_loco": 0.005, "topk": 0.18, "randk": 0.4, "sign": 0.1}  # fmt: skip
 
@@ -230,7 +244,7 @@ def test_ranks_agree_and_loss_close_to_exact(results, name):
     first = sum(r["losses"][0] for r in runs) / len(runs)
     assert got < 0.5 * first, f"{name} did not learn: {first:.4f} -> {got:.4f}"
     if name != "none":
-        assert (got - exact) / first <= LOSS_GAP[name], f"{name}: final loss {got:.5f} vs exact {exact:.5f}"
+        within((got - exact) / first, LOSS_GAP[name], f"{name}: final loss {got:.5f} vs exact {exact:.5f}")
 
 
 def test_compressors_send_fewer_bytes(results):
@@ -241,20 +255,27 @@ def test_compressors_send_fewer_bytes(results):
         assert sum(case(results[1], f"train/{name}")[0]["bytes"][-5:]) * 2 == dense
 
 
+def check_conservation(records: list[list[Any]], world: int, name: str, opts: dict[str, Any]) -> None:
+    """records[rank][step] = (local gradients, errors before, averaged gradients, errors after); the averaged
+    gradients must be the same bits on every rank (see same_on_all_ranks)."""
+    iters = opts.get("num_iters_per_step", 1) if name == "powersgd" else 0
+    for step in range(len(records[0])):
+        n = len(records[0][step][0])
+        for j in range(n):
+            local = torch.stack([r[step][0][j] for r in records])
+            before = torch.stack([r[step][1][j].view_as(local[0]) for r in records])
+            after = torch.stack([r[step][3][j].view_as(local[0]) for r in records])
+            out = records[0][step][2][j]
+            for r in records[1:]:
+                assert torch.equal(r[step][2][j], out)
+            x = local + before  # the compressor's own float32 sum
+            bound = feedback_bound(x, after, eps=EPS32, iters=iters, rank=opts.get("rank", 0), matrix=local.dim() > 2)
+            within((out + after.mean(0) - x.mean(0)).abs(), bound, f"step {step} tensor {j}")
+
+
 @pytest.mark.parametrize("name", CONSERVING)
 def test_error_feedback_conserves_through_the_hook(results, name):
-    runs = case(results[1], f"conserve/{name}")
-    for step in range(len(runs[0]["records"])):
-        local = [torch.stack([r["records"][step][0][j] for r in runs]) for j in range(len(runs[0]["records"][step][0]))]
-        before = [torch.stack([r["records"][step][1][j] for r in runs]) for j in range(len(local))]
-        after = [torch.stack([r["records"][step][3][j] for r in runs]) for j in range(len(local))]
-        out = runs[0]["records"][step][2]
-        for j in range(len(local)):
-            for r in runs[1:]:
-                assert torch.equal(r["records"][step][2][j], out[j])
-            lhs = (local[j] + before[j].view_as(local[j])).mean(0)
-            rhs = out[j] + after[j].view_as(local[j]).mean(0)
-            torch.testing.assert_close(rhs, lhs, rtol=0, atol=2e-5)
+    check_conservation([r["records"] for r in case(results[1], f"conserve/{name}")], results[0], *CASES[name])
 
 
 def test_no_sync_accumulation(results):
@@ -264,7 +285,7 @@ def test_no_sync_accumulation(results):
         case(results[1], "no_sync/powersgd"),
     )
     for a, b in zip(plain, none, strict=True):
-        assert torch.equal(a["params"], b["params"])
+        assert torch.equal(a["params"], b["params"])  # bitwise, as test_lossless_equals_plain_ddp_bitwise
     same_on_all_ranks(psgd)
 
 
@@ -278,7 +299,7 @@ def test_bf16_autocast(results):
 def test_static_graph(results):
     plain, none = case(results[1], "static/plain"), case(results[1], "static/none")
     for a, b in zip(plain, none, strict=True):
-        assert torch.equal(a["params"], b["params"])
+        assert torch.equal(a["params"], b["params"])  # bitwise, as test_lossless_equals_plain_ddp_bitwise
     same_on_all_ranks(case(results[1], "static/powersgd"))
 
 
@@ -292,8 +313,12 @@ def test_paper_variant_tracks_torch_powersgd_hook(results):
     torch_runs, our_runs = case(results[1], "parity/torch"), case(results[1], "parity/ours")
     t = torch.tensor(torch_runs[0]["losses"])
     o = torch.tensor(our_runs[0]["losses"])
+    # Bitwise: in warm-up both divide the one bucket by W and all-reduce it whole (ours packs the bucket's
+    # gradients in the bucket's order: the same buffer), so the losses at steps 0 and 1 are the same bits.
     assert torch.equal(t[:2], o[:2]), "warm-up steps are exact all-reduce in both"
-    assert ((o - t).abs() / t).max() < 0.10
+    # Not a rounding bound: the two start from different random Q, so their curves differ by the algorithm's own
+    # approximation error; worst 3.9% over 2 and 4 ranks and the 7 CPU code paths.
+    within(((o - t).abs() / t).max(), 0.10, "loss curves")
     assert o[-5:].mean() < 0.5 * o[0]
 
 

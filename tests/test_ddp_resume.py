@@ -67,6 +67,7 @@ def runs(request, tmp_path_factory):
 @pytest.mark.parametrize("name", RESUME_CASES)
 @pytest.mark.parametrize("mode", ["plain", "dcp"])
 def test_resume_is_bitwise(runs, name, mode):
+    # Bitwise on any CPU: the state is restored bit for bit, then the same operations run (see test_powersgd_resume).
     for full, resumed in zip(runs["full"], runs[mode], strict=True):
         assert torch.equal(full[name], resumed[name])
 

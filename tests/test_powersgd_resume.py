@@ -77,6 +77,8 @@ def runs(request, tmp_path_factory):
 
 @pytest.mark.parametrize(("api", "variant"), CASES)
 def test_resume_is_bitwise(runs, api, variant):
+    # Bitwise on any CPU: the state is saved and restored bit for bit, and the resumed processes then run the
+    # same operations on the same shapes (one thread per rank) as the uninterrupted ones.
     full, resumed = runs
     key = f"{api}-{variant}"
     for a, b in zip(full, resumed, strict=True):

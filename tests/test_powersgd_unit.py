@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 
+from dist_utils import EPS32, EPS64, feedback_bound, within
 from models import batch, loss_fn, make_model
 from powertrain.compress import NonFiniteGradientError, PowerSGDCompressor
 from powertrain.compress.powersgd import Config
@@ -57,28 +58,43 @@ def test_reference_defaults_and_positional_order():
 )
 def test_orthonormalize_always_orthonormal(make):
     q = orthonormalize(make())
-    eye = torch.eye(q.shape[-1], dtype=q.dtype).expand(q.shape[0], -1, -1)
+    n, r = q.shape[-2:]
+    eye = torch.eye(r, dtype=q.dtype).expand(q.shape[0], -1, -1)
     assert q.isfinite().all()
-    torch.testing.assert_close(q.transpose(1, 2) @ q, eye, atol=1e-12, rtol=0)
+    # Householder QR, whatever the input's rank: ||Q - Q_exact||_F <= sqrt(r) * gamma(n r) (Higham, Thm 19.4), so
+    # |Q^T Q - I| <= 2 sqrt(r) n r u, plus n u for the n-term Gram products; u = eps / 2, 2x safety.
+    within((q.transpose(1, 2) @ q - eye).abs(), (2 * r**0.5 * n * r + n) * EPS64, "Q^T Q - I")
 
 
 def test_matrix_shape_of_conv_weight():
     assert matrix_shape(torch.Size([8, 3, 3, 3])) == (8, 27)
 
 
-def _fixed_gradient_approximation(variant: str, g: torch.Tensor, rank: int, steps: int) -> torch.Tensor:
-    """Feed the same gradient repeatedly, discarding the residual: pure warm-started power iteration."""
+def _fixed_gradient_approximation(
+    variant: str, g: torch.Tensor, rank: int, steps: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Feed the same gradient repeatedly, discarding the residual: pure warm-started power iteration.
+    Returns the last approximation and the factor the iteration starts from (P for the alternating variant,
+    whose first step projects onto P; Q for the paper's, whose first step computes P = M Q)."""
     p = torch.nn.Parameter(torch.zeros_like(g))
     agg = PowerSGD(
         [p],
         config=Config(rank=rank, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant),
     )
+    start = agg.compressor.state_dict()["p" if variant == "alternating" else "q"][0].clone()
     out = None
     for _ in range(steps):
         p.grad = g.clone()
         out = agg.aggregate([p.grad])[0]
     assert out is not None
-    return out
+    return out, start
+
+
+def _tan_angle(x_nr: torch.Tensor, basis_nn: torch.Tensor) -> float:
+    """tan of the largest principal angle between span(x) and the first r columns of an orthogonal basis."""
+    r = x_nr.shape[1]
+    inside, outside = basis_nn[:, :r].T @ x_nr, basis_nn[:, r:].T @ x_nr
+    return torch.linalg.matrix_norm(outside @ torch.linalg.inv(inside), ord=2).item()
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
@@ -90,19 +106,35 @@ def test_warm_start_converges_to_best_rank_r(variant, rank):
     s = torch.tensor([10.0, 8.0, 6.0] + [2.0 / (i + 1) for i in range(27)], dtype=torch.float64)
     g = u[:, :30] @ torch.diag(s) @ v.T
     best = u[:, :rank] @ torch.diag(s[:rank]) @ v[:, :rank].T  # Eckart-Young
-    # Error shrinks like (s[r] / s[r-1]) per half-iteration; the alternating variant does one per step.
-    approx = _fixed_gradient_approximation(variant, g, rank, steps=150)
-    assert (approx - best).norm() / best.norm() < 1e-8
-    # and the error of the best rank-r approximation is what remains
-    torch.testing.assert_close((g - approx).norm(), s[rank:].norm(), rtol=1e-8, atol=0)
+    steps = 150
+    approx, start = _fixed_gradient_approximation(variant, g, rank, steps)
+    # Subspace iteration: tan(angle to the top-r singular space) shrinks by s[r] / s[r-1] per half-iteration
+    # (one matrix product); the last step's subspace has had steps - 1 of them (alternating: one per step) or
+    # 2 steps - 1 (paper: P = M Q, then Q = M^T P). Rounding adds up to n u s[0] / (s[r-1] - s[r]) to the angle
+    # (Wedin: a perturbation of size n u ||g||_2 moves the singular space by that over the gap).
+    half_iterations = steps - 1 if variant == "alternating" else 2 * steps - 1
+    tan0 = _tan_angle(start, u if variant == "alternating" else v)
+    nu = g.shape[0] * EPS64 / 2  # n u
+    sin_angle = (s[rank] / s[rank - 1]) ** half_iterations * tan0 + nu * s[0] / (s[rank - 1] - s[rank])
+    # approx = P P^T g with P at that angle: ||approx - best||_F <= (sin + n u) ||g||_F; 2x safety.
+    within((approx - best).norm() / best.norm(), 2 * (sin_angle + nu) * g.norm() / best.norm(), "approx")
+    # What remains is the best rank-r error: its norm is off by sin^2 s[0]^2 / (2 ||s[r:]||^2) (second order in
+    # the angle) plus n u ||g||_F / ||s[r:]|| for forming g - approx; 2x safety.
+    tail = s[rank:].norm()
+    rel = sin_angle**2 * s[0] ** 2 / (2 * tail**2) + nu * g.norm() / tail
+    within(((g - approx).norm() - tail).abs() / tail, 2 * rel, "residual norm")
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 def test_exactly_low_rank_gradient_gives_no_nan(variant):
     g = torch.outer(torch.arange(1.0, 21.0), torch.arange(1.0, 11.0))  # rank 1, compressed at rank 4
-    approx = _fixed_gradient_approximation(variant, g, rank=4, steps=3)
+    approx, _ = _fixed_gradient_approximation(variant, g, rank=4, steps=3)
     assert approx.isfinite().all()
-    torch.testing.assert_close(approx, g, rtol=1e-5, atol=1e-4)
+    # From the second step the factor spans g's column (row) space, so approx = P P^T g = g up to rounding in
+    # float32: P's departure from orthonormality (2 sqrt(r) n r u, Higham Thm 19.4) and the n-, m- and r-term
+    # products, all relative to ||g||_F; u = eps / 2, 2x safety. (n, m, r) = (20, 10, 4)
+    n, m, r = 20, 10, 4
+    within((approx - g).norm() / g.norm(), (2 * r**0.5 * n * r + n + m + r) * EPS32, "rank-1 reconstruction")
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
@@ -124,8 +156,11 @@ def test_compressor_conserves_at_world_size_1(variant):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
         before = [e.clone() for e in comp.residuals()]
         out = comp.aggregate(grads)
-        for g, e0, a, e1 in zip(grads, before, out, comp.residuals(), strict=True):
-            torch.testing.assert_close(a + e1, g + e0, rtol=1e-13, atol=1e-14)
+        for g, e0, a, e1, name in zip(grads, before, out, comp.residuals(), comp.names, strict=True):
+            # derivation: dist_utils.feedback_bound, at W = 1 (2 power iterations at rank 1)
+            bound = feedback_bound((g + e0)[None], e1[None], eps=EPS64, iters=2, rank=1,
+                                   matrix=name in comp.compressed_names)  # fmt: skip
+            within((a + e1 - (g + e0)).abs(), bound, name)
     assert any(e.abs().sum() > 0 for e in comp.residuals()), "rank 1 must leave a residual"
 
 
@@ -214,10 +249,12 @@ def test_empty_parameter_list():
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 def test_rows_give_the_same_rows_and_residuals(variant):
-    """Under FSDP a rank asks only for its rows: same numbers as slicing the full result, same residual."""
+    """Under FSDP a rank asks only for its rows: same numbers as slicing the full result, same residual, same
+    factors and counters. Each step starts both from the same state, so only that step's rounding differs."""
     model = make_model(torch.float64)
+    k, r = 2, 2
     cfg = Config(
-        rank=2, min_compression_rate=0, num_iters_per_step=2, start_compressing_after_num_steps=1, variant=variant
+        rank=r, min_compression_rate=0, num_iters_per_step=k, start_compressing_after_num_steps=1, variant=variant
     )
     full = PowerSGDCompressor(model.named_parameters(), config=cfg)
     part = PowerSGDCompressor(model.named_parameters(), config=cfg)
@@ -226,9 +263,28 @@ def test_rows_give_the_same_rows_and_residuals(variant):
         loss_fn(model, *batch(0, step, torch.float64)).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in full.params]
         rows = [(min(1, g.shape[0]), min(5, g.shape[0])) for g in grads]
+        part.load_state_dict(full.state_dict())
+        frob = [(g + e).norm() for g, e in zip(grads, full.residuals(), strict=True)]
         expected = full.aggregate(grads)
         got = part.aggregate(grads, rows=rows)
-        for e, g, (lo, hi) in zip(expected, got, rows, strict=True):
-            torch.testing.assert_close(g, e[lo:hi], rtol=1e-12, atol=1e-14)
-        for a, b in zip(full.residuals(), part.residuals(), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+        # The factors come from the same operations on the same shapes and inputs in both: bitwise.
+        new_full, new_part = full.state_dict(), part.state_dict()
+        for key in ("p", "q", "steps", "compressed_steps", "num_steps"):
+            assert _bitwise(new_full[key], new_part[key]), key
+        # The approximation's rows: P[lo:hi] Q^T against rows of P Q^T (or of Q P^T, on odd iterations). Each side
+        # sums k iterations of r-term products, <= k (r + 1) roundings on terms <= k ||M||_F (|P Q^T|_ij <=
+        # ||M||_F for orthonormal P); both sides and 2x safety: 2 k^2 (r + 1) eps ||M||_F, with u = eps / 2.
+        # The residual (paper: M - P Q^T against M.baddbmm(P, Q^T, alpha=-1); alternating: the same operations):
+        # (r + 1) u (|M| + ||M||_F) <= 2 (r + 1) u ||M||_F per side; both and 2x safety: 4 (r + 1) eps ||M||_F.
+        for e, g, (lo, hi), f, name in zip(expected, got, rows, frob, full.names, strict=True):
+            within((g - e[lo:hi]).abs(), 2 * k * k * (r + 1) * EPS64 * f, f"rows of {name}")
+        for a, b, f, name in zip(full.residuals(), part.residuals(), frob, full.names, strict=True):
+            within((a - b).abs(), 4 * (r + 1) * EPS64 * f, f"residual of {name}")
+
+
+def _bitwise(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
