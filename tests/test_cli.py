@@ -87,7 +87,7 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
 
 @pytest.mark.parametrize(
     "mode",
-    [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2"],
+    [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2,start=2"],
      ["ddp", "none", *_SHAMPOO, "--shampoo-vectors", "shampoo"],
      ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
@@ -204,6 +204,7 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--compressor", "powersgd:rank=0"], "Config.rank=0"),
         (["--compressor", "powersgd:ranks=2"], "ranks"),
         (["--compressor", "powersgd:rank"], "expected key=value"),
+        (["--compressor", "powersgd:rank=2", "--steps", "8"], "starts compressing after 10 steps and the run has 8"),
         (["--steps", "0"], "steps=0"),
         (["--lr", "-1"], "lr=-1"),
         (["--parallel", "fsdp", "--compressor", "topk"], "cannot run under parallel='fsdp'"),
@@ -257,7 +258,7 @@ def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
 def test_compressor_spec_parsing():
     assert parse_compressor("powersgd:rank=4,iters=2,variant=paper") == (
         "powersgd",
-        {"rank": 4, "num_iters_per_step": 2, "variant": "paper"},
+        {"rank": 4, "num_iters_per_step": 2, "variant": "paper", "start_compressing_after_num_steps": 10},
     )
     assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
 

@@ -42,7 +42,8 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-DEFAULT_COMPRESSOR = "powersgd:rank=4,start=10"
+DEFAULT_START = 10  #: exact steps before PowerSGD compresses, when a spec does not say (start=...)
+DEFAULT_COMPRESSOR = f"powersgd:rank=4,start={DEFAULT_START}"
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -167,11 +168,17 @@ class TrainConfig:
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else DEFAULT_COMPRESSOR)
-        name, _ = parse_compressor(self.compressor)  # validate now, not in the workers
+        name, options = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(
                 f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
                 "compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction) with compile"
+            )
+        start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
+        if start >= self.steps:
+            raise ValueError(
+                f"compressor={self.compressor!r} starts compressing after {start} steps and the run has {self.steps}: "
+                "it would send full gradients throughout; lower start= (e.g. start=2) or raise steps"
             )
         if self.compile and self.parallel in ("ddp", "fsdp"):
             raise ValueError(
@@ -247,6 +254,8 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
             raise ValueError(f"{spec!r} gives an option both by its short and its long name: give it once")
         options = full
         options.setdefault("rank", 4)
+        # The command's own warm-up, not the reference Config's 100 steps (a short run would never compress).
+        options.setdefault("start_compressing_after_num_steps", DEFAULT_START)
     from powertrain.compress import make_compressor
 
     try:  # build once on a dummy parameter: unknown options and bad values fail here, with their names
