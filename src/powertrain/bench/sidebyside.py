@@ -50,6 +50,10 @@ class Spec:
     #: learning rate follows ``powertrain train``'s schedule over them (linear warm-up, cosine decay;
     #: ``warmup_steps`` and ``min_lr_ratio`` may be set in ``optimizer_options``). Needs an ``optimizer``.
     steps: int = 0
+    #: Run to a target: after its ``steps`` the run goes on for up to this many steps at the schedule's final
+    #: learning rate, and stops at the first evaluation whose validation loss is at most ``stop_below``.
+    extra_steps: int = 0
+    stop_below: float | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 0 or (self.steps and not self.optimizer):
@@ -144,11 +148,13 @@ def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: fl
 
 def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: int, start: int,
         bucket_cap_mb: float = 100, data_mb: float = 4.0, eval_batches: int = 8,
-        eval_every: int = 0) -> dict[str, Any]:  # fmt: skip
+        eval_every: int = 0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Per configuration: step times of the timed rounds, all losses, payload bytes per step by collective,
     compression and blocked-communication seconds per step, and validation losses (mean over ranks): the
     final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0. A run with
-    ``Spec.steps`` sits out the rounds after its last step."""
+    ``Spec.steps`` sits out the rounds after its last step (``+ extra_steps``, or its ``stop_below`` target).
+    ``seed`` sets the initial weights and the training batches; the validation batches are the same for every
+    seed."""
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus = load_data(TrainConfig(data_max_mb=data_mb))
@@ -156,17 +162,18 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, model.block_size) for j in range(eval_batches)]
     runs = []
     for spec in specs:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         runs.append(_Run(spec, GPT(model), start, bucket_cap_mb))
+    stopped = [False] * len(specs)
     times: list[list[float]] = [[] for _ in specs]
     losses: list[list[float]] = [[] for _ in specs]
     curves: list[list[tuple[int, float]]] = [[] for _ in specs]
     sent: list[dict[str, int]] = [{} for _ in specs]
     spent = [[0.0, 0.0, 0] for _ in specs]  # compress_s, comm_s, collectives over the timed rounds
     for step in range(warmup + timed):
-        x, y = corpus.batch("train", rank, world, (0, rank, step), batch, model.block_size)
+        x, y = corpus.batch("train", rank, world, (seed, rank, step), batch, model.block_size)
         for i, r in enumerate(runs):
-            if specs[i].steps and step >= specs[i].steps:
+            if stopped[i] or (specs[i].steps and step >= specs[i].steps + specs[i].extra_steps):
                 continue
             before = CommStats.combined(r.sources)
             dist.barrier()
@@ -185,6 +192,8 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
                 curves[i].append((step + 1, r.evaluate(val_batches)))
+                target = specs[i].stop_below
+                stopped[i] = target is not None and curves[i][-1][1] <= target
     val = [r.evaluate(val_batches) for r in runs]
     timed_steps = [max(len(t), 1) for t in times]
     return {"times": times, "losses": losses,
