@@ -132,7 +132,7 @@ def test_randomized_svd_finds_the_top_subspace():
         _, exact = proj.exact_bases(x, 5, "right")
         assert exact is not None
         # randomized subspace iteration: sin(angle) <= C (s_{k+1} / s_r)^(2q + 1), C the Gaussian sketch's
-        # factor (Halko et al. 2011, 10.2: sqrt(r / (p - 1)) + e sqrt(k) / p sqrt(n - r)); plus float32: the Gram
+        # factor (Halko et al. 2011, sec. 10: sqrt(r / (p - 1)) + e sqrt(k) / p sqrt(n - r)); plus float32: the Gram
         # A^T A perturbed by sqrt(m) eps32 |A|^2 turns the subspace by that over the gap s_r^2 - s_{r+1}^2
         # (Davis-Kahan); 2x for the rounding of the other stages. Measured at most 0.28 of the bound
         s = [*torch.linalg.svdvals(x.double()).tolist(), 0.0]
