@@ -9,6 +9,9 @@ import torch
 
 from powertrain.optim.shampoo.matrix import RootFailure, inverse_root
 
+EPS32 = torch.finfo(torch.float32).eps
+EPS64 = torch.finfo(torch.float64).eps
+
 
 def _psd(n: int, rank: int | None = None, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
@@ -21,6 +24,31 @@ def _reference(a: torch.Tensor, root: int, eps: float) -> torch.Tensor:
     return vecs @ torch.diag((vals.clamp_min(0) + eps) ** (-1.0 / root)) @ vecs.T
 
 
+def _backward_error(a: torch.Tensor, unit: float = EPS32) -> float:
+    """||E||_F of the perturbation a computed eigendecomposition (or Newton's products) is exact for: backward
+    stable, ||E||_F <= sqrt(n) * unit * ||a||_F (n-term rounding, the typical case of the O(n) worst case)."""
+    return math.sqrt(a.shape[0]) * unit * torch.linalg.matrix_norm(a.double()).item()
+
+
+def _root_error(a: torch.Tensor, root: int, epsilon: float, backward: float) -> float:
+    """First-order bound on the relative Frobenius error of a computed ``(a + epsilon I)^(-1/root)`` whose
+    decomposition is exact for ``a + E``, ``||E||_F <= backward``: ``f(l) = (l + epsilon)^(-1/root)`` moves by at
+    most ``|f'(l_min)| ||E||_F`` (Daleckii-Krein, symmetric matrices), twice that when round-off can make the
+    smallest eigenvalue negative (``l_min <= ||E||``): the spectrum is then shifted by up to ``||E||`` as well."""
+    vals = torch.linalg.eigvalsh(a.double()).clamp_min(0)
+    shifted = 2.0 if vals.min().item() <= backward else 1.0
+    lam = vals.min().item() + epsilon
+    f_norm = ((vals + epsilon) ** (-1.0 / root)).norm().item()
+    return shifted * lam ** (-1.0 / root - 1) / root * backward / f_norm
+
+
+def _gram_bound(grams_abs: torch.Tensor, terms: int) -> torch.Tensor:
+    """Entrywise bound on the float32 rounding of a sum of ``terms`` products (``grams_abs``: the same sum of
+    |G| |G|^T): typical sqrt(terms) eps32 per entry, 2x for the largest of many entries (the worst case,
+    terms * eps32, is ~100x the measured error on these sizes)."""
+    return 2 * math.sqrt(terms) * EPS32 * grams_abs
+
+
 @pytest.mark.parametrize("root", [1, 2, 4])
 @pytest.mark.parametrize("method", ["eigh", "newton"])
 def test_inverse_root_matches_float64_reference(root, method):
@@ -28,23 +56,29 @@ def test_inverse_root_matches_float64_reference(root, method):
     x = inverse_root(a.float(), root, epsilon=1e-3, method=method)
     ref = _reference(a.float(), root, 1e-3)
     assert x.dtype == torch.float32
-    # relative Frobenius error: float32 round-off on a matrix with condition number ~1e3 (eigh), and
-    # Newton's stopping rule ||M - I||_inf < 1e-6
-    err = torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)
-    assert err < 1e-4, err
-    # defining property: X^root (A + eps I) = I
+    # relative Frobenius error: first-order perturbation of the root (condition number 2.3e3 with epsilon) under
+    # float32 eigh's backward error (Newton's stable coupled products round no worse, and its stopping rule
+    # ||M - I||_inf < 1e-6 is below that); measured at most 1/16 of the bound over 7 CPU code paths
+    err = (torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)).item()
+    backward = _backward_error(a.float())
+    assert err < _root_error(a.float(), root, 1e-3, backward), err
+    # defining property X^root (A + eps I) = I: X is exact for A + E, so the residual is X^root E, at most
+    # ||E|| / (l_min + eps) (measured at most 1/11 of that)
     prod = torch.linalg.matrix_power(x.double(), root) @ (a + 1e-3 * torch.eye(24, dtype=torch.float64))
-    assert torch.allclose(prod, torch.eye(24, dtype=torch.float64), atol=2e-3)
+    residual = backward / (torch.linalg.eigvalsh(a).min().item() + 1e-3)
+    assert (prod - torch.eye(24, dtype=torch.float64)).abs().max().item() < residual
 
 
 def test_rank_deficient_matrix_uses_epsilon_and_stays_finite():
-    """A rank-3 16x16 factor: 13 zero eigenvalues, which float32 eigh returns as +-1e-7 noise (clipped at 0);
-    epsilon 1e-4 dominates that noise, so the root is accurate to ~1e-3 relative."""
+    """A rank-3 16x16 factor: 13 zero eigenvalues, which float32 eigh returns as +-1e-7 noise (the spectrum is
+    shifted so the smallest is 0); epsilon 1e-4 dominates that noise, so the root is accurate to ~1e-3 relative."""
     a = _psd(16, rank=3)
     x = inverse_root(a.float(), 4, epsilon=1e-4)
     assert torch.isfinite(x).all()
     ref = _reference(a.float(), 4, 1e-4)
-    assert torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref) < 1e-2
+    err = (torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)).item()
+    # first-order perturbation at l_min = 0 (noise and shift: 2 ||E||); measured at most 1/3 of the bound
+    assert err < _root_error(a.float(), 4, 1e-4, _backward_error(a.float())), err
 
 
 def test_non_finite_factor_raises_root_failure():
@@ -121,13 +155,25 @@ def test_preconditioner_matches_dense_float64_shampoo_on_a_matrix():
         update_factors(factors, g, beta2=1.0)
     left = sum(g.double() @ g.double().T for g in grads)
     right = sum(g.double().T @ g.double() for g in grads)
-    assert torch.allclose(factors[0].double(), left, rtol=1e-5) and torch.allclose(
-        factors[1].double(), right, rtol=1e-5
-    )
+    # each entry sums 9 (6) products per gradient over 5 gradients: 14 (11) roundings; an off-diagonal entry can
+    # cancel to ~0, so the bound scales with sum |G| |G|^T, not the entry (measured at most 1/4 of it)
+    left_abs = sum(g.double().abs() @ g.double().abs().T for g in grads)
+    right_abs = sum(g.double().abs().T @ g.double().abs() for g in grads)
+    assert ((factors[0].double() - left).abs() <= _gram_bound(left_abs, 9 + 5)).all()
+    assert ((factors[1].double() - right).abs() <= _gram_bound(right_abs, 6 + 5)).all()
     roots = inverse_roots(factors, epsilon=1e-6)
     out = precondition(grads[-1], roots).double()
-    ref = _reference(left, 4, 1e-6) @ grads[-1].double() @ _reference(right, 4, 1e-6)
-    assert torch.linalg.matrix_norm(out - ref) / torch.linalg.matrix_norm(ref) < 1e-4
+    ref_roots = [_reference(left, 4, 1e-6), _reference(right, 4, 1e-6)]
+    ref = ref_roots[0] @ grads[-1].double() @ ref_roots[1]
+    # each root's relative error (the factor's rounding and eigh's backward error), amplified by that root's
+    # ||R||_F / sigma_min(R) in the product, plus the two 6- and 9-term products; measured at most 1/5 of it
+    bound = 2 * math.sqrt(9) * EPS32
+    for f, exact, r in zip(factors, (left, right), ref_roots, strict=True):
+        backward = _backward_error(f) + torch.linalg.matrix_norm(f.double() - exact).item()
+        amplify = torch.linalg.matrix_norm(r).item() / torch.linalg.eigvalsh(r).min().item()
+        bound += _root_error(exact, 4, 1e-6, backward) * amplify
+    err = (torch.linalg.matrix_norm(out - ref) / torch.linalg.matrix_norm(ref)).item()
+    assert err < bound, (err, bound)
 
 
 @pytest.mark.parametrize(("shape", "beta2"), [((256, 160), 0.95), ((131, 200), 1.0), ((300, 20), 0.9)])
@@ -142,13 +188,19 @@ def test_large_factor_updates_match_the_full_product(shape, beta2):
     factors = init_factors(grads[0])
     left = torch.zeros(shape[0], shape[0], dtype=torch.float64)
     right = torch.zeros(shape[1], shape[1], dtype=torch.float64)
+    left_abs, right_abs = torch.zeros_like(left), torch.zeros_like(right)
     for g in grads:
         update_factors(factors, g, beta2)
         gd = g.double()
         a = 1.0 if beta2 == 1.0 else 1.0 - beta2
         left, right = beta2 * left + a * gd @ gd.T, beta2 * right + a * gd.T @ gd
-    for f, ref, columns in zip(factors, (left, right), (shape[1], shape[0]), strict=True):
-        assert torch.linalg.matrix_norm(f.double() - ref) / torch.linalg.matrix_norm(ref) < 1e-6
+        left_abs = beta2 * left_abs + a * gd.abs() @ gd.abs().T
+        right_abs = beta2 * right_abs + a * gd.abs().T @ gd.abs()
+    for f, ref, ref_abs, columns in zip(factors, (left, right), (left_abs, right_abs), (shape[1], shape[0]),
+                                        strict=True):  # fmt: skip
+        # per entry: a `columns`-term product, then the EMA's scaling and sum (2 roundings) per gradient;
+        # measured at most 1/5 of the bound; a quarter off by 1e-5 relative fails
+        assert ((f.double() - ref).abs() <= _gram_bound(ref_abs, columns + 2 * len(grads))).all()
         if f.shape[0] >= 128 and columns >= 32:
             h = f.shape[0] // 2
             assert torch.equal(f[:h, h:], f[h:, :h].T)
@@ -165,12 +217,21 @@ def test_preconditioner_order3_and_ema():
     gd = g.double()
     unfold = [gd.movedim(i, 0).reshape(gd.shape[i], -1) for i in range(3)]
     for f, u in zip(factors, unfold, strict=True):
-        assert torch.allclose(f.double(), (0.1 * 0.9 + 0.1) * (u @ u.T), rtol=1e-5)
+        # a u.shape[1]-term product and 2 roundings (scale, sum) per update, as in the matrix test above
+        ref_abs = (0.1 * 0.9 + 0.1) * (u.abs() @ u.abs().T)
+        assert ((f.double() - (0.1 * 0.9 + 0.1) * (u @ u.T)).abs() <= _gram_bound(ref_abs, u.shape[1] + 4)).all()
     roots = inverse_roots(factors, epsilon=1e-6)
     out = precondition(g, roots).double()
     r = [_reference(f.double(), 6, 1e-6) for f in factors]
     ref = torch.einsum("abc,ai,bj,ck->ijk", gd, r[0], r[1], r[2])
-    assert (out - ref).norm() / ref.norm() < 1e-4
+    # the reference takes the float32 factors: each root's eigh error, amplified by ||R||_F / sigma_min(R),
+    # plus three mode products of <= 5 terms; measured at most 0.37 of the bound
+    bound = 3 * math.sqrt(5) * EPS32
+    for f, ri in zip(factors, r, strict=True):
+        amplify = torch.linalg.matrix_norm(ri).item() / torch.linalg.eigvalsh(ri).min().item()
+        bound += _root_error(f, 6, 1e-6, _backward_error(f)) * amplify
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < bound, (err, bound)
 
 
 def test_round_off_negative_eigenvalues_shift_the_spectrum():
@@ -185,7 +246,11 @@ def test_round_off_negative_eigenvalues_shift_the_spectrum():
     out = inverse_root(a, 4, epsilon=1e-6)
     shifted = vals + 1e-9 + 1e-6
     expect = q @ torch.diag(shifted**-0.25) @ q.T
-    assert torch.allclose(out, expect, rtol=1e-6, atol=1e-9)
+    # float64: eigh's backward error and a's own 4-term rounding, through the first-order bound at l_min = 0
+    # (~3e-8 absolute, measured 1/15 of it); clipping the -1e-9 instead of shifting moves the root by ~2e-3
+    backward = 2 * _backward_error(a, EPS64)
+    err = (torch.linalg.matrix_norm(out - expect) / torch.linalg.matrix_norm(expect)).item()
+    assert err < _root_error(a, 4, 1e-6, backward), err
 
 
 @pytest.mark.parametrize(
@@ -254,5 +319,6 @@ def test_non_contiguous_parameters_are_updated_in_place():
         w.grad, ref.grad = g.clone(), g.clone()
         a.step()
         b.step()
+    # bitwise: the update runs on a contiguous copy, the same operations on the same shapes as for `ref`
     assert torch.equal(w.detach(), ref.detach())
     assert not torch.equal(ref.detach(), start)

@@ -7,6 +7,8 @@ conv weight and 7x15 / 15-row matrices that do not divide by 2 or 4 ranks, a fro
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from powertrain.bench.memory import heap_in_use
 from powertrain.simple_fsdp import MixedPrecision, data_parallel
 
 STEPS = 6
+EPS32 = torch.finfo(torch.float32).eps
 
 
 class Scaled(nn.Module):
@@ -179,26 +182,93 @@ def _memory(rank: int, world: int, compiled: bool, bucketed: bool = False) -> di
 
 
 def _compiled_parity(rank: int, world: int) -> dict[str, Any]:
+    """Eager and compiled training; the eager run also returns how far a compiled run may part from it.
+
+    Inductor fuses and reorders the float math of forward and backward (the optimizer step stays eager), so a
+    gradient entry may differ by the rounding of a reduction of up to 256 terms (the vocabulary): take
+    delta = sqrt(256) eps32 max |g| per tensor (0 where g is exactly 0). AdamW moves an entry by
+    lr m / (sqrt(v) + eps) with |m| <= sqrt(v), so a gradient change of delta moves it by at most
+    lr * min(2, 2 delta / (sqrt(v) + eps)) per step, plus two roundings of W; 2x for what the changed weights do
+    to later gradients. A loss may differ by the forward's rounding (4 sqrt(256) ulps) plus sum |g| times the
+    weights' bound."""
     from powertrain.train.model import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, block_size=16)
-    res = {}
+    res: dict[str, Any] = {}
     for compiled in (False, True):
         torch.manual_seed(0)
         model = data_parallel(GPT(cfg), init_device_mesh("cpu", (world,)))
         run: Any = torch.compile(model, fullgraph=True) if compiled else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
+        losses, loss_bounds = [], []
+        bound = torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
         for step in range(3):
             g = torch.Generator().manual_seed(100 * rank + step)
             x, y = torch.randint(0, 256, (2, 16), generator=g), torch.randint(0, 256, (2, 16), generator=g)
             opt.zero_grad()
             loss = run(x, y)
             loss.backward()
+            grads = [p.grad.full_tensor().double() for p in model.parameters()]
+            forward = 4 * 16 * EPS32 * abs(loss.item())
+            loss_bounds.append(forward + 2 * (torch.cat([g.reshape(-1) for g in grads]).abs() * bound).sum().item())
             opt.step()
             losses.append(loss.item())
-        res[compiled] = {"losses": losses, "params": _full(model)}
+            parts = []
+            for p, grad in zip(model.parameters(), grads, strict=True):
+                st = opt.state[p]
+                root = (st["exp_avg_sq"].full_tensor().double() / (1 - 0.999 ** st["step"].item())).sqrt()
+                delta = 16 * EPS32 * grad.abs().max() * (grad != 0)  # an embedding row no token uses: 0 in both
+                moved = 1e-3 * torch.clamp(2 * delta / (root + 1e-8), max=2.0)
+                parts.append((moved + 2 * EPS32 * p.full_tensor().detach().double().abs()).reshape(-1))
+            bound += torch.cat(parts)
+        res["compiled" if compiled else "eager"] = {"losses": losses, "params": _full(model),
+                                                     "bound": 2 * bound, "loss_bounds": loss_bounds}  # fmt: skip
     return res
+
+
+def _sum_trees(ranks: tuple[int, ...]) -> list[Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """Every way of summing the ranks' tensors by two-term additions (a + b == b + a): 1 for 2 ranks, 15 for 4."""
+    if len(ranks) == 1:
+        return [lambda parts, r=ranks[0]: parts[r]]
+    first, rest = ranks[0], ranks[1:]
+    trees: list[Callable[[list[torch.Tensor]], torch.Tensor]] = []
+    for k in range(1, len(rest) + 1):
+        for right in itertools.combinations(rest, k):
+            left = (first, *(r for r in rest if r not in right))
+            for a in _sum_trees(left):
+                for b in _sum_trees(right):
+                    trees.append(lambda parts, a=a, b=b: a(parts) + b(parts))
+    return trees
+
+
+def _orders(rank: int, world: int) -> dict[int, float]:
+    """Plain (unwrapped) models trained as the others are, each rank's gradient averaged by hand in every possible
+    summation order (_sum_trees): DDP, FSDP2 and SimpleFSDP sum each entry in one of them, which one depending
+    on their buffer layouts (a ring all-reduce's chunking) and on two-level reductions (HSDP). Returns the
+    largest divergence between any two after STEPS and after 8 steps: what the order of the gradient sums alone
+    does to this training, AdamW's normalisation of near-zero gradients included (0 at 2 ranks)."""
+    trees = _sum_trees(tuple(range(world)))
+    models = [_model() for _ in trees]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    runs: dict[int, list[torch.Tensor]] = {}
+    for step in range(8):
+        grads = []
+        for model, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            loss_fn(model, *batch(rank, step)).backward()
+            grads.append([p.grad for p in model.parameters() if p.grad is not None])
+        flat = torch.cat([g.reshape(-1) for gs in grads for g in gs])
+        parts = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(parts, flat)  # every model's gradients in one collective
+        offset = 0
+        for tree, gs, opt in zip(trees, grads, opts, strict=True):
+            for g in gs:
+                g.copy_(tree([part[offset : offset + g.numel()] for part in parts]).view_as(g) / world)
+                offset += g.numel()
+            opt.step()
+        if step + 1 in (STEPS, 8):
+            runs[step + 1] = [_full(m) for m in models]
+    return {steps: max((a - b).abs().max().item() for a in rs for b in rs) for steps, rs in runs.items()}
 
 
 def _bad(rank: int, world: int) -> dict[str, str]:
@@ -240,6 +310,7 @@ def simple_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "compressed/qsdp": guard(_compressed, rank, world, "none", {}, True),
         "resume": guard(_resume, rank, world, ckpt),
         "bad": guard(_bad, rank, world),
+        "orders": guard(_orders, rank, world),
     }
     if world == 4:
         res["hsdp"] = guard(_hsdp, rank, world)
@@ -253,25 +324,36 @@ def results(request, tmp_path_factory):
     return request.param, run_ranks(simple_cases, request.param, ckpt, timeout=180)
 
 
+def _order_bound(runs: list[Any], steps: int = STEPS) -> float:
+    """How far two correct data-parallel runs may part when they sum the ranks' gradients in different orders:
+    2x the largest divergence between the explicit summation orders of _orders (which ignores the coupling of
+    entries through later gradients); 0 at 2 ranks, so the comparisons are bitwise there. Measured: DDP
+    against SimpleFSDP at 4 ranks (MKL_CBWR=COMPATIBLE) and HSDP (AVX-512 MKL) part by exactly that largest
+    divergence, half the bound."""
+    return 2 * max(r[steps] for r in case(runs, "orders"))
+
+
 def test_fully_shard_equals_fsdp2(results):
     """Same shards, same AVG reductions: bitwise FSDP2 at 2 ranks (a sum of two terms has one order). At 4,
     gloo's reduce-scatter is a ring all-reduce whose chunking depends on the buffer: FSDP2 reduces one flat
     buffer per fully_shard unit, SimpleFSDP one per parameter, so the summation order (and the last bits)
-    differ; measured max |diff| 1.2e-6 after 6 AdamW steps at lr 1e-2. Resharding changes nothing."""
+    may differ; measured max |diff| 0 to 1e-7 after 6 AdamW steps at lr 1e-2 over 7 CPU code paths (1.2e-6
+    when this test was written). Resharding changes nothing."""
     world, runs = results
     for a, b in zip(case(runs, "simple"), case(runs, "simple_keep"), strict=True):
+        # bitwise: resharding re-gathers the same values for backward
         assert torch.equal(a["params"], b["params"])
     for a, b in zip(case(runs, "simple"), case(runs, "fsdp2"), strict=True):
         gap = (a["params"] - b["params"]).abs().max().item()
         print(f"world {world}: SimpleFSDP vs FSDP2 max |diff| {gap:.2e}")
-        assert gap == 0.0 if world == 2 else gap < 1e-5, gap
+        assert gap <= _order_bound(runs), gap
 
 
 def test_eager_buckets_equal_fsdp2(results):
     """Buckets laid out like FSDP2's units (fc1, and the root with the rest): bitwise FSDP2 at 2 ranks, with
     and without resharding. At 4, FSDP2 leaves the parameters that got no gradient (the unused layer) out
     of its reduce-scatter buffer and a bucket sends zeros for them, so the ring's chunking and summation
-    order differ: measured 1e-7 after 6 steps."""
+    order may differ: measured 0 to 1e-7 after 6 steps."""
     world, runs = results
     # Without parameters that get no gradient, the buffers are identical: bitwise at 4 ranks too.
     for a, b in zip(case(runs, "bucketed_frozen"), case(runs, "fsdp2_frozen"), strict=True):
@@ -280,7 +362,7 @@ def test_eager_buckets_equal_fsdp2(results):
         for a, b in zip(case(runs, name), case(runs, "fsdp2"), strict=True):
             gap = (a["params"] - b["params"]).abs().max().item()
             print(f"world {world}: {name} vs FSDP2 max |diff| {gap:.2e}")
-            assert gap == 0.0 if world == 2 else gap < 1e-5, (name, gap)
+            assert gap <= _order_bound(runs), (name, gap)
 
 
 @pytest.mark.parametrize("name", ["none", "powersgd", "int8", "qsdp", "int8+qsdp"])
@@ -295,14 +377,12 @@ def test_compressed_buckets_equal_compressed_fsdp2_bitwise(results, name):
 def test_matches_ddp(results):
     """2 ranks: bitwise DDP (a sum of two terms has one order). 4 ranks: DDP pre-divides and sums in its
     own bucket order, SimpleFSDP averages per parameter, so the last bits differ, and AdamW's per-element
-    normalisation enlarges that on near-zero gradients: measured max |diff| 1.1e-5 after 6 steps at lr 1e-2."""
-    world, runs = results
+    normalisation enlarges that on near-zero gradients: measured max |diff| 1.1e-5 to 1.0e-4 after 6 steps at
+    lr 1e-2 (depending on the CPU code path, which sets which gradients come out near zero)."""
+    _, runs = results
     for name in ("simple", "replicate"):
         for a, b in zip(case(runs, name), case(runs, "ddp"), strict=True):
-            if world == 2:
-                assert torch.equal(a["params"], b["params"]), name
-            else:
-                assert (a["params"] - b["params"]).abs().max() < 1e-4, name
+            assert (a["params"] - b["params"]).abs().max().item() <= _order_bound(runs), name
 
 
 def test_hybrid_shard_on_2x2_mesh(results):
@@ -313,20 +393,22 @@ def test_hybrid_shard_on_2x2_mesh(results):
         gap = (r["simple"]["params"] - r["fsdp2"]["params"]).abs().max().item()
         print(f"HSDP vs FSDP2 HSDP max |diff| {gap:.2e}")
         # FSDP2 reduce-scatters within the shard group, then all-reduces across replicas; DTensor reduces
-        # the two mesh dims in its own order: measured 5.5e-5 after 6 AdamW steps at lr 1e-2.
-        assert gap < 1e-4, gap
-        assert (r["simple"]["params"] - r["ddp"]["params"]).abs().max() < 1e-4  # as test_matches_ddp
+        # the two mesh dims in its own order: measured 2.9e-5 to 6.3e-5 after 6 AdamW steps at lr 1e-2.
+        assert gap <= _order_bound(runs), gap
+        assert (r["simple"]["params"] - r["ddp"]["params"]).abs().max().item() <= _order_bound(runs)
 
 
 def test_mixed_precision_matches_fsdp2_and_keeps_fp32_master_weights(results):
     """bf16 compute, fp32 reduction: bitwise FSDP2's MixedPrecisionPolicy at 2 ranks; at 4 the reduction
-    order differs (see test_fully_shard_equals_fsdp2)."""
+    order may differ (see test_fully_shard_equals_fsdp2)."""
     world, runs = results
     for r in case(runs, "mixed"):
         assert r["master_dtypes"] == ["torch.float32"]
         gap = (r["simple"]["params"] - r["fsdp2"]["params"]).abs().max().item()
         print(f"world {world}: mixed precision vs FSDP2 max |diff| {gap:.2e}")
-        assert gap == 0.0 if world == 2 else gap < 1e-4, gap
+        # the fp32 orders' bound: the fp32 sums of bf16 gradients (8 significant bits) are mostly exact in
+        # any order, so they part less than fp32 gradients do (measured 0)
+        assert gap <= _order_bound(runs), gap
         # and bf16 compute is really on: different from the fp32 run
         assert not torch.equal(r["simple"]["params"], r["fp32"]["params"])
 
@@ -334,12 +416,13 @@ def test_mixed_precision_matches_fsdp2_and_keeps_fp32_master_weights(results):
 def test_dcp_resume_is_bitwise_and_loads_into_fsdp2(results):
     """Save at step 4, load into a fresh SimpleFSDP model: bitwise the uninterrupted run. FSDP2 loads the
     same checkpoint (same keys) and continues identically up to its reduction order (4 ranks)."""
-    world, runs = results
+    _, runs = results
     for r in case(runs, "resume"):
         assert r["same_keys"]
         assert torch.equal(r["resumed"], r["straight"])
         gap = (r["fsdp2"] - r["straight"]).abs().max().item()
-        assert gap == 0.0 if world == 2 else gap < 1e-5, gap
+        # 4 steps after the checkpoint in another reduction order: within the orders' divergence over 8 steps
+        assert gap <= _order_bound(runs, 8), gap
 
 
 def test_bad_input_refused_with_clear_errors(results):
@@ -373,14 +456,25 @@ def test_reshard_after_forward_frees_gathered_parameters(compiled, bucketed):
         saved = r[False] - r[True]
         print(f"reshard saves {saved / 1e6:.3f} MB; weights {r['param_bytes'] / 1e6:.3f} MB")
         assert saved > 0.7 * (r["block_bytes"] if bucketed else r["param_bytes"]), (r[False], r[True])
-        assert torch.equal(r["grads/False"], r["grads/True"])
+        if compiled:
+            # two compiled graphs (resharding adds an all-gather to backward), which may fuse the same math
+            # differently: the gradient's reductions have up to 256 terms (vocab), typical sqrt(256) ulps of
+            # the largest entry (measured equal; 1e-7, 0.21 of the bound, when inductor's cache held kernels
+            # compiled for another vector ISA)
+            scale = r["grads/False"].abs().max().item()
+            assert (r["grads/False"] - r["grads/True"]).abs().max().item() <= 16 * EPS32 * scale
+        else:
+            assert torch.equal(r["grads/False"], r["grads/True"])  # the same operations on the same values
 
 
 @pytest.mark.timeout(300)
 def test_torch_compile_fullgraph_matches_eager():
     """Compiled (inductor, fullgraph) vs eager: inductor fuses and reorders float math, so the last bits
-    differ: measured <= 2e-6 in the losses over 3 AdamW steps."""
+    differ: measured <= 5e-7 in the losses and 2e-5 in the parameters over 3 AdamW steps, at most 0.34 of the
+    per-entry bound (see _compiled_parity: computed from the eager run's gradients and AdamW state)."""
     for r in run_ranks(_compiled_parity, 2, timeout=240):
-        for a, b in zip(r[True]["losses"], r[False]["losses"], strict=True):
-            assert abs(a - b) < 1e-4, (a, b)
-        assert (r[True]["params"] - r[False]["params"]).abs().max() < 1e-4
+        eager, compiled = r["eager"], r["compiled"]
+        for a, b, limit in zip(compiled["losses"], eager["losses"], eager["loss_bounds"], strict=True):
+            assert abs(a - b) <= limit, (a, b, limit)
+        gap = (compiled["params"] - eager["params"]).abs()
+        assert (gap <= eager["bound"]).all(), (gap / eager["bound"]).max()
