@@ -233,6 +233,14 @@ def test_bad_flags_are_clear_errors(args, message, capsys, tmp_path):
     assert message in capsys.readouterr().err
 
 
+def test_the_default_compressor_compresses_even_a_short_run():
+    from powertrain.train.config import DEFAULT_START, TrainConfig
+
+    assert TrainConfig(steps=1000).compressor == f"powersgd:rank=4,start={DEFAULT_START}"
+    assert TrainConfig(steps=5).compressor == "powersgd:rank=4,start=2"  # half the run, not all of it
+    assert TrainConfig(steps=1).compressor == "powersgd:rank=4,start=0"
+
+
 def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -304,7 +304,7 @@ def test_resume_with_another_world_size_is_refused(run2, tmp_path):
     assert r.returncode == 2
     assert "written by 2 worker(s) and this run has 1" in r.stderr and "--nproc 2" in r.stderr, r.stderr[-2000:]
     single = tmp_path / "single"
-    r = _run(*TINY, "--steps", "2", "--nproc", "1", "--checkpoint-every", "2", "--out", str(single))
+    r = _run(*TINY, "--steps", "3", "--nproc", "1", "--checkpoint-every", "3", "--out", str(single))
     assert r.returncode == 0, r.stderr[-2000:]
     r = _run(*TINY, "--steps", "4", "--out", str(tmp_path / "two"), "--resume", str(single))
     assert r.returncode == 2 and "written by 1 worker(s) and this run has 2" in r.stderr, r.stderr[-2000:]
@@ -400,7 +400,7 @@ def test_resumed_run_reports_the_whole_run(run2, tmp_path):
 
 
 def test_one_worker_under_ddp_and_the_tiny_preset_with_demo(tmp_path):
-    r = _run(*TINY, "--steps", "2", "--parallel", "ddp", "--nproc", "1", "--out", str(tmp_path / "ddp1"))
+    r = _run(*TINY, "--steps", "3", "--parallel", "ddp", "--nproc", "1", "--out", str(tmp_path / "ddp1"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert resolve("tiny", None, {"optimizer": "demo"}).compressor == "none"  # the preset's choice yields
     assert resolve("tiny", None, {}).compressor == "powersgd:rank=2,start=2"

@@ -170,6 +170,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     from powertrain.train.cli import main
 
     target = tmp_path / "B.md"
+    before = _ours()
     main(["bench", "network", "--preset", "tiny", "--out", str(tmp_path / "out"), "--write", str(target)])
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     text = target.read_text()
@@ -206,7 +207,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     assert (tmp_path / "out" / "val_loss.png").stat().st_size > 1000
     if report["emulated"]:
         assert [r["rate_mbit"] for r in report["rates"]] == [None, 100.0]
-        assert _ours() == []  # nothing left behind
+        assert _ours() == before  # nothing left behind
 
 
 def test_equal_wall_clock_picks_the_last_evaluation_within_the_fastest_run():

@@ -43,7 +43,14 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 
 DEFAULT_START = 10  #: exact steps before PowerSGD compresses, when a spec does not say (start=...)
-DEFAULT_COMPRESSOR = f"powersgd:rank=4,start={DEFAULT_START}"
+
+
+def default_compressor(steps: int) -> str:
+    """The command's compressor when none is asked for: PowerSGD after DEFAULT_START exact steps, or after half
+    the run when the run is shorter than twice that (so that a short run still compresses)."""
+    return f"powersgd:rank=4,start={min(DEFAULT_START, steps // 2)}"
+
+
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
@@ -167,7 +174,7 @@ class TrainConfig:
                 )
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
-            object.__setattr__(self, "compressor", "none" if plain else DEFAULT_COMPRESSOR)
+            object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(
