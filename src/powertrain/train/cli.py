@@ -79,11 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers"],
+        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality"],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
         "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
         "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
-        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory)",
+        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
+        "total bytes and time to a target loss of the compressors over several seeds",
     )
     bench.add_argument("--out", default=None, help="directory for results.json and table.md (network)")
     bench.add_argument("--preset", choices=["default", "tiny"], default="default")
@@ -217,6 +218,11 @@ def _bench(args: argparse.Namespace) -> int:
         from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
 
         run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "quality":
+        from powertrain.bench.quality import run_quality_bench
+
+        run_quality_bench(preset=args.preset, out=args.out, write=args.write or None)
         return 0
     if args.suite == "optimizers":
         from powertrain.bench.optimizers import run_optimizers_bench
