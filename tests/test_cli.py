@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -147,7 +148,10 @@ def test_shampoo_vectors_reach_the_optimizer(vectors, preconditioned):
 
 def test_simple_fsdp_compiled_matches_eager(tmp_path):
     """--parallel simple_fsdp --compile: the whole step (communication included) compiles with fullgraph and
-    trains like eager (inductor reorders float math: measured loss gaps <= 1e-6 here)."""
+    trains like eager. The first loss is computed from the same weights on the same batch: inductor may reorder
+    its reductions (at most 256 terms, the vocabulary), 4 sqrt(256) eps32 |loss| on each side. Later losses
+    depend on weights AdamW moved from rounding-different gradients: test_simple_fsdp's compile parity derives
+    that bound from the gradients and AdamW's state; here they must be finite."""
     common = ["train", "--preset", "tiny", "--steps", "4", "--parallel", "simple_fsdp", "--compressor", "none",
               "--log-every", "1", "--quiet"]  # fmt: skip
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
@@ -155,7 +159,9 @@ def test_simple_fsdp_compiled_matches_eager(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
     a = [row["loss"] for row in _metrics(tmp_path / "eager")]
     b = [row["loss"] for row in _metrics(tmp_path / "compiled")]
-    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4, (a, b)
+    assert len(a) == len(b) == 4 and all(math.isfinite(x) for x in a + b), (a, b)
+    eps32 = torch.finfo(torch.float32).eps
+    assert abs(a[0] - b[0]) <= 2 * 4 * 16 * eps32 * abs(a[0]), (a, b)
 
 
 def test_killed_worker_stops_the_others_and_resume_works(tmp_path):

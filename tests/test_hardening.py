@@ -630,8 +630,10 @@ def test_validation_split_too_small_fails_before_training(tmp_path):
 def test_workers_die_with_the_launcher(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "--steps", "3000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
+    (tmp_path / "tmp").mkdir()  # a launcher killed with SIGKILL cannot remove its temporary directory: keep it here
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
     proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+                            stderr=subprocess.DEVNULL, env=env)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         while not ((out / "pids" / "rank0").exists() and (out / "pids" / "rank1").exists()):
