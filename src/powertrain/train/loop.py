@@ -249,7 +249,12 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
 def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassData, world: int, n_params: int,
                   out: Path) -> str:  # fmt: skip
     sent, dense = s["bytes_sent"], s["bytes_uncompressed"]
-    ratio = f"{dense / sent:.1f}x less" if sent else "nothing to send with one worker"
+    if not sent:
+        ratio = "nothing to send with one worker"
+    elif sent <= dense:
+        ratio = f"{dense / sent:.1f}x less"
+    else:  # Shampoo's all-gather of its directions comes on top of the gradient's all-reduce
+        ratio = f"{sent / max(dense, 1):.1f}x more"
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "
