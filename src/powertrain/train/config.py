@@ -151,8 +151,6 @@ class TrainConfig:
             raise ValueError(f"Invalid demo_decay={self.demo_decay!r}: must be in [0, 1)")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"Invalid weight_decay={self.weight_decay!r}: must be >= 0")
-        if self.data_max_mb is not None and not self.data_max_mb > 0:
-            raise ValueError(f"Invalid data_max_mb={self.data_max_mb!r}: must be > 0")
         if self.data in ("textdir", "bin") and not self.data_path:
             raise ValueError(
                 f"data={self.data!r} needs data_path (--data-path): a directory of text files or a .bin file"
