@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_utils import run_cli
 from powertrain.train.cli import main
 from powertrain.train.config import parse_compressor
 
@@ -21,10 +22,7 @@ METRIC_KEYS = {"step", "loss", "lr", "step_time_s", "compute_s", "comm_s", "comp
                "bytes_uncompressed"}  # fmt: skip
 
 
-def _run(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "powertrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd)  # fmt: skip
+_run = run_cli
 
 
 def _metrics(out: Path) -> list[dict]:

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli_utils import run_cli
 from powertrain import checkpoint
 from powertrain.checkpoint import CheckpointError, CompressorState
 from powertrain.compress import make_compressor
@@ -34,10 +35,7 @@ from powertrain.train.data import load_data
 TINY = ["train", "--preset", "tiny", "--quiet"]
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "powertrain", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)  # fmt: skip
+_run = run_cli
 
 
 def _metrics(out: Path) -> list[dict]:

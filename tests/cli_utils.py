@@ -1,0 +1,51 @@
+"""Running the ``powertrain`` command in a subprocess, so that a hang fails fast *and* says where it hung."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes, depth first, from /proc (no psutil needed)."""
+    out = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            out += [child, *_descendants(child)]
+    return out
+
+
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m powertrain ARGS``. If it is still running after ``timeout`` seconds, every process of the run
+    gets SIGABRT, which (with PYTHONFAULTHANDLER) prints each one's Python stack of every thread to the
+    stderr the test shows, and the test fails naming the command."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    cmd = [sys.executable, "-m", "powertrain", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*reversed(_descendants(proc.pid)), proc.pid]:  # workers first: their stacks are the story
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGABRT)
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running after {timeout:g} s: {' '.join(cmd)}\n--- stderr (stacks)\n{err[-20000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
