@@ -30,13 +30,16 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m powertrain ARGS``. If it is still running after ``timeout`` seconds, every process of the run
-    gets SIGABRT, which (with PYTHONFAULTHANDLER) prints each one's Python stack of every thread to the
-    stderr the test shows, and the test fails naming the command."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    cmd = [sys.executable, "-m", "powertrain", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: str = "powertrain",
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``python -m MODULE ARGS`` (``powertrain`` by default), with ``env`` added to the environment.
+
+    If it is still running after ``timeout`` seconds, every process of the run gets SIGABRT, which (with
+    PYTHONFAULTHANDLER) prints each one's Python stack of every thread to the stderr the test shows, and the test
+    fails naming the command."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
+    cmd = [sys.executable, "-m", module, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
                             start_new_session=True)  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -23,7 +23,7 @@ from powertrain.bench import sidebyside
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
 from powertrain.compress import Config, PowerSGDCompressor
-from powertrain.train.launch import launch
+from powertrain.train.launch import launch, leave_world
 from powertrain.train.model import GPT, GPTConfig
 
 START = 10  # PowerSGD warm-up steps (exact all-reduce), for torch's hook and ours alike
@@ -75,7 +75,7 @@ def _worker(preset_name: str) -> dict[str, Any]:
     dist.init_process_group("gloo")
     p = PRESETS[preset_name]
     out = sidebyside.run(CONFIGS, model=p.model, batch=p.batch, warmup=p.warmup, timed=p.timed, start=START)
-    dist.destroy_process_group()
+    leave_world()
     return out
 
 

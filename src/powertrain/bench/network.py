@@ -178,6 +178,7 @@ def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from powertrain.bench import sidebyside
+    from powertrain.train.launch import leave_world
 
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
@@ -186,7 +187,7 @@ def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
     args = dict(args)
     specs = [Spec(**s) for s in args.pop("specs")]
     out = sidebyside.run(specs, model=GPTConfig(**args.pop("model")), **args)
-    dist.destroy_process_group()
+    leave_world()
     return out
 
 

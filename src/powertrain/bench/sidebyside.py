@@ -26,6 +26,7 @@ from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
+from powertrain.train.launch import leave_world
 from powertrain.train.model import GPT, GPTConfig
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
@@ -215,7 +216,7 @@ def main() -> None:
     model = GPTConfig(**args.pop("model"))
     result = run(specs, model=model, **args)
     print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    leave_world()
     # Skip interpreter finalisation: the results are out, and gloo's threads have been seen to abort the
     # process at exit ("terminate called without an active exception"), which would read as a failure.
     sys.stdout.flush()

@@ -23,7 +23,7 @@ from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
-from powertrain.train.launch import launch
+from powertrain.train.launch import launch, leave_world
 from powertrain.train.model import GPT, GPTConfig
 
 
@@ -112,7 +112,7 @@ def _worker(preset: str) -> dict[str, Any]:
             loss = run(x, y)
             held[i].append(heap_in_use() - before)
             loss.backward()
-    dist.destroy_process_group()
+    leave_world()
     return {"times": times, "held": [min(h) if h else None for h in held], "loss": losses,
             "params": runs[0][0].num_params()}  # fmt: skip
 

@@ -187,11 +187,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(cfg: TrainConfig, out: Path) -> int:
-    from powertrain.train.launch import Interrupted, WorkerFailed, launch
+    import torch.distributed as dist
+
+    from powertrain.train.launch import Interrupted, WorkerFailed, launch, under_torchrun
     from powertrain.train.loop import run_worker
 
     try:
         launch(run_worker, cfg.nproc, cfg, trace_dir=out / "logs")
+        if under_torchrun() and dist.is_initialized():  # a group with peers must not be destroyed (leave_world)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     except WorkerFailed as e:
         print(f"powertrain train: {e.describe()}", file=sys.stderr)
         if cfg.checkpoint_every:

@@ -19,6 +19,7 @@ from powertrain.compress import NonFiniteGradientError
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
 from powertrain.train.config import TrainConfig, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
+from powertrain.train.launch import leave_world
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
@@ -101,8 +102,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             if rank == 0:
                 print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
                       "train further.", flush=True)  # fmt: skip
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            leave_world()
             return {"steps": start}
     writer = RunWriter(out, resume_step=start if cfg.resume else None) if rank == 0 else None
     progress = Progress(cfg.steps, quiet=cfg.quiet or rank != 0)
@@ -191,9 +191,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     if writer:
         writer.finish(summary)
         progress.message(_summary_text(summary, cfg, data, world, n_params, out))
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_world()
     return summary
 
 
