@@ -293,6 +293,10 @@ def test_compressor_spec_parsing():
         {"rank": 4, "num_iters_per_step": 2, "variant": "paper", "start_compressing_after_num_steps": 10},
     )
     assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
+    assert parse_compressor("powersgd:rank=32,variant=paper,factors=bf16,start=5") == (
+        "powersgd",
+        {"rank": 32, "variant": "paper", "factor_dtype": "bf16", "start_compressing_after_num_steps": 5},
+    )
 
 
 def test_bench_overhead_tiny(tmp_path):

@@ -99,22 +99,24 @@ def _conservation(rank: int, variant: str) -> dict[str, Any]:
     return {"records": records}
 
 
-def _conservation_compressor(rank: int, variant: str) -> dict[str, Any]:
-    """Same invariant for the compressor that owns its residuals: mean(g + e_old) == out + mean(e_new)."""
+def _conservation_compressor(rank: int, variant: str, factor_dtype: str = "fp32") -> dict[str, Any]:
+    """Same invariant for the compressor that owns its residuals: mean(g + e_old) == out + mean(e_new); also the
+    bytes each step sent against ``bytes_per_step``."""
     model = make_model(torch.float64)
-    comp = PowerSGDCompressor(
-        model.parameters(),
-        config=Config(rank=RANK, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant),
-    )
-    records = []
+    cfg = Config(rank=RANK, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant,
+                 factor_dtype=factor_dtype)  # fmt: skip
+    comp = PowerSGDCompressor(model.parameters(), config=cfg)
+    records, sent = [], []
     for step in range(4):
         model.zero_grad()
         loss_fn(model, *batch(rank, step, torch.float64)).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
         before = [e.clone() for e in comp.residuals()]
+        expected, bytes_before = comp.bytes_per_step(), comp.comm.stats.bytes_sent
         out = comp.aggregate(grads)
+        sent.append((comp.comm.stats.bytes_sent - bytes_before, expected))
         records.append([(g + e, a, r.clone()) for g, e, a, r in zip(grads, before, out, comp.residuals(), strict=True)])
-    return {"records": records}
+    return {"records": records, "sent": sent, "dense": comp.dense_bytes_per_step}
 
 
 def _materialized_grads(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -422,6 +424,7 @@ def powersgd_cases(rank: int, world_size: int) -> dict[str, Any]:
     for variant in ("alternating", "paper"):
         res[f"conservation/{variant}"] = guard(_conservation, rank, variant)
         res[f"conservation_compressor/{variant}"] = guard(_conservation_compressor, rank, variant)
+    res["conservation_compressor/paper_bf16"] = guard(_conservation_compressor, rank, "paper", "bf16")
     for variant in ("alternating", "paper"):
         res[f"naive/{variant}"] = guard(_naive_reference, rank, world_size, variant)
     res["full_rank/alternating_k2"] = guard(_full_rank, rank, "alternating", 2)
@@ -509,6 +512,19 @@ def _check_conservation(runs: list[dict[str, Any]], iters: int) -> None:
 def test_error_feedback_loses_nothing(results, variant):
     _check_conservation(case(results[1], f"conservation/{variant}"), iters=2)
     _check_conservation(case(results[1], f"conservation_compressor/{variant}"), iters=1)
+
+
+def test_bf16_factors_lose_nothing_and_send_half(results):
+    """Factors sent in bf16: every rank gets the same rounded factors and the residual is M minus that shared
+    approximation, so the rounding is carried by error feedback and the invariant holds at float64's bound (the
+    same derivation: the rounding happens before any of the operations it counts). Fewer bytes than with the
+    float64 factors of this float64 model, and exactly what bytes_per_step says."""
+    runs = case(results[1], "conservation_compressor/paper_bf16")
+    _check_conservation(runs, iters=1)
+    fp32 = case(results[1], "conservation_compressor/paper")
+    for r, full in zip(runs, fp32, strict=True):
+        assert [got for got, _ in r["sent"]] == [want for _, want in r["sent"]], r["sent"]
+        assert all(0 < got < full_got for (got, _), (full_got, _) in zip(r["sent"], full["sent"], strict=True))
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])

@@ -27,12 +27,20 @@ from powertrain.powersgd import PowerSGD, optimizer_step
         ("start_compressing_after_num_steps", -1),
         ("variant", "svd"),
         ("seed", -3),
+        ("factor_dtype", "fp8"),
+        ("factor_dtype", torch.bfloat16),
     ],
 )
 def test_bad_config_names_field_and_range(field, value):
     kwargs = {"rank": 1, field: value}
     with pytest.raises(ValueError, match=rf"Config\.{field}=.*must be"):
         Config(**kwargs)
+
+
+def test_bf16_factors_need_the_paper_variant():
+    with pytest.raises(ValueError, match=r"factor_dtype='bf16' needs variant='paper' \(got 'alternating'\)"):
+        Config(rank=4, factor_dtype="bf16")
+    assert Config(rank=4, variant="paper", factor_dtype="bf16").factor_dtype == "bf16"
 
 
 def test_reference_defaults_and_positional_order():

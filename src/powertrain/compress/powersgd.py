@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain._compat import foreach_add_
+from powertrain.comm import ReduceKind
 from powertrain.compress.base import (
     Compressor,
     Program,
@@ -62,10 +63,12 @@ from powertrain.ops.finite import all_finite
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize
 
-__all__ = ["Config", "PowerSGDCompressor", "Variant"]
+__all__ = ["Config", "FactorDtype", "PowerSGDCompressor", "Variant"]
 
 Variant = Literal["alternating", "paper"]
 _VARIANTS: tuple[Variant, ...] = ("alternating", "paper")
+FactorDtype = Literal["fp32", "bf16"]
+_FACTOR_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # None: the compressor's
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -89,6 +92,10 @@ class Config:
     """``"alternating"`` (the reference code's) or ``"paper"`` (Algorithm 1, P then Q all-reduced)."""
     seed: int = 0
     """Seed of the factors' initialisation; identical on every rank, so no communication is needed."""
+    factor_dtype: FactorDtype = "fp32"
+    """What the factors travel as: ``"fp32"`` (the compressor's own dtype: float32, float64 for float64 models)
+    or ``"bf16"`` (half the bytes; the error buffers and all arithmetic stay in the compressor's dtype, and the
+    rounding is part of what error feedback carries). ``"bf16"`` needs ``variant="paper"``."""
 
     def __post_init__(self) -> None:
         _check_int("rank", self.rank, 1)
@@ -105,6 +112,16 @@ class Config:
             )
         if self.variant not in _VARIANTS:
             raise ValueError(f"Invalid Config.variant={self.variant!r}: must be one of {_VARIANTS}")
+        if self.factor_dtype not in _FACTOR_DTYPES:
+            raise ValueError(
+                f"Invalid Config.factor_dtype={self.factor_dtype!r}: must be one of {tuple(_FACTOR_DTYPES)}"
+            )
+        if self.factor_dtype != "fp32" and self.variant != "paper":
+            raise ValueError(
+                f"Config.factor_dtype={self.factor_dtype!r} needs variant='paper' (got {self.variant!r}): the "
+                "alternating variant keeps each rank's own unrounded factor in its residual, so a rounded sum "
+                "would lose the difference"
+            )
 
     def floats_per_step(self, n: int, m: int) -> float:
         """Average number of floats sent per step for an ``n x m`` matrix."""
@@ -175,6 +192,7 @@ class PowerSGDCompressor(Compressor):
         # Factor and communication dtype: at least float32 (low-precision factors lose the approximation),
         # float64 when the model is float64.
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self._wire = _FACTOR_DTYPES[config.factor_dtype] or self.dtype  # what the factors travel as
         # (n, m, rank) of the matrix each gradient is compressed as, or None if it is sent exactly.
         self._mat: list[tuple[int, int, int] | None] = []
         for shape in self._shapes:
@@ -246,23 +264,24 @@ class PowerSGDCompressor(Compressor):
                 return self.dense_bytes_per_step
             compressed_step_index = self.num_compressed_steps
         k = self.config.num_iters_per_step
-        floats = 0
+        exact = factors = 0
         for shape, mat in zip(self._shapes, self._mat, strict=True):
             if mat is None:
-                floats += shape.numel()
+                exact += shape.numel()
                 continue
             n, m, r = mat
             for it in range(k):
                 if self.config.variant == "paper":
-                    floats += r * (n + m)
+                    factors += r * (n + m)
                 else:
-                    floats += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
-        return floats * self._itemsize
+                    factors += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
+        return exact * self._itemsize + factors * torch.empty(0, dtype=self._wire).element_size()
 
     def max_collectives_per_call(self) -> int:
-        # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one.
+        # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one. Factors
+        # sent in 16 bits leave the exactly averaged tensors a collective of their own.
         k = self.config.num_iters_per_step
-        return k if self.config.variant == "alternating" else 2 * k
+        return k if self.config.variant == "alternating" else 2 * k + (self._wire != self.dtype)
 
     # ------------------------------------------------------------------ aggregation
 
@@ -297,7 +316,7 @@ class PowerSGDCompressor(Compressor):
         batches = self._batches(grads, idx, residual_in_grads, rows)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
         local_ok = all_finite([*(b.m_bnm for b in batches), ubuf])
-        fused = ubuf if fuse and batches else None
+        fused = ubuf if fuse and batches and self._wire == self.dtype else None  # exact tensors stay exact
         algorithm = self._alternating if self.config.variant == "alternating" else self._paper
 
         def collectives() -> Program:
@@ -391,6 +410,17 @@ class PowerSGDCompressor(Compressor):
             torch.mul(fused, scale, out=views[-1])
         return buf, views[: len(sizes)]
 
+    def _reduce(self, buf: torch.Tensor, op: ReduceKind) -> _Collectives:
+        """All-reduce ``buf`` in place, as ``self._wire`` on the wire. In 16 bits every rank gets the same rounded
+        result, and what the rounding misses stays in the error buffers (the paper variant's residual is
+        ``M`` minus the shared approximation), so the invariant holds as in fp32."""
+        if self._wire == buf.dtype:
+            yield ReduceRequest(buf, op)
+            return
+        wire = (buf / self.comm.world_size if op == "mean" else buf).to(self._wire)  # one rounding, not two
+        yield ReduceRequest(wire, "sum")
+        buf.copy_(wire)
+
     def _alternating(self, batches: list[_Batch], fused: torch.Tensor | None) -> _Collectives:
         k = self.config.num_iters_per_step
         inv_world = 1.0 / self.comm.world_size
@@ -434,13 +464,13 @@ class PowerSGDCompressor(Compressor):
             p_buf, p_views = self._send_buffer([b.p_bnr.numel() for b in batches], None, 1.0)
             for b, view in zip(batches, p_views, strict=True):
                 b.p_bnr = torch.bmm(b.m_bnm, b.q_bmr, out=view.view_as(b.p_bnr))
-            yield ReduceRequest(p_buf, "sum")  # only its span matters: orthonormalised next, so no division
+            yield from self._reduce(p_buf, "sum")  # only its span matters: orthonormalised next, so no division
             last = fused if it == k - 1 else None
             q_buf, q_views = self._send_buffer([b.q_bmr.numel() for b in batches], last, 1.0)  # mean: as is
             for b, view in zip(batches, q_views, strict=True):
                 b.p_bnr = orthonormalize(b.p_bnr)
                 b.q_bmr = torch.bmm(b.m_bnm.transpose(1, 2), b.p_bnr, out=view.view_as(b.q_bmr))
-            yield ReduceRequest(q_buf, "mean")
+            yield from self._reduce(q_buf, "mean")
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
         for b in batches:

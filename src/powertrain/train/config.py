@@ -234,7 +234,7 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
     """``NAME[:key=value,...]`` -> (name, options) with values typed (int, float, bool, str).
 
     PowerSGD's short keys: ``rank``, ``iters`` (num_iters_per_step), ``min_rate`` (min_compression_rate),
-    ``start`` (start_compressing_after_num_steps), ``variant``, ``seed``.
+    ``start`` (start_compressing_after_num_steps), ``variant``, ``seed``, ``factors`` (factor_dtype).
     """
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
@@ -253,6 +253,7 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
             "iters": "num_iters_per_step",
             "min_rate": "min_compression_rate",
             "start": "start_compressing_after_num_steps",
+            "factors": "factor_dtype",
         }
         full = {aliases.get(k, k): v for k, v in options.items()}
         if len(full) != len(options):
