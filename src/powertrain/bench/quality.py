@@ -143,7 +143,8 @@ def run_quality_bench(*, preset: str = "default", rows: list[Row] | None = None,
             # the fp32 row's step on loopback stands for the compute step (its all-reduce there takes ~1-2%)
             compute = statistics.median(s[0]["compute_s"] for s in per_seed)
             # exact steps first (the PowerSGD rows' warm-up), then the row's own messages
-            warm = p.start if row.kind in ("powersgd", "torch_psgd") else 0
+            warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
+                    else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
             dense = statistics.mean(s[0]["bytes"] / s[0]["steps"] for s in per_seed)
             per_step = statistics.mean((r["bytes"] - dense * min(warm, r["steps"])) / max(1, r["steps"] - warm)
                                        for r in runs)  # fmt: skip

@@ -180,7 +180,14 @@ def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None =
         )
     saved_cfg = manifest.get("config")
     if config is not None and isinstance(saved_cfg, dict):
-        changed = [k for k, v in config.items() if k not in RESUME_MAY_CHANGE and k in saved_cfg and saved_cfg[k] != v]
+        changed = [
+            k
+            for k, v in config.items()
+            if k not in RESUME_MAY_CHANGE
+            and k in saved_cfg
+            and saved_cfg[k] != v
+            and not (k == "compressor" and _auto(v))
+        ]  # rank=auto continues with what it chose (the caller)
         if changed:
             diffs = ", ".join(f"{k}={saved_cfg[k]!r} -> {config[k]!r}" for k in changed[:4])
             raise CheckpointError(
@@ -188,6 +195,12 @@ def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None =
                 "(the checkpoint restores its optimizer and schedule); drop those flags, or start a new run"
             )
     return manifest
+
+
+def _auto(spec: Any) -> bool:
+    from powertrain.train.config import is_auto, parse_compressor
+
+    return isinstance(spec, str) and is_auto(*parse_compressor(spec))
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

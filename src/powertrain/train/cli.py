@@ -171,6 +171,9 @@ def _train(args: argparse.Namespace) -> int:
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
         ckpt = find_checkpoint(cfg.resume)
         manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))
+        saved = manifest.get("config", {}).get("compressor")
+        if saved != cfg.compressor and isinstance(saved, str):  # rank=auto: the run continues with its choice
+            cfg = dataclasses.replace(cfg, compressor=saved)
         if int(manifest.get("step", -1)) >= cfg.steps:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip

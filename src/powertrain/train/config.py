@@ -267,10 +267,17 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
     try:  # build once on a dummy parameter: unknown options and bad values fail here, with their names
         import torch
 
-        make_compressor(name, [torch.nn.Parameter(torch.zeros(4, 4))], **options)
+        # rank=auto is chosen by each run at start-up (powertrain.compress.auto); its other options are checked here
+        trial = {**options, "rank": 4} if is_auto(name, options) else options
+        make_compressor(name, [torch.nn.Parameter(torch.zeros(4, 4))], **trial)
     except ValueError as e:
         raise ValueError(f"Bad compressor {spec!r}: {e}") from None
     return name, options
+
+
+def is_auto(name: str, options: dict[str, Any]) -> bool:
+    """Whether a parsed spec leaves the rank to the link (``powersgd:rank=auto``)."""
+    return name == "powersgd" and options.get("rank") == "auto"
 
 
 def _typed(text: str) -> Any:

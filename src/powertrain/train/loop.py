@@ -16,8 +16,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
+from powertrain.compress.auto import Choice, choose, measure_link
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
-from powertrain.train.config import TrainConfig, parse_compressor
+from powertrain.train.config import TrainConfig, is_auto, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world
 from powertrain.train.metrics import Progress, RunWriter
@@ -73,6 +74,12 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
+    if is_auto(name, options):  # the link chooses; the run (its checkpoints and summary) records the choice
+        choice = _auto_compressor(cfg, model, data, metrics, device, options)
+        name, options = choice.name, choice.options
+        cfg = dataclasses.replace(cfg, compressor=choice.spec)
+        if rank == 0:
+            print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
                               gradient_sync=cfg.optimizer != "demo")  # fmt: skip
     if cfg.compile and cfg.parallel == "simple_fsdp":
@@ -193,6 +200,25 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         progress.message(_summary_text(summary, cfg, data, world, n_params, out))
     leave_world()
     return summary
+
+
+def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData | ClassData, comm: Communicator,
+                     device: torch.device, options: dict[str, Any]) -> Choice:  # fmt: skip
+    """``rank=auto``: time this model's backward pass on a training batch (the second of two: the first warms up;
+    the model is left as it was, gradients cleared), measure the link, choose (every rank the same)."""
+    x, y = data.batch("train", comm.rank, comm.world_size, (cfg.seed, comm.rank, 0, 0), cfg.batch_size,
+                      cfg.block_size)  # fmt: skip
+    x, y = x.to(device), y.to(device)
+    for _ in range(2):
+        loss = model(x, y)
+        t0 = time.perf_counter()
+        loss.backward()
+        backward = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    model.zero_grad(set_to_none=True)
+    if comm.is_distributed:
+        dist.all_reduce(backward, op=dist.ReduceOp.MAX, group=comm.group)
+    others = {k: v for k, v in options.items() if k != "rank"}
+    return choose(model.named_parameters(), backward_s=backward.item(), link=measure_link(comm), options=others)
 
 
 def _root_stats(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
