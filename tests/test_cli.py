@@ -258,11 +258,22 @@ def test_bad_flags_are_clear_errors(args, message, capsys, tmp_path):
 
 
 def test_the_default_compressor_compresses_even_a_short_run():
-    from powertrain.train.config import DEFAULT_START, TrainConfig
+    from powertrain.train.config import DEFAULT_START, RECOMMENDED_POWERSGD, TrainConfig
 
-    assert TrainConfig(steps=1000).compressor == f"powersgd:rank=4,start={DEFAULT_START}"
-    assert TrainConfig(steps=5).compressor == "powersgd:rank=4,start=2"  # half the run, not all of it
-    assert TrainConfig(steps=1).compressor == "powersgd:rank=4,start=0"
+    assert TrainConfig(steps=1000).compressor == f"{RECOMMENDED_POWERSGD},start={DEFAULT_START}"
+    assert TrainConfig(steps=5).compressor == f"{RECOMMENDED_POWERSGD},start=2"  # half the run, not all of it
+    assert TrainConfig(steps=1).compressor == f"{RECOMMENDED_POWERSGD},start=0"
+    assert parse_compressor(RECOMMENDED_POWERSGD)[1] == {"rank": 32, "variant": "paper", "factor_dtype": "bf16",
+                                                        "start_compressing_after_num_steps": DEFAULT_START}  # fmt: skip
+
+
+def test_the_summary_says_what_the_default_costs_where_measured():
+    from powertrain.train.config import RECOMMENDED_COST, TrainConfig, resolve
+    from powertrain.train.loop import _cost_text
+
+    assert _cost_text(TrainConfig()) == f"; {RECOMMENDED_COST}"  # make demo's run
+    assert _cost_text(TrainConfig(compressor="powersgd:rank=8")) == ""  # not what was measured
+    assert _cost_text(resolve("tiny", None, {})) == ""  # another model
 
 
 def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
@@ -290,7 +301,7 @@ def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
 def test_compressor_spec_parsing():
     assert parse_compressor("powersgd:rank=4,iters=2,variant=paper") == (
         "powersgd",
-        {"rank": 4, "num_iters_per_step": 2, "variant": "paper", "start_compressing_after_num_steps": 10},
+        {"rank": 4, "num_iters_per_step": 2, "variant": "paper", "start_compressing_after_num_steps": 5},
     )
     assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
     assert parse_compressor("powersgd:rank=32,variant=paper,factors=bf16,start=5") == (

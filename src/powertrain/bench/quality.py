@@ -29,6 +29,7 @@ from typing import Any
 from powertrain.bench import network
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
+from powertrain.train.config import DEFAULT_START
 from powertrain.train.launch import launch
 from powertrain.train.model import GPT, GPTConfig
 
@@ -49,7 +50,11 @@ ROWS = [
     Row("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
     Row("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     Row("powertrain powersgd r4 (alternating)", "powersgd", {"rank": 4}),
-    Row("powertrain powersgd r32 paper", "powersgd", {"rank": 32, "variant": "paper"}),
+    Row(
+        "powertrain powersgd r32 paper, bf16 factors (the default)",
+        "powersgd",
+        {"rank": 32, "variant": "paper", "factor_dtype": "bf16"},
+    ),
     Row("powertrain int4", "int4"),
 ]
 
@@ -62,11 +67,11 @@ class Preset:
     seeds: int
     eval_every: int
     data_mb: float
-    start: int  # exact warm-up steps of the PowerSGD rows (powertrain train's default: 10)
+    start: int  # exact warm-up steps of the PowerSGD rows (powertrain train's default: DEFAULT_START)
 
 
 PRESETS = {
-    "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, 10),
+    "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START),
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
 }
 
