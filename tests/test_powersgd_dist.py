@@ -514,7 +514,7 @@ def test_error_feedback_loses_nothing(results, variant):
     _check_conservation(case(results[1], f"conservation_compressor/{variant}"), iters=1)
 
 
-def test_bf16_factors_lose_nothing_and_send_half(results):
+def test_bf16_factors_lose_nothing_and_send_fewer_bytes(results):
     """Factors sent in bf16: every rank gets the same rounded factors and the residual is M minus that shared
     approximation, so the rounding is carried by error feedback and the invariant holds at float64's bound (the
     same derivation: the rounding happens before any of the operations it counts). Fewer bytes than with the

@@ -25,9 +25,9 @@ import torch
 from powertrain.comm import Communicator
 from powertrain.compress.powersgd import Config, PowerSGDCompressor
 
-__all__ = ["RANKS", "Choice", "Link", "choose", "measure_link"]
+__all__ = ["RANKS", "Choice", "Link", "choose", "measure_link", "slowest"]
 
-#: Ranks ``auto`` chooses from, largest first. Below 4 the measured loss gap grows fast (BENCHMARKS.md, quality).
+#: Ranks ``auto`` chooses from, largest first. Below 4 the loss gap grows fast (README, "What it costs, measured").
 RANKS = (64, 32, 16, 8, 4)
 
 
@@ -89,7 +89,17 @@ def _timed_all_reduce(comm: Communicator, nbytes: int) -> float:
         t0 = time.perf_counter()
         dist.all_reduce(t, group=comm.group)
         best = min(best, time.perf_counter() - t0)
-    agreed = torch.tensor([best], dtype=torch.float64)
+    return slowest(comm, best)
+
+
+def slowest(comm: Communicator, seconds: float) -> float:
+    """The largest of every rank's ``seconds``: what all ranks decide from, so that they decide alike. Not counted
+    in ``comm.stats``; every rank of ``comm`` must call it."""
+    if not comm.is_distributed:
+        return seconds
+    import torch.distributed as dist
+
+    agreed = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
     return agreed.item()
 

@@ -189,8 +189,8 @@ class PowerSGDCompressor(Compressor):
             raise ValueError(f"config must be a powertrain Config, got {type(config).__name__}")
         self.config = config
         self._init_params(params, group)
-        # Factor and communication dtype: at least float32 (low-precision factors lose the approximation),
-        # float64 when the model is float64.
+        # Arithmetic and error-buffer dtype: at least float32, float64 when the model is float64. Factors travel
+        # in it too unless config.factor_dtype says bf16.
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
         self._wire = _FACTOR_DTYPES[config.factor_dtype] or self.dtype  # what the factors travel as
         # (n, m, rank) of the matrix each gradient is compressed as, or None if it is sent exactly.
@@ -241,7 +241,7 @@ class PowerSGDCompressor(Compressor):
 
     @property
     def _itemsize(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def residuals(self) -> list[torch.Tensor]:
         """What the compressor still owes for each parameter (its error buffer), aligned with
@@ -275,7 +275,7 @@ class PowerSGDCompressor(Compressor):
                     factors += r * (n + m)
                 else:
                     factors += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
-        return exact * self._itemsize + factors * torch.empty(0, dtype=self._wire).element_size()
+        return exact * self._itemsize + factors * self._wire.itemsize
 
     def max_collectives_per_call(self) -> int:
         # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one. Factors

@@ -43,10 +43,12 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 
 DEFAULT_START = 5  #: exact steps before PowerSGD compresses, when a spec does not say (start=...)
-#: The command's PowerSGD when no compressor is named: the measured best at 1/8 of fp32's bytes (BENCHMARKS.md,
-#: quality): rank 32, the paper variant (its error is the gradient minus the shared approximation), bf16 factors.
+#: The command's PowerSGD when no compressor is named: the measured best within 1/8 of fp32's bytes (README, "What
+#: it costs, measured"): rank 32, the paper variant (its error is the gradient minus the shared approximation), bf16
+#: factors.
 RECOMMENDED_POWERSGD = "powersgd:rank=32,variant=paper,factors=bf16"
-#: What it costs on the default GPT, as measured (BENCHMARKS.md, quality; 2026-11-25): the run's summary says it.
+#: What it costs on the default GPT: a 2-row run of bench quality's code, 2026-11-25 (README, "What it costs,
+#: measured"); the run's summary says it.
 RECOMMENDED_COST = (
     "measured on this model over 300 steps (3 seeds, powertrain bench quality), it ends at fp32 "
     "all-reduce's validation loss +0.15% (1.9799 vs 1.9770, seed spread 0.03) with 1/9.5 of its bytes"

@@ -51,7 +51,7 @@ def leave_world() -> None:
     Destroying a gloo group (``destroy_process_group``, or freeing the last object that holds it, such as DDP's
     reducer) joins the group's threads while this thread holds the GIL. A group thread that is still freeing a
     finished collective's work needs the GIL to release its tensors' Python objects: the two wait for each other
-    forever. Seen here about once in 30 two-worker ``powertrain train`` runs on ATen's scalar kernels (stack:
+    forever. Seen here once in 57 two-worker ``powertrain train`` runs on ATen's scalar kernels (stack:
     ``~ProcessGroupGloo`` -> ``thread::join`` against ``~AsyncBarrierWork`` -> ``gil_scoped_acquire``). So a group
     with peers is never destroyed: the launcher's workers and ``powertrain`` under torchrun end with
     ``os._exit``, which runs no destructor. A world of one in this process (no launcher) is destroyed, so that a

@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
-from powertrain.compress.auto import Choice, choose, measure_link
+from powertrain.compress.auto import Choice, choose, measure_link, slowest
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
 from powertrain.train.config import RECOMMENDED_COST, RECOMMENDED_POWERSGD, TrainConfig, is_auto, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
@@ -213,12 +213,10 @@ def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData |
         loss = model(x, y)
         t0 = time.perf_counter()
         loss.backward()
-        backward = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        backward = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    if comm.is_distributed:
-        dist.all_reduce(backward, op=dist.ReduceOp.MAX, group=comm.group)
     others = {k: v for k, v in options.items() if k != "rank"}
-    return choose(model.named_parameters(), backward_s=backward.item(), link=measure_link(comm), options=others)
+    return choose(model.named_parameters(), backward_s=slowest(comm, backward), link=measure_link(comm), options=others)
 
 
 def _root_stats(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
