@@ -57,6 +57,15 @@ def test_choice_respects_the_users_other_options():
     assert c.options["variant"] == "alternating" and "factor_dtype" not in c.options
 
 
+def test_rank_auto_checks_its_other_options_at_once():
+    """The rank is chosen later, in each run; everything else of the spec is refused now, naming the problem."""
+    assert parse_compressor("powersgd:rank=auto")[1]["rank"] == "auto"
+    with pytest.raises(ValueError, match="factor_dtype='bf16' needs variant='paper'"):
+        parse_compressor("powersgd:rank=auto,variant=alternating,factors=bf16")
+    with pytest.raises(ValueError, match=r"Config\.num_iters_per_step=0"):
+        parse_compressor("powersgd:rank=auto,iters=0")
+
+
 _PROBE = """
 import json, os, torch.distributed as dist
 from powertrain.comm import Communicator
