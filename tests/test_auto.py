@@ -54,7 +54,7 @@ def test_choice_respects_the_users_other_options():
     assert c.options["start_compressing_after_num_steps"] == 7 and c.options["factor_dtype"] == "bf16"
     c = choose(model.named_parameters(), backward_s=BACKWARD_S, link=Link(1.25e6, 3e-4, 2),
                options={"variant": "alternating"})  # fmt: skip
-    assert c.options["variant"] == "alternating" and "factor_dtype" not in c.options
+    assert c.options["variant"] == "alternating" and c.options["factor_dtype"] == "fp32"
 
 
 def test_rank_auto_checks_its_other_options_at_once():

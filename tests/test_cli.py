@@ -299,10 +299,11 @@ def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
 
 
 def test_compressor_spec_parsing():
-    assert parse_compressor("powersgd:rank=4,iters=2,variant=paper") == (
+    assert parse_compressor("powersgd:rank=4,iters=2,variant=alternating") == (
         "powersgd",
-        {"rank": 4, "num_iters_per_step": 2, "variant": "paper", "start_compressing_after_num_steps": 5},
-    )
+        {"rank": 4, "num_iters_per_step": 2, "variant": "alternating", "factor_dtype": "fp32",
+         "start_compressing_after_num_steps": 5},
+    )  # fmt: skip
     assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
     assert parse_compressor("powersgd:rank=32,variant=paper,factors=bf16,start=5") == (
         "powersgd",

@@ -36,10 +36,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "bf16": ("bf16", {}),
     "fp16": ("fp16", {}),
-    "powersgd": ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 2}),
+    "powersgd": ("powersgd", {"rank": 2, "variant": "alternating", "start_compressing_after_num_steps": 2}),
     "powersgd_paper_k2": (
         "powersgd",
-        {"rank": 2, "variant": "paper", "num_iters_per_step": 2, "start_compressing_after_num_steps": 2},
+        {
+            "rank": 2,
+            "variant": "paper",
+            "factor_dtype": "fp32",
+            "num_iters_per_step": 2,
+            "start_compressing_after_num_steps": 2,
+        },
     ),
     "int8": ("int8", {}),
     "int4": ("int4", {"chunk": 64}),
@@ -157,7 +163,12 @@ def _torch_hook_parity(rank: int, ours: bool) -> dict[str, Any]:
         register_compressor(
             ddp,
             make_compressor(
-                "powersgd", model.named_parameters(), rank=2, variant="paper", start_compressing_after_num_steps=2
+                "powersgd",
+                model.named_parameters(),
+                rank=2,
+                variant="paper",
+                factor_dtype="fp32",
+                start_compressing_after_num_steps=2,
             ),
         )
     else:

@@ -28,8 +28,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "none": ("none", {}),
     "bf16": ("bf16", {}),
     "fp16": ("fp16", {}),
-    "powersgd": ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 2}),
-    "powersgd_paper": ("powersgd", {"rank": 2, "variant": "paper", "start_compressing_after_num_steps": 2}),
+    "powersgd": ("powersgd", {"rank": 2, "variant": "alternating", "start_compressing_after_num_steps": 2}),
+    "powersgd_paper": (
+        "powersgd",
+        {"rank": 2, "variant": "paper", "factor_dtype": "fp32", "start_compressing_after_num_steps": 2},
+    ),
     "int8": ("int8", {}),
     "int4": ("int4", {"chunk": 64}),
 }

@@ -296,3 +296,35 @@ def _bitwise(a: object, b: object) -> bool:
     if isinstance(a, list):
         return isinstance(b, list) and len(a) == len(b) and all(_bitwise(x, y) for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def test_new_code_gets_the_recommended_config_and_the_reference_config_keeps_its_defaults():
+    from powertrain import powersgd as reference_api
+    from powertrain.compress import make_compressor
+    from powertrain.compress.powersgd import RECOMMENDED
+    from powertrain.train.config import RECOMMENDED_POWERSGD, parse_compressor
+
+    params = [torch.nn.Parameter(torch.zeros(8, 6))]
+    recommended = Config(**RECOMMENDED)
+    assert (recommended.rank, recommended.variant, recommended.factor_dtype) == (32, "paper", "bf16")
+    assert recommended.start_compressing_after_num_steps == 5
+    assert make_compressor("powersgd", params).config == recommended
+    # a field given replaces only itself; the alternating variant cannot send bf16 factors, so it keeps fp32
+    assert make_compressor("powersgd", params, rank=8).config == Config(**{**RECOMMENDED, "rank": 8})
+    alt = make_compressor("powersgd", params, variant="alternating").config
+    assert (alt.rank, alt.variant, alt.factor_dtype, alt.start_compressing_after_num_steps) == (
+        32,
+        "alternating",
+        "fp32",
+        5,
+    )
+    with pytest.raises(ValueError, match="needs variant='paper'"):
+        make_compressor("powersgd", params, variant="alternating", factor_dtype="bf16")
+    # the command line's specs are the same rule; its default spelled out is exactly RECOMMENDED (start aside)
+    assert parse_compressor("powersgd")[1] == dict(RECOMMENDED)
+    assert parse_compressor(RECOMMENDED_POWERSGD)[1] == dict(RECOMMENDED)
+    assert parse_compressor("powersgd:variant=alternating,start=2")[1]["factor_dtype"] == "fp32"
+    # the reference-compatible Config is untouched: the reference's defaults, field for field
+    ref = reference_api.Config(rank=4)
+    assert (ref.variant, ref.factor_dtype, ref.start_compressing_after_num_steps, ref.min_compression_rate) == (
+        "alternating", "fp32", 100, 2)  # fmt: skip

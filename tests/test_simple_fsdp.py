@@ -303,7 +303,12 @@ def simple_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "mixed": guard(_mixed, rank, world),
         "compressed/none": guard(_compressed, rank, world, "none", {}, False),
         "compressed/powersgd": guard(
-            _compressed, rank, world, "powersgd", {"rank": 2, "start_compressing_after_num_steps": 2}, False
+            _compressed,
+            rank,
+            world,
+            "powersgd",
+            {"rank": 2, "variant": "alternating", "start_compressing_after_num_steps": 2},
+            False,
         ),
         "compressed/int8+qsdp": guard(_compressed, rank, world, "int8", {}, True),
         "compressed/int8": guard(_compressed, rank, world, "int8", {}, False),

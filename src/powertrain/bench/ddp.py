@@ -35,9 +35,9 @@ CONFIGS: list[Spec] = [
     Spec("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     Spec("powertrain none (fp32)", "none"),
     Spec("powertrain bf16", "bf16"),
-    Spec("powertrain powersgd r1", "powersgd", {"rank": 1}),
-    Spec("powertrain powersgd r4", "powersgd", {"rank": 4}),
-    Spec("powertrain powersgd paper r4", "powersgd", {"rank": 4, "variant": "paper"}),
+    Spec("powertrain powersgd r1", "powersgd", {"rank": 1, "variant": "alternating"}),
+    Spec("powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}),
+    Spec("powertrain powersgd paper r4", "powersgd", {"rank": 4, "variant": "paper", "factor_dtype": "fp32"}),
     Spec("powertrain int8", "int8"),
     Spec("powertrain topk 1%", "topk", {"ratio": 0.01}),
 ]

@@ -49,7 +49,7 @@ ROWS = [
     Row("bf16 all-reduce", "bf16"),
     Row("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
     Row("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
-    Row("powertrain powersgd r4 (alternating)", "powersgd", {"rank": 4}),
+    Row("powertrain powersgd r4 (alternating)", "powersgd", {"rank": 4, "variant": "alternating"}),
     Row(
         "powertrain powersgd r32 paper, bf16 factors (the default)",
         "powersgd",

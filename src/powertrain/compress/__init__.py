@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from powertrain.compress.base import Compressor, NonFiniteGradientError
 from powertrain.compress.exact import AllReduceCompressor
-from powertrain.compress.powersgd import Config, PowerSGDCompressor
+from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_config
 from powertrain.compress.quantize import QuantizedCompressor
 from powertrain.compress.sign import SignCompressor
 from powertrain.compress.sparse import RandomKCompressor, TopKCompressor
@@ -44,8 +44,10 @@ def make_compressor(
 ) -> Compressor:
     """Build the compressor called ``name`` (one of :data:`COMPRESSORS`) with its keyword options.
 
-    ``none`` is exact fp32 averaging; ``powersgd`` takes :class:`Config` fields; the others take their
-    class's keyword arguments. Unknown names or options raise ValueError naming them.
+    ``none`` is exact fp32 averaging; ``powersgd`` takes :class:`Config` fields, each one not given from
+    :data:`powertrain.compress.powersgd.RECOMMENDED` (the measured best: rank 32, the paper variant, bf16
+    factors, 5 exact steps), not the reference Config's defaults; the others take their class's keyword
+    arguments. Unknown names or options raise ValueError naming them.
     """
     try:
         match name:
@@ -55,7 +57,7 @@ def make_compressor(
                 dtype = torch.float16 if name == "fp16" else torch.bfloat16
                 return AllReduceCompressor(params, dtype=dtype, group=group, **options)
             case "powersgd":
-                return PowerSGDCompressor(params, config=Config(**options), group=group)
+                return PowerSGDCompressor(params, config=recommended_config(**options), group=group)
             case "int8" | "int4":
                 return QuantizedCompressor(params, bits=int(name[3:]), group=group, **options)
             case "topk":

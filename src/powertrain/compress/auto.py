@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from powertrain.comm import Communicator
-from powertrain.compress.powersgd import Config, PowerSGDCompressor
+from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_options
 
 __all__ = ["RANKS", "Choice", "Link", "choose", "measure_link", "slowest"]
 
@@ -113,8 +113,8 @@ def choose(
 ) -> Choice:
     """The compressor for ``params`` (``model.named_parameters()``) on ``link``, given the backward pass's time.
 
-    ``options``: the user's other PowerSGD options (``rank`` excluded); unset ones get the recommended paper
-    variant with bf16 factors."""
+    ``options``: the user's other PowerSGD options (``rank`` is ignored); unset ones are
+    :data:`~powertrain.compress.powersgd.RECOMMENDED`'s."""
     named = [(n, p) for n, p in params if p.requires_grad]
     numel = sum(p.numel() for _, p in named)
     bf16 = link.all_reduce_s(2 * numel)
@@ -122,9 +122,7 @@ def choose(
     if bf16 <= backward_s:
         return Choice("bf16", {}, f"rank=auto chose bf16 all-reduce: its {2 * numel / 1e6:.2f} MB take {bf16:.3g} s, "
                       f"hidden behind backward ({seen})")  # fmt: skip
-    base = {"variant": "paper", **dict(options or {})}
-    if base["variant"] == "paper":
-        base.setdefault("factor_dtype", "bf16")
+    base = {k: v for k, v in recommended_options(options or {}).items() if k != "rank"}
     costs = []
     for rank in RANKS:
         comp = PowerSGDCompressor(named, config=Config(rank=rank, **base))

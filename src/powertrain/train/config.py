@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from powertrain.compress import COMPRESSORS
+from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
@@ -42,11 +43,11 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-DEFAULT_START = 5  #: exact steps before PowerSGD compresses, when a spec does not say (start=...)
-#: The command's PowerSGD when no compressor is named: the measured best within 1/8 of fp32's bytes (README, "What
-#: it costs, measured"): rank 32, the paper variant (its error is the gradient minus the shared approximation), bf16
-#: factors.
-RECOMMENDED_POWERSGD = "powersgd:rank=32,variant=paper,factors=bf16"
+DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps first, when a spec does not say
+#: The command's PowerSGD when no compressor is named, spelled out: powertrain.compress.powersgd.RECOMMENDED.
+RECOMMENDED_POWERSGD = (
+    f"powersgd:rank={RECOMMENDED['rank']},variant={RECOMMENDED['variant']},factors={RECOMMENDED['factor_dtype']}"
+)
 #: What it costs on the default GPT: a 2-row run of bench quality's code, 2026-11-25 (README, "What it costs,
 #: measured"); the run's summary says it.
 RECOMMENDED_COST = (
@@ -244,7 +245,9 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
     """``NAME[:key=value,...]`` -> (name, options) with values typed (int, float, bool, str).
 
     PowerSGD's short keys: ``rank``, ``iters`` (num_iters_per_step), ``min_rate`` (min_compression_rate),
-    ``start`` (start_compressing_after_num_steps), ``variant``, ``seed``, ``factors`` (factor_dtype).
+    ``start`` (start_compressing_after_num_steps), ``variant``, ``seed``, ``factors`` (factor_dtype). What a
+    PowerSGD spec leaves out is :data:`powertrain.compress.powersgd.RECOMMENDED`'s (``powersgd`` alone: rank 32,
+    the paper variant, bf16 factors, 5 exact steps); ``variant=alternating`` keeps fp32 factors.
     """
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
@@ -268,10 +271,9 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
         full = {aliases.get(k, k): v for k, v in options.items()}
         if len(full) != len(options):
             raise ValueError(f"{spec!r} gives an option both by its short and its long name: give it once")
-        options = full
-        options.setdefault("rank", 4)
-        # The command's own warm-up, not the reference Config's 100 steps (a short run would never compress).
-        options.setdefault("start_compressing_after_num_steps", DEFAULT_START)
+        # the measured best for what the spec leaves out, not the reference Config's defaults (its 100 exact
+        # steps would leave a short run uncompressed)
+        options = recommended_options(full)
     from powertrain.compress import make_compressor
 
     try:  # build once on a dummy parameter: unknown options and bad values fail here, with their names
