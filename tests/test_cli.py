@@ -91,9 +91,10 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
-     ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"]],
+     ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
+     ["rtp", "none"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore"],
+         "ddp-demo", "fsdp-galore", "rtp"],
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
@@ -122,7 +123,7 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert fp32.returncode == 0, fp32.stderr[-3000:]
         sent = [json.loads((d / "summary.json").read_text())["bytes_sent"] for d in (full, tmp_path / "fp32")]
         assert 0 < sent[0] < sent[1], sent
-    if mode[:2] == ["simple_fsdp", "none"]:  # SimpleFSDP's reduce-scatters, counted by the strategy
+    if mode[:2] in (["simple_fsdp", "none"], ["rtp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
 
 
@@ -235,6 +236,9 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--parallel", "simple_fsdp", "--compressor", "int8", "--compile"], "runs on eager buckets"),
         (["--parallel", "simple_fsdp", "--compressor", "sign"], "cannot run under parallel='simple_fsdp'"),
         (["--parallel", "ddp", "--compile"], "compile=True is supported with"),
+        (["--parallel", "rtp", "--compressor", "int8"], "does not apply to parallel='rtp'"),
+        (["--parallel", "rtp", "--optimizer", "shampoo"], "parallel='rtp' trains with optimizer='adamw' or 'sgd'"),
+        (["--parallel", "rtp", "--precision", "bf16"], "parallel='rtp' runs in fp32 and eagerly"),
         (["--optimizer", "demo", "--compressor", "int8"], "drop compressor='int8'"),
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
         (["--galore-scale", "0"], "galore_scale=0"),

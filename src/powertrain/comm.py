@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -162,6 +163,39 @@ class Communicator:
             self.stats.add_time(comm_s=time.perf_counter() - t0)
         return out, work.get_future() if async_op and work is not None else None
 
+    def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], *, tag: int = 0) -> Callable[[], None]:
+        """One hop around the ring: ``send`` goes to the next rank of the group, ``recv`` is filled from the
+        previous one (same shapes and dtypes on every rank); returns a function that waits for both.
+
+        Both directions are posted at once (``batch_isend_irecv``), so the hop overlaps whatever the caller
+        computes before it waits. ``tag`` keeps two streams of hops between the same peers apart. Waiting
+        again is a no-op.
+        """
+        if len(send) != len(recv):
+            raise ValueError(f"shift got {len(send)} tensors to send and {len(recv)} to receive: give one each")
+        if not all(t.is_contiguous() for t in recv):
+            raise ValueError("shift receives into contiguous tensors only: pass buffers from torch.empty_like")
+        if not self.is_distributed:
+            for s, r in zip(send, recv, strict=True):
+                r.copy_(s)
+            return _nothing
+        world, me = self.world_size, self.rank
+        nxt, prev = (me + 1) % world, (me - 1) % world
+        if self.group is not None:  # P2POp takes global ranks
+            nxt, prev = dist.get_global_rank(self.group, nxt), dist.get_global_rank(self.group, prev)
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, self.group, tag) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prev, self.group, tag) for t in recv]
+        for t in send:
+            self.stats.record(t, "send")
+        works = dist.batch_isend_irecv(ops)
+
+        def wait() -> None:  # idempotent: a second wait on a gloo send would wait for a send that never comes
+            while works:
+                works.pop(0).wait()
+            ops.clear()  # the messages (and any contiguous copies) were held until here
+
+        return wait
+
     def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its sum over the ranks of the group, in place (no-op when alone)."""
         self.all_reduce_(tensor, "sum")
@@ -169,6 +203,10 @@ class Communicator:
     def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its mean over the ranks of the group, in place (see :meth:`all_reduce_`)."""
         self.all_reduce_(tensor, "mean")
+
+
+def _nothing() -> None:
+    pass
 
 
 def _done(value: torch.Tensor) -> torch.futures.Future:

@@ -23,7 +23,8 @@ _HELP = {
     "data_path": "directory of text files (textdir) or .bin file / directory with train.bin, val.bin (bin)",
     "batch_size": "sequences or samples per worker per micro-step",
     "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
-    "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2) or simple_fsdp (DTensor parametrization)",
+    "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2), simple_fsdp (DTensor parametrization) or rtp "
+    "(rotated tensor parallelism: each rank stores 1/W of every Linear and Embedding weight)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "optimizer": "adamw, sgd, shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
@@ -79,12 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality"],
+        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel"],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
         "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
         "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
         "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
-        "total bytes and time to a target loss of the compressors over several seeds",
+        "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
+        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers",
     )
     bench.add_argument("--out", default=None, help="directory for results.json and table.md (network)")
     bench.add_argument("--preset", choices=["default", "tiny"], default="default")
@@ -227,6 +229,11 @@ def _bench(args: argparse.Namespace) -> int:
         from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
 
         run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "parallel":
+        from powertrain.bench.parallel import run_parallel_bench
+
+        run_parallel_bench(preset=args.preset, write=args.write or None)
         return 0
     if args.suite == "quality":
         from powertrain.bench.quality import run_quality_bench

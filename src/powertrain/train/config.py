@@ -21,7 +21,7 @@ import torch
 from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
@@ -101,7 +101,7 @@ class TrainConfig:
     seed: int = 0
     # distribution and compression
     parallel: Parallel = "reference"
-    compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp (no compressed path there)
+    compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp and rtp (plain_by_default)
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -181,6 +181,16 @@ class TrainConfig:
                     f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, "
                     "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
                 )
+        if self.parallel == "rtp":
+            if self.compressor not in ("", "none"):
+                raise ValueError(
+                    f"compressor={self.compressor!r} does not apply to parallel='rtp' (its gradients are reduced "
+                    "around the ring inside backward): drop --compressor or use none"
+                )
+            if self.optimizer not in ("adamw", "sgd"):
+                raise ValueError(f"parallel='rtp' trains with optimizer='adamw' or 'sgd', not {self.optimizer!r}")
+            if self.precision != "fp32" or self.compile:
+                raise ValueError("parallel='rtp' runs in fp32 and eagerly: drop --precision bf16 and --compile")
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
@@ -215,8 +225,8 @@ class TrainConfig:
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:
     """Whether a run gets no compressor unless it names one: DeMo sends its own messages, SimpleFSDP reduces in
-    fp32 (its compressed path runs on eager buckets only)."""
-    return optimizer == "demo" or parallel == "simple_fsdp"
+    fp32 (its compressed path runs on eager buckets only), RTP reduces around its ring."""
+    return optimizer == "demo" or parallel in ("simple_fsdp", "rtp")
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

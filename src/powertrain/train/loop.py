@@ -281,14 +281,16 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         ratio = "nothing to send with one worker"
     elif sent <= dense:
         ratio = f"{dense / sent:.1f}x less"
-    else:  # Shampoo's all-gather of its directions comes on top of the gradient's all-reduce
+    else:  # Shampoo's all-gather of its directions on top of the gradients; RTP's weights travel too
         ratio = f"{sent / max(dense, 1):.1f}x more"
+    what = ("RTP's rotations (weights and gradients) and replicated all-reduce" if cfg.parallel == "rtp"
+            else f"Gradient communication ({cfg.compressor})")  # fmt: skip
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "
         f"for {cfg.steps} steps in {s['wall_s']:.1f} s of training time, with --parallel {cfg.parallel}. The training "
         f"loss went from {s['first_loss']:.3f} to {s['final_loss']:.3f} and the held-out validation loss is "
-        f"{s['val_loss']:.3f}{uniform}. Gradient communication ({cfg.compressor}) sent {sent / MB:.1f} MB per worker "
+        f"{s['val_loss']:.3f}{uniform}. {what} sent {sent / MB:.1f} MB per worker "
         f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio}){_cost_text(cfg)}."
         f"{_roots_text(s.get('shampoo_roots'))} Metrics, plots and the resolved config are in {out}."
     )

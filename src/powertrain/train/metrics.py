@@ -32,7 +32,10 @@ class Progress:
             return
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(step, 1) * (self.total - step)
-        ratio = f"{dense_mb / mb:6.1f}x less" if mb > 0 else "  no comm"
+        if mb <= 0:
+            ratio = "  no comm"
+        else:
+            ratio = f"{dense_mb / mb:6.1f}x less" if mb <= dense_mb else f"{mb / max(dense_mb, 1e-12):6.1f}x more"
         line = (
             f"step {step:5d}/{self.total}  loss {loss:.4f}  {rate:8.0f} {unit}/s  sent {mb:7.3f} MB/step "
             f"(all-reduce {dense_mb:.3f} MB, {ratio})  ETA {eta:5.0f}s"

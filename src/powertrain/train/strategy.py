@@ -8,6 +8,9 @@
   (``none``) or 16 bits (``bf16``/``fp16`` as the reduce dtype). Its gradient traffic is computed, not
   counted: one reduce-scatter of every gradient per micro-step (it has no ``no_sync``: every backward
   reduces).
+* ``rtp``: :func:`powertrain.rtp.rotated_tensor_parallel`: Linear and Embedding weights sharded and rotated
+  around the ring, the rest replicated. The ring's messages are counted; the replicated parameters'
+  all-reduce is computed (every backward reduces, as with ``simple_fsdp``).
 
 With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
 ``reference`` leaves every rank's local gradient in place and ``ddp`` registers
@@ -29,7 +32,7 @@ from powertrain.comm import CommStats
 from powertrain.compress import Config, make_compressor
 from powertrain.powersgd import PowerSGD, optimizer_step
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp"]
 
 
 class Strategy:
@@ -192,6 +195,32 @@ class _SimpleFSDP(Strategy):
         optimizer.zero_grad()
 
 
+class _RTP(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+        from torch.distributed.tensor import Replicate
+
+        from powertrain.rtp import comm_stats, rotated_tensor_parallel
+
+        if name != "none" or options:
+            raise ValueError(f"compressor={name!r} does not apply to parallel='rtp' (its gradients are reduced "
+                             "around the ring inside backward): use compressor='none'")  # fmt: skip
+        self.model = rotated_tensor_parallel(model)
+        self.stats = comm_stats(self.model)
+        self.state: Any = _NoState()
+        replicated = [p for p in self.model.parameters() if p.placements == (Replicate(),)]  # type: ignore[attr-defined]
+        self._replicated = (sum(p.numel() * p.element_size() for p in replicated), len(replicated))
+
+    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        nbytes, count = self._replicated  # one all-reduce per replicated parameter per backward
+        if count:
+            self.stats.record_bytes(nbytes, "all_reduce", collectives=count)
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -232,4 +261,6 @@ def build_strategy(
             return _FSDP(model, name, options)
         case "simple_fsdp":
             return _SimpleFSDP(model, name, options, compiled)
-    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp or simple_fsdp")
+        case "rtp":
+            return _RTP(model, name, options)
+    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp or rtp")

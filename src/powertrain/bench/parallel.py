@@ -1,0 +1,194 @@
+"""``powertrain bench parallel``: DDP, FSDP2, SimpleFSDP and RTP side by side: memory per rank, step time, bytes.
+
+For each model size and world size, local gloo workers (one thread each) build every configuration in turn and
+measure, per rank, with glibc's heap counter (:mod:`powertrain.bench.memory`):
+
+* **state**: heap bytes that the wrapped model and its AdamW hold after a step (parameters, gradients, optimizer
+  state), relative to the heap before the model was built: what stays allocated between steps;
+* **held fwd->bwd**: heap bytes forward allocates and that are still alive when backward starts (activations,
+  plus gathered or received weights where a configuration keeps them);
+
+then trains all configurations interleaved (one step of each per round, on the same batch, after a barrier) for
+the step time, the slower rank's per round. Bytes per step: a rank's payload, counted by powertrain's
+communicator for RTP (its ring hops and the replicated parameters' all-reduce), computed for the others from
+their collectives (DDP: one all-reduce of the gradients; FSDP2 and SimpleFSDP: an all-gather in forward, one
+more in backward (they reshard after forward) and a reduce-scatter of the gradients, each of the full size).
+
+Overlap (RTP): ``rtp (no overlap)`` waits for every hop before computing with the shard, so its step time minus
+the overlapped one is the communication the rotation hides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from powertrain.bench.memory import available, heap_in_use
+from powertrain.bench.report import machine_info, publish, table
+from powertrain.train.config import GPT_SIZES, TrainConfig
+from powertrain.train.data import TokenData, load_data
+from powertrain.train.launch import launch, leave_world
+from powertrain.train.model import GPT, GPTConfig
+
+KINDS = ("ddp", "fsdp2", "simple_fsdp", "rtp", "rtp (no overlap)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    sizes: tuple[str, ...]  # GPT sizes of powertrain train
+    worlds: tuple[int, ...]
+    batch: int
+    block: int
+    warmup: int
+    timed: int
+
+
+PRESETS = {
+    "default": Preset(("default", "medium"), (2, 4), 8, 128, 2, 8),
+    "tiny": Preset(("tiny",), (2,), 2, 32, 1, 2),
+}
+
+
+def _build(kind: str, cfg: GPTConfig) -> tuple[torch.nn.Module, Any]:
+    """The wrapped model and, for RTP, its byte counter."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from powertrain.rtp import comm_stats, rotated_tensor_parallel
+    from powertrain.simple_fsdp import data_parallel
+
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if kind == "ddp":
+        return DistributedDataParallel(model), None
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if kind == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, None
+    if kind == "simple_fsdp":
+        return data_parallel(model, mesh, buckets=[*model.blocks, model]), None
+    rtp = rotated_tensor_parallel(model, overlap=kind == "rtp")
+    return rtp, comm_stats(rtp)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return float(loss.item())
+
+
+def _worker(preset: str, size: str) -> dict[str, Any]:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    p = PRESETS[preset]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_layer, n_head, d_model = GPT_SIZES[size]
+    cfg = GPTConfig(256, p.block, n_layer, n_head, d_model)
+    corpus = load_data(TrainConfig(data_max_mb=4.0))
+    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return corpus.batch("train", rank, world, (0, rank, step), p.batch, p.block)
+
+    out: dict[str, Any] = {"state": {}, "held": {}, "times": {k: [] for k in KINDS}, "bytes": {}, "loss": {}}
+    measure = available()
+    for kind in KINDS:  # memory: one configuration at a time, nothing else alive
+        gc.collect()
+        base = heap_in_use() if measure else 0
+        model, stats = _build(kind, cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        _step(model, opt, *batch(0))
+        if measure:
+            out["state"][kind] = heap_in_use() - base
+            x, y = batch(1)
+            before = heap_in_use()
+            loss = model(x, y)
+            out["held"][kind] = heap_in_use() - before
+            loss.backward()
+        if stats is not None:
+            stats.reset()
+            _step(model, opt, *batch(2))
+            out["bytes"][kind] = stats.bytes_sent
+        del model, opt, stats
+    runs = []
+    for kind in KINDS:
+        model, _ = _build(kind, cfg)
+        runs.append((kind, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    for step in range(p.warmup + p.timed):
+        x, y = batch(10 + step)
+        for kind, model, opt in runs:
+            dist.barrier()
+            t0 = time.perf_counter()
+            out["loss"][kind] = _step(model, opt, x, y)
+            if step >= p.warmup:
+                out["times"][kind].append(time.perf_counter() - t0)
+    out["params"] = sum(p.numel() for p in GPT(cfg).parameters())
+    leave_world()
+    return out
+
+
+def _computed_bytes(kind: str, params: int) -> float:
+    full = 4.0 * params
+    return full if kind == "ddp" else 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
+
+
+def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
+    p = PRESETS[preset]
+    parts = []
+    for size in p.sizes:
+        cells = []
+        for world in p.worlds:
+            res = launch(_worker, world, preset, size)
+            ranks = sorted(res)
+            params = res[0]["params"]
+            ddp_state = max(res[r]["state"].get("ddp", 0) for r in ranks)
+            fsdp_t = None
+            for kind in KINDS:
+                rounds = [max(res[r]["times"][kind][j] for r in ranks) for j in range(p.timed)]
+                med = statistics.median(rounds)
+                fsdp_t = med if kind == "fsdp2" else fsdp_t
+                state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
+                held = max(res[r]["held"].get(kind, 0) for r in ranks) if res[0]["held"] else None
+                sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
+                        else _computed_bytes(kind, params))  # fmt: skip
+                cells.append([
+                    world, kind,
+                    "-" if state is None else f"{state / 1e6:.1f}",
+                    "-" if state is None or not ddp_state else f"{state / ddp_state:.2f} (1/W = {1 / world:.2f})",
+                    "-" if held is None else f"{held / 1e6:.1f}",
+                    f"{med:.3f}", "-" if fsdp_t is None else f"{med / fsdp_t:.2f}x",
+                    f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
+                    f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
+                ])  # fmt: skip
+        n_layer, _, d_model = GPT_SIZES[size]
+        headers = ["W", "configuration", "state MB/rank", "vs DDP", "held fwd->bwd MB", "s/step", "vs FSDP2",
+                   "MB sent/step/rank", "last loss"]  # fmt: skip
+        parts.append(f"### GPT `{size}`: {n_layer} layers x d_model {d_model} ({params / 1e6:.2f}M parameters)\n\n"
+                     + table(headers, cells))  # fmt: skip
+    text = (
+        "## Parallel modes: DDP, FSDP2, SimpleFSDP and RTP (gloo workers on loopback, CPU)\n\n"
+        f"{p.batch}x{p.block} tokens per worker, AdamW, one torch thread per worker (4 workers share 2 cores: "
+        "their step times are not comparable with 2 workers'). 'state': heap bytes the wrapped model and its "
+        "optimizer hold after a step (parameters, gradients, AdamW state), the larger rank's, measured; 'held "
+        "fwd->bwd': heap bytes forward leaves alive for backward. Step time: median over "
+        f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. RTP's bytes are counted (ring hops "
+        "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed. 'rtp "
+        "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides.\n\n"
+        + "\n\n".join(parts)
+        + f"\n\nMachine: {machine_info()}.\n\n"
+        f"Command: `powertrain bench parallel{'' if preset == 'default' else ' --preset ' + preset}`\n"
+    )
+    print(text)
+    publish(text, write, "parallel" if preset == "default" else f"parallel-{preset}")
+    return text

@@ -1,0 +1,279 @@
+"""Rotated tensor parallelism (RTP): Luo, Zhong, Fox, "RTP: Rethinking Tensor Parallelism with Memory
+Deduplication", arXiv 2311.01635.
+
+Every rank trains on its own micro-batch with full-width activations, as with DDP, but stores only 1/W of each
+rotated weight (and so of its gradient and optimizer state): no replica of it anywhere. The shards travel:
+
+* forward: for ``i = 0 .. W-1`` a rank computes with the shard it holds while that shard moves one hop around the
+  ring (to rank+1, from rank-1), so the next one arrives during the compute. Every rotated module is split along
+  its output features (``nn.Linear``'s rows, ``nn.Embedding``'s columns): each shard gives a slice of the output
+  and the slices are concatenated, so the output is exactly the module's own on this rank's input.
+* backward: the weights go round again (only where the input's gradient needs them), and each shard's gradient
+  buffer travels with the shard: every rank adds its own contribution as the buffer passes, and one more hop
+  brings it, summed over all ranks, home to its owner. A ring reduce-scatter, one shard at a time, overlapped with
+  compute. Gradients are averaged over the ranks, as DDP does.
+
+Which modules rotate: every ``nn.Linear`` and ``nn.Embedding`` (exactly those classes). Everything else
+(LayerNorm, convolutions, a subclass of Linear) stays replicated and its gradient is averaged by an all-reduce in
+backward (:func:`powertrain.simple_fsdp.data_parallel`'s ``replicate`` mode). Unlike the reference code, the
+replicated parameters are averaged too and ``group`` is honoured by every collective.
+
+Parameters are DTensors on a 1-D mesh over the group: rotated ones ``Shard(0)`` (Linear weight and bias) or
+``Shard(1)`` (Embedding weight), the rest ``Replicate()``. The state dict keys are the model's own, so DCP
+checkpoints load into a DDP, FSDP2 or RTP model alike, and the optimizer holds only the shards.
+
+Not here (yet): building the model without ever materialising a full weight (the paper's "flyweight" shells):
+pass a model built on every rank, which is sharded in place and whose full weights are then freed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from powertrain.comm import CommStats, Communicator
+from powertrain.simple_fsdp import data_parallel
+
+__all__ = ["comm_stats", "is_rtp", "rotated_tensor_parallel"]
+
+_WEIGHTS, _GRADS = 0, 1  # message tags: the weight stream and the gradient stream between the same peers
+
+
+class _Ring:
+    """The group a model rotates over, and whether hops overlap compute (False: each hop is waited for before
+    the compute that could hide it, to measure what the overlap saves)."""
+
+    def __init__(self, comm: Communicator, overlap: bool) -> None:
+        self.comm, self.overlap = comm, overlap
+
+
+def _ring_forward(ring: _Ring, held: list[torch.Tensor], compute: Any) -> None:
+    """Call ``compute(j, shard)`` for every shard ``j`` while the shards rotate; ``held`` is this rank's own."""
+    comm = ring.comm
+    world, me = comm.world_size, comm.rank
+    for i in range(world):
+        nxt: list[torch.Tensor] = []
+        wait = None
+        if i < world - 1:
+            nxt = [torch.empty_like(t) for t in held]
+            wait = comm.shift(held, nxt, tag=_WEIGHTS)
+            if not ring.overlap:
+                wait()
+        compute((me - i) % world, held)
+        if wait is not None:
+            wait()
+            held = nxt
+
+
+def _ring_reduce(ring: _Ring, contribution: Any, weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """The averaged gradient of this rank's shard: ``contribution(j, held_weights)`` is this rank's part of
+    shard ``j``'s gradient; the buffers travel the ring and arrive home summed over the ranks, then / W."""
+    comm = ring.comm
+    world, me = comm.world_size, comm.rank
+    incoming: list[torch.Tensor] = []
+    wait_grads = None
+    held = weights
+    for i in range(world):
+        j = (me - i) % world
+        wait_weights = None
+        if held is not None and i < world - 1:
+            nxt = [torch.empty_like(t) for t in held]
+            wait_weights = comm.shift(held, nxt, tag=_WEIGHTS)
+            if not ring.overlap:
+                wait_weights()
+        part = contribution(j, held)
+        if wait_grads is not None:  # shard j's buffer, summed over the ranks it has passed
+            wait_grads()
+            part = [a.add_(b) for a, b in zip(incoming, part, strict=True)]
+        incoming = [torch.empty_like(t) for t in part]
+        wait_grads = comm.shift(part, incoming, tag=_GRADS)
+        if not ring.overlap:
+            wait_grads()
+        if wait_weights is not None:
+            wait_weights()
+            held = nxt
+    assert wait_grads is not None, "the loop runs at least once"
+    wait_grads()
+    return [g.div_(world) for g in incoming]
+
+
+class _RotatedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ring: _Ring) -> torch.Tensor:
+        rows = w.shape[0]
+        out = x.new_empty(*x.shape[:-1], rows * ring.comm.world_size)
+
+        def compute(j: int, held: list[torch.Tensor]) -> None:
+            out[..., j * rows : (j + 1) * rows] = F.linear(x, held[0], held[1] if b is not None else None)
+
+        _ring_forward(ring, [w] if b is None else [w, b], compute)
+        ctx.save_for_backward(x, w)
+        ctx.ring, ctx.has_bias = ring, b is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        rows = w.shape[0]
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        gx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+
+        def contribution(j: int, held: list[torch.Tensor] | None) -> list[torch.Tensor]:
+            gy = g2[:, j * rows : (j + 1) * rows]
+            if gx is not None:
+                assert held is not None, "weights rotate when the input needs a gradient"
+                gx.addmm_(gy, held[0])
+            return [gy.t() @ x2, gy.sum(0)] if ctx.has_bias else [gy.t() @ x2]
+
+        grads = _ring_reduce(ctx.ring, contribution, [w] if gx is not None else None)
+        return (gx.view_as(x) if gx is not None else None, grads[0], grads[1] if ctx.has_bias else None, None)
+
+
+class _RotatedEmbedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, idx: torch.Tensor, w: torch.Tensor, ring: _Ring, padding_idx: int | None) -> torch.Tensor:
+        cols = w.shape[1]
+        out = w.new_empty(*idx.shape, cols * ring.comm.world_size)
+
+        def compute(j: int, held: list[torch.Tensor]) -> None:
+            out[..., j * cols : (j + 1) * cols] = F.embedding(idx, held[0])
+
+        _ring_forward(ring, [w], compute)
+        ctx.save_for_backward(idx)
+        ctx.ring, ctx.shape, ctx.padding_idx = ring, w.shape, padding_idx
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (idx,) = ctx.saved_tensors
+        cols = ctx.shape[1]
+        flat, g2 = idx.reshape(-1), grad.reshape(-1, grad.shape[-1])
+
+        def contribution(j: int, held: list[torch.Tensor] | None) -> list[torch.Tensor]:
+            part = g2.new_zeros(ctx.shape).index_add_(0, flat, g2[:, j * cols : (j + 1) * cols])
+            if ctx.padding_idx is not None:
+                part[ctx.padding_idx] = 0  # as nn.Embedding: the padding row gets no gradient
+            return [part]
+
+        return None, _ring_reduce(ctx.ring, contribution, None)[0], None, None
+
+
+def _local(module: nn.Module, name: str) -> torch.Tensor | None:
+    p = module._parameters[name]
+    return None if p is None else p.to_local()  # type: ignore[attr-defined]
+
+
+def _ring(module: nn.Module) -> _Ring:
+    ring = module.__dict__["_rtp_ring"]
+    assert isinstance(ring, _Ring), "set by rotated_tensor_parallel"
+    return ring
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _RotatedLinear.apply(x, _local(self, "weight"), _local(self, "bias"), _ring(self))
+    return out
+
+
+def _embedding_forward(self: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _RotatedEmbedding.apply(idx, _local(self, "weight"), _ring(self), self.padding_idx)
+    return out
+
+
+_ROTATED: dict[type, tuple[int, Any]] = {nn.Linear: (0, _linear_forward), nn.Embedding: (1, _embedding_forward)}
+_CLASSES: dict[type, type] = {}
+
+
+def is_rtp(model: nn.Module) -> bool:
+    """Whether :func:`rotated_tensor_parallel` has been applied to ``model`` (or one of its submodules)."""
+    return any("_rtp_ring" in m.__dict__ for m in model.modules())
+
+
+def comm_stats(model: nn.Module) -> CommStats:
+    """What ``model``'s rotations sent (weights and gradient buffers, payload bytes; op ``"send"``)."""
+    for m in model.modules():
+        if "_rtp_ring" in m.__dict__:
+            return _ring(m).comm.stats
+    raise ValueError("comm_stats() needs a model returned by rotated_tensor_parallel()")
+
+
+def _check(name: str, module: nn.Module, world: int) -> None:
+    dim = _ROTATED[type(module)][0]
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor), "nn.Linear and nn.Embedding have a weight"
+    size = weight.shape[dim]
+    what = "out_features" if isinstance(module, nn.Linear) else "embedding_dim"
+    if size % world:
+        raise ValueError(
+            f"RTP splits {name} ({type(module).__name__}) along {what}={size}, which does not divide over {world} "
+            f"ranks: choose a model width divisible by {world}, or run on a world size that divides {size}"
+        )
+    if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.sparse or module.scale_grad_by_freq):
+        raise ValueError(
+            f"RTP cannot rotate {name}: nn.Embedding with max_norm, sparse or scale_grad_by_freq is not supported; "
+            "use a plain nn.Embedding"
+        )
+
+
+def rotated_tensor_parallel(
+    model: nn.Module, group: dist.ProcessGroup | None = None, *, overlap: bool = True
+) -> nn.Module:
+    """Make ``model`` rotated tensor parallel over ``group`` (default: the world), in place; returns ``model``.
+
+    ``model``'s parameters must be identical on every rank (seed the initialisation) and on the group's device
+    type. Every ``nn.Linear`` and ``nn.Embedding`` keeps 1/W of its weight and rotates the shards; every other
+    parameter is replicated and averaged. Create the optimizer afterwards, on ``model.parameters()``.
+    Gradient communication is part of backward: do not wrap the model in DDP or FSDP as well.
+    ``overlap=False`` waits for every hop before the compute it would hide behind (same results, bitwise; for
+    measuring what the overlap saves).
+    """
+    if not isinstance(overlap, bool):
+        raise ValueError(f"Invalid overlap={overlap!r}: must be True or False")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("rotated_tensor_parallel needs torch.distributed: call init_process_group first")
+    if is_rtp(model):
+        raise ValueError("rotated_tensor_parallel() was already applied to this model (or one of its submodules)")
+    pg = group if group is not None else dist.group.WORLD
+    assert pg is not None, "initialised above"
+    params = list(model.parameters())
+    device = params[0].device.type if params else "cpu"
+    mesh = DeviceMesh.from_group(pg, device)
+    comm = Communicator(group)
+    ring = _Ring(comm, overlap)
+    world = comm.world_size
+    rotated = [(n, m) for n, m in model.named_modules() if type(m) in _ROTATED]
+    names: dict[int, list[tuple[nn.Module, str]]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            names.setdefault(id(p), []).append((module, f"{name}.{pname}"))
+    for uses in names.values():
+        if len(uses) > 1 and any(type(m) in _ROTATED for m, _ in uses):
+            raise ValueError(
+                f"RTP cannot rotate a parameter shared between modules ({' is '.join(n for _, n in uses)}): untie them"
+            )
+    for name, module in rotated:
+        _check(name, module, world)
+    data_parallel(model, mesh, mode="replicate")  # every parameter a Replicate DTensor, averaged in backward
+    for _, module in rotated:
+        original = type(module).__mro__[1]  # data_parallel's subclass sits on top of the module's own class
+        dim, forward = _ROTATED[original]
+        for pname, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = p.to_local()
+            shard = full.chunk(world, dim=0 if pname == "bias" else dim)[comm.rank].clone()
+            placement = Shard(0 if pname == "bias" else dim)
+            module._parameters[pname] = nn.Parameter(
+                DTensor.from_local(shard, mesh, [placement], run_check=False), requires_grad=p.requires_grad
+            )
+        if original not in _CLASSES:
+            _CLASSES[original] = type(f"Rotated{original.__name__}", (original,), {"forward": forward})
+        module.__class__ = _CLASSES[original]
+        del module._simple_fsdp_gather
+        module.__dict__["_rtp_ring"] = ring
+    return model
