@@ -92,9 +92,9 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
-     ["rtp", "none"]],
+     ["rtp", "none"], ["tp", "none", "--tp", "2"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore", "rtp"],
+         "ddp-demo", "fsdp-galore", "rtp", "tp"],
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
@@ -123,7 +123,7 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert fp32.returncode == 0, fp32.stderr[-3000:]
         sent = [json.loads((d / "summary.json").read_text())["bytes_sent"] for d in (full, tmp_path / "fp32")]
         assert 0 < sent[0] < sent[1], sent
-    if mode[:2] in (["simple_fsdp", "none"], ["rtp", "none"]):  # counted by the strategy
+    if mode[:2] in (["simple_fsdp", "none"], ["rtp", "none"], ["tp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
 
 
@@ -239,6 +239,10 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--parallel", "rtp", "--compressor", "int8"], "does not apply to parallel='rtp'"),
         (["--parallel", "rtp", "--optimizer", "shampoo"], "parallel='rtp' trains with optimizer='adamw' or 'sgd'"),
         (["--parallel", "rtp", "--precision", "bf16"], "parallel='rtp' runs in fp32 and eagerly"),
+        (["--parallel", "tp", "--tp", "4"], "tp=4 does not divide nproc=2"),
+        (["--parallel", "tp", "--tp", "4", "--nproc", "4"], "does not divide the tiny GPT's n_head=2"),
+        (["--parallel", "tp", "--compressor", "int8"], "does not apply to parallel='tp'"),
+        (["--parallel", "tp", "--model", "resnet", "--data", "mnist1d"], "has a plan for the GPT only"),
         (["--optimizer", "demo", "--compressor", "int8"], "drop compressor='int8'"),
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
         (["--galore-scale", "0"], "galore_scale=0"),

@@ -251,7 +251,7 @@ def test_checkpoint_resumes_bitwise_and_loads_into_a_plain_model(results):
 
 
 def test_overlap_off_is_bitwise_the_same(results):
-    world, runs = results
+    _, runs = results
     for out in case(runs, "overlap"):
         assert out[True][0] == out[False][0] and torch.equal(out[True][1], out[False][1])
 

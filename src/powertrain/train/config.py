@@ -21,7 +21,7 @@ import torch
 from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
@@ -101,7 +101,8 @@ class TrainConfig:
     seed: int = 0
     # distribution and compression
     parallel: Parallel = "reference"
-    compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp and rtp (plain_by_default)
+    tp: int = 2  # tensor-parallel degree with parallel="tp" (the other nproc / tp ranks are data parallel)
+    compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp, rtp and tp (plain_by_default)
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -120,7 +121,7 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches",
-                    "shampoo_frequency", "shampoo_max_dim", "galore_rank", "galore_gap", "demo_topk",
+                    "tp", "shampoo_frequency", "shampoo_max_dim", "galore_rank", "galore_gap", "demo_topk",
                     "demo_chunk"]  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
@@ -181,16 +182,33 @@ class TrainConfig:
                     f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, "
                     "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
                 )
-        if self.parallel == "rtp":
+        if self.parallel in ("rtp", "tp"):
             if self.compressor not in ("", "none"):
                 raise ValueError(
-                    f"compressor={self.compressor!r} does not apply to parallel='rtp' (its gradients are reduced "
-                    "around the ring inside backward): drop --compressor or use none"
+                    f"compressor={self.compressor!r} does not apply to parallel={self.parallel!r} (its gradients "
+                    "are reduced inside backward): drop --compressor or use none"
                 )
             if self.optimizer not in ("adamw", "sgd"):
-                raise ValueError(f"parallel='rtp' trains with optimizer='adamw' or 'sgd', not {self.optimizer!r}")
+                raise ValueError(
+                    f"parallel={self.parallel!r} trains with optimizer='adamw' or 'sgd', not {self.optimizer!r}"
+                )
             if self.precision != "fp32" or self.compile:
-                raise ValueError("parallel='rtp' runs in fp32 and eagerly: drop --precision bf16 and --compile")
+                raise ValueError(
+                    f"parallel={self.parallel!r} runs in fp32 and eagerly: drop --precision bf16 and --compile"
+                )
+        if self.parallel == "tp":
+            if self.model != "gpt":
+                raise ValueError("parallel='tp' has a plan for the GPT only: use model='gpt', or parallel='rtp'")
+            if self.nproc % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide nproc={self.nproc}: the world is (nproc / tp) data-parallel x tp "
+                    f"tensor-parallel; choose nproc a multiple of {self.tp}"
+                )
+            if self.gpt_shape[1] % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide the {self.gpt_size} GPT's n_head={self.gpt_shape[1]}: choose a tp "
+                    "that divides it"
+                )
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
@@ -225,8 +243,8 @@ class TrainConfig:
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:
     """Whether a run gets no compressor unless it names one: DeMo sends its own messages, SimpleFSDP reduces in
-    fp32 (its compressed path runs on eager buckets only), RTP reduces around its ring."""
-    return optimizer == "demo" or parallel in ("simple_fsdp", "rtp")
+    fp32 (its compressed path runs on eager buckets only), RTP and TP reduce inside backward."""
+    return optimizer == "demo" or parallel in ("simple_fsdp", "rtp", "tp")
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

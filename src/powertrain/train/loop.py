@@ -81,7 +81,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         if rank == 0:
             print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
-                              gradient_sync=cfg.optimizer != "demo")  # fmt: skip
+                              gradient_sync=cfg.optimizer != "demo", tp=cfg.tp,
+                              tokens=cfg.batch_size * cfg.block_size)  # fmt: skip
+    data_rank, data_world = strategy.data_group or (rank, world)  # a tp group reads one batch
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 
@@ -133,7 +135,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         before = CommStats.combined(sources)
         loss_sum = 0.0
         for micro in range(cfg.grad_accum):
-            x, y = data.batch("train", rank, world, (cfg.seed, rank, step, micro), cfg.batch_size, cfg.block_size)
+            x, y = data.batch("train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size,
+                              cfg.block_size)  # fmt: skip
             with strategy.sync(micro == cfg.grad_accum - 1), autocast:
                 loss = strategy.model(x.to(device), y.to(device)) / cfg.grad_accum
             try:
@@ -166,10 +169,10 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         total_sent += sent
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            val = _evaluate(strategy.model, data, cfg, rank, world, metrics, device, autocast)
+            val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
         if done % cfg.log_every == 0 or done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
             if done == cfg.steps:
-                val = _evaluate(strategy.model, data, cfg, rank, world, metrics, device, autocast)
+                val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
             row = {
                 "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0], "step_time_s": step_time,
                 "compute_s": t1 - t0, "comm_s": after.comm_s - before.comm_s,
@@ -181,7 +184,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             if writer:
                 writer.log(row)
             dense_mb = dense_bytes / MB if world > 1 else 0.0
-            progress.update(done, last_loss, per_step * cfg.grad_accum * world / step_time, unit, sent / MB, dense_mb)
+            progress.update(
+                done, last_loss, per_step * cfg.grad_accum * data_world / step_time, unit, sent / MB, dense_mb
+            )
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
             save_checkpoint(out, done, model, dcp_optimizer, per_rank, run, dataclasses.asdict(cfg))
@@ -191,7 +196,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "steps": cfg.steps,
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
         "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps if world > 1 else 0,
-        f"{unit}_per_s": per_step * cfg.grad_accum * world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
+        f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
         "params": n_params,
         **({"shampoo_roots": roots} if roots is not None else {}),
     }  # fmt: skip
@@ -283,8 +288,9 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         ratio = f"{dense / sent:.1f}x less"
     else:  # Shampoo's all-gather of its directions on top of the gradients; RTP's weights travel too
         ratio = f"{sent / max(dense, 1):.1f}x more"
-    what = ("RTP's rotations (weights and gradients) and replicated all-reduce" if cfg.parallel == "rtp"
-            else f"Gradient communication ({cfg.compressor})")  # fmt: skip
+    what = {"rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
+            "tp": "Tensor parallelism's activation all-reduces and FSDP2's gradient reduce-scatter (computed)"}.get(
+        cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "

@@ -39,10 +39,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(self.ln1(x))
+        # sizes from qkv, not d and n_head: under tensor parallelism (powertrain.tp) a rank holds n_head / tp heads
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=2)
+        q, k, v = (z.view(b, t, -1, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 

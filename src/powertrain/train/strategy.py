@@ -11,6 +11,10 @@
 * ``rtp``: :func:`powertrain.rtp.rotated_tensor_parallel`: Linear and Embedding weights sharded and rotated
   around the ring, the rest replicated. The ring's messages are counted; the replicated parameters'
   all-reduce is computed (every backward reduces, as with ``simple_fsdp``).
+* ``tp``: :func:`powertrain.tp.tensor_parallel` on a ``(world / tp, tp)`` mesh: torch's tensor parallelism in each
+  ``tp`` group (which reads the same batches: ``data_rank`` / ``data_world``), FSDP2 across them. Its traffic is
+  computed: the row-parallel outputs' and the column-parallel inputs' gradient all-reduces, and FSDP2's
+  reduce-scatter of the gradients.
 
 With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
 ``reference`` leaves every rank's local gradient in place and ``ddp`` registers
@@ -32,13 +36,14 @@ from powertrain.comm import CommStats
 from powertrain.compress import Config, make_compressor
 from powertrain.powersgd import PowerSGD, optimizer_step
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 
 
 class Strategy:
     """How gradients are averaged in one parallel mode."""
 
     model: torch.nn.Module  # what forward runs on
+    data_group: tuple[int, int] | None = None  # (rank, world) of the data split; None: the process group's
     stats: CommStats
     state: Any  # per-rank state to checkpoint (state_dict / load_state_dict)
 
@@ -221,6 +226,42 @@ class _RTP(Strategy):
         optimizer.zero_grad()
 
 
+class _TP(Strategy):
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], tp: int, tokens: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from powertrain.tp import tensor_parallel
+
+        if name != "none" or options:
+            raise ValueError(f"compressor={name!r} does not apply to parallel='tp': use compressor='none'")
+        world = dist.get_world_size()
+        if world % tp:
+            raise ValueError(f"tp={tp} does not divide the world size {world}: choose a tp that divides it")
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        cfg: Any = model.cfg
+        d_model, n_layer = int(cfg.d_model), int(cfg.n_layer)
+        params = sum(p.numel() for p in model.parameters())
+        self.model = tensor_parallel(model, mesh)  # type: ignore[arg-type]
+        self.data_group = (mesh["dp"].get_local_rank(), world // tp)
+        self.stats = CommStats()
+        self.state: Any = _NoState()
+        # per micro-step and rank: 2 all-reduces of a (tokens x d_model) fp32 activation per block forward
+        # (row-parallel outputs) and 2 in backward (column-parallel inputs' gradients), when tp > 1; FSDP2's
+        # reduce-scatter of this rank's tp shard of the gradients, when there is more than one tp group
+        self._per_micro: dict[str, int] = {"all_reduce": 4 * n_layer * tokens * d_model * 4 if tp > 1 else 0,
+                           "reduce_scatter": params * 4 // tp if world > tp else 0}  # fmt: skip
+
+    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        for op, n in self._per_micro.items():
+            if n:
+                self.stats.record_bytes(n, op)
+        return contextlib.nullcontext()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -244,10 +285,13 @@ def build_strategy(
     *,
     compiled: bool = False,
     gradient_sync: bool = True,
+    tp: int = 1,
+    tokens: int = 0,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
-    ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only)."""
+    ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only); ``tp``: the
+    tensor-parallel degree of ``tp``, whose byte count takes ``tokens`` per micro-batch."""
     if not gradient_sync:
         if parallel not in ("reference", "ddp"):
             raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
@@ -263,4 +307,6 @@ def build_strategy(
             return _SimpleFSDP(model, name, options, compiled)
         case "rtp":
             return _RTP(model, name, options)
-    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp or rtp")
+        case "tp":
+            return _TP(model, name, options, tp, tokens)
+    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp or tp")
