@@ -16,8 +16,8 @@ def test_bench_parallel_tiny(tmp_path):
     assert "hand-written intro stays" in body and "## Parallel modes" in body
     rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| 2 \| ", line)]
     assert [r[1].strip() for r in rows] == list(KINDS)
-    # the same initial weights and batches: the configurations' losses agree to the table's 4 decimals (fp32 sums
-    # in different orders move them by ~1e-6)
-    assert len({r[-1].strip() for r in rows}) == 1, rows
+    # the same initial weights and batches: the data-parallel configurations' losses agree to the table's 4
+    # decimals (fp32 sums in different orders move them by ~1e-6); a tp pair reads one batch, so tp's differ
+    assert len({r[-1].strip() for r in rows if not r[1].strip().startswith("tp")}) == 1, rows
     rtp = rows[KINDS.index("rtp")]
     assert "computed" not in rtp[7] and float(rtp[7]) > 0, rtp

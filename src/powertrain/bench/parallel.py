@@ -36,7 +36,7 @@ from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
 from powertrain.train.model import GPT, GPTConfig
 
-KINDS = ("ddp", "fsdp2", "simple_fsdp", "rtp", "rtp (no overlap)")
+KINDS = ("ddp", "fsdp2", "simple_fsdp", "rtp", "rtp (no overlap)", "tp 2 x fsdp2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,11 @@ def _build(kind: str, cfg: GPTConfig) -> tuple[torch.nn.Module, Any]:
         return model, None
     if kind == "simple_fsdp":
         return data_parallel(model, mesh, buckets=[*model.blocks, model]), None
+    if kind.startswith("tp"):
+        from powertrain.tp import tensor_parallel
+
+        world = dist.get_world_size()
+        return tensor_parallel(model, init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))), None
     rtp = rotated_tensor_parallel(model, overlap=kind == "rtp")
     return rtp, comm_stats(rtp)
 
@@ -98,8 +103,9 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
     corpus = load_data(TrainConfig(data_max_mb=4.0))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
 
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return corpus.batch("train", rank, world, (0, rank, step), p.batch, p.block)
+    def batch(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        r, w = (rank // 2, world // 2) if kind.startswith("tp") else (rank, world)  # a tp pair reads one batch
+        return corpus.batch("train", r, w, (0, r, step), p.batch, p.block)
 
     out: dict[str, Any] = {"state": {}, "held": {}, "times": {k: [] for k in KINDS}, "bytes": {}, "loss": {}}
     measure = available()
@@ -108,17 +114,17 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
         base = heap_in_use() if measure else 0
         model, stats = _build(kind, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _step(model, opt, *batch(0))
+        _step(model, opt, *batch(0, kind))
         if measure:
             out["state"][kind] = heap_in_use() - base
-            x, y = batch(1)
+            x, y = batch(1, kind)
             before = heap_in_use()
             loss = model(x, y)
             out["held"][kind] = heap_in_use() - before
             loss.backward()
         if stats is not None:
             stats.reset()
-            _step(model, opt, *batch(2))
+            _step(model, opt, *batch(2, kind))
             out["bytes"][kind] = stats.bytes_sent
         del model, opt, stats
     runs = []
@@ -126,8 +132,8 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
         model, _ = _build(kind, cfg)
         runs.append((kind, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
     for step in range(p.warmup + p.timed):
-        x, y = batch(10 + step)
         for kind, model, opt in runs:
+            x, y = batch(10 + step, kind)
             dist.barrier()
             t0 = time.perf_counter()
             out["loss"][kind] = _step(model, opt, x, y)
@@ -138,9 +144,17 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
     return out
 
 
-def _computed_bytes(kind: str, params: int) -> float:
+def _computed_bytes(kind: str, params: int, world: int, cfg: GPTConfig, tokens: int) -> float:
     full = 4.0 * params
-    return full if kind == "ddp" else 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
+    if kind == "ddp":
+        return full
+    if kind.startswith("tp"):  # 4 activation all-reduces per block; FSDP2 over dp of each rank's half
+        return 4 * cfg.n_layer * tokens * cfg.d_model * 4 + (3 * full / 2 if world > 2 else 0)
+    return 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
+
+
+def _shape(size: str) -> tuple[int, int, int]:
+    return GPT_SIZES[size]
 
 
 def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
@@ -161,7 +175,8 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 held = max(res[r]["held"].get(kind, 0) for r in ranks) if res[0]["held"] else None
                 sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
-                        else _computed_bytes(kind, params))  # fmt: skip
+                        else _computed_bytes(kind, params, world, GPTConfig(256, p.block, *_shape(size)),
+                                             p.batch * p.block))  # fmt: skip
                 cells.append([
                     world, kind,
                     "-" if state is None else f"{state / 1e6:.1f}",
@@ -184,9 +199,9 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "fwd->bwd': heap bytes forward leaves alive for backward. Step time: median over "
         f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. RTP's bytes are counted (ring hops "
         "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed. 'rtp "
-        "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides.\n\n"
-        + "\n\n".join(parts)
-        + f"\n\nMachine: {machine_info()}.\n\n"
+        "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides. 'tp 2 x "
+        "fsdp2': tensor parallel in pairs (which read the same batch: half as many tokens per step), FSDP2 across "
+        "the pairs.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n\n"
         f"Command: `powertrain bench parallel{'' if preset == 'default' else ' --preset ' + preset}`\n"
     )
     print(text)
