@@ -58,7 +58,7 @@ def test_config_file_and_flags(tmp_path):
     assert [row["step"] for row in _metrics(out)][-1] == 4
 
 
-@pytest.mark.parametrize("source", ["textdir", "bin", "mnist1d"])
+@pytest.mark.parametrize("source", ["textdir", "bin", "mnist1d", "rtp"])
 def test_data_sources_and_parallel_modes(tmp_path, source):
     out = tmp_path / "run"
     if source == "textdir":
@@ -73,8 +73,10 @@ def test_data_sources_and_parallel_modes(tmp_path, source):
         f.write_bytes(tokens.numpy().tobytes())
         args = ["--data", "bin", "--data-path", str(f), "--parallel", "fsdp"]
         args += ["--compressor", "powersgd:rank=2,start=1"]
-    else:
+    elif source == "mnist1d":
         args = ["--model", "resnet", "--data", "mnist1d", "--parallel", "ddp", "--compressor", "sign", "--lr", "0.003"]
+    else:  # the stdlib corpus, rotated tensor parallel (its ring's messages are counted)
+        args = ["--parallel", "rtp"]
     r = _run("train", "--preset", "tiny", "--out", str(out), "--quiet", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -92,13 +94,14 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
-     ["rtp", "none"], ["tp", "none", "--tp", "2"]],
+     ["tp", "none", "--tp", "2"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore", "rtp", "tp"],
+         "ddp-demo", "fsdp-galore", "tp"],
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
-    momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own."""
+    momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own. (RTP's bitwise
+    resume through the same DCP state dicts is in test_rtp; test_data_sources_and_parallel_modes runs it here.)"""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = ["train", "--preset", "tiny", "--steps", "8", "--parallel", mode[0], "--compressor", mode[1], "--quiet",
               *mode[2:]]  # fmt: skip
@@ -123,7 +126,7 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert fp32.returncode == 0, fp32.stderr[-3000:]
         sent = [json.loads((d / "summary.json").read_text())["bytes_sent"] for d in (full, tmp_path / "fp32")]
         assert 0 < sent[0] < sent[1], sent
-    if mode[:2] in (["simple_fsdp", "none"], ["rtp", "none"], ["tp", "none"]):  # counted by the strategy
+    if mode[:2] in (["simple_fsdp", "none"], ["tp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
 
 
