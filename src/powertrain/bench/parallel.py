@@ -55,6 +55,10 @@ PRESETS = {
 }
 
 
+def _config(p: Preset, size: str) -> GPTConfig:
+    return GPTConfig(256, p.block, *GPT_SIZES[size])
+
+
 def _build(kind: str, cfg: GPTConfig) -> tuple[torch.nn.Module, Any]:
     """The wrapped model and, for RTP, its byte counter."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -98,8 +102,7 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     p = PRESETS[preset]
     rank, world = dist.get_rank(), dist.get_world_size()
-    n_layer, n_head, d_model = GPT_SIZES[size]
-    cfg = GPTConfig(256, p.block, n_layer, n_head, d_model)
+    cfg = _config(p, size)
     corpus = load_data(TrainConfig(data_max_mb=4.0))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
 
@@ -139,7 +142,6 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
             out["loss"][kind] = _step(model, opt, x, y)
             if step >= p.warmup:
                 out["times"][kind].append(time.perf_counter() - t0)
-    out["params"] = sum(p.numel() for p in GPT(cfg).parameters())
     leave_world()
     return out
 
@@ -153,19 +155,16 @@ def _computed_bytes(kind: str, params: int, world: int, cfg: GPTConfig, tokens: 
     return 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
 
 
-def _shape(size: str) -> tuple[int, int, int]:
-    return GPT_SIZES[size]
-
-
 def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
     p = PRESETS[preset]
     parts = []
     for size in p.sizes:
+        cfg = _config(p, size)
+        params = GPT(cfg).num_params()
         cells = []
         for world in p.worlds:
             res = launch(_worker, world, preset, size)
             ranks = sorted(res)
-            params = res[0]["params"]
             ddp_state = max(res[r]["state"].get("ddp", 0) for r in ranks)
             fsdp_t = None
             for kind in KINDS:
@@ -175,8 +174,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 held = max(res[r]["held"].get(kind, 0) for r in ranks) if res[0]["held"] else None
                 sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
-                        else _computed_bytes(kind, params, world, GPTConfig(256, p.block, *_shape(size)),
-                                             p.batch * p.block))  # fmt: skip
+                        else _computed_bytes(kind, params, world, cfg, p.batch * p.block))  # fmt: skip
                 cells.append([
                     world, kind,
                     "-" if state is None else f"{state / 1e6:.1f}",
@@ -186,11 +184,10 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                     f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
                     f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
                 ])  # fmt: skip
-        n_layer, _, d_model = GPT_SIZES[size]
         headers = ["W", "configuration", "state MB/rank", "vs DDP", "held fwd->bwd MB", "s/step", "vs FSDP2",
                    "MB sent/step/rank", "last loss"]  # fmt: skip
-        parts.append(f"### GPT `{size}`: {n_layer} layers x d_model {d_model} ({params / 1e6:.2f}M parameters)\n\n"
-                     + table(headers, cells))  # fmt: skip
+        title = f"### GPT `{size}`: {cfg.n_layer} layers x d_model {cfg.d_model} ({params / 1e6:.2f}M parameters)"
+        parts.append(f"{title}\n\n" + table(headers, cells))
     text = (
         "## Parallel modes: DDP, FSDP2, SimpleFSDP and RTP (gloo workers on loopback, CPU)\n\n"
         f"{p.batch}x{p.block} tokens per worker, AdamW, one torch thread per worker (4 workers share 2 cores: "

@@ -26,7 +26,8 @@ Shared by the training loop and the side-by-side benchmark, so both measure the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
@@ -47,11 +48,18 @@ class Strategy:
     stats: CommStats
     state: Any  # per-rank state to checkpoint (state_dict / load_state_dict)
 
+    #: Traffic this mode's collectives do not count themselves: op -> (payload bytes, collectives) per backward,
+    #: recorded in ``stats`` by the default :meth:`sync`.
+    computed: Mapping[str, tuple[int, int]] = MappingProxyType({})
+
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
+        for op, (nbytes, collectives) in self.computed.items():
+            self.stats.record_bytes(nbytes, op, collectives=collectives)
         return contextlib.nullcontext()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        raise NotImplementedError
+        optimizer.step()
+        optimizer.zero_grad()
 
     def take_error(self) -> BaseException | None:
         """What the gradient communication failed with, where backward() reports it under another type."""
@@ -91,10 +99,6 @@ class _Local(Strategy):
             self.model = local_gradients(DistributedDataParallel(model))
         self.state, self.stats = _NoState(), CommStats()
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
-
 
 class _DDP(Strategy):
     def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
@@ -112,10 +116,6 @@ class _DDP(Strategy):
 
     def take_error(self) -> BaseException | None:
         return self.hook.take_error()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 class _FSDP(Strategy):
@@ -139,10 +139,6 @@ class _FSDP(Strategy):
     def sync(self, last_micro: bool) -> Iterator[None]:
         self.model.set_requires_gradient_sync(last_micro)  # type: ignore[operator]
         yield
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 class _SimpleFSDP(Strategy):
@@ -177,27 +173,15 @@ class _SimpleFSDP(Strategy):
         self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype), buckets=buckets)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        self._per_micro: dict[str, int] = {}
         if not exact:  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
             comp = make_compressor(name, model.named_parameters(), **options)
             simple_fsdp.register_compressor(self.model, comp)
             self.state, self.stats = comp, comp.comm.stats
             return
         grad_size = torch.finfo(reduce_dtype).bits // 8 if reduce_dtype is not None else 4
-        # Gradient traffic only, as for fsdp (weight all-gathers are not gradient communication).
-        self._per_micro = {"reduce_scatter": world * shard_bytes * grad_size // 4}
-        self._num_params = sum(1 for _ in model.parameters())
-
-    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        if not self._per_micro:
-            return contextlib.nullcontext()
-        for op, n in self._per_micro.items():  # one reduce-scatter per parameter
-            self.stats.record_bytes(n, op, collectives=self._num_params)
-        return contextlib.nullcontext()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+        # Gradient traffic only, as for fsdp (weight all-gathers are not gradient communication): one reduce-scatter
+        # per parameter.
+        self.computed = {"reduce_scatter": (world * shard_bytes * grad_size // 4, sum(1 for _ in model.parameters()))}
 
 
 class _RTP(Strategy):
@@ -213,17 +197,8 @@ class _RTP(Strategy):
         self.stats = comm_stats(self.model)
         self.state: Any = _NoState()
         replicated = [p for p in self.model.parameters() if p.placements == (Replicate(),)]  # type: ignore[attr-defined]
-        self._replicated = (sum(p.numel() * p.element_size() for p in replicated), len(replicated))
-
-    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        nbytes, count = self._replicated  # one all-reduce per replicated parameter per backward
-        if count:
-            self.stats.record_bytes(nbytes, "all_reduce", collectives=count)
-        return contextlib.nullcontext()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+        if replicated:  # one all-reduce per replicated parameter per backward
+            self.computed = {"all_reduce": (sum(p.numel() * p.element_size() for p in replicated), len(replicated))}
 
 
 class _TP(Strategy):
@@ -248,18 +223,9 @@ class _TP(Strategy):
         # per micro-step and rank: 2 all-reduces of a (tokens x d_model) fp32 activation per block forward
         # (row-parallel outputs) and 2 in backward (column-parallel inputs' gradients), when tp > 1; FSDP2's
         # reduce-scatter of this rank's tp shard of the gradients, when there is more than one tp group
-        self._per_micro: dict[str, int] = {"all_reduce": 4 * n_layer * tokens * d_model * 4 if tp > 1 else 0,
-                           "reduce_scatter": params * 4 // tp if world > tp else 0}  # fmt: skip
-
-    def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        for op, n in self._per_micro.items():
-            if n:
-                self.stats.record_bytes(n, op)
-        return contextlib.nullcontext()
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
-        optimizer.zero_grad()
+        computed = {"all_reduce": (4 * n_layer * tokens * d_model * 4 if tp > 1 else 0, 1),
+                    "reduce_scatter": (params * 4 // tp if world > tp else 0, 1)}  # fmt: skip
+        self.computed = {op: c for op, c in computed.items() if c[0]}
 
 
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
