@@ -5,6 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from powertrain.train.model import GPT, GPTConfig
+
+#: The GPT of the tensor-parallel parity tests (test_rtp, test_tp): every Linear and Embedding width (32, 96, 128,
+#: 64) and the heads (2) divide by 2 and 4 ranks.
+PARITY_GPT = GPTConfig(64, 16, 2, 2, 32)
+
 
 class Adversarial(nn.Module):
     """Conv weight, odd 7x15 matrix, two same-shape matrices, biases, a frozen and an unused layer."""
@@ -48,3 +54,17 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+
+
+def parity_gpt() -> GPT:
+    """:data:`PARITY_GPT` in float64, the same weights in every process."""
+    torch.manual_seed(0)
+    return GPT(PARITY_GPT).double()
+
+
+def token_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 x 16 tokens and targets for :data:`PARITY_GPT`, different on every data rank and step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    shape = (3, 16)
+    return (torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g),
+            torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g))  # fmt: skip

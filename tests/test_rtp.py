@@ -31,26 +31,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dist_utils import case, guard, run_ranks, within
+from dist_utils import case, guard, run_ranks, value_errors, within
+from models import PARITY_GPT, parity_gpt, token_batch
 from powertrain import checkpoint
 from powertrain.rtp import is_rtp, rotated_tensor_parallel
-from powertrain.train.model import GPT, GPTConfig
 
-CFG = GPTConfig(64, 16, 2, 2, 32)  # every rotated width (32, 96, 128, 64) divides by 2 and 4
 REL = 1e-10
 STEPS, LR, ADAM_EPS = 4, 1e-3, 1e-8
-
-
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(CFG).double()
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, CFG.vocab_size, (3, 16), generator=g), torch.randint(
-        0, CFG.vocab_size, (3, 16), generator=g
-    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -62,13 +49,13 @@ def _grads_vs_single_process(rank: int, world: int, group: dist.ProcessGroup | N
     """One forward/backward on each rank's own batch; the single-process reference sees every rank's batch and
     averages the losses (what DDP computes)."""
     ranks = ranks or list(range(world))
-    ref = _model()
+    ref = parity_gpt()
     model = rotated_tensor_parallel(copy.deepcopy(ref), group)
     me = ranks.index(rank)
-    logits = model(_batch(me, 0)[0])
-    model(*_batch(me, 0)).backward()
-    (sum(ref(*_batch(r, 0)) for r in range(len(ranks))) / len(ranks)).backward()
-    out: dict[str, Any] = {"logits": (logits.detach(), ref(_batch(me, 0)[0]).detach()), "grads": {}}
+    logits = model(token_batch(me, 0)[0])
+    model(*token_batch(me, 0)).backward()
+    (sum(ref(*token_batch(r, 0)) for r in range(len(ranks))) / len(ranks)).backward()
+    out: dict[str, Any] = {"logits": (logits.detach(), ref(token_batch(me, 0)[0]).detach()), "grads": {}}
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert q.grad is not None and p.grad is not None, name
         out["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
@@ -78,14 +65,14 @@ def _grads_vs_single_process(rank: int, world: int, group: dist.ProcessGroup | N
 def _trajectory(rank: int, world: int) -> dict[str, Any]:
     """STEPS AdamW steps of RTP next to torch's DDP on the same batches; and DDP's largest gradient entry over
     them, for the bound."""
-    ref = _model()
+    ref = parity_gpt()
     model = rotated_tensor_parallel(copy.deepcopy(ref))
     ddp = DDP(ref)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS) for m in (model, ddp)]
     gmax = 0.0
     for step in range(STEPS):
         for m, o in zip((model, ddp), opts, strict=True):
-            m(*_batch(rank, step)).backward()
+            m(*token_batch(rank, step)).backward()
             if m is ddp:
                 gmax = max(gmax, max(p.grad.abs().max().item() for p in ref.parameters() if p.grad is not None))
             o.step()
@@ -98,7 +85,7 @@ def _trajectory(rank: int, world: int) -> dict[str, Any]:
 def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range) -> list[float]:
     losses = []
     for step in steps:
-        loss = model(*_batch(rank, step))
+        loss = model(*token_batch(rank, step))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -109,7 +96,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, steps: range
 def _checkpoint(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     """Train 2 steps, save (model + AdamW state, DCP), train 2 more; a fresh RTP model loads and repeats those 2
     steps; a plain model (DDP's) loads the same checkpoint's weights."""
-    model = rotated_tensor_parallel(_model())
+    model = rotated_tensor_parallel(parity_gpt())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     _train(model, opt, rank, range(2))
     msd, osd = get_state_dict(model, opt)
@@ -118,7 +105,7 @@ def _checkpoint(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     after = _train(model, opt, rank, range(2, 4))
     final = torch.cat([_full(p).reshape(-1) for p in model.parameters()])
 
-    fresh = rotated_tensor_parallel(_model())
+    fresh = rotated_tensor_parallel(parity_gpt())
     opt2 = torch.optim.AdamW(fresh.parameters(), lr=LR)
     _train(fresh, opt2, rank, range(1))  # different state, so that loading must replace it all
     msd2, osd2 = get_state_dict(fresh, opt2)
@@ -127,7 +114,7 @@ def _checkpoint(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     set_state_dict(fresh, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
     resumed = _train(fresh, opt2, rank, range(2, 4))
 
-    plain = _model()
+    plain = parity_gpt()
     psd = plain.state_dict()
     checkpoint.load({"model": psd}, ckpt, optional=lambda key: key.startswith("optim"))
     plain.load_state_dict(psd)
@@ -142,34 +129,26 @@ def _overlap_changes_nothing(rank: int, world: int) -> dict[str, Any]:
     """overlap=False only moves the waits: the same operations on the same bits."""
     out = {}
     for overlap in (True, False):
-        model = rotated_tensor_parallel(_model(), overlap=overlap)
+        model = rotated_tensor_parallel(parity_gpt(), overlap=overlap)
         losses = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), rank, range(2))
         out[overlap] = (losses, torch.cat([_full(p).reshape(-1) for p in model.parameters()]))
     return out
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
-    out: dict[str, str] = {}
-
-    def attempt(key: str, build: Any) -> None:
-        try:
-            build()
-            out[key] = ""
-        except ValueError as e:
-            out[key] = str(e)
-
-    attempt("odd_width", lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 6 if world == 4 else 3))))
-
     def tied() -> None:
-        m = _model()
+        m = parity_gpt()
         m.head.weight = m.tok.weight
         rotated_tensor_parallel(m)
 
-    attempt("tied", tied)
-    attempt("twice", lambda: rotated_tensor_parallel(rotated_tensor_parallel(_model())))
-    attempt("max_norm", lambda: rotated_tensor_parallel(nn.Embedding(8, 4, max_norm=1.0)))
-    attempt("overlap", lambda: rotated_tensor_parallel(_model(), overlap=1))  # type: ignore[arg-type]
-    out["is_rtp"] = str((is_rtp(rotated_tensor_parallel(_model())), is_rtp(_model())))
+    out = value_errors({
+        "odd_width": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 6 if world == 4 else 3))),
+        "tied": tied,
+        "twice": lambda: rotated_tensor_parallel(rotated_tensor_parallel(parity_gpt())),
+        "max_norm": lambda: rotated_tensor_parallel(nn.Embedding(8, 4, max_norm=1.0)),
+        "overlap": lambda: rotated_tensor_parallel(parity_gpt(), overlap=1),  # type: ignore[arg-type]
+    })  # fmt: skip
+    out["is_rtp"] = str((is_rtp(rotated_tensor_parallel(parity_gpt())), is_rtp(parity_gpt())))
     return out
 
 
@@ -236,7 +215,7 @@ def test_checkpoint_resumes_bitwise_and_loads_into_a_plain_model(results):
         assert torch.equal(run["resumed_params"], run["final"])
         assert torch.equal(run["plain"], run["saved"])  # the state dict keys and layout are the model's own
         # each rank stores its 1/W of the rotated weights plus the (small) replicated LayerNorm parameters
-        ln = 2 * (2 * CFG.n_layer + 1) * CFG.d_model
+        ln = 2 * (2 * PARITY_GPT.n_layer + 1) * PARITY_GPT.d_model
         assert run["local_numel"] == (run["full_numel"] - ln) // world + ln
 
 

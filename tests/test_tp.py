@@ -24,25 +24,15 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dist_utils import case, guard, run_ranks, within
+from dist_utils import case, guard, run_ranks, value_errors, within
+from models import parity_gpt, token_batch
 from powertrain.tp import tensor_parallel
 from powertrain.train.model import GPT, GPTConfig
 
-CFG = GPTConfig(64, 16, 2, 2, 32)
 REL = 1e-10
 STEPS, LR, ADAM_EPS = 3, 1e-3, 1e-8
-
-
-def _model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(CFG).double()
-
-
-def _batch(dp_rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + dp_rank)
-    return torch.randint(0, 64, (3, 16), generator=g), torch.randint(0, 64, (3, 16), generator=g)
 
 
 def _reference_grad(ref: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
@@ -58,13 +48,13 @@ def _reference_grad(ref: dict[str, torch.Tensor], name: str, shape: torch.Size) 
 def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     me = mesh["dp"].get_local_rank()
-    ref = _model()
+    ref = parity_gpt()
     model = tensor_parallel(copy.deepcopy(ref), mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS) for m in (model, ref)]
     grads, gmax = {}, 0.0
     for step in range(STEPS):
-        model(*_batch(me, step)).backward()
-        (sum(ref(*_batch(r, step)) for r in range(dp)) / dp).backward()
+        model(*token_batch(me, step)).backward()
+        (sum(ref(*token_batch(r, step)) for r in range(dp)) / dp).backward()
         refg = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
         gmax = max(gmax, max(g.abs().max().item() for g in refg.values()))
         if step == 0:
@@ -74,29 +64,23 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
         for o in opts:
             o.step()
             o.zero_grad()
-    logits = model(_batch(me, 0)[0]).detach()
+    logits = model(token_batch(me, 0)[0]).detach()
     params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     refp = dict(ref.named_parameters())
     expect = {n: _reference_grad({k: v.detach() for k, v in refp.items()}, n, params[n].shape) for n in params}
-    return {"grads": grads, "gmax": gmax, "logits": (logits, ref(_batch(me, 0)[0]).detach()), "params": params,
+    return {"grads": grads, "gmax": gmax, "logits": (logits, ref(token_batch(me, 0)[0]).detach()), "params": params,
             "expect": expect}  # fmt: skip
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for key, build in {
-        "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)),
-                                         init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))),
-        "mesh": lambda: tensor_parallel(_model(), init_device_mesh("cpu", (world,))),
-        "model": lambda: tensor_parallel(nn.Linear(4, 4),  # type: ignore[arg-type]
-                                         init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))),
-    }.items():  # fmt: skip
-        try:
-            build()
-            out[key] = ""
-        except ValueError as e:
-            out[key] = str(e)
-    return out
+    def pairs() -> DeviceMesh:
+        return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+
+    return value_errors({
+        "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)), pairs()),
+        "mesh": lambda: tensor_parallel(parity_gpt(), init_device_mesh("cpu", (world,))),
+        "model": lambda: tensor_parallel(nn.Linear(4, 4), pairs()),  # type: ignore[arg-type]
+    })  # fmt: skip
 
 
 def tp_cases(rank: int, world: int) -> dict[str, Any]:
