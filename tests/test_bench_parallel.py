@@ -1,10 +1,13 @@
 """``powertrain bench parallel --preset tiny``: every configuration trains the same model on the same batches, RTP's
-bytes are counted, and the section lands in the Markdown file."""
+bytes are counted, each peak lies above its state, and the section lands in the Markdown file."""
 
 from __future__ import annotations
 
 import re
 
+import torch
+
+from powertrain.bench.memory import peak_allocated
 from powertrain.bench.parallel import KINDS, run_parallel_bench
 
 
@@ -21,3 +24,20 @@ def test_bench_parallel_tiny(tmp_path):
     assert len({r[-1].strip() for r in rows if not r[1].strip().startswith("tp")}) == 1, rows
     rtp = rows[KINDS.index("rtp")]
     assert "computed" not in rtp[7] and float(rtp[7]) > 0, rtp
+    for r in rows:  # a step allocates activations on top of the state: the peak is above it
+        assert float(r[4]) > float(r[2]) > 0, r
+
+
+def test_peak_allocated_sees_the_peak_inside_and_the_frees():
+    """The peak inside a call, not its net growth; memory the call frees (also from its previous call) counts."""
+    keep: list[torch.Tensor] = []
+
+    def step() -> None:
+        keep.clear()  # frees 1 MB that the previous call allocated
+        a = torch.empty(1_000_000, dtype=torch.float32)  # 4 MB
+        b = torch.empty(500_000, dtype=torch.float32)  # 2 MB: 6 MB above the start, minus the 1 MB freed
+        del a, b
+        keep.append(torch.empty(250_000, dtype=torch.float32))
+
+    assert peak_allocated(step) == 5_000_000
+    assert peak_allocated(keep.clear) == 0  # only frees

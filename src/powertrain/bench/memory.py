@@ -1,4 +1,5 @@
-"""Host memory in use, from glibc's allocator (CPU tensors and inductor's buffers alike)."""
+"""Host memory in use, from glibc's allocator (CPU tensors and inductor's buffers alike), and the peak of tensor
+memory over a piece of code, from the profiler's allocation events."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ import ctypes
 import ctypes.util
 import gc
 import resource
+from collections.abc import Callable
+
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+_MARK = "powertrain.peak_allocated"
 
 
 class _MallInfo2(ctypes.Structure):
@@ -43,3 +50,29 @@ def heap_in_use() -> int:
 def peak_rss() -> int:
     """Peak resident set size of this process in bytes (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_allocated(fn: Callable[[], object]) -> int:
+    """Call ``fn()`` twice and return the highest number of bytes of CPU tensor memory the second call had
+    allocated at any moment, above what was allocated when it started (0 if it never allocated more).
+
+    Counted from the profiler's allocation and free events (every tensor c10's CPU allocator serves:
+    activations, gradients, gathered or received weights, communication buffers, optimizer state), in the order
+    they happened: the true peak inside ``fn``, which heap readings before and after cannot see. The profiler
+    does not see the release of memory allocated before it started, so the first call only runs under it: every
+    block the second call frees (the first call's leftovers too) was allocated while profiling.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+        with record_function(_MARK):
+            fn()
+    events = prof.profiler.kineto_results.events()
+    start = next(e.start_ns() for e in events if e.name() == _MARK)
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in events
+                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e[0])  # fmt: skip
+    level = sum(n for t, n in memory if t < start)
+    base = peak = level
+    for _, n in (m for m in memory if m[0] >= start):
+        level += n
+        peak = max(peak, level)
+    return peak - base

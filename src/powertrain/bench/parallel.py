@@ -1,12 +1,13 @@
 """``powertrain bench parallel``: DDP, FSDP2, SimpleFSDP and RTP side by side: memory per rank, step time, bytes.
 
 For each model size and world size, local gloo workers (one thread each) build every configuration in turn and
-measure, per rank, with glibc's heap counter (:mod:`powertrain.bench.memory`):
+measure, per rank:
 
-* **state**: heap bytes that the wrapped model and its AdamW hold after a step (parameters, gradients, optimizer
-  state), relative to the heap before the model was built: what stays allocated between steps;
-* **held fwd->bwd**: heap bytes forward allocates and that are still alive when backward starts (activations,
-  plus gathered or received weights where a configuration keeps them);
+* **state**: heap bytes that the wrapped model and its AdamW hold between steps (parameters, gradients, optimizer
+  state), relative to the heap before the model was built (glibc's counter, :mod:`powertrain.bench.memory`);
+* **peak**: state plus the most tensor memory one training step allocates on top of it at any moment
+  (activations, gathered or received weights, gradient buffers, communication buffers): the profiler's allocation
+  events in order (:func:`powertrain.bench.memory.peak_allocated`). What a rank must have free to train.
 
 then trains all configurations interleaved (one step of each per round, on the same batch, after a barrier) for
 the step time, the slower rank's per round. Bytes per step: a rank's payload, counted by powertrain's
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from powertrain.bench.memory import available, heap_in_use
+from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
@@ -110,24 +111,21 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
         r, w = (rank // 2, world // 2) if kind.startswith("tp") else (rank, world)  # a tp pair reads one batch
         return corpus.batch("train", r, w, (0, r, step), p.batch, p.block)
 
-    out: dict[str, Any] = {"state": {}, "held": {}, "times": {k: [] for k in KINDS}, "bytes": {}, "loss": {}}
+    out: dict[str, Any] = {"state": {}, "peak": {}, "times": {k: [] for k in KINDS}, "bytes": {}, "loss": {}}
     measure = available()
     for kind in KINDS:  # memory: one configuration at a time, nothing else alive
         gc.collect()
         base = heap_in_use() if measure else 0
         model, stats = _build(kind, cfg)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        _step(model, opt, *batch(0, kind))
+        for step in range(2):  # steady state: DDP rebuilds its buckets in its second step
+            _step(model, opt, *batch(step, kind))
         if measure:
             out["state"][kind] = heap_in_use() - base
-            x, y = batch(1, kind)
-            before = heap_in_use()
-            loss = model(x, y)
-            out["held"][kind] = heap_in_use() - before
-            loss.backward()
+        out["peak"][kind] = peak_allocated(lambda: _step(model, opt, *batch(2, kind)))  # noqa: B023 (called here)
         if stats is not None:
             stats.reset()
-            _step(model, opt, *batch(2, kind))
+            _step(model, opt, *batch(3, kind))
             out["bytes"][kind] = stats.bytes_sent
         del model, opt, stats
     runs = []
@@ -172,19 +170,19 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 med = statistics.median(rounds)
                 fsdp_t = med if kind == "fsdp2" else fsdp_t
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
-                held = max(res[r]["held"].get(kind, 0) for r in ranks) if res[0]["held"] else None
+                peak = None if state is None else max(state + res[r]["peak"][kind] for r in ranks)
                 sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
                         else _computed_bytes(kind, params, world, cfg, p.batch * p.block))  # fmt: skip
                 cells.append([
                     world, kind,
                     "-" if state is None else f"{state / 1e6:.1f}",
                     "-" if state is None or not ddp_state else f"{state / ddp_state:.2f} (1/W = {1 / world:.2f})",
-                    "-" if held is None else f"{held / 1e6:.1f}",
+                    "-" if peak is None else f"{peak / 1e6:.1f}",
                     f"{med:.3f}", "-" if fsdp_t is None else f"{med / fsdp_t:.2f}x",
                     f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
                     f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
                 ])  # fmt: skip
-        headers = ["W", "configuration", "state MB/rank", "vs DDP", "held fwd->bwd MB", "s/step", "vs FSDP2",
+        headers = ["W", "configuration", "state MB/rank", "vs DDP", "peak MB/rank", "s/step", "vs FSDP2",
                    "MB sent/step/rank", "last loss"]  # fmt: skip
         title = f"### GPT `{size}`: {cfg.n_layer} layers x d_model {cfg.d_model} ({params / 1e6:.2f}M parameters)"
         parts.append(f"{title}\n\n" + table(headers, cells))
@@ -192,8 +190,10 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "## Parallel modes: DDP, FSDP2, SimpleFSDP and RTP (gloo workers on loopback, CPU)\n\n"
         f"{p.batch}x{p.block} tokens per worker, AdamW, one torch thread per worker (4 workers share 2 cores: "
         "their step times are not comparable with 2 workers'). 'state': heap bytes the wrapped model and its "
-        "optimizer hold after a step (parameters, gradients, AdamW state), the larger rank's, measured; 'held "
-        "fwd->bwd': heap bytes forward leaves alive for backward. Step time: median over "
+        "optimizer hold between steps (parameters, gradients, AdamW state), the larger rank's, measured; 'peak': "
+        "state plus the most tensor memory a training step allocates on top of it at any moment (activations, "
+        "gathered or received weights, gradients, communication buffers), from the profiler's allocation events, "
+        "the larger rank's. Step time: median over "
         f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. RTP's bytes are counted (ring hops "
         "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed. 'rtp "
         "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides. 'tp 2 x "
