@@ -1,6 +1,6 @@
 """Rotated tensor parallelism (powertrain.rtp) on real gloo ranks: gradients and outputs equal a single-process
-run, AdamW steps follow DDP's trajectory, ``group`` is honoured, DCP checkpoints resume bitwise and load into a
-DDP model, and refused input.
+run, the ring sends exactly its derived bytes, AdamW steps follow DDP's trajectory, ``group`` is honoured, DCP
+checkpoints resume bitwise and load into a DDP model, and refused input.
 
 Tolerances (float64 throughout; u = 2**-53). RTP computes the same sums as the single-process model in another
 order: a Linear's output slice per shard is the same dot products (identical), the input's gradient adds W
@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dist_utils import case, guard, run_ranks, value_errors, within
 from models import PARITY_GPT, parity_gpt, token_batch
 from powertrain import checkpoint
-from powertrain.rtp import is_rtp, rotated_tensor_parallel
+from powertrain.rtp import comm_stats, is_rtp, rotated_tensor_parallel
 
 REL = 1e-10
 STEPS, LR, ADAM_EPS = 4, 1e-3, 1e-8
@@ -56,10 +56,27 @@ def _grads_vs_single_process(rank: int, world: int, group: dist.ProcessGroup | N
     model(*token_batch(me, 0)).backward()
     (sum(ref(*token_batch(r, 0)) for r in range(len(ranks))) / len(ranks)).backward()
     out: dict[str, Any] = {"logits": (logits.detach(), ref(token_batch(me, 0)[0]).detach()), "grads": {}}
+    sent = comm_stats(model).by_op.get("send", 0)  # two forwards: the logits alone, then the loss
+    out["sent"], out["expected_sent"] = sent, _ring_bytes(ref, len(ranks), forwards=2)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert q.grad is not None and p.grad is not None, name
         out["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
     return out
+
+
+def _ring_bytes(ref: nn.Module, world: int, forwards: int) -> int:
+    """What ``forwards`` forward passes and one backward must send per rank, derived from the ring: every rotated
+    module's shard (weight + bias) makes W - 1 hops in each forward; in backward a Linear's weight shard makes
+    W - 1 hops again (the input's gradient needs it; an Embedding's index input needs none) and every shard's
+    gradient buffer makes W - 1 hops (a ring reduce-scatter). float64: 8 bytes."""
+    total = 0
+    for m in ref.modules():
+        if type(m) is nn.Linear:
+            w, b = m.weight.numel() // world, 0 if m.bias is None else m.bias.numel() // world
+            total += (world - 1) * (forwards * (w + b) + w + (w + b))
+        elif type(m) is nn.Embedding:
+            total += (world - 1) * (forwards + 1) * (m.weight.numel() // world)
+    return 8 * total
 
 
 def _trajectory(rank: int, world: int) -> dict[str, Any]:
@@ -179,6 +196,7 @@ def _check_grads(runs: list[dict[str, Any]], what: str) -> None:
         for name, (g, r, kind, _) in run["grads"].items():
             assert kind == "DTensor", name
             within((g - r).abs(), REL * r.abs().max(), f"{what}: rank {rank} gradient of {name}")
+        assert run["sent"] == run["expected_sent"], (what, rank, run["sent"], run["expected_sent"])
 
 
 def test_outputs_and_gradients_equal_single_process(results):

@@ -9,9 +9,10 @@ rotated weight (and so of its gradient and optimizer state): no replica of it an
   its output features (``nn.Linear``'s rows, ``nn.Embedding``'s columns): each shard gives a slice of the output
   and the slices are concatenated, so the output is exactly the module's own on this rank's input.
 * backward: the weights go round again (only where the input's gradient needs them), and each shard's gradient
-  buffer travels with the shard: every rank adds its own contribution as the buffer passes, and one more hop
-  brings it, summed over all ranks, home to its owner. A ring reduce-scatter, one shard at a time, overlapped with
-  compute. Gradients are averaged over the ranks, as DDP does.
+  buffer goes round too, starting one rank after its owner: every rank adds its own contribution as the buffer
+  passes, and it stops at its owner summed over all ranks (W - 1 hops: a ring reduce-scatter, one buffer at a
+  time, overlapped with compute; the paper's buffer travels with its shard and needs one hop more). Gradients
+  are averaged over the ranks, as DDP does.
 
 Which modules rotate: every ``nn.Linear`` and ``nn.Embedding`` (exactly those classes). Everything else
 (LayerNorm, convolutions, a subclass of Linear) stays replicated and its gradient is averaged by an all-reduce in
@@ -80,10 +81,14 @@ def _ring_forward(ring: _Ring, own: list[torch.Tensor], compute: Any) -> None:
         held = nxt
 
 
-def _ring_reduce(ring: _Ring, contribution: Any, weights: list[torch.Tensor] | None) -> list[torch.Tensor]:
-    """The averaged gradient of this rank's shard: ``contribution(j, held_weights)`` is this rank's part of
-    shard ``j``'s gradient; the buffers travel the ring (one message per hop) and arrive home summed over the
-    ranks, then / W."""
+def _ring_reduce(
+    ring: _Ring, grad_part: Any, weights: list[torch.Tensor] | None = None, use_weights: Any = None
+) -> list[torch.Tensor]:
+    """The averaged gradient of this rank's shard. ``grad_part(j)`` is this rank's part of shard ``j``'s gradient;
+    each shard's buffer starts one rank after its owner, collects every rank's part on its way round the ring (one
+    message per hop) and stops at the owner, summed over the ranks: W - 1 hops, a ring reduce-scatter. With
+    ``weights``, the weight shards rotate alongside and ``use_weights(j, held)`` is called with every shard
+    ``j`` (the input's gradient needs them); the two streams are independent, so neither waits for the other."""
     comm = ring.comm
     world, me = comm.world_size, comm.rank
     incoming = torch.empty(0)
@@ -91,7 +96,6 @@ def _ring_reduce(ring: _Ring, contribution: Any, weights: list[torch.Tensor] | N
     wait_grads = None
     held = weights
     for i in range(world):
-        j = (me - i) % world
         wait_weights = None
         nxt = held
         if held is not None and i < world - 1:
@@ -99,23 +103,24 @@ def _ring_reduce(ring: _Ring, contribution: Any, weights: list[torch.Tensor] | N
             wait_weights = comm.shift(held, nxt, tag=_WEIGHTS)
             if not ring.overlap:
                 wait_weights()
-        parts = contribution(j, held)
+        if held is not None:
+            use_weights((me - i) % world, held)
+        parts = grad_part((me - 1 - i) % world)  # the last one (i = W - 1) is this rank's own shard
         shapes = [t.shape for t in parts]
         part = _one_message(parts)
-        if wait_grads is not None:  # shard j's buffer, summed over the ranks it has passed
+        if wait_grads is not None:  # this shard's buffer, summed over the ranks it has passed
             wait_grads()
             part = incoming.add_(part)
-        incoming = torch.empty_like(part)
-        wait_grads = comm.shift([part], [incoming], tag=_GRADS)
-        if not ring.overlap:
-            wait_grads()
+        if i < world - 1:
+            incoming = torch.empty_like(part)
+            wait_grads = comm.shift([part], [incoming], tag=_GRADS)
+            if not ring.overlap:
+                wait_grads()
         if wait_weights is not None:
             wait_weights()
         held = nxt
-    assert wait_grads is not None, "the loop runs at least once"
-    wait_grads()
-    incoming.div_(world)
-    return flat_views(incoming, shapes) if len(shapes) > 1 else [incoming]
+    part.div_(world)
+    return flat_views(part, shapes) if len(shapes) > 1 else [part]
 
 
 class _RotatedLinear(torch.autograd.Function):
@@ -139,14 +144,15 @@ class _RotatedLinear(torch.autograd.Function):
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
         gx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
 
-        def contribution(j: int, held: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        def use_weights(j: int, held: list[torch.Tensor]) -> None:
+            assert gx is not None, "weights rotate only when the input needs a gradient"
+            gx.addmm_(g2[:, j * rows : (j + 1) * rows], held[0])
+
+        def grad_part(j: int) -> list[torch.Tensor]:
             gy = g2[:, j * rows : (j + 1) * rows]
-            if gx is not None:
-                assert held is not None, "weights rotate when the input needs a gradient"
-                gx.addmm_(gy, held[0])
             return [gy.t() @ x2, gy.sum(0)] if ctx.has_bias else [gy.t() @ x2]
 
-        grads = _ring_reduce(ctx.ring, contribution, [w] if gx is not None else None)
+        grads = _ring_reduce(ctx.ring, grad_part, [w] if gx is not None else None, use_weights)
         return (gx.view_as(x) if gx is not None else None, grads[0], grads[1] if ctx.has_bias else None, None)
 
 
@@ -170,13 +176,13 @@ class _RotatedEmbedding(torch.autograd.Function):
         cols = ctx.shape[1]
         flat, g2 = idx.reshape(-1), grad.reshape(-1, grad.shape[-1])
 
-        def contribution(j: int, held: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        def grad_part(j: int) -> list[torch.Tensor]:
             part = g2.new_zeros(ctx.shape).index_add_(0, flat, g2[:, j * cols : (j + 1) * cols])
             if ctx.padding_idx is not None:
                 part[ctx.padding_idx] = 0  # as nn.Embedding: the padding row gets no gradient
             return [part]
 
-        return None, _ring_reduce(ctx.ring, contribution, None)[0], None, None
+        return None, _ring_reduce(ctx.ring, grad_part)[0], None, None
 
 
 def _local(module: nn.Module, name: str) -> torch.Tensor | None:
