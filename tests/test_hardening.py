@@ -308,12 +308,21 @@ def test_resume_with_another_world_size_is_refused(run2, tmp_path):
     assert r.returncode == 2 and "written by 1 worker(s) and this run has 2" in r.stderr, r.stderr[-2000:]
 
 
-def test_a_new_run_never_overwrites_an_old_one(run2, tmp_path):
+def test_a_new_run_never_overwrites_an_old_one_and_the_same_command_continues_it(run2, tmp_path):
+    """An --out holding checkpoints is the run they belong to: the same settings continue it (what torchrun's
+    restarts need, with no flag changed), other settings are refused naming them, and nothing is touched."""
     out = _copy(run2, tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    r = _run(*TINY, "--steps", "4", "--out", str(out))
-    assert r.returncode == 2 and "is not empty" in r.stderr and f"--resume {out}" in r.stderr, r.stderr[-2000:]
+    r = _run(*TINY, "--steps", "4", "--lr", "0.01", "--out", str(out))
+    assert r.returncode == 2 and "holds a run that this command would continue" in r.stderr, r.stderr[-2000:]
+    assert "lr=0.001 -> 0.01" in r.stderr, r.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    other = tmp_path / "other"  # files but no checkpoint: another run's, never taken over
+    shutil.copytree(out, other, ignore=shutil.ignore_patterns("checkpoints"))
+    r = _run(*TINY, "--steps", "4", "--out", str(other))
+    assert r.returncode == 2 and "is not empty" in r.stderr, r.stderr[-2000:]
+    r = _run(*TINY, "--steps", "4", "--out", str(out))
+    assert r.returncode == 0 and "Nothing to do" in r.stdout, r.stderr[-2000:]
 
 
 def test_resume_into_the_same_directory_from_an_older_checkpoint(run2, tmp_path):

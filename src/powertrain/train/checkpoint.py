@@ -180,21 +180,24 @@ def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None =
         )
     saved_cfg = manifest.get("config")
     if config is not None and isinstance(saved_cfg, dict):
-        changed = [
-            k
-            for k, v in config.items()
-            if k not in RESUME_MAY_CHANGE
-            and k in saved_cfg
-            and saved_cfg[k] != v
-            and not (k == "compressor" and _auto(v))
-        ]  # rank=auto continues with what it chose (the caller)
-        if changed:
-            diffs = ", ".join(f"{k}={saved_cfg[k]!r} -> {config[k]!r}" for k in changed[:4])
+        diffs = config_changes(saved_cfg, config)
+        if diffs:
             raise CheckpointError(
                 f"Checkpoint {str(path)!r} belongs to a run with other settings ({diffs}): a resume continues that run "
                 "(the checkpoint restores its optimizer and schedule); drop those flags, or start a new run"
             )
     return manifest
+
+
+def config_changes(saved: dict[str, Any], config: dict[str, Any]) -> str:
+    """The settings of ``config`` that a continuation of the run with ``saved`` settings may not change, as
+    ``"key=old -> new, ..."`` (up to four), or ``""``."""
+    changed = [
+        k
+        for k, v in config.items()
+        if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != v and not (k == "compressor" and _auto(v))
+    ]  # rank=auto continues with what it chose (the caller)
+    return ", ".join(f"{k}={saved[k]!r} -> {config[k]!r}" for k in changed[:4])
 
 
 def _auto(spec: Any) -> bool:

@@ -112,9 +112,38 @@ def _default_out() -> str:
 LOCK = ".lock"
 
 
-def _prepare_out(path: str, *, resume: Path | None) -> Path:
+def _continues_in_place(cfg: TrainConfig) -> Literal["checkpoint", "start over", False]:
+    """Whether ``cfg.out`` already holds this run, which then continues there with no flag changed: from its latest
+    complete checkpoint (``"checkpoint"``: the same command again, or torchrun restarting the workers after one
+    died), or from the start (``"start over"``: torchrun restarting a run that died before its first checkpoint,
+    whose saved config.toml has the same settings). Other settings are refused with a one-line error."""
+    from powertrain.train.checkpoint import config_changes
+
+    out = Path(str(cfg.out))
+    if (out / "checkpoints" / "latest").is_file():
+        return "checkpoint"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and (out / "config.toml").is_file():
+        diffs = config_changes(load_toml(out / "config.toml"), dataclasses.asdict(cfg))
+        if diffs:
+            raise ValueError(f"out={cfg.out!r} holds a run with other settings ({diffs}): choose another --out")
+        return "start over"
+    return False
+
+
+def _restarts_would_hang() -> bool:
+    """torchrun on several nodes, allowed to restart, sharing its rendezvous store with the workers (see
+    :func:`powertrain.train.loop._restart_store`)."""
+    env = os.environ
+    return (
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+        and env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")
+    )
+
+
+def _prepare_out(path: str, *, resume: Path | None, restart: bool = False) -> Path:
     """The run directory: created if needed, writable, and empty unless this run continues one of its own
-    checkpoints (``OUT/checkpoints/step_*``)."""
+    checkpoints (``OUT/checkpoints/step_*``) or torchrun restarts it (``restart``)."""
     if not path.strip():
         raise ValueError("out='' is not a directory: give --out a path")
     out = Path(path)
@@ -125,7 +154,7 @@ def _prepare_out(path: str, *, resume: Path | None) -> Path:
         probe.unlink()
     except OSError as e:
         raise ValueError(f"Cannot write to out={path!r}: {e.strerror or e}; choose another --out") from None
-    own = resume is not None and resume.parent.resolve() == (out / "checkpoints").resolve()
+    own = restart or (resume is not None and resume.parent.resolve() == (out / "checkpoints").resolve())
     if not own and any(p.name != LOCK for p in out.iterdir()):
         hint = f", or continue it with --resume {path}" if (out / "checkpoints" / "latest").is_file() else ""
         raise ValueError(f"out={path!r} is not empty (it holds another run): choose a new --out{hint}")
@@ -157,9 +186,11 @@ def _config_path(out: Path, resumed: bool) -> Path:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from powertrain.checkpoint import CheckpointError
     from powertrain.train.checkpoint import check_resumable, find_checkpoint
     from powertrain.train.data import check_source
     from powertrain.train.launch import under_torchrun
+    from powertrain.train.metrics import supersede
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     flags: dict[str, Any] = {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -170,9 +201,19 @@ def _train(args: argparse.Namespace) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     check_source(cfg)
     ckpt, world = None, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+    restart = cfg.resume is None and _continues_in_place(cfg)
+    if restart == "checkpoint":
+        cfg = dataclasses.replace(cfg, resume=cfg.out)
+        if rank0:
+            print(f"out={cfg.out!r} holds this run's checkpoints: continuing from the latest", flush=True)
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
         ckpt = find_checkpoint(cfg.resume)
-        manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))
+        try:
+            manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))
+        except CheckpointError as e:
+            if restart != "checkpoint":
+                raise
+            raise ValueError(f"out={cfg.out!r} holds a run that this command would continue, but {e}") from None
         saved = manifest.get("config", {}).get("compressor")
         if saved != cfg.compressor and isinstance(saved, str):  # rank=auto: the run continues with its choice
             cfg = dataclasses.replace(cfg, compressor=saved)
@@ -180,10 +221,19 @@ def _train(args: argparse.Namespace) -> int:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
             return 0
+    if rank0 and _restarts_would_hang():
+        warning = ("powertrain train: warning: torchrun --max-restarts across nodes needs "
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: torch shares one store across "
+                   "restarts (pytorch/pytorch#135712) and the restarted workers would not connect")  # fmt: skip
+        print(warning, file=sys.stderr, flush=True)
     if not rank0:
         return _launch(cfg, Path(str(cfg.out)))
-    out = _prepare_out(str(cfg.out), resume=ckpt)
+    out = _prepare_out(str(cfg.out), resume=ckpt, restart=restart == "start over")
     with _exclusive(out):
+        if restart == "start over":  # the earlier attempt's rows move to metrics.superseded.jsonl
+            print(f"torchrun restarted this run before its first checkpoint: starting it over in {out}", flush=True)
+            if not supersede(out, 0):
+                (out / "metrics.jsonl").unlink(missing_ok=True)
         config = _config_path(out, ckpt is not None)
         config.write_text(to_toml(cfg))
         if not cfg.quiet:

@@ -42,11 +42,34 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         if alone:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        elif (store := _restart_store(timeout)) is not None:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store of a worker that torchrun restarted on a single node, or None (use env://).
+
+    torchrun hands its workers its own rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``) and, in torch 2.x, keeps
+    it across restarts without separating the attempts (pytorch/pytorch#135712): restarted gloo workers read the
+    dead ones' addresses and fail to connect. On one node every worker has the same restart count, which keys a
+    fresh namespace; across nodes each agent counts its own restarts, so there torchrun needs
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a store per attempt), which the train command asks for at start-up.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    world = int(os.environ["WORLD_SIZE"])
+    if attempt == 0 or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) != world:
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                           timeout=timeout)  # fmt: skip
+    return dist.PrefixStore(f"powertrain/attempt_{attempt}", client)
 
 
 def build_model(cfg: TrainConfig, data: TokenData | ClassData) -> torch.nn.Module:

@@ -54,6 +54,26 @@ class Progress:
         self.stream.flush()
 
 
+def supersede(out: Path, step: int) -> list[dict[str, Any]]:
+    """Keep the rows of ``OUT/metrics.jsonl`` up to ``step`` and return them. Later rows belong to a trajectory
+    that a resumed or restarted run replaces: they move to ``metrics.superseded.jsonl`` (appended), nothing is
+    deleted."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines]
+    kept = [r for r in rows if r["step"] <= step]
+    later = [line for line, r in zip(lines, rows, strict=True) if r["step"] > step]
+    if later:
+        with (out / "metrics.superseded.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in later))
+        tmp = out / "metrics.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(path)
+    return kept
+
+
 class RunWriter:
     """Files of one run directory (rank 0)."""
 
@@ -64,18 +84,7 @@ class RunWriter:
         if self.metrics_path.exists():
             if resume_step is None:
                 raise AssertionError(f"{self.metrics_path} exists: a new run must start in an empty directory")
-            # Continue the same log. Rows after the checkpoint we resume from belong to a trajectory this run
-            # replaces: they move to metrics.superseded.jsonl (appended), nothing is deleted.
-            lines = [line for line in self.metrics_path.read_text().splitlines() if line.strip()]
-            rows = [json.loads(line) for line in lines]
-            self.rows = [r for r in rows if r["step"] <= resume_step]
-            later = [line for line, r in zip(lines, rows, strict=True) if r["step"] > resume_step]
-            if later:
-                with (out / "metrics.superseded.jsonl").open("a") as f:
-                    f.write("".join(line + "\n" for line in later))
-                tmp = out / "metrics.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
-                tmp.replace(self.metrics_path)
+            self.rows = supersede(out, resume_step)  # continue the same log
         else:
             self.metrics_path.touch()
         self.tb = None

@@ -1,0 +1,69 @@
+"""Elastic recovery under torch's own launcher: ``torchrun --max-restarts 1`` restarts the workers after one is
+killed with SIGKILL mid-run, and the unchanged ``powertrain train`` command continues from the latest complete
+checkpoint in its run directory. The losses it logs equal an uninterrupted run's bitwise: the restarted steps
+repeat the same operations on the same bits (weights, optimizer, error feedback and data streams all come from
+the checkpoint)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from cli_utils import run_cli
+
+STEPS, EVERY = 120, 40
+RUN = ["train", "--preset", "tiny", "--quiet", "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_path):
+    ref = tmp_path / "ref"
+    r = run_cli(*RUN, "--out", str(ref), timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    out = tmp_path / "elastic"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "1", "-m", "powertrain", *RUN, "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        # kill one worker after the first checkpoint, between two checkpoints
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoints" / "latest").is_file() or len(_rows(out)) <= EVERY + 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "training did not reach its first checkpoint"
+            time.sleep(0.05)
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[1], signal.SIGKILL)
+        killed_at = len(_rows(out))
+        out_text, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert killed_at < STEPS, f"the run ended before the kill (step {killed_at}): raise STEPS"
+    assert proc.returncode == 0, err[-3000:]
+    assert "continuing from the latest" in out_text, out_text[-2000:]  # the restart resumed
+    rows, expect = _rows(out), _rows(ref)
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert [row["loss"] for row in rows] == [row["loss"] for row in expect]
+    superseded = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded and all(row["step"] > EVERY for row in superseded)  # the steps the restart redid, kept
