@@ -7,6 +7,7 @@ the checkpoint)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -15,7 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cli_utils import run_cli
+from powertrain.train.cli import _continues_in_place
+from powertrain.train.config import resolve, to_toml
 
 STEPS, EVERY = 120, 40
 RUN = ["train", "--preset", "tiny", "--quiet", "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
@@ -67,3 +72,19 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_pat
     assert [row["loss"] for row in rows] == [row["loss"] for row in expect]
     superseded = [json.loads(line) for line in (out / "metrics.superseded.jsonl").read_text().splitlines()]
     assert superseded and all(row["step"] > EVERY for row in superseded)  # the steps the restart redid, kept
+
+
+def test_a_restart_before_the_first_checkpoint_starts_over_and_other_settings_are_refused(tmp_path, monkeypatch):
+    """What the command decides from the run directory alone (no workers): the same settings continue in place,
+    from the start when torchrun restarts a run that had no checkpoint yet; a first attempt never takes over."""
+    cfg = dataclasses.replace(resolve("tiny", None, {}), out=str(tmp_path))
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert _continues_in_place(cfg) is False  # not a restart: the directory is another run's
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _continues_in_place(cfg) == "start over"
+    with pytest.raises(ValueError, match=r"other settings \(lr=0.001 -> 0.01\)"):
+        _continues_in_place(dataclasses.replace(cfg, lr=0.01))
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
+    assert _continues_in_place(cfg) == "checkpoint"
