@@ -14,7 +14,10 @@ from powertrain.train.model import GPT
 
 @pytest.mark.timeout(300)
 def test_quality_bench_tiny(tmp_path):
-    rows = [ROWS[0], ROWS[3], ROWS[4]]  # fp32, torch's hook r4, powertrain r4
+    by_label = {r.label: r for r in ROWS}
+    r4 = by_label["powertrain powersgd r4 (alternating)"]
+    frozen_fp32 = next(r for r in ROWS if r.kind == "none" and r.optimizer_options)
+    rows = [ROWS[0], by_label["torch powerSGD_hook r4"], r4, frozen_fp32]
     target_md = tmp_path / "B.md"
     report = run_quality_bench(preset="tiny", rows=rows, out=str(tmp_path / "out"), write=str(target_md),
                                run_to_target=True)  # fmt: skip
@@ -22,13 +25,14 @@ def test_quality_bench_tiny(tmp_path):
     p = PRESETS["tiny"]
     [h] = report["horizons"]
     assert h["steps"] == 8 and [r["label"] for r in h["rows"]] == [r.label for r in rows]
-    fp32, hook, ours = h["rows"]
+    fp32, hook, ours, frozen = h["rows"]
+    assert frozen["val_mean"] != fp32["val_mean"]  # the row's optimizer options reach its optimizer
     assert h["target"] == pytest.approx(1.01 * fp32["val_mean"], rel=1e-12)
     assert fp32["fraction"] == 1.0 and fp32["warm"] == 0 and ours["warm"] == p.start == hook["warm"]
     # Bytes: powertrain's are counted as sent; after the warm-up's dense steps they must equal what the compressor
     # says a rank-4 step sends (alternating: P and Q on alternate steps, so the 6 compressed steps average them).
     model = GPT(p.model)
-    low = network._model_bytes(Spec("r4", "powersgd", dict(ROWS[4].options)), model)["all_reduce"]
+    low = network._model_bytes(Spec("r4", "powersgd", dict(r4.options)), model)["all_reduce"]
     assert ours["bytes_per_step"] == pytest.approx(low, rel=1e-9)
     assert ours["bytes"] == pytest.approx(p.start * fp32["dense_per_step"] + (8 - p.start) * low, rel=1e-9)
     assert ours["fraction"] < 0.5

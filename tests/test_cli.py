@@ -88,7 +88,7 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
 
 @pytest.mark.parametrize(
     "mode",
-    [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2,start=2"],
+    [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2,start=2", "--adam-freeze", "0.3"],
      ["ddp", "none", *_SHAMPOO, "--shampoo-vectors", "shampoo"],
      ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
@@ -100,7 +100,8 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
-    momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own. (RTP's bitwise
+    momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own. The
+    simple_fsdp-powersgd run's AdamW freezes its second moment after 2 steps, before the checkpoint at 4. (RTP's bitwise
     resume through the same DCP state dicts is in test_rtp; test_data_sources_and_parallel_modes runs it here.)"""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = ["train", "--preset", "tiny", "--steps", "8", "--parallel", mode[0], "--compressor", mode[1], "--quiet",
@@ -250,6 +251,8 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
         (["--galore-scale", "0"], "galore_scale=0"),
         (["--demo-decay", "1"], "demo_decay=1"),
+        (["--adam-freeze", "1"], "Invalid adam_freeze=1.0: must be a fraction of the steps in [0, 1)"),
+        (["--adam-freeze", "0.1", "--optimizer", "sgd"], "freezes AdamW's second moment; optimizer='sgd' has none"),
         (["--shampoo-comm-dtype", "fp8"], "invalid choice: 'fp8'"),
         (["--shampoo-vectors", "diagonal"], "invalid choice: 'diagonal'"),
         (["--data", "textdir"], "needs data_path"),

@@ -29,7 +29,7 @@ from typing import Any
 from powertrain.bench import network
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
-from powertrain.train.config import DEFAULT_START
+from powertrain.train.config import ADAM_FREEZE, DEFAULT_START
 from powertrain.train.launch import launch
 from powertrain.train.model import GPT, GPTConfig
 
@@ -42,18 +42,26 @@ class Row:
     label: str
     kind: str  # a powertrain compressor name, or torch_psgd (torch's DDP hook)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: TrainConfig fields of the row's optimizer (AdamW with the command's schedule), e.g. {"adam_freeze": 0.1}
+    optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+
+_R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
+_FROZEN = {"adam_freeze": ADAM_FREEZE}
 
 ROWS = [
     Row("fp32 all-reduce", "none"),
+    Row(f"fp32 all-reduce, AdamW frozen at {ADAM_FREEZE:g}", "none", optimizer_options=_FROZEN),
     Row("bf16 all-reduce", "bf16"),
     Row("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
     Row("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     Row("powertrain powersgd r4 (alternating)", "powersgd", {"rank": 4, "variant": "alternating"}),
+    Row("powertrain powersgd r32 paper, bf16 factors", "powersgd", _R32),
     Row(
-        "powertrain powersgd r32 paper, bf16 factors (the default)",
+        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default)",
         "powersgd",
-        {"rank": 32, "variant": "paper", "factor_dtype": "bf16"},
+        _R32,
+        optimizer_options=_FROZEN,
     ),
     Row("powertrain int4", "int4"),
 ]
@@ -78,13 +86,13 @@ PRESETS = {
 
 def _specs(rows: list[Row], steps: int, start: int, target: float | None) -> list[Spec]:
     out = []
-    for r in rows:
+    for i, r in enumerate(rows):
         opts = dict(r.options)
         if r.kind == "powersgd":
             opts.setdefault("start_compressing_after_num_steps", start)
-        extra = 0 if target is None or r.kind == "none" else 2 * steps
+        extra = 0 if target is None or i == 0 else 2 * steps  # the first row, fp32, sets the target
         out.append(Spec(r.label, r.kind, opts, steps=steps, optimizer="adamw", extra_steps=extra,
-                        stop_below=target if extra else None))  # fmt: skip
+                        optimizer_options=dict(r.optimizer_options), stop_below=target if extra else None))  # fmt: skip
     return out
 
 
@@ -207,10 +215,12 @@ def markdown(report: dict[str, Any], p: Preset) -> str:
     return (
         "## Quality: validation loss, bytes and time to a target loss\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), 2 "
-        f"workers, {p.batch}x{p.model.block_size} tokens per worker per step, AdamW with `powertrain train`'s schedule "
-        f"over each horizon, {p.seeds} seeds (initial weights and training batches), validation every "
-        f"{p.eval_every} steps on the same held-out batches. PowerSGD rows compress after {p.start} exact steps; bytes "
-        "are a worker's total over the run, warm-up included. Time to target: steps to target x step time from the "
-        "serial model (compute-only step and compression time measured here, bytes over a ring all-reduce), '-' "
+        f"workers, {p.batch}x{p.model.block_size} tokens per worker per step, AdamW with `powertrain train`'s "
+        "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
+        f"steps, powertrain.optim.FrozenVarianceAdamW), {p.seeds} seeds (initial weights and training batches), "
+        f"validation every {p.eval_every} steps on the same held-out batches. PowerSGD rows compress after {p.start} "
+        "exact steps; bytes are a worker's total over the run, warm-up included. Time to target: steps to target x "
+        "step time from the serial model (compute-only step and compression time measured here, bytes over a ring "
+        "all-reduce), '-' "
         "where some seed did not reach it.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n"
     )

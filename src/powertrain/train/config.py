@@ -63,6 +63,9 @@ def default_compressor(steps: int) -> str:
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: The fraction of the steps after which AdamW's second moment freezes, measured with PowerSGD (README, "What it
+#: costs, measured"): bench quality's rows and ``--adam-freeze``'s suggested value.
+ADAM_FREEZE = 0.1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -84,6 +87,9 @@ class TrainConfig:
     warmup_steps: int = 20
     weight_decay: float = 0.1
     momentum: float = 0.9
+    #: AdamW's second moment freezes after this fraction of the steps (powertrain.optim.FrozenVarianceAdamW; 0:
+    #: never, torch's AdamW).
+    adam_freeze: float = 0.0
     shampoo_frequency: int = 50  # with blocks of 256: bench optimizers' configuration (overhead in BENCHMARKS.md)
     shampoo_max_dim: int = 256
     shampoo_preconditioner: ShampooPreconditioner = "shampoo"
@@ -213,6 +219,13 @@ class TrainConfig:
             plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
+        if not 0 <= self.adam_freeze < 1:
+            raise ValueError(f"Invalid adam_freeze={self.adam_freeze!r}: must be a fraction of the steps in [0, 1)")
+        if self.adam_freeze and self.optimizer != "adamw":
+            raise ValueError(
+                f"adam_freeze={self.adam_freeze!r} freezes AdamW's second moment; optimizer={self.optimizer!r} has "
+                "none: drop adam_freeze or use optimizer='adamw'"
+            )
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(
                 f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "

@@ -1,7 +1,8 @@
 """The optimizer of ``powertrain train`` (``--optimizer``), built from the config in one place.
 
 * ``adamw``, ``sgd``: torch's; their state is replicated (or DTensor-sharded under FSDP) and goes into the
-  DCP checkpoint as usual.
+  DCP checkpoint as usual. With ``adam_freeze`` > 0, ``adamw`` is :class:`powertrain.optim.FrozenVarianceAdamW`
+  (AdamW whose second moment freezes after that fraction of the steps; same state keys).
 * ``shampoo``: :class:`powertrain.optim.DistributedShampoo` (grafting Adam). Under DDP its blocks are spread over
   the ranks; under ``fsdp``/``simple_fsdp`` each rank preconditions its own shards.
 * ``galore``: :class:`powertrain.optim.GaLoreAdamW` on the 2-D weights inside the model's blocks (attention and
@@ -66,6 +67,12 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
     params = [p for p in model.parameters() if p.requires_grad]
     match cfg.optimizer:
         case "adamw":
+            if cfg.adam_freeze:
+                from powertrain.optim import FrozenVarianceAdamW
+
+                frozen = FrozenVarianceAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                                             freeze_after=max(1, round(cfg.adam_freeze * cfg.steps)))  # fmt: skip
+                return Built(frozen, per_rank=False, stats=None)
             adamw = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
             return Built(adamw, per_rank=False, stats=None)
         case "sgd":

@@ -1,0 +1,102 @@
+"""AdamW whose second moment stops moving after a warm-up: the optimizer side of error feedback.
+
+Error feedback (PowerSGD, top-k, sign, ...) delivers every gradient component in full, but late: what a step's
+compressed message misses accumulates in the error buffer and arrives in a later step, often as a burst. SGD
+with momentum is linear in the gradients, so a late component moves the weights as far as an on-time one. Adam
+is not: the burst raises the second moment of its coordinates, and dividing by it shrinks exactly the delayed
+update (with beta2 = 0.95 a burst k times a coordinate's usual gradient moves it by about
+``1 / sqrt(1 - beta2) ~ 4.5`` steps' worth instead of k). DeepSpeed's 1-bit Adam (Tang et al., ICML 2021)
+therefore runs exact Adam for a warm-up and then freezes the variance, after which the update
+``m_hat / (sqrt(v_hat) + eps)`` is linear in the gradients and error feedback's delay costs nothing.
+
+:class:`FrozenVarianceAdamW` is torch's AdamW, operation for operation (bitwise equal to
+``torch.optim.AdamW(foreach=False)``), for its first ``freeze_after`` steps; from then on each parameter's
+denominator is ``sqrt(v_hat) + eps`` with the bias-corrected second moment ``v_hat`` of step ``freeze_after``,
+which ``exp_avg_sq`` holds from then on (the state keeps AdamW's keys, so checkpoints load into a fresh optimizer
+like AdamW's). Weight decay (decoupled), the first moment and its bias correction continue as in AdamW.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["FrozenVarianceAdamW"]
+
+
+class FrozenVarianceAdamW(torch.optim.Optimizer):
+    """AdamW for ``freeze_after`` steps, then with each parameter's second moment frozen (see the module).
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        freeze_after: AdamW steps before the second moment freezes (>= 1); counted per parameter, so a
+            parameter that skipped steps (no gradient) freezes later.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        freeze_after: int,
+    ) -> None:
+        if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
+            raise ValueError(f"Invalid freeze_after={freeze_after!r}: must be an integer >= 1 (AdamW steps first)")
+        limits = {"lr": (lr, lr >= 0, ">= 0"), "eps": (eps, eps > 0, "> 0"),
+                  "weight_decay": (weight_decay, weight_decay >= 0, ">= 0"),
+                  "betas": (betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two in [0, 1)")}  # fmt: skip
+        for name, (value, ok, what) in limits.items():
+            if not ok:
+                raise ValueError(f"Invalid {name}={value!r}: must be {what}")
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "freeze_after": freeze_after}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, freeze = group["lr"], group["eps"], group["weight_decay"], group["freeze_after"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("FrozenVarianceAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                _update(p, p.grad, state, lr=lr, beta1=beta1, beta2=beta2, eps=eps, wd=wd, freeze=freeze)
+        return loss
+
+
+def _update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float,
+            eps: float, wd: float, freeze: int) -> None:  # fmt: skip
+    """One step of one parameter: torch's single-tensor AdamW (same operations, same order) up to the freeze; after
+    it, ``exp_avg_sq`` holds the frozen, bias-corrected second moment of step ``freeze``."""
+    state["step"] += 1
+    step = state["step"].item()
+    if wd != 0:
+        p.mul_(1 - lr * wd)
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    exp_avg.lerp_(grad, 1 - beta1)
+    step_size = lr / (1 - beta1**step)
+    if step > freeze:
+        p.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-step_size)
+        return
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction2 = 1 - beta2**step
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+    if step == freeze:  # v_hat, fixed from now on
+        exp_avg_sq.div_(bias_correction2)
