@@ -131,26 +131,6 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert all(row["bytes_sent"] > 0 for row in rows), rows
 
 
-def test_torchrun_runs_the_same_command(tmp_path):
-    """README: under torchrun the command trains in the world it is given, and ends on its own (a group with
-    peers is left to the process's exit, see launch.leave_world). Same two processes, same thread count, same
-    kernels, same data order as the command's own launcher: identical operations in identical order, so the
-    losses are bitwise equal."""
-    args = ["train", "--preset", "tiny", "--parallel", "ddp", "--steps", "3", "--quiet"]
-    one_thread = {"OMP_NUM_THREADS": "1"}  # torchrun's default for its workers; the launcher's run gets it too
-    r = _run("--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-             "-m", "powertrain", *args, "--out", str(tmp_path / "torchrun"), module="torch.distributed.run",
-             env=one_thread)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = _run(*args, "--out", str(tmp_path / "launcher"), env=one_thread)
-    assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["parallel"] == "ddp"
-    a, b = (_metrics(tmp_path / d) for d in ("torchrun", "launcher"))
-    assert [row["step"] for row in a] == [1, 2, 3]
-    assert [row["loss"] for row in a] == [row["loss"] for row in b]
-
-
 def test_shampoo_fallbacks_are_reported_once():
     from powertrain.train.loop import _roots_text
 

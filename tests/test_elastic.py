@@ -1,8 +1,9 @@
-"""Elastic recovery under torch's own launcher: ``torchrun --max-restarts 1`` restarts the workers after one is
-killed with SIGKILL mid-run, and the unchanged ``powertrain train`` command continues from the latest complete
-checkpoint in its run directory. The losses it logs equal an uninterrupted run's bitwise: the restarted steps
-repeat the same operations on the same bits (weights, optimizer, error feedback and data streams all come from
-the checkpoint)."""
+"""The command under torch's own launcher, and elastic recovery: ``torchrun --max-restarts 1`` trains in the world
+it is given (README), restarts the workers after one is killed with SIGKILL mid-run, and the unchanged
+``powertrain train`` command continues from the latest complete checkpoint in its run directory and ends on its
+own. The losses it logs equal those of the command's own launcher, uninterrupted, bitwise: the same two
+processes, thread count, kernels and data order, and the restarted steps repeat the same operations on the same
+bits (weights, optimizer, error feedback and data streams all come from the checkpoint)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from powertrain.train.cli import _continues_in_place
 from powertrain.train.config import resolve, to_toml
 
 STEPS, EVERY = 120, 40
-RUN = ["train", "--preset", "tiny", "--quiet", "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
+RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--checkpoint-every",
+       str(EVERY)]  # fmt: skip
 
 
 def _rows(out: Path) -> list[dict]:
@@ -44,8 +46,9 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
 
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
-           "1", "-m", "powertrain", *RUN, "--out", str(out)]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
+           "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "1", "-m", "powertrain", *RUN, "--out",
+           str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)  # fmt: skip
@@ -67,6 +70,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_pat
     assert killed_at < STEPS, f"the run ended before the kill (step {killed_at}): raise STEPS"
     assert proc.returncode == 0, err[-3000:]
     assert "continuing from the latest" in out_text, out_text[-2000:]  # the restart resumed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["parallel"] == "ddp"
     rows, expect = _rows(out), _rows(ref)
     assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
     assert [row["loss"] for row in rows] == [row["loss"] for row in expect]
