@@ -154,21 +154,32 @@ def _bad(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+#: World-size-independent mechanics (a mixed-precision policy's dtypes, refusals) run at 2 ranks only; parity,
+#: conservation under sharding, quantized all-gather and resume run at 2 and 4.
+MECHANICS_WORLDS = (2,)
+
+
+def _mechanics(world: int) -> None:
+    if world not in MECHANICS_WORLDS:
+        pytest.skip(f"world-size-independent FSDP2 mechanics: run at {MECHANICS_WORLDS} ranks")
+
+
 def fsdp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     res: dict[str, Any] = {"plain": guard(_train, rank, world, None, {})}
     for case_name, (name, opts) in CASES.items():
         res[f"train/{case_name}"] = guard(_train, rank, world, name, opts)
     for case_name in LOSSY:
         res[f"conserve/{case_name}"] = guard(_conservation, rank, world, *CASES[case_name])
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    res["mp/plain"] = guard(_train, rank, world, None, {}, steps=10, mp=mp)
-    for case_name in ("none", "powersgd", "int8"):
-        res[f"mp/{case_name}"] = guard(_train, rank, world, *CASES[case_name], steps=10, mp=mp)
+    if world in MECHANICS_WORLDS:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        res["mp/plain"] = guard(_train, rank, world, None, {}, steps=10, mp=mp)
+        for case_name in ("none", "powersgd", "int8"):
+            res[f"mp/{case_name}"] = guard(_train, rank, world, *CASES[case_name], steps=10, mp=mp)
+        res["bad"] = guard(_bad, rank, world)
     res["qsdp"] = guard(_train, rank, world, None, {}, qag=True)
     res["qsdp_int8"] = guard(_train, rank, world, *CASES["int8"], qag=True)
     for case_name in LOSSY:
         res[f"resume_full/{case_name}"] = guard(_resume, rank, world, case_name, ckpt, "full")
-    res["bad"] = guard(_bad, rank, world)
     dist.barrier()
     return res
 
@@ -192,8 +203,9 @@ def test_lossless_equals_plain_fsdp_bitwise(results):
     collective), with and without a mixed-precision policy."""
     for a, b in zip(case(results[1], "plain"), case(results[1], "train/none"), strict=True):
         assert torch.equal(a["params"], b["params"])
-    for a, b in zip(case(results[1], "mp/plain"), case(results[1], "mp/none"), strict=True):
-        assert torch.equal(a["params"], b["params"])
+    if results[0] in MECHANICS_WORLDS:
+        for a, b in zip(case(results[1], "mp/plain"), case(results[1], "mp/none"), strict=True):
+            assert torch.equal(a["params"], b["params"])
 
 
 # (final - exact final) / initial loss: the compressors' approximation error, not rounding (as under DDP); worst
@@ -231,6 +243,7 @@ def test_error_feedback_conserves_under_sharding(results, name):
 
 @pytest.mark.parametrize("name", ["powersgd", "int8"])
 def test_mixed_precision_policy(results, name):
+    _mechanics(results[0])
     runs = case(results[1], f"mp/{name}")
     same_on_all_ranks(runs)
     assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
@@ -258,6 +271,7 @@ def test_resume_is_bitwise(results, name, how):
 
 
 def test_unsupported_is_refused_clearly(results):
+    _mechanics(results[0])
     for r in case(results[1], "bad"):
         assert "cannot run under FSDP2" in r["topk"]
         assert "got no gradient" in r["missing_grad"]
