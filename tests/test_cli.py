@@ -206,6 +206,19 @@ def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
     assert (out / "checkpoints" / "latest").exists()
 
 
+def test_help_shows_each_default(capsys):
+    from powertrain.train.config import DEFAULT_START, RECOMMENDED_POWERSGD
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for expect in ("--steps STEPS default: 300", "--lr LR default: 0.001", "(default: adamw)",
+                   f"(default: {RECOMMENDED_POWERSGD},start={DEFAULT_START} (none with simple_fsdp",
+                   "(ignored under torchrun, which sets the world) (default: 2)"):  # fmt: skip
+        assert expect in text, expect
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -14,7 +14,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from powertrain.train.config import PRESETS, TrainConfig, load_toml, resolve, to_toml
+from powertrain.train.config import (
+    DEFAULT_START,
+    PRESETS,
+    RECOMMENDED_POWERSGD,
+    TrainConfig,
+    load_toml,
+    resolve,
+    to_toml,
+)
 
 _HELP = {
     "model": "gpt (text) or resnet (mnist1d)",
@@ -57,6 +65,22 @@ _HELP = {
 }
 
 
+#: What an empty or None default means, for --help.
+_DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} (none with simple_fsdp, rtp, tp and "
+                               "optimizer demo)",
+                 "out": "runs/<timestamp>"}  # fmt: skip
+
+
+def _help(f: dataclasses.Field[Any]) -> str:
+    """The flag's help with the default the command uses when neither the flag nor a config file sets it (the
+    default preset's value)."""
+    default = _DEFAULT_TEXT.get(f.name, f.default)
+    text = _HELP.get(f.name, "")
+    if isinstance(default, bool) or default is None or default == "":
+        return text
+    return f"{text} (default: {default})" if text else f"default: {default}"
+
+
 def _add_train_flags(p: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -67,9 +91,9 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
         if base is bool:
             p.add_argument(flag, action="store_true", default=None, help=_HELP.get(f.name))
         elif typing.get_origin(base) is Literal:
-            p.add_argument(flag, choices=typing.get_args(base), default=None, help=_HELP.get(f.name))
+            p.add_argument(flag, choices=typing.get_args(base), default=None, help=_help(f))
         else:
-            p.add_argument(flag, type=base, default=None, help=_HELP.get(f.name))
+            p.add_argument(flag, type=base, default=None, help=_help(f))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
