@@ -63,9 +63,6 @@ def default_compressor(steps: int) -> str:
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-#: The fraction of the steps after which AdamW's second moment freezes, measured with PowerSGD (README, "What it
-#: costs, measured"): bench quality's rows and ``--adam-freeze``'s suggested value.
-ADAM_FREEZE = 0.1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
