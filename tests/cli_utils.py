@@ -13,21 +13,22 @@ from pathlib import Path
 import pytest
 
 
-def _descendants(pid: int) -> list[int]:
-    """Child processes, depth first, from /proc (no psutil needed)."""
-    out = []
+def children(pid: int) -> list[int]:
+    """A process's direct children, from /proc (no psutil needed); [] once it is gone."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return out
+        return []
+    out = []
     for tid in tasks:
-        try:
-            children = Path(f"/proc/{pid}/task/{tid}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            out += [child, *_descendants(child)]
+        with contextlib.suppress(OSError):
+            out += map(int, Path(f"/proc/{pid}/task/{tid}/children").read_text().split())
     return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes, depth first."""
+    return [d for child in children(pid) for d in (child, *_descendants(child))]
 
 
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: str = "powertrain",

@@ -7,7 +7,6 @@ bits (weights, optimizer, error feedback and data streams all come from the chec
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -19,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from cli_utils import run_cli
+from cli_utils import children, run_cli
 from powertrain.train.cli import _continues_in_place
 from powertrain.train.config import resolve, to_toml
+from powertrain.train.launch import torchrun_shared_store
 
 STEPS, EVERY = 120, 40
 RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--checkpoint-every",
@@ -32,12 +32,6 @@ def _rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     text = path.read_text() if path.exists() else ""
     return [json.loads(line) for line in text.splitlines() if line.strip()]
-
-
-def _children(pid: int) -> list[int]:
-    with contextlib.suppress(OSError):
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    return []
 
 
 def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_path):
@@ -58,7 +52,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_pat
         while not (out / "checkpoints" / "latest").is_file() or len(_rows(out)) <= EVERY + 3:
             assert proc.poll() is None and time.monotonic() < deadline, "training did not reach its first checkpoint"
             time.sleep(0.05)
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
         killed_at = len(_rows(out))
@@ -93,3 +87,15 @@ def test_a_restart_before_the_first_checkpoint_starts_over_and_other_settings_ar
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
     assert _continues_in_place(cfg) == "checkpoint"
+
+
+def test_where_torchrun_shares_its_store(monkeypatch):
+    """One node: restarted workers key a namespace by the restart count. Across nodes: the command warns."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    assert torchrun_shared_store() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert torchrun_shared_store() == "one node"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert torchrun_shared_store() == "nodes"

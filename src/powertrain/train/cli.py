@@ -156,17 +156,6 @@ def _continues_in_place(cfg: TrainConfig) -> Literal["checkpoint", "start over",
     return False
 
 
-def _restarts_would_hang() -> bool:
-    """torchrun on several nodes, allowed to restart, sharing its rendezvous store with the workers (see
-    :func:`powertrain.train.loop._restart_store`)."""
-    env = os.environ
-    return (
-        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
-        and env.get("LOCAL_WORLD_SIZE") != env.get("WORLD_SIZE")
-    )
-
-
 def _prepare_out(path: str, *, resume: Path | None, restart: bool = False) -> Path:
     """The run directory: created if needed, writable, and empty unless this run continues one of its own
     checkpoints (``OUT/checkpoints/step_*``) or torchrun restarts it (``restart``)."""
@@ -215,7 +204,7 @@ def _train(args: argparse.Namespace) -> int:
     from powertrain.checkpoint import CheckpointError
     from powertrain.train.checkpoint import check_resumable, find_checkpoint
     from powertrain.train.data import check_source
-    from powertrain.train.launch import under_torchrun
+    from powertrain.train.launch import torchrun_shared_store, under_torchrun
     from powertrain.train.metrics import supersede
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -247,7 +236,8 @@ def _train(args: argparse.Namespace) -> int:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
             return 0
-    if rank0 and _restarts_would_hang():
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if rank0 and restarts and torchrun_shared_store() == "nodes":  # see powertrain.train.loop._restart_store
         warning = ("powertrain train: warning: torchrun --max-restarts across nodes needs "
                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: torch shares one store across "
                    "restarts (pytorch/pytorch#135712) and the restarted workers would not connect")  # fmt: skip
@@ -258,8 +248,8 @@ def _train(args: argparse.Namespace) -> int:
     with _exclusive(out):
         if restart == "start over":  # the earlier attempt's rows move to metrics.superseded.jsonl
             print(f"torchrun restarted this run before its first checkpoint: starting it over in {out}", flush=True)
-            if not supersede(out, 0):
-                (out / "metrics.jsonl").unlink(missing_ok=True)
+            supersede(out, 0)  # every row (steps start at 1); a new run's log must not exist
+            (out / "metrics.jsonl").unlink(missing_ok=True)
         config = _config_path(out, ckpt is not None)
         config.write_text(to_toml(cfg))
         if not cfg.quiet:

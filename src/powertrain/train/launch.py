@@ -31,7 +31,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -43,6 +43,15 @@ T = TypeVar("T")
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def torchrun_shared_store() -> Literal["one node", "nodes"] | None:
+    """Where torchrun hands its workers its own rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``), which torch 2.x
+    keeps across restarts without separating the attempts (pytorch/pytorch#135712): on ``"one node"`` (every worker
+    has the same restart count) or across ``"nodes"`` (each agent counts its own); None when it does not."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return "one node" if os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE") else "nodes"
 
 
 def leave_world() -> None:

@@ -20,7 +20,7 @@ from powertrain.compress.auto import Choice, choose, measure_link, slowest
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
 from powertrain.train.config import RECOMMENDED_COST, RECOMMENDED_POWERSGD, TrainConfig, is_auto, parse_compressor
 from powertrain.train.data import ClassData, TokenData, load_data
-from powertrain.train.launch import leave_world
+from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
@@ -55,18 +55,15 @@ def _init_distributed(cfg: TrainConfig) -> torch.device:
 def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     """The store of a worker that torchrun restarted on a single node, or None (use env://).
 
-    torchrun hands its workers its own rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``) and, in torch 2.x, keeps
-    it across restarts without separating the attempts (pytorch/pytorch#135712): restarted gloo workers read the
-    dead ones' addresses and fail to connect. On one node every worker has the same restart count, which keys a
-    fresh namespace; across nodes each agent counts its own restarts, so there torchrun needs
+    torchrun's shared store (:func:`~powertrain.train.launch.torchrun_shared_store`) still holds the dead workers'
+    addresses, which restarted gloo workers would read and fail to connect to. On one node every worker has the
+    same restart count, which keys a fresh namespace; across nodes torchrun needs
     ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a store per attempt), which the train command asks for at start-up.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    world = int(os.environ["WORLD_SIZE"])
-    if attempt == 0 or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) != world:
+    if attempt == 0 or torchrun_shared_store() != "one node":
         return None
+    world = int(os.environ["WORLD_SIZE"])
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                            timeout=timeout)  # fmt: skip
     return dist.PrefixStore(f"powertrain/attempt_{attempt}", client)
