@@ -352,3 +352,23 @@ def test_bad_registration_is_refused(results):
         assert "needs a DistributedDataParallel" in r["not_ddp"]
         assert "build it from ddp_model.module" in r["other_params"]
         assert "needs a powertrain Compressor" in r["not_compressor"]
+
+
+def test_a_failed_hook_is_recorded_before_backward_can_see_it():
+    """DDP's backward raises as soon as a hook's future fails, with a RuntimeError that has lost the exception's
+    type; ``take_error()`` must already hold the original then. (It was once recorded by a done-callback, which
+    can run after the waiter wakes: the train command then reported ``Unable to cast ...``.)"""
+    from powertrain.compress import NonFiniteGradientError
+    from powertrain.ddp import _Chain, _Sequencer
+
+    def program():
+        raise NonFiniteGradientError("rank 0: non-finite gradient")
+        yield  # a generator, as compressors' programs are
+
+    seen: list[tuple[BaseException, bool]] = []
+    chain = _Chain(program(), _Sequencer([]), 0, lambda _: None, lambda e: seen.append((e, chain.future.done())))
+    fut = chain.start()
+    assert len(seen) == 1 and isinstance(seen[0][0], NonFiniteGradientError), seen
+    assert seen[0][1] is False, "the failure was recorded only after the future had completed"
+    with pytest.raises(NonFiniteGradientError):
+        fut.wait()

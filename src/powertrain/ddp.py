@@ -86,10 +86,16 @@ class _Sequencer:
 class _Chain:
     """Runs one program: each collective's completion advances the program to the next one."""
 
-    def __init__(self, program: Program, seq: _Sequencer, call: int, done: Callable[[list[torch.Tensor]], None]):
-        self.program, self.seq, self.call, self.done = program, seq, call, done
+    def __init__(self, program: Program, seq: _Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
+                 failed: Callable[[BaseException], None]) -> None:  # fmt: skip
+        self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
         self.future: torch.futures.Future = torch.futures.Future()
         self.phase = 0
+
+    def _fail(self, e: BaseException) -> None:
+        # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
+        self.failed(e)
+        self.future.set_exception(e)
 
     def start(self) -> torch.futures.Future:
         self._advance(None)
@@ -106,11 +112,11 @@ class _Chain:
             try:
                 self.done(stop.value)
             except BaseException as e:
-                self.future.set_exception(e)
+                self._fail(e)
             return
         except BaseException as e:
             self.seq.finish(self.call, self.phase)
-            self.future.set_exception(e)
+            self._fail(e)
             return
         phase = self.phase
         self.phase += 1
@@ -135,7 +141,7 @@ class _Chain:
         except BaseException as e:
             self.program.close()
             self.seq.finish(self.call, self.phase)
-            self.future.set_exception(e)
+            self._fail(e)
             return
         self._advance(out)
 
@@ -172,18 +178,12 @@ class DDPCompressionHook:
                 g.copy_(a)
             chain.future.set_result(buffer)
 
-        chain = _Chain(self.compressor.program(grads, idx), self._seq, self._calls, done)
+        def failed(e: BaseException) -> None:
+            self._error = self._error or e
+
+        chain = _Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed)
         self._calls += 1
-        fut = chain.start()
-
-        def record(f: torch.futures.Future) -> None:
-            try:
-                f.wait()
-            except BaseException as e:
-                self._error = self._error or e
-
-        fut.add_done_callback(record)
-        return fut
+        return chain.start()
 
     def state_dict(self) -> dict[str, Any]:
         return self.compressor.state_dict()
