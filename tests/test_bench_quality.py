@@ -1,4 +1,5 @@
-"""``powertrain bench quality`` end to end on the tiny preset (2 workers, 2 seeds, 8 steps, then run to target)."""
+"""``powertrain bench quality`` end to end on the tiny preset (2 workers, 2 seeds, 8 steps, then run to target), and
+its kept results: a second call runs only what is missing."""
 
 from __future__ import annotations
 
@@ -6,48 +7,82 @@ import json
 
 import pytest
 
-from powertrain.bench import network
-from powertrain.bench.quality import PRESETS, ROWS, run_quality_bench, seconds_to
+from powertrain.bench import network, quality
+from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, seconds_to, select_rows
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.model import GPT
 
 
 @pytest.mark.timeout(300)
-def test_quality_bench_tiny(tmp_path):
-    by_label = {r.label: r for r in ROWS}
-    r4 = by_label["powertrain powersgd r4 (alternating)"]
-    frozen_fp32 = next(r for r in ROWS if r.kind == "none" and r.optimizer_options)
-    rows = [ROWS[0], by_label["torch powerSGD_hook r4"], r4, frozen_fp32]
-    target_md = tmp_path / "B.md"
-    report = run_quality_bench(preset="tiny", rows=rows, out=str(tmp_path / "out"), write=str(target_md),
-                               run_to_target=True)  # fmt: skip
-    assert json.loads((tmp_path / "out" / "results.json").read_text())["preset"] == "tiny"
+def test_quality_bench_tiny(tmp_path, monkeypatch):
+    launched: list[list[str]] = []
+    real = quality._launch
+
+    def recording(p, rows, steps, seed, target):
+        launched.append([r.key for r in rows])
+        return real(p, rows, steps, seed, target)
+
+    monkeypatch.setattr(quality, "_launch", recording)
+    out, md = tmp_path / "kept", tmp_path / "B.md"
+    report = run_quality_bench(preset="tiny", rows=["torch-r4", "alt-r4", "fp32-frozen"], out=str(out), write=str(md))
     p = PRESETS["tiny"]
+    # fp32 alone first, every seed (it sets the target); then the other rows side by side, every seed
+    rest = ["torch-r4", "alt-r4", "fp32-frozen"]
+    assert launched == [["fp32"], ["fp32"], rest, rest]
     [h] = report["horizons"]
-    assert h["steps"] == 8 and [r["label"] for r in h["rows"]] == [r.label for r in rows]
-    fp32, hook, ours, frozen = h["rows"]
+    assert h["steps"] == 8 and [r["key"] for r in h["rows"]] == ["fp32", "torch-r4", "alt-r4", "fp32-frozen"]
+    fp32, _hook, ours, frozen = h["rows"]
     assert frozen["val_mean"] != fp32["val_mean"]  # the row's optimizer options reach its optimizer
     assert h["target"] == pytest.approx(1.01 * fp32["val_mean"], rel=1e-12)
-    assert fp32["fraction"] == 1.0 and fp32["warm"] == 0 and ours["warm"] == p.start == hook["warm"]
-    # Bytes: powertrain's are counted as sent; after the warm-up's dense steps they must equal what the compressor
-    # says a rank-4 step sends (alternating: P and Q on alternate steps, so the 6 compressed steps average them).
+    assert fp32["fraction"] == 1.0 and ours["fraction"] < 0.5
+
+    # What a row keeps: its curve from the run, and bytes counted as sent. After the warm-up's dense steps
+    # powertrain's must equal what the compressor says a rank-4 step sends (alternating: P and Q on alternate
+    # steps, so the compressed steps average them).
     model = GPT(p.model)
-    low = network._model_bytes(Spec("r4", "powersgd", dict(r4.options)), model)["all_reduce"]
-    assert ours["bytes_per_step"] == pytest.approx(low, rel=1e-9)
-    assert ours["bytes"] == pytest.approx(p.start * fp32["dense_per_step"] + (8 - p.start) * low, rel=1e-9)
-    assert ours["fraction"] < 0.5
+    kept = {
+        k: json.loads((out / "tiny" / "h8" / "s0" / f"{k}.json").read_text())["measured"] for k in ("fp32", "alt-r4")
+    }
+    m = kept["alt-r4"]
+    low = network._model_bytes(Spec("r4", "powersgd", {"rank": 4, "variant": "alternating"}), model)["all_reduce"]
+    assert m["warm"] == p.start and m["dense"] == {"all_reduce": 4.0 * model.num_params()}
+    assert m["low"]["all_reduce"] == pytest.approx(low, rel=1e-9)
+    assert kept["fp32"]["steps_run"] == 8 and kept["fp32"]["warm"] == 0  # fp32 runs its horizon only
+    # a run to target has every evaluation of its horizon, then stops at the first one at or below the target
+    assert [k for k, _ in m["curve"]][: 8 // p.eval_every] == list(range(p.eval_every, 9, p.eval_every))
+    hit = next((k for k, v in m["curve"] if v <= h["target"] and k >= 8), None)
+    assert m["steps_run"] == (hit if hit is not None else CAP * 8), m
     for r in h["rows"]:
-        assert r["val_min"] <= r["val_mean"] <= r["val_max"] and len(r["steps_to_target"]) == p.seeds
-        # a step to target is an evaluation at or below the target
-        for hits, key in ((r["steps_to_target"], "steps"), (r["run_to_target"], "to target")):
-            assert all(k is None or (k % p.eval_every == 0 and 0 < k <= 3 * 8) for k in hits), (key, hits)
-    for run in h["to_target"]:
-        assert run[0]["steps"] == 8  # fp32 sets the target: it runs its horizon
-        for res in run[1:]:  # a row that reached the target stopped at that evaluation (no more steps taken)
-            hit = next((k for k, v in res["val_curve"] if v <= h["target"]), None)
-            assert hit is None or res["steps"] == hit, res
+        assert r["val_min"] <= r["val_mean"] <= r["val_max"] and len(r["hits"]) == p.seeds
+        assert all(k is None or (k % p.eval_every == 0 and 0 < k <= CAP * 8) for k in r["hits"]), r["hits"]
+
     # the model: the first k steps' time grows with k and shrinks with the link rate
-    assert seconds_to(4, ours, 10.0) > seconds_to(4, ours, 1000.0) > seconds_to(2, ours, 1000.0) > 0
-    text = target_md.read_text()
-    assert "<!-- bench:quality-tiny -->" in text and "| powertrain powersgd r4 (alternating) |" in text
+    c = h["compute_s"]
+    assert seconds_to(4, m, c, 10.0) > seconds_to(4, m, c, 1000.0) > seconds_to(2, m, c, 1000.0) > 0
+    text = md.read_text()
+    assert "<!-- bench:quality-tiny -->" in text and "| powertrain powersgd r4 (alternating" in text
     assert "time to target @ 10 Mbit/s" in text
+
+    # a second call runs nothing that is kept: the same report from the kept results; a row whose definition changed
+    # would run again (a changed preset too)
+    launched.clear()
+    again = run_quality_bench(preset="tiny", rows=["fp32-frozen", "alt-r4", "torch-r4"], out=str(out), write=None)
+    assert launched == []
+    by_key = {r["key"]: r for r in again["horizons"][0]["rows"]}
+    assert all(by_key[r["key"]] == r for r in report["horizons"][0]["rows"])
+    path = out / "tiny" / "h8" / "s1" / "alt-r4.json"
+    changed = json.loads(path.read_text())
+    changed["row"]["options"]["rank"] = 2
+    path.write_text(json.dumps(changed))
+    keep, alt = quality._Kept(out / "tiny", p), select_rows(["alt-r4"])[1]
+    assert keep.get(8, 1, alt, h["target"]) is None
+    # a lower target than the run stopped at cannot be decided from its curve, unless it ran to the cap
+    assert (keep.get(8, 0, alt, 0.0) is None) == (m["steps_run"] < CAP * 8)
+
+
+def test_rows_are_chosen_by_key_with_fp32_first():
+    assert [r.key for r in select_rows(["r32", "bf16", "r32"])] == ["fp32", "r32", "bf16"]
+    with pytest.raises(ValueError, match=r"Unknown quality row.*nope: choose from fp32, bf16"):
+        select_rows(["nope"])
+    with pytest.raises(ValueError, match=r"Invalid horizons=\[7\]"):
+        run_quality_bench(preset="tiny", horizons=[7], write=None)

@@ -1,20 +1,26 @@
-"""``powertrain bench quality``: what gradient compression costs in validation loss, and the fastest way to a target.
+"""``powertrain bench quality``: what gradient compression costs in validation loss, and the time to a target loss.
 
 For each horizon (a number of steps) and each seed, every row trains ``powertrain train``'s default GPT on 2
 workers with the command's schedule over that horizon (AdamW, lr 1e-3, 20 warm-up steps, cosine to 0.1x), side by
-side with the other rows (:mod:`powertrain.bench.sidebyside`: the same batches in the same order; the seed sets the
-initial weights and the training batches; the validation batches are the same for every seed). Per row:
+side with the other rows of its launch (:mod:`powertrain.bench.sidebyside`: the same batches in the same order; the
+seed sets the initial weights and the training batches; the validation batches are the same for every seed).
 
-* final validation loss: mean over seeds and the spread (min-max);
-* total bytes a worker sent over the whole run, warm-up included, as a fraction of fp32 all-reduce's;
-* steps to the target: the first evaluation at or below fp32's final validation loss (mean over seeds) + 1%;
-* time to the target at each link rate: those steps times the row's step time at that rate, from the serial
-  alpha-beta model of :mod:`powertrain.bench.network` (compute-only step + the row's compression time, both
-  measured here, + its bytes over the link): ``bench network`` measures how close real steps come to it.
+1. fp32 all-reduce runs first, every seed: its mean final validation loss + 1% is the **target**.
+2. Every other row runs its horizon, then goes on at the schedule's final learning rate until an evaluation is at
+   or below the target, for at most ``CAP`` x the horizon in all (run to target).
 
-Run to target (``run_to_target=True``): a row that has not reached the target at the end of the horizon keeps
-training at the schedule's final learning rate, up to 3x the horizon, and stops at the first evaluation at or
-below it; the headline table is each row's time to target at each link rate.
+Per row: the validation loss at the horizon (mean over seeds and min-max), the bytes a worker sent over the horizon
+(warm-up included) against fp32's, the steps to the target (the first evaluation at or below it) and the time to
+the target at each link rate. A step's time at a link rate is: the compute-only step (a DDP model whose hook sends
+nothing, timed side by side in every launch; the median over launches) + the row's own overhead over it in its
+launch (compression, loopback communication) + its bytes over a ring collective at that rate (the serial
+alpha-beta model of :mod:`powertrain.bench.netem`, no overlap with backward, the same for every row; ``powertrain
+bench network`` measures how close real steps come to it). Exact warm-up steps cost dense bytes.
+
+Every row's result is kept in ``out`` (one JSON file per horizon, seed and row, with the row's definition and the
+preset): a later call with more rows, seeds or horizons runs only what is missing, and a run that was stopped
+continues where it was. A kept result is reused while its definition is unchanged and its validation curve decides
+the current target (it reached it, or ran to the cap).
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from powertrain.bench import network
+from powertrain.bench.netem import collective_seconds
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.config import DEFAULT_START
@@ -35,10 +43,13 @@ from powertrain.train.model import GPT, GPTConfig
 
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s
+CAP = 3  # run to target: at most this many times the horizon in all
+TIMER_STEPS = 40  # rounds of the compute-only timer in each launch
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    key: str  # names the row on the command line and in the kept results
     label: str
     kind: str  # a powertrain compressor name, or torch_psgd (torch's DDP hook)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -52,21 +63,29 @@ _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
 ADAM_FREEZE = 0.1
 _FROZEN = {"adam_freeze": ADAM_FREEZE}
 
+FP32 = Row("fp32", "fp32 all-reduce", "none")
 ROWS = [
-    Row("fp32 all-reduce", "none"),
-    Row(f"fp32 all-reduce, AdamW frozen at {ADAM_FREEZE:g}", "none", optimizer_options=_FROZEN),
-    Row("bf16 all-reduce", "bf16"),
-    Row("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
-    Row("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
-    Row("powertrain powersgd r4 (alternating)", "powersgd", {"rank": 4, "variant": "alternating"}),
-    Row("powertrain powersgd r32 paper, bf16 factors (the default)", "powersgd", _R32),
+    FP32,
+    Row("bf16", "bf16 all-reduce", "bf16"),
+    Row("torch-r4", "torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
+    Row("torch-r32", "torch powerSGD_hook r32", "torch_psgd", {"rank": 32}),
+    Row("r8", "powertrain powersgd r8 paper, bf16 factors", "powersgd", {**_R32, "rank": 8}),
+    Row("r32", "powertrain powersgd r32 paper, bf16 factors (the default)", "powersgd", _R32),
     Row(
+        "r32-frozen",
         f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
         "powersgd",
         _R32,
         optimizer_options=_FROZEN,
     ),
-    Row("powertrain int4", "int4"),
+    Row("fp32-frozen", f"fp32 all-reduce, AdamW frozen at {ADAM_FREEZE:g}", "none", optimizer_options=_FROZEN),
+    Row("int4", "powertrain int4", "int4"),
+    Row(
+        "alt-r4",
+        "powertrain powersgd r4 (alternating, the reference's algorithm)",
+        "powersgd",
+        {"rank": 4, "variant": "alternating"},
+    ),
 ]
 
 
@@ -80,6 +99,10 @@ class Preset:
     data_mb: float
     start: int  # exact warm-up steps of the PowerSGD rows (powertrain train's default: DEFAULT_START)
 
+    def __post_init__(self) -> None:
+        if any(h % self.eval_every for h in self.horizons):
+            raise ValueError(f"Invalid Preset: eval_every={self.eval_every} must divide every horizon {self.horizons}")
+
 
 PRESETS = {
     "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START),
@@ -87,143 +110,228 @@ PRESETS = {
 }
 
 
-def _specs(rows: list[Row], steps: int, start: int, target: float | None) -> list[Spec]:
-    out = []
-    for i, r in enumerate(rows):
-        opts = dict(r.options)
-        if r.kind == "powersgd":
-            opts.setdefault("start_compressing_after_num_steps", start)
-        extra = 0 if target is None or i == 0 else 2 * steps  # the first row, fp32, sets the target
-        out.append(Spec(r.label, r.kind, opts, steps=steps, optimizer="adamw", extra_steps=extra,
-                        optimizer_options=dict(r.optimizer_options), stop_below=target if extra else None))  # fmt: skip
-    return out
+def select_rows(keys: Sequence[str] | None) -> list[Row]:
+    """The rows named by ``keys`` (all of :data:`ROWS` for None), fp32 first: it sets the target."""
+    by_key = {r.key: r for r in ROWS}
+    if keys is None:
+        return list(ROWS)
+    unknown = [k for k in keys if k not in by_key]
+    if unknown:
+        raise ValueError(f"Unknown quality row(s) {', '.join(unknown)}: choose from {', '.join(by_key)}")
+    return [FP32] + [by_key[k] for k in dict.fromkeys(keys) if k != FP32.key]
 
 
-def _one_run(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> dict[int, Any]:
-    specs = _specs(rows, steps, p.start, target)
+def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
+    opts = dict(row.options)
+    if row.kind == "powersgd":
+        opts.setdefault("start_compressing_after_num_steps", start)
+    extra = 0 if target is None else (CAP - 1) * steps
+    return Spec(row.key, row.kind, opts, steps=steps, optimizer="adamw", extra_steps=extra,
+                optimizer_options=dict(row.optimizer_options), stop_below=target)  # fmt: skip
+
+
+def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> dict[int, Any]:
+    """Train ``rows`` side by side, plus the compute-only timer (the last spec)."""
+    timer = Spec("compute only", "noop", steps=min(steps, TIMER_STEPS), optimizer="adamw")
+    specs = [_spec(r, steps, p.start, target) for r in rows] + [timer]
     rounds = max(s.steps + s.extra_steps for s in specs)
     args = {"specs": [dataclasses.asdict(s) for s in specs], "model": dataclasses.asdict(p.model), "batch": p.batch,
             "warmup": 0, "timed": rounds, "start": p.start, "eval_every": p.eval_every, "data_mb": p.data_mb,
             "seed": seed}  # fmt: skip
-    print(f"[bench quality] {len(rows)} rows x {steps} steps, seed {seed}"
+    print(f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
           + (f", to target {target:.4f}" if target else ""), file=sys.stderr)  # fmt: skip
     return launch(network._loopback_worker, 2, args)
 
 
-def _row_result(row: Row, i: int, results: dict[int, Any], model: GPT, start: int) -> dict[str, Any]:
+def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT, steps: int) -> dict[str, Any]:
+    """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
+    (by collective), its median step time and the compute-only timer's."""
     r0 = results[0]
-    n = len(r0["losses"][i])  # steps this row took
-    if r0["measured_stats"][i]:
-        total = sum(r0["sent_per_step"][i].values()) * n
-        compress = statistics.median([results[r]["compress_s"][i] for r in results])
-    else:  # torch's hook does not count: exact warm-up, then P and Q of the paper variant
-        dense = network._model_bytes(Spec("fp32", "plain"), model)["all_reduce"]
-        low = network._model_bytes(Spec(row.label, "torch_psgd", row.options), model)["all_reduce"]
-        total, compress = dense * min(n, start) + low * max(0, n - start), 0.0
-    times = [max(results[r]["times"][i][j] for r in results) for j in range(n)]
-    return {"val_loss": r0["val_loss"][i], "val_curve": r0["val_curve"][i], "steps": n, "bytes": total,
-            "compute_s": statistics.median(times), "compress_s": compress}  # fmt: skip
+    n = len(r0["losses"][i])
+    warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
+            else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
+    warm = min(warm, n)
+    dense = {"all_reduce": 4.0 * model.num_params()}
+    if row.kind == "torch_psgd":  # torch's hook counts nothing: its exact warm-up, then the paper variant's P and Q
+        low = network._model_bytes(Spec(row.key, "torch_psgd", row.options), model)
+    else:  # counted as sent: the warm-up's dense all-reduces, then the compressor's messages
+        total = {op: b * n for op, b in r0["sent_per_step"][i].items()}
+        low = {op: (b - warm * dense.get(op, 0.0)) / max(1, n - warm) for op, b in total.items()}
+        low = {op: b for op, b in low.items() if b > 0.5}
+    step_times = [max(results[r]["times"][i][j] for r in results) for j in range(n)]
+    timer = len(results[0]["times"]) - 1
+    timer_times = [max(results[r]["times"][timer][j] for r in results) for j in range(len(r0["times"][timer]))]
+    return {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low,
+            "step_s": statistics.median(step_times), "compute_s": statistics.median(timer_times)}  # fmt: skip
 
 
-def seconds_to(k: float, row: dict[str, Any], rate: float) -> float:
-    """Wall-clock of a row's first k steps at a link rate: its exact warm-up steps send dense gradients, the
-    rest its compressed messages."""
-    warm = min(k, row["warm"])
-    link = network.collective_seconds
-    return (k * row["step_compute_s"] + warm * link("all_reduce", row["dense_per_step"], 2, rate)
-            + (k - warm) * link("all_reduce", row["bytes_per_step"], 2, rate))  # fmt: skip
+class _Kept:
+    """The results kept in ``root``: one JSON file per (horizon, seed, row)."""
+
+    def __init__(self, root: Path, p: Preset) -> None:
+        self.root, self.preset = root, json.loads(json.dumps(dataclasses.asdict(p)))
+
+    def _path(self, steps: int, seed: int, row: Row) -> Path:
+        return self.root / f"h{steps}" / f"s{seed}" / f"{row.key}.json"
+
+    def get(self, steps: int, seed: int, row: Row, target: float | None) -> dict[str, Any] | None:
+        path = self._path(steps, seed, row)
+        if not path.exists():
+            return None
+        kept = json.loads(path.read_text())
+        if kept["row"] != json.loads(json.dumps(dataclasses.asdict(row))) or kept["preset"] != self.preset:
+            return None  # the row or the preset changed since: run it again
+        m = kept["measured"]
+        if target is not None and not (any(v <= target for _, v in m["curve"]) or m["steps_run"] >= CAP * steps):
+            return None  # it stopped at an earlier, higher target
+        return m
+
+    def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
+        path = self._path(steps, seed, row)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = {"row": dataclasses.asdict(row), "preset": self.preset, "measured": measured}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(kept) + "\n")
+        tmp.replace(path)
 
 
-def run_quality_bench(*, preset: str = "default", rows: list[Row] | None = None, out: str | None = None,
-                      write: str | None = "BENCHMARKS.md", run_to_target: bool = False) -> dict[str, Any]:  # fmt: skip
+def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
+                      horizons: Sequence[int] | None = None, seeds: int | None = None,
+                      out: str | None = None, write: str | None = "BENCHMARKS.md") -> dict[str, Any]:  # fmt: skip
+    """Run what is missing of ``rows`` (keys of :data:`ROWS`; all by default) at ``horizons`` over ``seeds``
+    seeds (the preset's by default), keeping results in ``out`` (default ``runs/bench-quality``), and publish
+    the tables. Returns the report (also written to ``out/<preset>/report.json``)."""
     p = PRESETS[preset]
-    rows = rows or ROWS
-    assert rows[0].kind == "none", "the first row is the fp32 reference"
+    chosen = select_rows(rows)
+    horizons = tuple(horizons or p.horizons)
+    n_seeds = seeds or p.seeds
+    bad = [h for h in horizons if h < 1 or h % p.eval_every]
+    if bad or n_seeds < 1:
+        raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
+                         f"of the preset's eval_every ({p.eval_every}), seeds >= 1")  # fmt: skip
     model = GPT(p.model)
+    kept = _Kept(Path(out or "runs/bench-quality") / preset, p)
     report: dict[str, Any] = {"preset": preset, "params": model.num_params(), "horizons": []}
-    for steps in p.horizons:
-        per_seed = []
-        for seed in range(p.seeds):
-            results = _one_run(p, rows, steps, seed, None)
-            per_seed.append([_row_result(r, i, results, model, p.start) for i, r in enumerate(rows)])
-        fp32 = statistics.mean(s[0]["val_loss"] for s in per_seed)
-        target = TARGET * fp32
-        entry: dict[str, Any] = {"steps": steps, "target": target, "rows": []}
-        if run_to_target:
-            entry["to_target"] = [[_row_result(r, i, res, model, p.start) for i, r in enumerate(rows)]
-                                  for res in (_one_run(p, rows, steps, s, target) for s in range(p.seeds))]  # fmt: skip
-        for i, row in enumerate(rows):
-            runs = [s[i] for s in per_seed]
-            vals = [r["val_loss"] for r in runs]
-            hits = [next((st for st, v in r["val_curve"] if v <= target), None) for r in runs]
-            # the fp32 row's step on loopback stands for the compute step (its all-reduce there takes ~1-2%)
-            compute = statistics.median(s[0]["compute_s"] for s in per_seed)
-            # exact steps first (the PowerSGD rows' warm-up), then the row's own messages
-            warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
-                    else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
-            dense = statistics.mean(s[0]["bytes"] / s[0]["steps"] for s in per_seed)
-            per_step = statistics.mean((r["bytes"] - dense * min(warm, r["steps"])) / max(1, r["steps"] - warm)
-                                       for r in runs)  # fmt: skip
-            res: dict[str, Any] = {
-                "label": row.label, "val_mean": statistics.mean(vals), "val_min": min(vals), "val_max": max(vals),
-                "bytes": statistics.mean(r["bytes"] for r in runs), "steps_to_target": hits,
-                "compress_s": statistics.mean(r["compress_s"] for r in runs), "bytes_per_step": per_step,
-                "warm": warm, "dense_per_step": dense,
-            }  # fmt: skip
-            res["fraction"] = res["bytes"] / (per_seed[0][0]["bytes"] or 1)
-            res["step_compute_s"] = compute + res["compress_s"]
-            if run_to_target:
-                ran = [s[i] for s in entry["to_target"]]
-                res["run_to_target"] = [next((st for st, v in r["val_curve"] if v <= target), None) for r in ran]
-            entry["rows"].append(res)
-        report["horizons"].append(entry)
-    text = markdown(report, p)
-    if out:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "results.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    publish(text, write, "quality" if preset == "default" else f"quality-{preset}")
+    for steps in horizons:
+        for seed in range(n_seeds):
+            if kept.get(steps, seed, FP32, None) is None:
+                res = _launch(p, [FP32], steps, seed, None)
+                kept.put(steps, seed, FP32, _measured(FP32, 0, res, p, model, steps))
+        fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
+        target = TARGET * statistics.mean(fp32)
+        for seed in range(n_seeds):
+            todo = [r for r in chosen[1:] if kept.get(steps, seed, r, target) is None]
+            if todo:
+                res = _launch(p, todo, steps, seed, target)
+                for i, r in enumerate(todo):
+                    kept.put(steps, seed, r, _measured(r, i, res, p, model, steps))
+        runs = {r.key: [kept.get(steps, s, r, target) for s in range(n_seeds)] for r in chosen}
+        report["horizons"].append(_summarise(chosen, runs, steps, target))
+    root = Path(out or "runs/bench-quality") / preset
+    (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    publish(markdown(report, p, n_seeds), write, "quality" if preset == "default" else f"quality-{preset}")
     return report
 
 
-def _steps_text(hits: list[int | None]) -> str:
-    reached = [h for h in hits if h is not None]
-    if not reached:
-        return "not reached"
-    med = statistics.median(reached)
-    return f"{med:g}" + (f" ({len(reached)}/{len(hits)} seeds)" if len(reached) < len(hits) else "")
+def _at(m: dict[str, Any] | None, steps: int) -> float:
+    assert m is not None, "kept just now"
+    return next(v for k, v in m["curve"] if k == steps)
+
+
+def _bytes(m: dict[str, Any], k: float) -> float:
+    """Bytes a worker sends in a row's first k steps."""
+    warm = min(k, m["warm"])
+    return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
+
+
+def seconds_to(k: float, m: dict[str, Any], compute_s: float, rate: float) -> float:
+    """Wall-clock of a row's first k steps at a link rate (see the module): compute-only step + the row's own
+    overhead, plus its exact warm-up steps' and compressed steps' collectives over the link."""
+    warm = min(k, m["warm"])
+    link = sum(collective_seconds(op, b, 2, rate) for op, b in m["dense"].items()) * warm
+    link += sum(collective_seconds(op, b, 2, rate) for op, b in m["low"].items()) * (k - warm)
+    return k * (compute_s + max(0.0, m["step_s"] - m["compute_s"])) + link
+
+
+def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float) -> dict[str, Any]:
+    compute = statistics.median(m["compute_s"] for ms in runs.values() for m in ms)
+    fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
+    out: dict[str, Any] = {"steps": steps, "target": target, "compute_s": compute, "rows": []}
+    for row in rows:
+        ms = runs[row.key]
+        vals = [_at(m, steps) for m in ms]
+        hits = [next((k for k, v in m["curve"] if v <= target), None) for m in ms]
+        res: dict[str, Any] = {"key": row.key, "label": row.label, "val_mean": statistics.mean(vals),
+                               "val_min": min(vals), "val_max": max(vals), "hits": hits,
+                               "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
+        reached = [h for h in hits if h is not None]
+        if len(reached) == len(hits):  # the median seed's steps, each seed's own step time and bytes
+            k = statistics.median(reached)
+            res["seconds"] = {str(rate): statistics.median(seconds_to(k, m, compute, rate) for m in ms)
+                              for rate in RATES}  # fmt: skip
+        out["rows"].append(res)
+    return out
 
 
 def _seconds(t: float) -> str:
     return f"{t:,.0f} s" if t >= 100 else f"{t:.3g} s"
 
 
-def markdown(report: dict[str, Any], p: Preset) -> str:
+def _hits_text(hits: list[int | None], cap: int) -> str:
+    reached = [h for h in hits if h is not None]
+    if not reached:
+        return f"not within {cap:,}"
+    med = f"{statistics.median(reached):g}"
+    return med if len(reached) == len(hits) else f"{med} ({len(reached)}/{len(hits)} seeds)"
+
+
+def _speedups(h: dict[str, Any]) -> list[str]:
+    """Per rate: the fastest row to the target, and how much faster than bf16 and than torch's best hook."""
+    lines = []
+    timed = [r for r in h["rows"] if "seconds" in r]
+    for rate in RATES:
+        if not timed:
+            break
+        t = {r["key"]: r["seconds"][str(rate)] for r in timed}
+        best = min(timed, key=lambda r: t[r["key"]])
+        torch_rows = [k for k in t if k.startswith("torch-")]
+        parts = [f"fastest {best['label']} ({_seconds(t[best['key']])})"]
+        ours = [r for r in timed if not r["key"].startswith(("torch-", "fp32", "bf16"))]
+        if ours:
+            mine = min(ours, key=lambda r: t[r["key"]])
+            for ref in ("bf16", *sorted(torch_rows, key=t.__getitem__)[:1]):
+                if ref in t:
+                    parts.append(f"powertrain's fastest ({mine['key']}) {t[ref] / t[mine['key']]:.2f}x {ref}'s time")
+        lines.append(f"- {rate:g} Mbit/s: " + "; ".join(parts))
+    return lines
+
+
+def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
     parts = []
     for h in report["horizons"]:
+        fp32 = h["rows"][0]["val_mean"]
         cells = []
         for r in h["rows"]:
-            hits = r.get("run_to_target", r["steps_to_target"])
-            reached = [x for x in hits if x is not None]
-            times = [_seconds(seconds_to(statistics.median(reached), r, rate)) if len(reached) == len(hits) else "-"
-                     for rate in RATES]  # fmt: skip
-            fp32 = h["rows"][0]["val_mean"]
+            times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in RATES]
             cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
                           f"{100 * (r['val_mean'] / fp32 - 1):+.2f}%", f"1/{1 / r['fraction']:.1f}",
-                          _steps_text(hits), *times])  # fmt: skip
-        headers = ["configuration", "val loss, mean (min-max)", "vs fp32", "bytes vs fp32", "steps to target",
-                   *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
-        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's + 1%)\n\n"
-                     + table(headers, cells))  # fmt: skip
+                          _hits_text(r["hits"], CAP * h["steps"]), *times])  # fmt: skip
+        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", "bytes vs fp32",
+                   "steps to target", *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
+        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%; "
+                     f"compute-only step {h['compute_s']:.3f} s)\n\n" + table(headers, cells) + "\n\n"
+                     + "\n".join(_speedups(h)))  # fmt: skip
     return (
         "## Quality: validation loss, bytes and time to a target loss\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), 2 "
         f"workers, {p.batch}x{p.model.block_size} tokens per worker per step, AdamW with `powertrain train`'s "
         "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
-        f"steps, powertrain.optim.FrozenVarianceAdamW), {p.seeds} seeds (initial weights and training batches), "
+        f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
         f"validation every {p.eval_every} steps on the same held-out batches. PowerSGD rows compress after {p.start} "
-        "exact steps; bytes are a worker's total over the run, warm-up included. Time to target: steps to target x "
-        "step time from the serial model (compute-only step and compression time measured here, bytes over a ring "
-        "all-reduce), '-' "
-        "where some seed did not reach it.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n"
+        "exact steps; bytes are a worker's total over the horizon, warm-up included. Target: fp32's mean validation "
+        f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
+        f"most {CAP}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
+        "Time to target: those steps x the step time at the link rate, from the serial model (compute-only step and "
+        "each row's overhead measured side by side, bytes over a ring collective, no overlap with backward); '-' "
+        "where some seed did not reach the target.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n"
     )

@@ -52,7 +52,8 @@ class Spec:
     #: ``warmup_steps`` and ``min_lr_ratio`` may be set in ``optimizer_options``). Needs an ``optimizer``.
     steps: int = 0
     #: Run to a target: after its ``steps`` the run goes on for up to this many steps at the schedule's final
-    #: learning rate, and stops at the first evaluation whose validation loss is at most ``stop_below``.
+    #: learning rate, and stops at the first evaluation from step ``steps`` on whose validation loss is at most
+    #: ``stop_below`` (it always completes its schedule, so its loss at ``steps`` is known).
     extra_steps: int = 0
     stop_below: float | None = None
 
@@ -193,8 +194,8 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
                 curves[i].append((step + 1, r.evaluate(val_batches)))
-                target = specs[i].stop_below
-                stopped[i] = target is not None and curves[i][-1][1] <= target
+                target = specs[i].stop_below  # checked from the end of the schedule on: the horizon's loss is kept
+                stopped[i] = target is not None and step + 1 >= specs[i].steps and curves[i][-1][1] <= target
     val = [r.evaluate(val_batches) for r in runs]
     timed_steps = [max(len(t), 1) for t in times]
     return {"times": times, "losses": losses,

@@ -114,11 +114,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
         "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers",
     )
-    bench.add_argument("--out", default=None, help="directory for results.json and table.md (network)")
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="directory for results.json and table.md (network); quality: kept "
+        "results, reused by later calls (default runs/bench-quality)",
+    )
     bench.add_argument("--preset", choices=["default", "tiny"], default="default")
     bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
+    bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
+    bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
+    bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
     args = parser.parse_args(argv)
     try:
         return _train(args) if args.command == "train" else _bench(args)
@@ -304,7 +312,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.suite == "quality":
         from powertrain.bench.quality import run_quality_bench
 
-        run_quality_bench(preset=args.preset, out=args.out, write=args.write or None)
+        rows = args.rows.split(",") if args.rows else None
+        try:
+            horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
+        except ValueError:
+            raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
+        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
+                          write=args.write or None)  # fmt: skip
         return 0
     if args.suite == "optimizers":
         from powertrain.bench.optimizers import run_optimizers_bench
