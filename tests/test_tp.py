@@ -1,15 +1,16 @@
 """2-D tensor x data parallelism (powertrain.tp) on real gloo ranks: a (dp, tp) mesh of 2x2, gradients and
-AdamW steps against a single-process run, and refused input.
+AdamW steps against a single-process run, the traffic it computes against what DTensor sends, and refused input.
 
-Tolerances (float64; u = 2**-53). Tensor parallelism computes the same sums in another order: a row-parallel
-Linear adds tp partial products (an all-reduce) instead of one dot product, the column-parallel inputs' gradients
-likewise, and FSDP2 averages the two data-parallel groups' gradients by a reduce-scatter where the reference
-averages two losses. Any order of an n-term sum is within n u of the sum of the terms' magnitudes; the longest
-sum here is the weight gradients' over 2 x 3 x 16 = 96 tokens, ~1.1e-14 relative per op, over a chain of ~30 ops.
-Errors scale with the summands, not with the result (the key projection's bias has an exactly zero gradient,
-since it shifts every score of a query alike, and gets rounding noise of the other terms' size), so the bound is
-REL = 1e-10 of the largest gradient entry of the model: ~10^4 x the one-op figure for the chain. A wrong head split
-or a missing reduction moves a gradient by O(1) of its size. Measured: <= 3e-16 relative.
+Tolerances (float64; u = 2**-53). Tensor parallelism computes the same sums in another order: a row-parallel Linear
+adds tp partial products (a reduce-scatter) instead of one dot product, the column-parallel inputs' gradients
+likewise, sequence parallelism sums the LayerNorm gains' gradients over the sequence shards, and FSDP2 averages the
+two data-parallel groups' gradients by a reduce-scatter where the reference averages two losses. Any order of an
+n-term sum is within n u of the sum of the terms' magnitudes; the longest sum here is the weight gradients' over 2 x
+3 x 16 = 96 tokens, ~1.1e-14 relative per op, over a chain of ~30 ops. Errors scale with the summands, not with the
+result (the key projection's bias has an exactly zero gradient, since it shifts every score of a query alike, and
+gets rounding noise of the other terms' size), so the bound is REL = 1e-10 of the largest gradient entry of the
+model: ~10^4 x the one-op figure for the chain. A wrong head split or a missing reduction moves a gradient by O(1)
+of its size. Measured: <= 3e-16 relative.
 
 AdamW (lr 1e-3, eps 1e-8) after k steps: parameters within 2 k lr Delta / eps with Delta = REL x the largest
 gradient entry (see test_rtp).
@@ -25,10 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import case, guard, run_ranks, value_errors, within
-from models import parity_gpt, token_batch
-from powertrain.tp import tensor_parallel
+from models import PARITY_GPT, parity_gpt, token_batch
+from powertrain.tp import tensor_parallel, traffic
 from powertrain.train.model import GPT, GPTConfig
 
 REL = 1e-10
@@ -45,6 +47,25 @@ def _reference_grad(ref: dict[str, torch.Tensor], name: str, shape: torch.Size) 
     return ref[f"{block}.qkv.{kind}"][i * shape[0] : (i + 1) * shape[0]]
 
 
+_FUNCOL = torch.ops._c10d_functional
+_OPS = {_FUNCOL.all_gather_into_tensor.default: "all_gather", _FUNCOL.reduce_scatter_tensor.default: "reduce_scatter",
+        _FUNCOL.all_reduce.default: "all_reduce"}  # fmt: skip
+
+
+class _Sent(TorchDispatchMode):
+    """Payload bytes and count of the functional collectives DTensor issues (FSDP2's own are not among them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[str, tuple[int, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _OPS:
+            nbytes, n = self.sent.get(_OPS[func], (0, 0))
+            self.sent[_OPS[func]] = (nbytes + args[0].numel() * args[0].element_size(), n + 1)
+        return func(*args, **(kwargs or {}))
+
+
 def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
     me = mesh["dp"].get_local_rank()
@@ -53,7 +74,8 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS) for m in (model, ref)]
     grads, gmax = {}, 0.0
     for step in range(STEPS):
-        model(*token_batch(me, step)).backward()
+        with _Sent() as sent:
+            model(*token_batch(me, step)).backward()
         (sum(ref(*token_batch(r, step)) for r in range(dp)) / dp).backward()
         refg = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
         gmax = max(gmax, max(g.abs().max().item() for g in refg.values()))
@@ -68,8 +90,8 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     refp = dict(ref.named_parameters())
     expect = {n: _reference_grad({k: v.detach() for k, v in refp.items()}, n, params[n].shape) for n in params}
-    return {"grads": grads, "gmax": gmax, "logits": (logits, ref(token_batch(me, 0)[0]).detach()), "params": params,
-            "expect": expect}  # fmt: skip
+    return {"sent": sent.sent, "grads": grads, "gmax": gmax, "params": params, "expect": expect,
+            "logits": (logits, ref(token_batch(me, 0)[0]).detach())}  # fmt: skip
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
@@ -78,6 +100,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     return value_errors({
         "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)), pairs()),
+        "vocab": lambda: tensor_parallel(GPT(GPTConfig(65, 16, 1, 2, 32)), pairs()),
         "mesh": lambda: tensor_parallel(parity_gpt(), init_device_mesh("cpu", (world,))),
         "model": lambda: tensor_parallel(nn.Linear(4, 4), pairs()),  # type: ignore[arg-type]
     })  # fmt: skip
@@ -112,5 +135,15 @@ def test_refusals_name_the_value_and_the_fix(results):
     _, runs = results
     for out in case(runs, "refusals"):
         assert "n_head=1 does not divide by tp=2" in out["heads"], out
+        assert "vocab_size=65 does not divide by tp=2" in out["vocab"], out
         assert "mesh_dim_names=('dp', 'tp')" in out["mesh"], out
         assert "powertrain's GPT" in out["model"], out
+
+
+def test_computed_traffic_is_what_dtensor_sends(results):
+    """powertrain.tp.traffic (the command's byte count) against the tensor-parallel collectives DTensor issued in a
+    step, by collective: bytes and count. FSDP2's part (dp = 2 here) is not seen by the counter: tp only."""
+    _, runs = results
+    for run in case(runs, "2d"):
+        expect = traffic(PARITY_GPT, 2, 1, *token_batch(0, 0)[0].shape, itemsize=8)  # the parity model is float64
+        assert run["sent"] == expect, run["sent"]

@@ -1,29 +1,38 @@
-"""2-D tensor x data parallelism for powertrain's GPT, the torchtitan way: torch's tensor parallelism inside each
-row of a ``(dp, tp)`` device mesh, FSDP2 across the rows.
+"""2-D tensor x data parallelism for powertrain's GPT, the torchtitan way: torch's tensor and sequence parallelism
+inside each row of a ``(dp, tp)`` device mesh, FSDP2 across the rows.
 
 Within a tensor-parallel group every rank sees the same micro-batch. Per block (Megatron's split): the attention's
 query, key and value projections are column-parallel (each rank computes ``n_head / tp`` heads), the output
-projection row-parallel (an all-reduce of its output), the MLP's first Linear column-parallel and its second
-row-parallel. The block's fused ``qkv`` Linear is split into three (``qkv.q``, ``qkv.k``, ``qkv.v``) first, so that
-a column shard holds whole heads of each. Embeddings, LayerNorms and the output head are replicated over ``tp``
-(DTensors with ``Replicate()``: every rank of the group computes them on the same input, so their gradients agree
-without communication). Then FSDP2 shards every block and the root over ``dp``, which averages the gradients
-across the data-parallel groups.
+projection row-parallel, the MLP's first Linear column-parallel and its second row-parallel. The block's fused
+``qkv`` Linear is split into three (``qkv.q``, ``qkv.k``, ``qkv.v``) first, so that a column shard holds whole heads
+of each. Sequence parallelism (Korthikanti et al. 2022) keeps the residual stream between them sharded along the
+sequence: the LayerNorms run on a rank's ``1 / tp`` of the positions, the attention's and the MLP's input is
+all-gathered once, and the row-parallel outputs are reduce-scattered back to sequence shards instead of
+all-reduced (the same bytes on a ring, ``1 / tp`` of the activations kept). The token embedding is row-parallel
+(``vocab / tp`` rows a rank, its output reduce-scattered to sequence shards), the position embedding likewise, and
+the output head column-parallel over the vocabulary with its input all-gathered, its logits gathered whole (the loss
+is computed as usual). LayerNorm gains and row-parallel biases are replicated over ``tp``; their gradients are
+summed over the sequence shards. Then FSDP2 shards every block and the root over ``dp``, which averages the
+gradients across the data-parallel groups.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
-from powertrain.train.model import GPT, Block
+from powertrain.train.model import GPT, Block, GPTConfig
 
-__all__ = ["tensor_parallel"]
+__all__ = ["tensor_parallel", "traffic"]
 
 
 class _QKV(nn.Module):
@@ -43,20 +52,6 @@ class _QKV(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
-
-
-def _to_replicate(module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
-    return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
-                 for t in inputs)  # fmt: skip
-
-
-def _to_local(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
-    return output.to_local() if isinstance(output, DTensor) else output
-
-
-def _replicate(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Parameters as Replicate DTensors on ``mesh``; plain tensors in and out (no communication)."""
-    distribute_module(module, mesh, input_fn=_to_replicate, output_fn=_to_local)
 
 
 def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
@@ -81,17 +76,63 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
             f"tensor parallelism divides the heads: n_head={cfg.n_head} does not divide by tp={tp}; choose a tp "
             f"that divides {cfg.n_head}"
         )
-    plan = {"qkv.q": ColwiseParallel(), "qkv.k": ColwiseParallel(), "qkv.v": ColwiseParallel(),
-            "proj": RowwiseParallel(), "fc": ColwiseParallel(), "fc_out": RowwiseParallel()}  # fmt: skip
+    if cfg.vocab_size % tp:
+        raise ValueError(
+            f"tensor parallelism divides the vocabulary (embedding rows, output head): vocab_size={cfg.vocab_size} "
+            f"does not divide by tp={tp}; choose a tp that divides {cfg.vocab_size}"
+        )
+    # the residual stream between the sublayers is a DTensor sharded along the sequence (dim 1)
+    seq = Shard(1)
+    block_plan = {
+        "ln1": SequenceParallel(),
+        "qkv": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),  # one all-gather
+        "qkv.q": ColwiseParallel(), "qkv.k": ColwiseParallel(), "qkv.v": ColwiseParallel(),
+        "proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
+        "ln2": SequenceParallel(),
+        "fc": ColwiseParallel(input_layouts=seq),
+        "fc_out": RowwiseParallel(output_layouts=seq, use_local_output=False),
+    }  # fmt: skip
     blocks: list[Block] = list(model.blocks)  # type: ignore[arg-type]
     for block in blocks:
         block.qkv = _QKV(block.qkv)  # type: ignore[assignment]
-        parallelize_module(block, tp_mesh, plan)
-        for ln in (block.ln1, block.ln2):
-            _replicate(ln, tp_mesh)
-    for module in (model.tok, model.pos, model.ln_f, model.head):
-        _replicate(module, tp_mesh)
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
+        # positions are (t, d): their sequence dimension is 0, broadcast onto the tokens' dimension 1
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    })  # fmt: skip
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     return model
+
+
+def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize: int = 4) -> dict[str, tuple[int, int]]:
+    """Payload bytes and collectives per micro-step and rank of :func:`tensor_parallel`, by collective, as handed to
+    it (a reduce-scatter's whole input, an all-gather's own part): ``batch`` sequences of ``seq`` tokens per ``tp``
+    group, parameters and activations of ``itemsize`` bytes (fp32: 4).
+
+    Sequence parallelism, per block: the attention's and the MLP's inputs all-gathered (forward) and their gradients
+    reduce-scattered (backward), the row-parallel outputs reduce-scattered (forward) and their gradients all-gathered
+    (backward); the embeddings' outputs reduce-scattered and the head's input all-gathered likewise, the logits
+    all-gathered; the LayerNorms' gradients all-reduced. FSDP2 over ``dp`` (when > 1): every rank's tensor-parallel
+    shard of the parameters all-gathered in forward and again in backward, its gradients reduce-scattered.
+    """
+    out: dict[str, tuple[int, int]] = {}
+    if tp > 1:
+        tokens, d, layers = batch * seq, cfg.d_model, cfg.n_layer
+        wide = (4 * layers + 2) * tokens * d  # per direction: the blocks' sublayers, the embedding, the head
+        out["reduce_scatter"] = (itemsize * (wide + seq * d), 4 * layers + 3)
+        out["all_gather"] = (itemsize * ((wide + seq * d) // tp + tokens * cfg.vocab_size // tp), 4 * layers + 4)
+        out["all_reduce"] = (itemsize * (2 * layers + 1) * 2 * d, 4 * layers + 2)
+    if dp > 1:
+        d, v, layers = cfg.d_model, cfg.vocab_size, cfg.n_layer
+        replicated = layers * 6 * d + 2 * d  # LayerNorm gains and biases, the row-parallel Linears' biases
+        total = layers * (12 * d * d + 13 * d) + v * d * 2 + cfg.block_size * d + 2 * d
+        local = (total - replicated) // tp + replicated
+        rs, ag = out.get("reduce_scatter", (0, 0)), out.get("all_gather", (0, 0))
+        out["reduce_scatter"] = (rs[0] + itemsize * local, rs[1] + 1)
+        out["all_gather"] = (ag[0] + 2 * itemsize * local // dp, ag[1] + 2)
+    return out

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.tp import traffic
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
@@ -148,8 +149,8 @@ def _computed_bytes(kind: str, params: int, world: int, cfg: GPTConfig, tokens: 
     full = 4.0 * params
     if kind == "ddp":
         return full
-    if kind.startswith("tp"):  # 4 activation all-reduces per block; FSDP2 over dp of each rank's half
-        return 4 * cfg.n_layer * tokens * cfg.d_model * 4 + (3 * full / 2 if world > 2 else 0)
+    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic; FSDP2 over the pairs
+        return float(sum(b for b, _ in traffic(cfg, 2, world // 2, tokens // cfg.block_size, cfg.block_size).values()))
     return 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
 
 

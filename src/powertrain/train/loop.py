@@ -102,7 +102,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
                               gradient_sync=cfg.optimizer != "demo", tp=cfg.tp,
-                              tokens=cfg.batch_size * cfg.block_size)  # fmt: skip
+                              batch=cfg.batch_size)  # fmt: skip
     data_rank, data_world = strategy.data_group or (rank, world)  # a tp group reads one batch
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model

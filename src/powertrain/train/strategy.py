@@ -202,10 +202,10 @@ class _RTP(Strategy):
 
 
 class _TP(Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], tp: int, tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], tp: int, batch: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from powertrain.tp import tensor_parallel
+        from powertrain.tp import tensor_parallel, traffic
 
         if name != "none" or options:
             raise ValueError(f"compressor={name!r} does not apply to parallel='tp': use compressor='none'")
@@ -214,18 +214,11 @@ class _TP(Strategy):
             raise ValueError(f"tp={tp} does not divide the world size {world}: choose a tp that divides it")
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         cfg: Any = model.cfg
-        d_model, n_layer = int(cfg.d_model), int(cfg.n_layer)
-        params = sum(p.numel() for p in model.parameters())
         self.model = tensor_parallel(model, mesh)  # type: ignore[arg-type]
         self.data_group = (mesh["dp"].get_local_rank(), world // tp)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        # per micro-step and rank: 2 all-reduces of a (tokens x d_model) fp32 activation per block forward
-        # (row-parallel outputs) and 2 in backward (column-parallel inputs' gradients), when tp > 1; FSDP2's
-        # reduce-scatter of this rank's tp shard of the gradients, when there is more than one tp group
-        computed = {"all_reduce": (4 * n_layer * tokens * d_model * 4 if tp > 1 else 0, 1),
-                    "reduce_scatter": (params * 4 // tp if world > tp else 0, 1)}  # fmt: skip
-        self.computed = {op: c for op, c in computed.items() if c[0]}
+        self.computed = traffic(cfg, tp, world // tp, batch, cfg.block_size)
 
 
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -252,12 +245,12 @@ def build_strategy(
     compiled: bool = False,
     gradient_sync: bool = True,
     tp: int = 1,
-    tokens: int = 0,
+    batch: int = 0,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
     ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only); ``tp``: the
-    tensor-parallel degree of ``tp``, whose byte count takes ``tokens`` per micro-batch."""
+    tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch."""
     if not gradient_sync:
         if parallel not in ("reference", "ddp"):
             raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
@@ -274,5 +267,5 @@ def build_strategy(
         case "rtp":
             return _RTP(model, name, options)
         case "tp":
-            return _TP(model, name, options, tp, tokens)
+            return _TP(model, name, options, tp, batch)
     raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp or tp")
