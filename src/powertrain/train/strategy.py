@@ -13,8 +13,7 @@
   all-reduce is computed (every backward reduces, as with ``simple_fsdp``).
 * ``tp``: :func:`powertrain.tp.tensor_parallel` on a ``(world / tp, tp)`` mesh: torch's tensor parallelism in each
   ``tp`` group (which reads the same batches: ``data_rank`` / ``data_world``), FSDP2 across them. Its traffic is
-  computed: the row-parallel outputs' and the column-parallel inputs' gradient all-reduces, and FSDP2's
-  reduce-scatter of the gradients.
+  computed (:func:`powertrain.tp.traffic`: sequence parallelism's all-gathers and reduce-scatters, FSDP2's).
 
 With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
 ``reference`` leaves every rank's local gradient in place and ``ddp`` registers
