@@ -76,11 +76,6 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
             f"tensor parallelism divides the heads: n_head={cfg.n_head} does not divide by tp={tp}; choose a tp "
             f"that divides {cfg.n_head}"
         )
-    if cfg.vocab_size % tp:
-        raise ValueError(
-            f"tensor parallelism divides the vocabulary (embedding rows, output head): vocab_size={cfg.vocab_size} "
-            f"does not divide by tp={tp}; choose a tp that divides {cfg.vocab_size}"
-        )
     # the residual stream between the sublayers is a DTensor sharded along the sequence (dim 1)
     seq = Shard(1)
     block_plan = {
@@ -112,7 +107,8 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
 def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize: int = 4) -> dict[str, tuple[int, int]]:
     """Payload bytes and collectives per micro-step and rank of :func:`tensor_parallel`, by collective, as handed to
     it (a reduce-scatter's whole input, an all-gather's own part): ``batch`` sequences of ``seq`` tokens per ``tp``
-    group, parameters and activations of ``itemsize`` bytes (fp32: 4).
+    group, parameters and activations of ``itemsize`` bytes (fp32: 4). Shards are counted as even (``n // tp``):
+    with a vocabulary, sequence or width that does not divide by ``tp``, ranks send a row more or less.
 
     Sequence parallelism, per block: the attention's and the MLP's inputs all-gathered (forward) and their gradients
     reduce-scattered (backward), the row-parallel outputs reduce-scattered (forward) and their gradients all-gathered
