@@ -58,9 +58,9 @@ class Row:
 
 
 _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
-#: AdamW's second moment frozen after a tenth of the steps (powertrain.optim.FrozenVarianceAdamW): 100 of 1,000 steps
-#: closed PowerSGD's gap there; at 300 steps (frozen after 30) it cost far more than it saved (README).
-ADAM_FREEZE = 0.1
+#: AdamW's second moment frozen after a quarter of the steps (powertrain.optim.FrozenVarianceAdamW; 1-bit Adam's
+#: 15-25%): PowerSGD r32 ended below fp32 at 300 and 1,000 steps that way, where a tenth was too early at 300 (README).
+ADAM_FREEZE = 0.25
 _FROZEN = {"adam_freeze": ADAM_FREEZE}
 
 FP32 = Row("fp32", "fp32 all-reduce", "none")
