@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from powertrain.bench import network
-from powertrain.bench.netem import collective_seconds
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.config import DEFAULT_START
@@ -44,7 +43,8 @@ from powertrain.train.model import GPT, GPTConfig
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s
 CAP = 3  # run to target: at most this many times the horizon in all
-TIMER_STEPS = 40  # rounds of the compute-only timer in each launch
+TIMER_STEPS = 40  # rounds of the compute-only timer in each launch (its first)
+KEPT_FORMAT = 2  # kept results of another format are run again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,9 +143,9 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
     return launch(network._loopback_worker, 2, args)
 
 
-def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT, steps: int) -> dict[str, Any]:
+def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT) -> dict[str, Any]:
     """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
-    (by collective), its median step time and the compute-only timer's."""
+    (by collective), its median step time and the compute-only timer's (over the launch's first rounds)."""
     r0 = results[0]
     n = len(r0["losses"][i])
     warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
@@ -159,29 +159,40 @@ def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT, 
         low = {op: (b - warm * dense.get(op, 0.0)) / max(1, n - warm) for op, b in total.items()}
         low = {op: b for op, b in low.items() if b > 0.5}
     step_times = [max(results[r]["times"][i][j] for r in results) for j in range(n)]
-    timer = len(results[0]["times"]) - 1
+    timer = len(r0["times"]) - 1
     timer_times = [max(results[r]["times"][timer][j] for r in results) for j in range(len(r0["times"][timer]))]
     return {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low,
             "step_s": statistics.median(step_times), "compute_s": statistics.median(timer_times)}  # fmt: skip
+
+
+def _identity(row: Row, p: Preset) -> dict[str, Any]:
+    """What decides a row's run: its kind and options, and the preset's model and data (not labels, horizons or
+    seed counts)."""
+    run = {k: v for k, v in dataclasses.asdict(row).items() if k != "label"}
+    preset = {k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds")}
+    return json.loads(json.dumps({"format": KEPT_FORMAT, "row": run, "preset": preset}))
 
 
 class _Kept:
     """The results kept in ``root``: one JSON file per (horizon, seed, row)."""
 
     def __init__(self, root: Path, p: Preset) -> None:
-        self.root, self.preset = root, json.loads(json.dumps(dataclasses.asdict(p)))
+        self.root, self.preset = root, p
 
     def _path(self, steps: int, seed: int, row: Row) -> Path:
         return self.root / f"h{steps}" / f"s{seed}" / f"{row.key}.json"
 
     def get(self, steps: int, seed: int, row: Row, target: float | None) -> dict[str, Any] | None:
+        """The kept result, if it is still this row's and its curve decides ``target`` (None: any curve does)."""
         path = self._path(steps, seed, row)
         if not path.exists():
             return None
         kept = json.loads(path.read_text())
-        if kept["row"] != json.loads(json.dumps(dataclasses.asdict(row))) or kept["preset"] != self.preset:
-            return None  # the row or the preset changed since: run it again
+        if kept.get("identity") != _identity(row, self.preset):
+            return None  # the row, the preset or the format changed since: run it again
         m = kept["measured"]
+        if m["steps_run"] > CAP * steps:
+            return None  # it ran past today's cap
         if target is not None and not (any(v <= target for _, v in m["curve"]) or m["steps_run"] >= CAP * steps):
             return None  # it stopped at an earlier, higher target
         return m
@@ -189,7 +200,7 @@ class _Kept:
     def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
         path = self._path(steps, seed, row)
         path.parent.mkdir(parents=True, exist_ok=True)
-        kept = {"row": dataclasses.asdict(row), "preset": self.preset, "measured": measured}
+        kept = {"identity": _identity(row, self.preset), "label": row.label, "measured": measured}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(kept) + "\n")
         tmp.replace(path)
@@ -204,7 +215,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     p = PRESETS[preset]
     chosen = select_rows(rows)
     horizons = tuple(horizons or p.horizons)
-    n_seeds = seeds or p.seeds
+    n_seeds = p.seeds if seeds is None else seeds
     bad = [h for h in horizons if h < 1 or h % p.eval_every]
     if bad or n_seeds < 1:
         raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
@@ -216,7 +227,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         for seed in range(n_seeds):
             if kept.get(steps, seed, FP32, None) is None:
                 res = _launch(p, [FP32], steps, seed, None)
-                kept.put(steps, seed, FP32, _measured(FP32, 0, res, p, model, steps))
+                kept.put(steps, seed, FP32, _measured(FP32, 0, res, p, model))
         fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
         target = TARGET * statistics.mean(fp32)
         for seed in range(n_seeds):
@@ -224,8 +235,9 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
             if todo:
                 res = _launch(p, todo, steps, seed, target)
                 for i, r in enumerate(todo):
-                    kept.put(steps, seed, r, _measured(r, i, res, p, model, steps))
-        runs = {r.key: [kept.get(steps, s, r, target) for s in range(n_seeds)] for r in chosen}
+                    kept.put(steps, seed, r, _measured(r, i, res, p, model))
+        # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
+        runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in chosen}
         report["horizons"].append(_summarise(chosen, runs, steps, target))
     root = Path(out or "runs/bench-quality") / preset
     (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -248,13 +260,14 @@ def seconds_to(k: float, m: dict[str, Any], compute_s: float, rate: float) -> fl
     """Wall-clock of a row's first k steps at a link rate (see the module): compute-only step + the row's own
     overhead, plus its exact warm-up steps' and compressed steps' collectives over the link."""
     warm = min(k, m["warm"])
-    link = sum(collective_seconds(op, b, 2, rate) for op, b in m["dense"].items()) * warm
-    link += sum(collective_seconds(op, b, 2, rate) for op, b in m["low"].items()) * (k - warm)
+    link = warm * network._comm_seconds(m["dense"], rate) + (k - warm) * network._comm_seconds(m["low"], rate)
     return k * (compute_s + max(0.0, m["step_s"] - m["compute_s"])) + link
 
 
 def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float) -> dict[str, Any]:
-    compute = statistics.median(m["compute_s"] for ms in runs.values() for m in ms)
+    # one compute-only timing per launch (its rows share it)
+    launches = {(s, m["compute_s"]) for ms in runs.values() for s, m in enumerate(ms)}
+    compute = statistics.median(c for _, c in launches)
     fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
     out: dict[str, Any] = {"steps": steps, "target": target, "compute_s": compute, "rows": []}
     for row in rows:
