@@ -35,6 +35,7 @@ from powertrain.train.model import GPT, GPTConfig
 
 REL = 1e-10
 STEPS, LR, ADAM_EPS = 3, 1e-3, 1e-8
+UNEVEN = GPTConfig(65, 15, 1, 2, 32)  # vocabulary and positions that do not divide by tp = 2
 
 
 def _reference_grad(ref: dict[str, torch.Tensor], name: str, shape: torch.Size) -> torch.Tensor:
@@ -73,8 +74,16 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     model = tensor_parallel(copy.deepcopy(ref), mesh)
     opts = [torch.optim.AdamW(m.parameters(), lr=LR, eps=ADAM_EPS) for m in (model, ref)]
     grads, gmax = {}, 0.0
+    real_rs, fsdp_rs = dist.reduce_scatter_single, [0, 0]
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # FSDP2's gradient reduce-scatter, as handed to it
+        fsdp_rs[0] += kwargs["input"].numel() * kwargs["input"].element_size()
+        fsdp_rs[1] += 1
+        return real_rs(*args, **kwargs)
+
     for step in range(STEPS):
         with _Sent() as sent:
+            dist.reduce_scatter_single = counted if step == 0 else real_rs  # type: ignore[assignment]
             model(*token_batch(me, step)).backward()
         (sum(ref(*token_batch(r, step)) for r in range(dp)) / dp).backward()
         refg = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
@@ -90,7 +99,8 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
     refp = dict(ref.named_parameters())
     expect = {n: _reference_grad({k: v.detach() for k, v in refp.items()}, n, params[n].shape) for n in params}
-    return {"sent": sent.sent, "grads": grads, "gmax": gmax, "params": params, "expect": expect,
+    dist.reduce_scatter_single = real_rs  # type: ignore[assignment]
+    return {"sent": sent.sent, "fsdp_rs": fsdp_rs, "grads": grads, "gmax": gmax, "params": params, "expect": expect,
             "logits": (logits, ref(token_batch(me, 0)[0]).detach())}  # fmt: skip
 
 
@@ -105,14 +115,21 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     })  # fmt: skip
 
 
-def _uneven(rank: int, world: int) -> tuple[float, float]:
-    """A vocabulary, positions and a sequence that do not divide by tp: the loss of the same batch."""
+def _uneven(rank: int, world: int) -> dict[str, Any]:
+    """A vocabulary, positions and a sequence that do not divide by tp: loss, gradients and traffic of one batch."""
     torch.manual_seed(0)
-    ref = GPT(GPTConfig(65, 15, 1, 2, 32)).double()
+    ref = GPT(UNEVEN).double()
     model = tensor_parallel(copy.deepcopy(ref), init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp")))
     g = torch.Generator().manual_seed(5)
     x, y = (torch.randint(0, 65, (2, 13), generator=g) for _ in range(2))
-    return model(x, y).item(), ref(x, y).item()
+    with _Sent() as sent:
+        loss = model(x, y)
+        loss.backward()
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    refg = {n: p.grad for n, p in ref.named_parameters()}
+    grads = {n: (p.grad.full_tensor(), _reference_grad(refg, n, p.shape)) for n, p in model.named_parameters()}
+    return {"loss": (loss.item(), ref_loss.item()), "grads": grads, "sent": sent.sent}
 
 
 def tp_cases(rank: int, world: int) -> dict[str, Any]:
@@ -156,10 +173,19 @@ def test_computed_traffic_is_what_dtensor_sends(results):
     for run in case(runs, "2d"):
         expect = traffic(PARITY_GPT, 2, 1, *token_batch(0, 0)[0].shape, itemsize=8)  # the parity model is float64
         assert run["sent"] == expect, run["sent"]
+        # FSDP2 over dp = 2: each unit's gradients (the blocks and the root) reduce-scattered once
+        both = traffic(PARITY_GPT, 2, 2, *token_batch(0, 0)[0].shape, itemsize=8)["reduce_scatter"]
+        assert tuple(run["fsdp_rs"]) == (both[0] - expect["reduce_scatter"][0], both[1] - expect["reduce_scatter"][1])
 
 
 def test_shards_need_not_be_even(results):
-    # one sum of 2 x 13 token losses in another order: within REL as above
+    # one sum of 2 x 13 token losses, and the gradients, in another order: within REL as above; DTensor pads the
+    # uneven shards, and the computed traffic counts the padding
     _, runs = results
-    for got, ref in case(runs, "uneven"):
+    for run in case(runs, "uneven"):
+        got, ref = run["loss"]
         assert abs(got - ref) <= REL * abs(ref), (got, ref)
+        scale = max(r.abs().max().item() for _, r in run["grads"].values())
+        for name, (g, r) in run["grads"].items():
+            within((g - r).abs(), REL * scale, f"uneven shards: gradient of {name}")
+        assert run["sent"] == traffic(UNEVEN, 2, 1, 2, 13, itemsize=8), run["sent"]

@@ -7,13 +7,13 @@ projection row-parallel, the MLP's first Linear column-parallel and its second r
 ``qkv`` Linear is split into three (``qkv.q``, ``qkv.k``, ``qkv.v``) first, so that a column shard holds whole heads
 of each. Sequence parallelism (Korthikanti et al. 2022) keeps the residual stream between them sharded along the
 sequence: the LayerNorms run on a rank's ``1 / tp`` of the positions, the attention's and the MLP's input is
-all-gathered once, and the row-parallel outputs are reduce-scattered back to sequence shards instead of
-all-reduced (the same bytes on a ring, ``1 / tp`` of the activations kept). The token embedding is row-parallel
-(``vocab / tp`` rows a rank, its output reduce-scattered to sequence shards), the position embedding likewise, and
-the output head column-parallel over the vocabulary with its input all-gathered, its logits gathered whole (the loss
-is computed as usual). LayerNorm gains and row-parallel biases are replicated over ``tp``; their gradients are
-summed over the sequence shards. Then FSDP2 shards every block and the root over ``dp``, which averages the
-gradients across the data-parallel groups.
+all-gathered once, and the row-parallel outputs are reduce-scattered back to sequence shards instead of all-reduced
+(the same bytes on a ring, ``1 / tp`` of the activations kept). The token embedding is row-parallel (``vocab / tp``
+rows a rank, its output reduce-scattered to sequence shards), the position embedding likewise, and the output head
+column-parallel over the vocabulary with its input all-gathered, its logits gathered whole (the loss is computed as
+usual). LayerNorms (gains, biases) and row-parallel biases are replicated over ``tp``; their gradients are summed
+over the sequence shards. Then FSDP2 shards every block and the root over ``dp``, which averages the gradients
+across the data-parallel groups.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 
 from powertrain.train.model import GPT, Block, GPTConfig
 
-__all__ = ["tensor_parallel", "traffic"]
+__all__ = ["local_numel", "tensor_parallel", "traffic"]
 
 
 class _QKV(nn.Module):
@@ -104,31 +104,40 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
     return model
 
 
+def local_numel(cfg: GPTConfig, tp: int) -> int:
+    """Parameters a rank of a ``tp`` group holds (before FSDP2 shards them over ``dp``): every weight matrix's
+    ``1 / tp`` (uneven shards rounded up), the replicated LayerNorms and row-parallel biases whole."""
+    d, layers = cfg.d_model, cfg.n_layer
+    replicated = layers * 6 * d + 2 * d  # ln1, ln2 (gain, bias), proj's and fc_out's biases; ln_f
+    rows = [(cfg.vocab_size, d), (cfg.block_size, d), (cfg.vocab_size, d)]  # tok, pos, head: split by rows
+    local = sum(-(-n // tp) * w for n, w in rows)
+    # per block: q, k, v (weight rows and bias), proj (weight columns), fc (rows and bias), fc_out (columns)
+    local += layers * (3 * -(-d // tp) * (d + 1) + d * -(-d // tp) + -(-4 * d // tp) * (d + 1) + d * -(-4 * d // tp))
+    return local + replicated
+
+
 def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize: int = 4) -> dict[str, tuple[int, int]]:
-    """Payload bytes and collectives per micro-step and rank of :func:`tensor_parallel`, by collective, as handed to
-    it (a reduce-scatter's whole input, an all-gather's own part): ``batch`` sequences of ``seq`` tokens per ``tp``
-    group, parameters and activations of ``itemsize`` bytes (fp32: 4). Shards are counted as even (``n // tp``):
-    with a vocabulary, sequence or width that does not divide by ``tp``, ranks send a row more or less.
+    """Gradient-step traffic per micro-step and rank of :func:`tensor_parallel`, by collective: payload bytes as
+    handed to it (a reduce-scatter's whole input, an all-gather's own part; DTensor pads uneven shards to the
+    largest) and the number of collectives; ``batch`` sequences of ``seq`` tokens per ``tp`` group, parameters and
+    activations of ``itemsize`` bytes (fp32: 4).
 
     Sequence parallelism, per block: the attention's and the MLP's inputs all-gathered (forward) and their gradients
     reduce-scattered (backward), the row-parallel outputs reduce-scattered (forward) and their gradients all-gathered
     (backward); the embeddings' outputs reduce-scattered and the head's input all-gathered likewise, the logits
-    all-gathered; the LayerNorms' gradients all-reduced. FSDP2 over ``dp`` (when > 1): every rank's tensor-parallel
-    shard of the parameters all-gathered in forward and again in backward, its gradients reduce-scattered.
+    all-gathered; the LayerNorms' gradients all-reduced. FSDP2 over ``dp`` (when > 1): each unit's gradients
+    reduce-scattered (the blocks and the root), as the command counts FSDP2 elsewhere; its weight all-gathers are
+    not gradient traffic and are not in here.
     """
     out: dict[str, tuple[int, int]] = {}
     if tp > 1:
-        tokens, d, layers = batch * seq, cfg.d_model, cfg.n_layer
-        wide = (4 * layers + 2) * tokens * d  # per direction: the blocks' sublayers, the embedding, the head
-        out["reduce_scatter"] = (itemsize * (wide + seq * d), 4 * layers + 3)
-        out["all_gather"] = (itemsize * ((wide + seq * d) // tp + tokens * cfg.vocab_size // tp), 4 * layers + 4)
+        d, layers = cfg.d_model, cfg.n_layer
+        s, v = -(-seq // tp), -(-cfg.vocab_size // tp)  # a rank's positions and vocabulary rows
+        wide = 4 * layers + 2  # (b, t, d) activations per direction: the blocks' sublayers, the embedding, the head
+        out["reduce_scatter"] = (itemsize * (wide * batch + 1) * tp * s * d, 4 * layers + 3)
+        out["all_gather"] = (itemsize * ((wide * batch + 1) * s * d + batch * seq * v), 4 * layers + 4)
         out["all_reduce"] = (itemsize * (2 * layers + 1) * 2 * d, 4 * layers + 2)
     if dp > 1:
-        d, v, layers = cfg.d_model, cfg.vocab_size, cfg.n_layer
-        replicated = layers * 6 * d + 2 * d  # LayerNorm gains and biases, the row-parallel Linears' biases
-        total = layers * (12 * d * d + 13 * d) + v * d * 2 + cfg.block_size * d + 2 * d
-        local = (total - replicated) // tp + replicated
-        rs, ag = out.get("reduce_scatter", (0, 0)), out.get("all_gather", (0, 0))
-        out["reduce_scatter"] = (rs[0] + itemsize * local, rs[1] + 1)
-        out["all_gather"] = (ag[0] + 2 * itemsize * local // dp, ag[1] + 2)
+        rs = out.get("reduce_scatter", (0, 0))
+        out["reduce_scatter"] = (rs[0] + itemsize * local_numel(cfg, tp), rs[1] + cfg.n_layer + 1)
     return out

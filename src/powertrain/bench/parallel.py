@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.report import machine_info, publish, table
-from powertrain.tp import traffic
+from powertrain.tp import local_numel, traffic
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
@@ -149,8 +149,9 @@ def _computed_bytes(kind: str, params: int, world: int, cfg: GPTConfig, tokens: 
     full = 4.0 * params
     if kind == "ddp":
         return full
-    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic; FSDP2 over the pairs
-        return float(sum(b for b, _ in traffic(cfg, 2, world // 2, tokens // cfg.block_size, cfg.block_size).values()))
+    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic, FSDP2's over the pairs as fsdp2's below
+        grads = sum(b for b, _ in traffic(cfg, 2, world // 2, tokens // cfg.block_size, cfg.block_size).values())
+        return float(grads + (2 * 4 * local_numel(cfg, 2) if world > 2 else 0))
     return 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
 
 

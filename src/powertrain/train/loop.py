@@ -309,7 +309,7 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
     else:  # Shampoo's all-gather of its directions on top of the gradients; RTP's weights travel too
         ratio = f"{sent / max(dense, 1):.1f}x more"
     what = {"rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
-            "tp": "Tensor parallelism's activation all-reduces and FSDP2's gradient reduce-scatter (computed)"}.get(
+            "tp": "Sequence/tensor parallelism's activations and FSDP2's gradient reduce-scatter (computed)"}.get(
         cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
