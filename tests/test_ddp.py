@@ -372,3 +372,29 @@ def test_a_failed_hook_is_recorded_before_backward_can_see_it():
     assert seen[0][1] is False, "the failure was recorded only after the future had completed"
     with pytest.raises(NonFiniteGradientError):
         fut.wait()
+
+
+def test_more_collectives_than_declared_fail_the_call_not_hang_it():
+    """A program that issues more collectives than its compressor declared fails its call's future (and is
+    recorded first), instead of raising in a completion callback where nobody sees it while backward waits."""
+    from powertrain.comm import CommStats
+    from powertrain.compress.base import ReduceRequest
+    from powertrain.ddp import _Chain, _Sequencer
+
+    class Loopback:  # one declared communicator whose all-reduce completes at once
+        stats = CommStats()
+
+        def all_reduce_(self, tensor, op, async_op):
+            fut = torch.futures.Future()
+            fut.set_result([tensor])
+            return fut
+
+    def program():
+        yield ReduceRequest(torch.ones(2), "sum")
+        yield ReduceRequest(torch.ones(2), "sum")  # a second collective: one was declared
+
+    seen: list[BaseException] = []
+    fut = _Chain(program(), _Sequencer([Loopback()]), 0, lambda _: None, seen.append).start()
+    assert len(seen) == 1 and "issued 2 collectives in one call but declared at most 1" in str(seen[0]), seen
+    with pytest.raises(RuntimeError, match="max_collectives_per_call"):
+        fut.wait()

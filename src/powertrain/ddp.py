@@ -20,7 +20,9 @@ different bucketing on resume, loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,12 +49,8 @@ class _Sequencer:
         self._skipped: list[set[int]] = [set() for _ in comms]
 
     def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
-        """``launch()`` issues the collective and returns what attaches its completion callback."""
-        if phase >= len(self.comms):
-            raise RuntimeError(
-                f"a compressor issued {phase + 1} collectives in one call but declared at most "
-                f"{len(self.comms)} (max_collectives_per_call)"
-            )
+        """``launch()`` issues the collective and returns what to run outside the lock (attach its completion
+        callback); it must not raise. ``phase`` < the number of communicators."""
         with self._lock:
             self._pending[phase][call] = launch
             attach = self._drain(phase)
@@ -97,6 +95,13 @@ class _Chain:
         self.failed(e)
         self.future.set_exception(e)
 
+    def _abort(self, e: BaseException) -> None:
+        """Fail mid-program: its later collective slots are released (other calls go on), then the future fails."""
+        with contextlib.suppress(BaseException):  # the program's own clean-up failed too: ``e`` is what to report
+            self.program.close()
+        self.seq.finish(self.call, self.phase)
+        self._fail(e)
+
     def start(self) -> torch.futures.Future:
         self._advance(None)
         return self.future
@@ -119,16 +124,25 @@ class _Chain:
             self._fail(e)
             return
         phase = self.phase
+        if phase >= len(self.seq.comms):
+            self._abort(RuntimeError(f"a compressor issued {phase + 1} collectives in one call but declared at most "
+                                     f"{len(self.seq.comms)} (max_collectives_per_call)"))  # fmt: skip
+            return
         self.phase += 1
         self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
 
     def _launch(self, phase: int, request: Request) -> Callable[[], None]:
+        """Issue the collective (under the sequencer's lock); what to run outside it: attach the completion
+        callback, or, if issuing failed, fail this call (its slot is used, so the calls after it go on)."""
         comm = self.seq.comms[phase]
-        if isinstance(request, GatherRequest):
-            out, fut = comm.all_gather(request.tensor, async_op=True)
-        else:
-            out, fut = None, comm.all_reduce_(request.tensor, request.op, async_op=True)
-        assert fut is not None, "async collectives return a future"
+        try:
+            if isinstance(request, GatherRequest):
+                out, fut = comm.all_gather(request.tensor, async_op=True)
+            else:
+                out, fut = None, comm.all_reduce_(request.tensor, request.op, async_op=True)
+            assert fut is not None, "async collectives return a future"
+        except BaseException as e:
+            return functools.partial(self._abort, e)
 
         def attach() -> None:
             fut.then(lambda f: self._completed(f, out))
@@ -139,9 +153,7 @@ class _Chain:
         try:
             fut.value()  # re-raises a failed collective (timeout, lost peer)
         except BaseException as e:
-            self.program.close()
-            self.seq.finish(self.call, self.phase)
-            self._fail(e)
+            self._abort(e)
             return
         self._advance(out)
 
