@@ -16,19 +16,26 @@ from powertrain.train.model import GPT
 @pytest.mark.timeout(300)
 def test_quality_bench_tiny(tmp_path, monkeypatch):
     launched: list[list[str]] = []
-    real = quality._launch
+    real, real_time = quality._launch, quality._time
 
     def recording(p, rows, steps, seed, target):
         launched.append([r.key for r in rows])
         return real(p, rows, steps, seed, target)
 
+    def timing(p, rows):
+        launched.append(["timing"] + [r.key for r in rows])
+        return real_time(p, rows)
+
     monkeypatch.setattr(quality, "_launch", recording)
+    monkeypatch.setattr(quality, "_time", timing)
     out, md = tmp_path / "kept", tmp_path / "B.md"
     report = run_quality_bench(preset="tiny", rows=["torch-r4", "alt-r4", "fp32-frozen"], out=str(out), write=str(md))
     p = PRESETS["tiny"]
-    # fp32 alone first, every seed (it sets the target); then the other rows side by side, every seed
+    # the timing launch (every row and the compute-only model), fp32 alone every seed (it sets the target), then
+    # the other rows side by side, every seed
     rest = ["torch-r4", "alt-r4", "fp32-frozen"]
-    assert launched == [["fp32"], ["fp32"], rest, rest]
+    assert launched == [["timing", "fp32", *rest], ["fp32"], ["fp32"], rest, rest]
+    assert set(report["step_s"]) == {"", "fp32", *rest} and all(t > 0 for t in report["step_s"].values())
     [h] = report["horizons"]
     assert h["steps"] == 8 and [r["key"] for r in h["rows"]] == ["fp32", "torch-r4", "alt-r4", "fp32-frozen"]
     fp32, _hook, ours, frozen = h["rows"]
@@ -59,8 +66,8 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
         assert all(k is None or (k % p.eval_every == 0 and 0 < k <= CAP * 8) for k in r["hits"]), r["hits"]
 
     # the model: the first k steps' time grows with k and shrinks with the link rate
-    c = h["compute_s"]
-    assert seconds_to(4, m, c, 10.0) > seconds_to(4, m, c, 1000.0) > seconds_to(2, m, c, 1000.0) > 0
+    t = report["step_s"]["alt-r4"]
+    assert seconds_to(4, m, t, 10.0) > seconds_to(4, m, t, 1000.0) > seconds_to(2, m, t, 1000.0) > 2 * t
     text = md.read_text()
     for rate in quality.RATES:  # per link rate, the fastest row to the target
         assert f"- {rate:g} Mbit/s: fastest " in text

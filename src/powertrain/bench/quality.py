@@ -11,16 +11,17 @@ seed sets the initial weights and the training batches; the validation batches a
 
 Per row: the validation loss at the horizon (mean over seeds and min-max), the bytes a worker sent over the horizon
 (warm-up included) against fp32's, the steps to the target (the first evaluation at or below it) and the time to
-the target at each link rate. A step's time at a link rate is: the compute-only step (a DDP model whose hook sends
-nothing, timed side by side in every launch; the median over launches) + the row's own overhead over it in its
-launch (compression, loopback communication) + its bytes over a ring collective at that rate (the serial
+the target at each link rate: those steps times the row's step time at that rate. A step's time at a link rate is
+its step time on loopback (compute, compression, loopback communication; every row and a compute-only DDP model
+whose hook sends nothing, timed side by side in one short launch after the exact warm-ups, so one load hits them
+all, not in the long runs, whose load may drift) + its bytes over a ring collective at that rate (the serial
 alpha-beta model of :mod:`powertrain.bench.netem`, no overlap with backward, the same for every row; ``powertrain
 bench network`` measures how close real steps come to it). Exact warm-up steps cost dense bytes.
 
 Every row's result is kept in ``out`` (one JSON file per horizon, seed and row, with the row's definition and the
-preset): a later call with more rows, seeds or horizons runs only what is missing, and a run that was stopped
-continues where it was. A kept result is reused while its definition is unchanged and its validation curve decides
-the current target (it reached it, or ran to the cap).
+preset; the timing launch in one more): a later call with more rows, seeds or horizons runs only what is missing,
+and a run that was stopped continues where it was. A kept result is reused while its definition is unchanged and its
+validation curve decides the current target (it reached it, or ran to the cap).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from powertrain.train.model import GPT, GPTConfig
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s
 CAP = 3  # run to target: at most this many times the horizon in all
-TIMER_STEPS = 40  # rounds of the compute-only timer in each launch (its first)
+TIMING_ROUNDS = (10, 30)  # the timing launch: rounds before timing (past every warm-up), rounds timed
 KEPT_FORMAT = 2  # kept results of another format are run again
 
 
@@ -131,9 +132,8 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
 
 
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> dict[int, Any]:
-    """Train ``rows`` side by side, plus the compute-only timer (the last spec)."""
-    timer = Spec("compute only", "noop", steps=min(steps, TIMER_STEPS), optimizer="adamw")
-    specs = [_spec(r, steps, p.start, target) for r in rows] + [timer]
+    """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
+    specs = [_spec(r, steps, p.start, target) for r in rows]
     rounds = max(s.steps + s.extra_steps for s in specs)
     args = {"specs": [dataclasses.asdict(s) for s in specs], "model": dataclasses.asdict(p.model), "batch": p.batch,
             "warmup": 0, "timed": rounds, "start": p.start, "eval_every": p.eval_every, "data_mb": p.data_mb,
@@ -143,9 +143,32 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
     return launch(network._loopback_worker, 2, args)
 
 
+def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
+    """Median step time of every row and of the compute-only timer (a DDP hook that sends nothing, key ""),
+    side by side in one short launch after every row's exact warm-up: one load for all of them."""
+    timer = Spec("", "noop", optimizer="adamw")
+    specs = [_spec(r, sum(TIMING_ROUNDS), p.start, None) for r in rows] + [timer]
+    warmup, timed = TIMING_ROUNDS
+    args = {
+        "specs": [dataclasses.asdict(s) for s in specs],
+        "model": dataclasses.asdict(p.model),
+        "batch": p.batch,
+        "warmup": warmup,
+        "timed": timed,
+        "start": p.start,
+        "eval_every": 0,
+        "data_mb": p.data_mb,
+        "seed": 0,
+    }
+    print(f"[bench quality] timing {', '.join(r.key for r in rows)} and compute only", file=sys.stderr)
+    res = launch(network._loopback_worker, 2, args)
+    return {s.label: statistics.median(max(res[r]["times"][i][j] for r in res) for j in range(timed))
+            for i, s in enumerate(specs)}  # fmt: skip
+
+
 def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT) -> dict[str, Any]:
     """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
-    (by collective), its median step time and the compute-only timer's (over the launch's first rounds)."""
+    (by collective)."""
     r0 = results[0]
     n = len(r0["losses"][i])
     warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
@@ -158,11 +181,7 @@ def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT) 
         total = {op: b * n for op, b in r0["sent_per_step"][i].items()}
         low = {op: (b - warm * dense.get(op, 0.0)) / max(1, n - warm) for op, b in total.items()}
         low = {op: b for op, b in low.items() if b > 0.5}
-    step_times = [max(results[r]["times"][i][j] for r in results) for j in range(n)]
-    timer = len(r0["times"]) - 1
-    timer_times = [max(results[r]["times"][timer][j] for r in results) for j in range(len(r0["times"][timer]))]
-    return {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low,
-            "step_s": statistics.median(step_times), "compute_s": statistics.median(timer_times)}  # fmt: skip
+    return {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low}
 
 
 def _identity(row: Row, p: Preset) -> dict[str, Any]:
@@ -197,6 +216,22 @@ class _Kept:
             return None  # it stopped at an earlier, higher target
         return m
 
+    def timing(self, rows: list[Row]) -> dict[str, float] | None:
+        """The kept timing launch's step times, if it timed every one of ``rows`` as they are now."""
+        path = self.root / "timing.json"
+        if not path.exists():
+            return None
+        kept = json.loads(path.read_text())
+        ids = {r.key: _identity(r, self.preset) for r in rows}
+        if any(kept["identities"].get(k) != i for k, i in ids.items()):
+            return None
+        return {k: v for k, v in kept["step_s"].items() if k in ids or k == ""}
+
+    def put_timing(self, rows: list[Row], step_s: dict[str, float]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        kept = {"identities": {r.key: _identity(r, self.preset) for r in rows}, "step_s": step_s}
+        (self.root / "timing.json").write_text(json.dumps(kept) + "\n")
+
     def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
         path = self._path(steps, seed, row)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -223,6 +258,11 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     model = GPT(p.model)
     kept = _Kept(Path(out or "runs/bench-quality") / preset, p)
     report: dict[str, Any] = {"preset": preset, "params": model.num_params(), "horizons": []}
+    step_s = kept.timing(chosen)
+    if step_s is None:
+        step_s = _time(p, chosen)
+        kept.put_timing(chosen, step_s)
+    report["step_s"] = step_s
     for steps in horizons:
         for seed in range(n_seeds):
             if kept.get(steps, seed, FP32, None) is None:
@@ -238,7 +278,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
                     kept.put(steps, seed, r, _measured(r, i, res, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
         runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in chosen}
-        report["horizons"].append(_summarise(chosen, runs, steps, target))
+        report["horizons"].append(_summarise(chosen, runs, steps, target, step_s))
     root = Path(out or "runs/bench-quality") / preset
     (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds), write, "quality" if preset == "default" else f"quality-{preset}")
@@ -256,31 +296,30 @@ def _bytes(m: dict[str, Any], k: float) -> float:
     return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
 
 
-def seconds_to(k: float, m: dict[str, Any], compute_s: float, rate: float) -> float:
-    """Wall-clock of a row's first k steps at a link rate (see the module): compute-only step + the row's own
-    overhead, plus its exact warm-up steps' and compressed steps' collectives over the link."""
+def seconds_to(k: float, m: dict[str, Any], step_s: float, rate: float) -> float:
+    """Wall-clock of a row's first k steps at a link rate (see the module): its step time on loopback (compute,
+    compression, loopback communication) plus its exact warm-up steps' and compressed steps' collectives over the
+    link."""
     warm = min(k, m["warm"])
     link = warm * network._comm_seconds(m["dense"], rate) + (k - warm) * network._comm_seconds(m["low"], rate)
-    return k * (compute_s + max(0.0, m["step_s"] - m["compute_s"])) + link
+    return k * step_s + link
 
 
-def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float) -> dict[str, Any]:
-    # one compute-only timing per launch (its rows share it)
-    launches = {(s, m["compute_s"]) for ms in runs.values() for s, m in enumerate(ms)}
-    compute = statistics.median(c for _, c in launches)
+def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float,
+               step_s: dict[str, float]) -> dict[str, Any]:  # fmt: skip
     fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
-    out: dict[str, Any] = {"steps": steps, "target": target, "compute_s": compute, "rows": []}
+    out: dict[str, Any] = {"steps": steps, "target": target, "compute_s": step_s[""], "rows": []}
     for row in rows:
         ms = runs[row.key]
         vals = [_at(m, steps) for m in ms]
         hits = [next((k for k, v in m["curve"] if v <= target), None) for m in ms]
         res: dict[str, Any] = {"key": row.key, "label": row.label, "val_mean": statistics.mean(vals),
-                               "val_min": min(vals), "val_max": max(vals), "hits": hits,
+                               "val_min": min(vals), "val_max": max(vals), "hits": hits, "step_s": step_s[row.key],
                                "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
         reached = [h for h in hits if h is not None]
-        if len(reached) == len(hits):  # the median seed's steps, each seed's own step time and bytes
+        if len(reached) == len(hits):  # the median seed's steps, each seed's own bytes
             k = statistics.median(reached)
-            res["seconds"] = {str(rate): statistics.median(seconds_to(k, m, compute, rate) for m in ms)
+            res["seconds"] = {str(rate): statistics.median(seconds_to(k, m, step_s[row.key], rate) for m in ms)
                               for rate in RATES}  # fmt: skip
         out["rows"].append(res)
     return out
@@ -331,9 +370,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
                           _hits_text(r["hits"], CAP * h["steps"]), *times])  # fmt: skip
         headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", "bytes vs fp32",
                    "steps to target", *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
-        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%; "
-                     f"compute-only step {h['compute_s']:.3f} s)\n\n" + table(headers, cells) + "\n\n"
-                     + "\n".join(_speedups(h)))  # fmt: skip
+        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
+                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h)))  # fmt: skip
     return (
         "## Quality: validation loss, bytes and time to a target loss\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), 2 "
@@ -344,7 +382,12 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
         "exact steps; bytes are a worker's total over the horizon, warm-up included. Target: fp32's mean validation "
         f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
         f"most {CAP}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
-        "Time to target: those steps x the step time at the link rate, from the serial model (compute-only step and "
-        "each row's overhead measured side by side, bytes over a ring collective, no overlap with backward); '-' "
-        "where some seed did not reach the target.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n"
+        "Time to target: those steps x the step time at the link rate, from the serial model (the row's step time on "
+        "loopback, all rows timed side by side in one launch, + its bytes over a ring collective, no overlap with "
+        "backward); '-' where some seed did not reach the target.\n\n"
+        + "\n\n".join(parts)
+        + "\n\n"
+        + "Step times on loopback (s): "
+        + ", ".join(f"{k or 'compute only'} {v:.3f}" for k, v in report["step_s"].items())
+        + f".\n\nMachine: {machine_info()}.\n"
     )
