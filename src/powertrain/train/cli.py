@@ -37,7 +37,7 @@ _HELP = {
     "optimizer": "adamw, sgd, shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
     "adam_freeze": "fraction of the steps after which AdamW's second moment freezes (0: never, torch's AdamW); with "
-    "an error-feedback compressor (powersgd) a frozen second moment counts the delayed components in full, e.g. 0.1",
+    "an error-feedback compressor (powersgd) a frozen second moment counts the delayed components in full, e.g. 0.25",
     "shampoo_frequency": "steps between Shampoo's inverse-root (or eigenbasis) computations",
     "shampoo_max_dim": "largest Shampoo factor dimension (blocks are cut to it)",
     "shampoo_preconditioner": "shampoo (inverse roots) or eigenvalue_corrected (SOAP: Adam in the factors' eigenbasis)",
