@@ -131,37 +131,30 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
                 optimizer_options=dict(row.optimizer_options), stop_below=target)  # fmt: skip
 
 
+def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> dict[int, Any]:
+    """``specs`` side by side on 2 loopback workers with the preset's model and data."""
+    args = {"specs": [dataclasses.asdict(s) for s in specs], "model": dataclasses.asdict(p.model), "batch": p.batch,
+            "warmup": warmup, "timed": timed, "start": p.start, "eval_every": eval_every, "data_mb": p.data_mb,
+            "seed": seed}  # fmt: skip
+    return launch(network._loopback_worker, 2, args)
+
+
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> dict[int, Any]:
     """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
     specs = [_spec(r, steps, p.start, target) for r in rows]
-    rounds = max(s.steps + s.extra_steps for s in specs)
-    args = {"specs": [dataclasses.asdict(s) for s in specs], "model": dataclasses.asdict(p.model), "batch": p.batch,
-            "warmup": 0, "timed": rounds, "start": p.start, "eval_every": p.eval_every, "data_mb": p.data_mb,
-            "seed": seed}  # fmt: skip
     print(f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
           + (f", to target {target:.4f}" if target else ""), file=sys.stderr)  # fmt: skip
-    return launch(network._loopback_worker, 2, args)
+    rounds = max(s.steps + s.extra_steps for s in specs)
+    return _run(p, specs, warmup=0, timed=rounds, eval_every=p.eval_every, seed=seed)
 
 
 def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
     """Median step time of every row and of the compute-only timer (a DDP hook that sends nothing, key ""),
     side by side in one short launch after every row's exact warm-up: one load for all of them."""
-    timer = Spec("", "noop", optimizer="adamw")
-    specs = [_spec(r, sum(TIMING_ROUNDS), p.start, None) for r in rows] + [timer]
+    specs = [_spec(r, sum(TIMING_ROUNDS), p.start, None) for r in rows] + [Spec("", "noop", optimizer="adamw")]
     warmup, timed = TIMING_ROUNDS
-    args = {
-        "specs": [dataclasses.asdict(s) for s in specs],
-        "model": dataclasses.asdict(p.model),
-        "batch": p.batch,
-        "warmup": warmup,
-        "timed": timed,
-        "start": p.start,
-        "eval_every": 0,
-        "data_mb": p.data_mb,
-        "seed": 0,
-    }
     print(f"[bench quality] timing {', '.join(r.key for r in rows)} and compute only", file=sys.stderr)
-    res = launch(network._loopback_worker, 2, args)
+    res = _run(p, specs, warmup=warmup, timed=timed, eval_every=0, seed=0)
     return {s.label: statistics.median(max(res[r]["times"][i][j] for r in res) for j in range(timed))
             for i, s in enumerate(specs)}  # fmt: skip
 
@@ -228,17 +221,20 @@ class _Kept:
         return {k: v for k, v in kept["step_s"].items() if k in ids or k == ""}
 
     def put_timing(self, rows: list[Row], step_s: dict[str, float]) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        kept = {"identities": {r.key: _identity(r, self.preset) for r in rows}, "step_s": step_s}
-        (self.root / "timing.json").write_text(json.dumps(kept) + "\n")
+        ids = {r.key: _identity(r, self.preset) for r in rows}
+        _write(self.root / "timing.json", {"identities": ids, "step_s": step_s})
 
     def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
-        path = self._path(steps, seed, row)
-        path.parent.mkdir(parents=True, exist_ok=True)
         kept = {"identity": _identity(row, self.preset), "label": row.label, "measured": measured}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(kept) + "\n")
-        tmp.replace(path)
+        _write(self._path(steps, seed, row), kept)
+
+
+def _write(path: Path, obj: Any) -> None:
+    """JSON to ``path`` whole or not at all (a stopped run leaves no half-written result)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj) + "\n")
+    tmp.replace(path)
 
 
 def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
@@ -279,8 +275,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
         runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in chosen}
         report["horizons"].append(_summarise(chosen, runs, steps, target, step_s))
-    root = Path(out or "runs/bench-quality") / preset
-    (root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (kept.root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds), write, "quality" if preset == "default" else f"quality-{preset}")
     return report
 
@@ -308,7 +303,7 @@ def seconds_to(k: float, m: dict[str, Any], step_s: float, rate: float) -> float
 def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float,
                step_s: dict[str, float]) -> dict[str, Any]:  # fmt: skip
     fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
-    out: dict[str, Any] = {"steps": steps, "target": target, "compute_s": step_s[""], "rows": []}
+    out: dict[str, Any] = {"steps": steps, "target": target, "rows": []}
     for row in rows:
         ms = runs[row.key]
         vals = [_at(m, steps) for m in ms]
