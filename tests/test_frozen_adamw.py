@@ -1,6 +1,7 @@
 """FrozenVarianceAdamW: torch's AdamW until the freeze (bitwise: the same operations in the same order as
-``torch.optim.AdamW(foreach=False)``), then each parameter's denominator fixed at its value of the freeze step;
-a state dict round trip resumes bitwise; bad arguments are one-line errors."""
+``torch.optim.AdamW(foreach=False)``), then each parameter's denominator fixed at its value of the freeze step,
+except where no gradient had come (those stay AdamW); a state dict round trip resumes bitwise; bad
+arguments are one-line errors."""
 
 from __future__ import annotations
 
@@ -86,3 +87,38 @@ def test_state_dict_round_trip_resumes_bitwise():
 def test_bad_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         FrozenVarianceAdamW(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("resume_at", [None, FREEZE + 2])
+def test_a_coordinate_first_seen_after_the_freeze_steps_as_adamw(resume_at):
+    """Token 1's embedding row has no gradient before the freeze (v_hat = 0): frozen, its first step would be
+    lr * m_hat / eps ~ 1e5 here. It stays AdamW: its trajectory equals torch's AdamW's up to rounding. Tolerance:
+    AdamW adds (1 - beta2) g^2 with addcmul, this optimizer subtracts it from the negated v (one rounding apart,
+    a few ulp of the update, which is ~lr); each step's weight also rounds to an ulp of |w|, so after STEPS steps
+    the rows differ by at most STEPS * eps * (max|w| + 10 lr). Row 0 (seen before the freeze only) is frozen.
+    Through a state dict round trip after the freeze (resume_at) nothing changes: the mark is in the state."""
+    torch.manual_seed(0)
+    emb, ref = torch.nn.Embedding(2, 4), torch.nn.Embedding(2, 4)
+    ref.load_state_dict(emb.state_dict())
+    start = emb.weight[1].detach().clone()
+    opts = {**KW, "weight_decay": 0.0}
+    opt = FrozenVarianceAdamW(emb.parameters(), freeze_after=FREEZE, **opts)
+    ref_opt = torch.optim.AdamW(ref.parameters(), foreach=False, **opts)
+    for step in range(1, STEPS + 1):
+        if step == resume_at:
+            saved_model, saved_opt = copy.deepcopy(emb.state_dict()), copy.deepcopy(opt.state_dict())
+            emb = torch.nn.Embedding(2, 4)
+            emb.load_state_dict(saved_model)
+            opt = FrozenVarianceAdamW(emb.parameters(), freeze_after=FREEZE, **opts)
+            opt.load_state_dict(saved_opt)
+        token = torch.tensor([0 if step <= FREEZE else 1])
+        for m, o in ((emb, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(token).sum().backward()
+            o.step()
+    eps = torch.finfo(torch.float32).eps
+    tol = STEPS * eps * (ref.weight.abs().max().item() + 10 * KW["lr"])
+    assert (emb.weight[1] - ref.weight[1]).abs().max().item() <= tol
+    assert (emb.weight[1] - start).abs().min().item() > 100 * tol  # it trained
+    v = opt.state[emb.weight]["exp_avg_sq"]
+    assert torch.signbit(v[1]).all() and not torch.signbit(v[0]).any()

@@ -14,6 +14,13 @@ therefore runs exact Adam for a warm-up and then freezes the variance, after whi
 denominator is ``sqrt(v_hat) + eps`` with the bias-corrected second moment ``v_hat`` of step ``freeze_after``,
 which ``exp_avg_sq`` holds from then on (the state keeps AdamW's keys, so checkpoints load into a fresh optimizer
 like AdamW's). Weight decay (decoupled), the first moment and its bias correction continue as in AdamW.
+
+Coordinates that had no gradient before the freeze (``v_hat`` exactly 0: the embedding row of a token not seen
+yet) are not frozen: a frozen 0 would make their first step ``m_hat / eps``, about 1e7 times AdamW's. They keep
+AdamW's second moment, stored negated in ``exp_avg_sq`` (its sign bit marks them; ``-0.0`` until their first
+gradient), so the state keeps its keys and a checkpoint resumes them bitwise. Every other coordinate is frozen;
+one whose second moment was small but not 0 (seen rarely in the warm-up) keeps it, and may step further than
+AdamW would.
 """
 
 from __future__ import annotations
@@ -83,7 +90,8 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 def _update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float,
             eps: float, wd: float, freeze: int) -> None:  # fmt: skip
     """One step of one parameter: torch's single-tensor AdamW (same operations, same order) up to the freeze; after
-    it, ``exp_avg_sq`` holds the frozen, bias-corrected second moment of step ``freeze``."""
+    it, ``exp_avg_sq`` holds the frozen, bias-corrected second moment of step ``freeze`` (AdamW's, negated, where that
+    was 0: see the module)."""
     state["step"] += 1
     step = state["step"].item()
     if wd != 0:
@@ -92,11 +100,17 @@ def _update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *, lr: f
     exp_avg.lerp_(grad, 1 - beta1)
     step_size = lr / (1 - beta1**step)
     if step > freeze:
-        p.addcdiv_(exp_avg, exp_avg_sq.sqrt().add_(eps), value=-step_size)
+        live = torch.signbit(exp_avg_sq)  # no gradient before the freeze: AdamW's v, negated
+        adamw = exp_avg_sq.mul(beta2).sub_(grad * grad * (1 - beta2))
+        exp_avg_sq.copy_(torch.where(live, adamw, exp_avg_sq))
+        live_denom = exp_avg_sq.abs().sqrt() / (1 - beta2**step) ** 0.5  # AdamW's (where live)
+        denom = torch.where(live, live_denom, exp_avg_sq.sqrt()).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-step_size)
         return
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction2 = 1 - beta2**step
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
     p.addcdiv_(exp_avg, denom, value=-step_size)
-    if step == freeze:  # v_hat, fixed from now on
+    if step == freeze:  # v_hat, fixed from now on; where it is 0 (no gradient yet) -0.0 marks AdamW's, live
         exp_avg_sq.div_(bias_correction2)
+        exp_avg_sq.masked_fill_(exp_avg_sq == 0, -0.0)
