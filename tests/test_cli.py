@@ -274,12 +274,29 @@ def test_the_default_compressor_compresses_even_a_short_run():
                                                         "start_compressing_after_num_steps": DEFAULT_START}  # fmt: skip
 
 
+def test_adamw_freezes_by_default_with_powersgd_only():
+    from powertrain.train.cli import _continued
+    from powertrain.train.config import POWERSGD_ADAM_FREEZE, TrainConfig
+
+    assert TrainConfig().adam_freeze == POWERSGD_ADAM_FREEZE  # make demo's run: PowerSGD and AdamW
+    assert TrainConfig(compressor="powersgd:rank=4").adam_freeze == POWERSGD_ADAM_FREEZE
+    assert TrainConfig(compressor="int8").adam_freeze == 0.0  # not measured with it
+    assert TrainConfig(compressor="none").adam_freeze == 0.0
+    assert TrainConfig(optimizer="sgd").adam_freeze == 0.0
+    assert TrainConfig(adam_freeze=0.0).adam_freeze == 0.0  # the user's choice stands
+    # a resume keeps the checkpoint's freeze (an older run's 0) unless the user sets one
+    assert _continued(TrainConfig(), {"adam_freeze": 0.0}, {}).adam_freeze == 0.0
+    assert _continued(TrainConfig(adam_freeze=0.5), {"adam_freeze": 0.0}, {"adam_freeze": 0.5}).adam_freeze == 0.5
+    assert _continued(TrainConfig(), {}, {}).adam_freeze == POWERSGD_ADAM_FREEZE
+
+
 def test_the_summary_says_what_the_default_costs_where_measured():
     from powertrain.train.config import RECOMMENDED_COST, TrainConfig, resolve
     from powertrain.train.loop import _cost_text
 
     assert _cost_text(TrainConfig()) == f"; {RECOMMENDED_COST}"  # make demo's run
     assert _cost_text(TrainConfig(compressor="powersgd:rank=8")) == ""  # not what was measured
+    assert _cost_text(TrainConfig(adam_freeze=0.0)) == ""
     assert _cost_text(resolve("tiny", None, {})) == ""  # another model
 
 

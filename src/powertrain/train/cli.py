@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from powertrain.train.config import (
     DEFAULT_START,
+    POWERSGD_ADAM_FREEZE,
     PRESETS,
     RECOMMENDED_POWERSGD,
     TrainConfig,
@@ -37,7 +38,7 @@ _HELP = {
     "optimizer": "adamw, sgd, shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
     "adam_freeze": "fraction of the steps after which AdamW's second moment freezes (0: never, torch's AdamW); with "
-    "an error-feedback compressor (powersgd) a frozen second moment counts the delayed components in full, e.g. 0.25",
+    "PowerSGD's error feedback a frozen second moment counts the delayed gradient components in full",
     "shampoo_frequency": "steps between Shampoo's inverse-root (or eigenbasis) computations",
     "shampoo_max_dim": "largest Shampoo factor dimension (blocks are cut to it)",
     "shampoo_preconditioner": "shampoo (inverse roots) or eigenvalue_corrected (SOAP: Adam in the factors' eigenbasis)",
@@ -68,6 +69,7 @@ _HELP = {
 #: What an empty or None default means, for --help.
 _DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} (none with simple_fsdp, rtp, tp and "
                                "optimizer demo)",
+                 "adam_freeze": f"{POWERSGD_ADAM_FREEZE} with compressor powersgd and optimizer adamw, else 0",
                  "out": "runs/<timestamp>"}  # fmt: skip
 
 
@@ -237,9 +239,7 @@ def _train(args: argparse.Namespace) -> int:
             if restart != "checkpoint":
                 raise
             raise ValueError(f"out={cfg.out!r} holds a run that this command would continue, but {e}") from None
-        saved = manifest.get("config", {}).get("compressor")
-        if saved != cfg.compressor and isinstance(saved, str):  # rank=auto: the run continues with its choice
-            cfg = dataclasses.replace(cfg, compressor=saved)
+        cfg = _continued(cfg, manifest.get("config", {}), {**(toml or {}), **flags})
         if int(manifest.get("step", -1)) >= cfg.steps:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
@@ -263,6 +263,18 @@ def _train(args: argparse.Namespace) -> int:
         if not cfg.quiet:
             print(f"resolved config (saved to {config}):\n" + to_toml(cfg), flush=True)
         return _launch(cfg, out)
+
+
+def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) -> TrainConfig:
+    """The settings a resumed run keeps from its checkpoint's config (``saved``) over what ``cfg`` resolved:
+    rank=auto's choice, and the AdamW freeze when the user (``user``: TOML and flags) did not set one, so that a
+    run continues with its own and not with a later version's default."""
+    compressor, freeze = saved.get("compressor"), saved.get("adam_freeze")
+    if compressor != cfg.compressor and isinstance(compressor, str):
+        cfg = dataclasses.replace(cfg, compressor=compressor)
+    if "adam_freeze" not in user and isinstance(freeze, int | float) and not isinstance(freeze, bool):
+        cfg = dataclasses.replace(cfg, adam_freeze=float(freeze))
+    return cfg
 
 
 def _launch(cfg: TrainConfig, out: Path) -> int:

@@ -48,12 +48,25 @@ DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps
 RECOMMENDED_POWERSGD = (
     f"powersgd:rank={RECOMMENDED['rank']},variant={RECOMMENDED['variant']},factors={RECOMMENDED['factor_dtype']}"
 )
-#: What it costs on the default GPT: a 2-row run of bench quality's code, 2026-11-25 (README, "What it costs,
-#: measured"); the run's summary says it.
+#: What the command's default (RECOMMENDED_POWERSGD with AdamW frozen at POWERSGD_ADAM_FREEZE) costs on the default
+#: GPT: bench quality's 300-step section (BENCHMARKS.md, README "What it costs, measured"); the run's summary says it.
 RECOMMENDED_COST = (
-    "measured on this model over 300 steps (3 seeds, powertrain bench quality), it ends at fp32 "
-    "all-reduce's validation loss +0.15% (1.9799 vs 1.9770, seed spread 0.03) with 1/9.5 of its bytes"
+    "measured on this model over 300 steps (3 seeds, powertrain bench quality), it ends at validation loss 1.9608 "
+    "(seeds 1.9408-1.9846) against fp32 all-reduce's 1.9770 with torch's AdamW (-0.82%), with 1/9.5 of its bytes"
 )
+
+
+#: AdamW's freeze with PowerSGD when the run does not set one (1-bit Adam's 15-25% of exact Adam first): r32 with
+#: it ended below fp32 at 300 and 1,000 steps (3 seeds, README "What it costs, measured"), where a tenth was too
+#: early at 300 steps.
+POWERSGD_ADAM_FREEZE = 0.25
+
+
+def default_adam_freeze(compressor: str, optimizer: str) -> float:
+    """``adam_freeze`` when a run does not set it: :data:`POWERSGD_ADAM_FREEZE` for AdamW with PowerSGD, whose error
+    feedback delivers gradients late (see powertrain.optim.frozen_adamw), else 0 (torch's AdamW): no other
+    compressor was measured with it."""
+    return POWERSGD_ADAM_FREEZE if compressor == "powersgd" and optimizer == "adamw" else 0.0
 
 
 def default_compressor(steps: int) -> str:
@@ -85,8 +98,8 @@ class TrainConfig:
     weight_decay: float = 0.1
     momentum: float = 0.9
     #: AdamW's second moment freezes after this fraction of the steps (powertrain.optim.FrozenVarianceAdamW; 0:
-    #: never, torch's AdamW).
-    adam_freeze: float = 0.0
+    #: never, torch's AdamW). None: :func:`default_adam_freeze` of the run's compressor.
+    adam_freeze: float | None = None
     shampoo_frequency: int = 50  # with blocks of 256: bench optimizers' configuration (overhead in BENCHMARKS.md)
     shampoo_max_dim: int = 256
     shampoo_preconditioner: ShampooPreconditioner = "shampoo"
@@ -216,6 +229,9 @@ class TrainConfig:
             plain = plain_by_default(self.optimizer, self.parallel)
             object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
+        if self.adam_freeze is None:
+            object.__setattr__(self, "adam_freeze", default_adam_freeze(name, self.optimizer))
+        assert self.adam_freeze is not None
         if not 0 <= self.adam_freeze < 1:
             raise ValueError(f"Invalid adam_freeze={self.adam_freeze!r}: must be a fraction of the steps in [0, 1)")
         if self.adam_freeze and self.optimizer != "adamw":
@@ -245,6 +261,11 @@ class TrainConfig:
                 f"reduce-scatter form): use none, fp16, bf16, powersgd, int8 or int4 with {self.parallel}, or "
                 "parallel='ddp'"
             )
+
+    @property
+    def freeze_after(self) -> int:
+        """AdamW's steps before its second moment freezes (``adam_freeze`` of the run's steps; 0: never)."""
+        return max(1, round(self.adam_freeze * self.steps)) if self.adam_freeze else 0
 
     @property
     def gpt_shape(self) -> tuple[int, int, int]:

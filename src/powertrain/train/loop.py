@@ -18,7 +18,14 @@ from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
 from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
-from powertrain.train.config import RECOMMENDED_COST, RECOMMENDED_POWERSGD, TrainConfig, is_auto, parse_compressor
+from powertrain.train.config import (
+    POWERSGD_ADAM_FREEZE,
+    RECOMMENDED_COST,
+    RECOMMENDED_POWERSGD,
+    TrainConfig,
+    is_auto,
+    parse_compressor,
+)
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.metrics import Progress, RunWriter
@@ -293,9 +300,16 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
     return f"training stopped at step {step + 1}: {what}; {kept}; try a lower --lr (now {cfg.lr})"
 
 
+def _freeze_text(cfg: TrainConfig) -> str:
+    if cfg.optimizer != "adamw" or not cfg.adam_freeze:
+        return ""
+    return f" AdamW's second moment froze after step {cfg.freeze_after} (--adam-freeze {cfg.adam_freeze:g})."
+
+
 def _cost_text(cfg: TrainConfig) -> str:
     """What the default compressor costs in loss, where that was measured: the default GPT with the default."""
-    default = cfg.model == "gpt" and cfg.gpt_size == "default" and cfg.compressor.startswith(RECOMMENDED_POWERSGD + ",")
+    measured = cfg.compressor.startswith(RECOMMENDED_POWERSGD + ",") and cfg.adam_freeze == POWERSGD_ADAM_FREEZE
+    default = cfg.model == "gpt" and cfg.gpt_size == "default" and cfg.optimizer == "adamw" and measured
     return f"; {RECOMMENDED_COST}" if default else ""
 
 
@@ -316,7 +330,7 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "
         f"for {cfg.steps} steps in {s['wall_s']:.1f} s of training time, with --parallel {cfg.parallel}. The training "
         f"loss went from {s['first_loss']:.3f} to {s['final_loss']:.3f} and the held-out validation loss is "
-        f"{s['val_loss']:.3f}{uniform}. {what} sent {sent / MB:.1f} MB per worker "
+        f"{s['val_loss']:.3f}{uniform}.{_freeze_text(cfg)} {what} sent {sent / MB:.1f} MB per worker "
         f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio}){_cost_text(cfg)}."
         f"{_roots_text(s.get('shampoo_roots'))} Metrics, plots and the resolved config are in {out}."
     )

@@ -71,7 +71,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
                 from powertrain.optim import FrozenVarianceAdamW
 
                 frozen = FrozenVarianceAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
-                                             freeze_after=max(1, round(cfg.adam_freeze * cfg.steps)))  # fmt: skip
+                                             freeze_after=cfg.freeze_after)  # fmt: skip
                 return Built(frozen, per_rank=False, stats=None)
             adamw = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
             return Built(adamw, per_rank=False, stats=None)
