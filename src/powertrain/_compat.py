@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import re
@@ -162,15 +163,15 @@ def safe_dcp_reader(path: str, files: frozenset[str]) -> Any:
     return _Reader(path)
 
 
+@functools.cache
 def _redistribute_casts() -> bool:
+    """Asked on first use, not at import: importing DTensor costs about a second, which every worker of a run
+    that never uses it would pay."""
     import inspect
 
     from torch.distributed.tensor import DTensor
 
     return "forward_dtype" in inspect.signature(DTensor.redistribute).parameters
-
-
-_REDISTRIBUTE_CASTS = _redistribute_casts()
 
 
 def redistribute(
@@ -181,7 +182,7 @@ def redistribute(
     torch >= 2.13 casts inside ``redistribute`` (``forward_dtype``/``backward_dtype``). Older versions: cast
     the shard before (so the all-gather runs in ``forward_dtype``) and the gradient through a cast node,
     which leaves the reduction in the compute dtype."""
-    if _REDISTRIBUTE_CASTS:
+    if _redistribute_casts():
         return t.redistribute(placements=placements, forward_dtype=forward_dtype, backward_dtype=backward_dtype)
     if forward_dtype is not None:
         t = t.to(forward_dtype)

@@ -211,8 +211,6 @@ def _config_path(out: Path, resumed: bool) -> Path:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from powertrain.checkpoint import CheckpointError
-    from powertrain.train.checkpoint import check_resumable, find_checkpoint
     from powertrain.train.data import check_source
     from powertrain.train.launch import torchrun_shared_store, under_torchrun
     from powertrain.train.metrics import supersede
@@ -232,6 +230,9 @@ def _train(args: argparse.Namespace) -> int:
         if rank0:
             print(f"out={cfg.out!r} holds this run's checkpoints: continuing from the latest", flush=True)
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
+        from powertrain.checkpoint import CheckpointError  # DCP: imported by runs that resume only
+        from powertrain.train.checkpoint import check_resumable, find_checkpoint
+
         ckpt = find_checkpoint(cfg.resume)
         try:
             manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))

@@ -17,7 +17,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
-from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint, set_latest
 from powertrain.train.config import (
     POWERSGD_ADAM_FREEZE,
     RECOMMENDED_COST,
@@ -129,7 +128,9 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
 
     start, counters = 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
-    if cfg.resume:
+    if cfg.resume:  # DCP (and DTensor with it) is imported by runs that resume or save only: ~1 s per worker
+        from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, set_latest
+
         ckpt = find_checkpoint(cfg.resume)
         start, counters = load_checkpoint(ckpt, model, dcp_optimizer, per_rank)
         if rank == 0 and ckpt.parent.resolve() == (out / "checkpoints").resolve():
@@ -215,6 +216,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 done, last_loss, per_step * cfg.grad_accum * data_world / step_time, unit, sent / MB, dense_mb
             )
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+            from powertrain.train.checkpoint import save_checkpoint
+
             run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
             save_checkpoint(out, done, model, dcp_optimizer, per_rank, run, dataclasses.asdict(cfg))
 
