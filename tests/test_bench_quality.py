@@ -97,3 +97,24 @@ def test_rows_are_chosen_by_key_with_fp32_first():
         select_rows(["nope"])
     with pytest.raises(ValueError, match=r"Invalid horizons=\[7\]"):
         run_quality_bench(preset="tiny", horizons=[7], write=None)
+
+
+def _resnet_side_by_side(rank: int, world: int) -> dict:
+    from powertrain.bench import sidebyside
+
+    rows = [quality.FP32, *select_rows(["r8-frozen"])[1:]]
+    specs = [quality._spec(r, 6, 2, None) for r in rows]
+    return sidebyside.run(specs, model=None, batch=8, warmup=0, timed=6, start=2, eval_every=3)
+
+
+def test_the_second_workload_trains_the_resnet_on_mnist1d():
+    """The mnist1d preset's runs: the ResNet, side by side, validated; PowerSGD r8 sends less once compressing."""
+    from dist_utils import run_ranks
+
+    res = run_ranks(_resnet_side_by_side, 2, timeout=120)
+    r0 = res[0]
+    assert [len(c) for c in r0["val_curve"]] == [2, 2] and all(0 < v < 5 for v in r0["val_loss"])
+    assert r0["val_loss"] == res[1]["val_loss"]  # the mean over ranks
+    fp32, r8 = (sum(s.values()) for s in r0["sent_per_step"])
+    assert fp32 == 4 * r0["params"] and r8 < fp32 / 2  # 2 of 6 steps exact
+    assert PRESETS["mnist1d"].model is None

@@ -36,6 +36,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from powertrain.bench import ddp, plots
 from powertrain.bench.ddp import computed_bytes
 from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable, validate
@@ -124,7 +126,7 @@ def _fsdp_weight_bytes(model: GPT, world: int) -> float:
     return 4.0 * (2 * blocks + rest) / world
 
 
-def _model_bytes(spec: Spec, model: GPT, world: int = 2) -> dict[str, float]:
+def _model_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str, float]:
     """Payload bytes per step by collective, before running (to decide what is affordable)."""
     if spec.kind in ("plain", "noop", "torch_fp16", "torch_psgd"):
         return computed_bytes(spec, model)
@@ -140,6 +142,7 @@ def _model_bytes(spec: Spec, model: GPT, world: int = 2) -> dict[str, float]:
     else:
         out = {"reduce_scatter" if spec.parallel == "fsdp" else "all_reduce": 4.0 * numel}
     if spec.parallel == "fsdp":
+        assert isinstance(model, GPT), "FSDP2's all-gathers are counted per GPT block"
         out["all_gather_weights"] = _fsdp_weight_bytes(model, world)
     return out
 
@@ -196,7 +199,7 @@ def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = dict(args)
     specs = [Spec(**s) for s in args.pop("specs")]
-    out = sidebyside.run(specs, model=GPTConfig(**args.pop("model")), **args)
+    out = sidebyside.run(specs, model=sidebyside.model_config(args.pop("model")), **args)
     leave_world()
     return out
 

@@ -34,12 +34,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from powertrain.bench import network
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
-from powertrain.train.config import DEFAULT_START
+from powertrain.train.config import DEFAULT_START, POWERSGD_ADAM_FREEZE
 from powertrain.train.launch import launch
-from powertrain.train.model import GPT, GPTConfig
+from powertrain.train.model import GPT, GPTConfig, ResNet1d
 
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s
@@ -59,9 +61,7 @@ class Row:
 
 
 _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
-#: AdamW's second moment frozen after a quarter of the steps (powertrain.optim.FrozenVarianceAdamW; 1-bit Adam's
-#: 15-25%): PowerSGD r32 ended below fp32 at 300 and 1,000 steps that way, where a tenth was too early at 300 (README).
-ADAM_FREEZE = 0.25
+ADAM_FREEZE = POWERSGD_ADAM_FREEZE  # the command's with PowerSGD; the rows set it (or 0) themselves
 _FROZEN = {"adam_freeze": ADAM_FREEZE}
 
 FP32 = Row("fp32", "fp32 all-reduce", "none")
@@ -70,11 +70,25 @@ ROWS = [
     Row("bf16", "bf16 all-reduce", "bf16"),
     Row("torch-r4", "torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     Row("torch-r32", "torch powerSGD_hook r32", "torch_psgd", {"rank": 32}),
-    Row("r8", "powertrain powersgd r8 paper, bf16 factors", "powersgd", {**_R32, "rank": 8}),
-    Row("r32", "powertrain powersgd r32 paper, bf16 factors (the default)", "powersgd", _R32),
+    Row("r8", "powertrain powersgd r8 paper, bf16 factors, torch's AdamW", "powersgd", {**_R32, "rank": 8}),
+    Row(
+        "r8-frozen",
+        f"powertrain powersgd r8 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
+        "powersgd",
+        {**_R32, "rank": 8},
+        optimizer_options=_FROZEN,
+    ),
+    Row(
+        "r16-frozen",
+        f"powertrain powersgd r16 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
+        "powersgd",
+        {**_R32, "rank": 16},
+        optimizer_options=_FROZEN,
+    ),
+    Row("r32", "powertrain powersgd r32 paper, bf16 factors, torch's AdamW", "powersgd", _R32),
     Row(
         "r32-frozen",
-        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
+        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default)",
         "powersgd",
         _R32,
         optimizer_options=_FROZEN,
@@ -92,7 +106,7 @@ ROWS = [
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    model: GPTConfig
+    model: GPTConfig | None  # the GPT's shape (stdlib corpus), or None: powertrain train's 1-D ResNet on mnist1d
     batch: int
     horizons: tuple[int, ...]
     seeds: int
@@ -108,6 +122,8 @@ class Preset:
 PRESETS = {
     "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START),
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
+    # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
+    "mnist1d": Preset(None, 32, (1000,), 3, 50, 0.0, DEFAULT_START),
 }
 
 
@@ -133,7 +149,8 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
 
 def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> dict[int, Any]:
     """``specs`` side by side on 2 loopback workers with the preset's model and data."""
-    args = {"specs": [dataclasses.asdict(s) for s in specs], "model": dataclasses.asdict(p.model), "batch": p.batch,
+    model = None if p.model is None else dataclasses.asdict(p.model)
+    args = {"specs": [dataclasses.asdict(s) for s in specs], "model": model, "batch": p.batch,
             "warmup": warmup, "timed": timed, "start": p.start, "eval_every": eval_every, "data_mb": p.data_mb,
             "seed": seed}  # fmt: skip
     return launch(network._loopback_worker, 2, args)
@@ -159,7 +176,7 @@ def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
             for i, s in enumerate(specs)}  # fmt: skip
 
 
-def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT) -> dict[str, Any]:
+def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: torch.nn.Module) -> dict[str, Any]:
     """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
     (by collective)."""
     r0 = results[0]
@@ -167,7 +184,7 @@ def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT) 
     warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
             else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
     warm = min(warm, n)
-    dense = {"all_reduce": 4.0 * model.num_params()}
+    dense = {"all_reduce": 4.0 * sum(q.numel() for q in model.parameters())}
     if row.kind == "torch_psgd":  # torch's hook counts nothing: its exact warm-up, then the paper variant's P and Q
         low = network._model_bytes(Spec(row.key, "torch_psgd", row.options), model)
     else:  # counted as sent: the warm-up's dense all-reduces, then the compressor's messages
@@ -251,9 +268,9 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     if bad or n_seeds < 1:
         raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
                          f"of the preset's eval_every ({p.eval_every}), seeds >= 1")  # fmt: skip
-    model = GPT(p.model)
+    model = ResNet1d() if p.model is None else GPT(p.model)
     kept = _Kept(Path(out or "runs/bench-quality") / preset, p)
-    report: dict[str, Any] = {"preset": preset, "params": model.num_params(), "horizons": []}
+    report: dict[str, Any] = {"preset": preset, "params": sum(q.numel() for q in model.parameters()), "horizons": []}
     step_s = kept.timing(chosen)
     if step_s is None:
         step_s = _time(p, chosen)
@@ -367,10 +384,21 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
                    "steps to target", *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
         parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
                      + table(headers, cells) + "\n\n" + "\n".join(_speedups(h)))  # fmt: skip
+    if p.model is None:
+        title = "Quality on a second workload: the 1-D ResNet on mnist1d"
+        what = (
+            f"`powertrain train --model resnet`'s 1-D ResNet ({report['params'] / 1e3:.1f}k parameters, "
+            f"convolutions viewed as matrices) on mnist1d, 2 workers, {p.batch} samples per worker per step"
+        )
+    else:
+        title = "Quality: validation loss, bytes and time to a target loss"
+        what = (
+            f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
+            f"parameters), 2 workers, {p.batch}x{p.model.block_size} tokens per worker per step"
+        )
     return (
-        "## Quality: validation loss, bytes and time to a target loss\n\n"
-        f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M parameters), 2 "
-        f"workers, {p.batch}x{p.model.block_size} tokens per worker per step, AdamW with `powertrain train`'s "
+        f"## {title}\n\n"
+        f"{what}, AdamW with `powertrain train`'s "
         "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
         f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
         f"validation every {p.eval_every} steps on the same held-out batches. PowerSGD rows compress after {p.start} "

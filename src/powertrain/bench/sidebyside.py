@@ -9,10 +9,12 @@ worker that reads RANK/WORLD_SIZE/MASTER_* from the environment and prints its r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,9 +27,9 @@ from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
 from powertrain.train.config import TrainConfig
-from powertrain.train.data import TokenData, load_data
+from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world
-from powertrain.train.model import GPT, GPTConfig
+from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
 
@@ -71,7 +73,7 @@ _TORCH_KINDS = ("plain", "noop", "torch_fp16", "torch_psgd")
 class _Run:
     """One configuration's model, optimizer and gradient averaging; ``step`` trains one batch."""
 
-    def __init__(self, spec: Spec, model: GPT, start: int, bucket_cap_mb: float) -> None:
+    def __init__(self, spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> None:
         self.model = model
         stats: CommStats | None
         self.wrapped: torch.nn.Module
@@ -148,7 +150,7 @@ def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: fl
     return ddp, stats
 
 
-def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: int, start: int,
+def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, timed: int, start: int,
         bucket_cap_mb: float = 100, data_mb: float = 4.0, eval_batches: int = 8,
         eval_every: int = 0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Per configuration: step times of the timed rounds, all losses, payload bytes per step by collective,
@@ -156,16 +158,21 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0. A run with
     ``Spec.steps`` sits out the rounds after its last step (``+ extra_steps``, or its ``stop_below`` target).
     ``seed`` sets the initial weights and the training batches; the validation batches are the same for every
-    seed."""
+    seed. ``model``: the GPT's shape (on the stdlib corpus), or None for the 1-D ResNet on mnist1d."""
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = load_data(TrainConfig(data_max_mb=data_mb))
-    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
-    val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, model.block_size) for j in range(eval_batches)]
+    corpus: TokenData | ClassData
+    build: Callable[[], torch.nn.Module]
+    if model is None:  # powertrain train --model resnet --data mnist1d
+        corpus, block, build = load_data(TrainConfig(model="resnet", data="mnist1d")), 0, ResNet1d
+    else:
+        corpus, block = load_data(TrainConfig(data_max_mb=data_mb)), model.block_size
+        build = functools.partial(GPT, model)
+    val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, block) for j in range(eval_batches)]
     runs = []
     for spec in specs:
         torch.manual_seed(seed)
-        runs.append(_Run(spec, GPT(model), start, bucket_cap_mb))
+        runs.append(_Run(spec, build(), start, bucket_cap_mb))
     stopped = [False] * len(specs)
     times: list[list[float]] = [[] for _ in specs]
     losses: list[list[float]] = [[] for _ in specs]
@@ -173,7 +180,7 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
     sent: list[dict[str, int]] = [{} for _ in specs]
     spent = [[0.0, 0.0, 0] for _ in specs]  # compress_s, comm_s, collectives over the timed rounds
     for step in range(warmup + timed):
-        x, y = corpus.batch("train", rank, world, (seed, rank, step), batch, model.block_size)
+        x, y = corpus.batch("train", rank, world, (seed, rank, step), batch, block)
         for i, r in enumerate(runs):
             if stopped[i] or (specs[i].steps and step >= specs[i].steps + specs[i].extra_steps):
                 continue
@@ -204,7 +211,13 @@ def run(specs: list[Spec], *, model: GPTConfig, batch: int, warmup: int, timed: 
             "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
             "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
             "measured_stats": [bool(r.sources) for r in runs],
-            "val_loss": val, "val_curve": curves, "params": runs[0].model.num_params()}  # fmt: skip
+            "val_loss": val, "val_curve": curves,
+            "params": sum(p.numel() for p in runs[0].model.parameters())}  # fmt: skip
+
+
+def model_config(model: dict[str, Any] | None) -> GPTConfig | None:
+    """A launch argument (a GPTConfig as a dict, or None for the ResNet) back to :func:`run`'s ``model``."""
+    return None if model is None else GPTConfig(**model)
 
 
 def main() -> None:
@@ -214,8 +227,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pop("timeout_s", 300)))
     specs = [Spec(**s) for s in args.pop("specs")]
-    model = GPTConfig(**args.pop("model"))
-    result = run(specs, model=model, **args)
+    result = run(specs, model=model_config(args.pop("model")), **args)
     print(json.dumps(result), flush=True)
     leave_world()
     # Skip interpreter finalisation: the results are out, and gloo's threads have been seen to abort the

@@ -122,7 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="directory for results.json and table.md (network); quality: kept "
         "results, reused by later calls (default runs/bench-quality)",
     )
-    bench.add_argument("--preset", choices=["default", "tiny"], default="default")
+    bench.add_argument("--preset", choices=["default", "tiny", "mnist1d"], default="default",
+                       help="tiny: seconds; mnist1d (quality only): the 1-D ResNet on mnist1d")  # fmt: skip
     bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
@@ -307,6 +308,9 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    if args.preset == "mnist1d" and args.suite != "quality":
+        raise ValueError(f"--preset mnist1d is a workload of bench quality only, not of {args.suite}: use default "
+                         "or tiny")  # fmt: skip
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
 
