@@ -346,6 +346,13 @@ def test_bench_overhead_tiny(tmp_path):
     assert target.read_text().count("<!-- bench:overhead-tiny -->") == 1  # replaced, not appended
 
 
+def test_the_mnist1d_workload_is_bench_quality_s_only(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "overhead", "--preset", "mnist1d"])
+    assert exc.value.code == 2
+    assert "--preset mnist1d is a workload of bench quality only, not of overhead" in capsys.readouterr().err
+
+
 def _returns(marker: str) -> int:
     import atexit
 
