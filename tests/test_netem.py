@@ -117,13 +117,13 @@ def test_break_even_solves_the_serial_model():
 
 
 def test_fsdp_weight_gathers_counted_per_block_twice():
-    from powertrain.bench.network import _fsdp_weight_bytes
+    from powertrain.bench.network import fsdp2_weight_bytes
     from powertrain.train.model import GPT, GPTConfig
 
     m = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8))
     blocks = sum(p.numel() for p in m.blocks.parameters())
     total = sum(p.numel() for p in m.parameters())
-    assert _fsdp_weight_bytes(m, 2) == 4.0 * (2 * blocks + (total - blocks)) / 2
+    assert fsdp2_weight_bytes(m, 2) == 4.0 * (2 * blocks + (total - blocks)) / 2
 
 
 def test_cost_model_refuses_unknown_collectives():

@@ -118,12 +118,15 @@ def _spec(label: str) -> Spec:
     return next(s for s in SPECS if s.label == label)
 
 
-def _fsdp_weight_bytes(model: GPT, world: int) -> float:
-    """Payload of FSDP2's weight all-gathers per step and rank: each block twice (forward, and again in
-    backward after resharding), the root's own parameters once; each rank contributes its 1/W shard."""
-    blocks = sum(p.numel() for p in model.blocks.parameters())
-    rest = sum(p.numel() for p in model.parameters()) - blocks
-    return 4.0 * (2 * blocks + rest) / world
+def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
+    """Payload (in :func:`powertrain.bench.netem.collective_seconds`' sense: each rank's own part) of FSDP2's
+    weight all-gathers per step and rank, with each of ``model.blocks`` and the root wrapped: each block twice
+    (forward, and again in backward after resharding), the root's own parameters once (FSDP2 keeps the root
+    unsharded between forward and backward). One rule for every benchmark that computes it."""
+    blocks = model.get_submodule("blocks")
+    in_blocks = sum(p.numel() for p in blocks.parameters())
+    rest = sum(p.numel() for p in model.parameters()) - in_blocks
+    return 4.0 * (2 * in_blocks + rest) / world
 
 
 def _model_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str, float]:
@@ -142,8 +145,7 @@ def _model_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str
     else:
         out = {"reduce_scatter" if spec.parallel == "fsdp" else "all_reduce": 4.0 * numel}
     if spec.parallel == "fsdp":
-        assert isinstance(model, GPT), "FSDP2's all-gathers are counted per GPT block"
-        out["all_gather_weights"] = _fsdp_weight_bytes(model, world)
+        out["all_gather_weights"] = fsdp2_weight_bytes(model, world)
     return out
 
 
@@ -238,7 +240,7 @@ def _rows(rate: float | None, results: dict[int, Any], runnable: list[Spec], mod
         measured_stats = r0["measured_stats"][i]
         by_op = dict(r0["sent_per_step"][i]) if measured_stats else _model_bytes(spec, model)
         if spec.parallel == "fsdp":  # FSDP2's weight all-gathers are not ours to count: computed
-            by_op["all_gather_weights"] = _fsdp_weight_bytes(model, 2)
+            by_op["all_gather_weights"] = fsdp2_weight_bytes(model, 2)
         compress = max(results[r]["compress_s"][i] for r in ranks) if measured_stats else None
         rows[spec.label] = {
             "label": spec.label, "kind": spec.kind, "measured": True, "median_s": statistics.median(ts),

@@ -12,8 +12,10 @@ measure, per rank:
 then trains all configurations interleaved (one step of each per round, on the same batch, after a barrier) for
 the step time, the slower rank's per round. Bytes per step: a rank's payload, counted by powertrain's
 communicator for RTP (its ring hops and the replicated parameters' all-reduce), computed for the others from
-their collectives (DDP: one all-reduce of the gradients; FSDP2 and SimpleFSDP: an all-gather in forward, one
-more in backward (they reshard after forward) and a reduce-scatter of the gradients, each of the full size).
+their collectives as what a rank hands to each (the network bench's cost model: the full tensor for an all-reduce
+or a reduce-scatter, the rank's own shard for an all-gather). DDP: the gradients' all-reduce; FSDP2 and
+SimpleFSDP: the gradients' reduce-scatter and the weights' all-gathers, each block's twice (forward, and backward
+after resharding) and the root's once (:func:`powertrain.bench.network.fsdp2_weight_bytes`).
 
 Overlap (RTP): ``rtp (no overlap)`` waits for every hop before computing with the shard, so its step time minus
 the overlapped one is the communication the rotation hides.
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
+from powertrain.bench.network import fsdp2_weight_bytes
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.tp import local_numel, traffic
 from powertrain.train.config import GPT_SIZES, TrainConfig
@@ -145,14 +148,16 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
     return out
 
 
-def _computed_bytes(kind: str, params: int, world: int, cfg: GPTConfig, tokens: int) -> float:
-    full = 4.0 * params
+def _computed_bytes(kind: str, model: GPT, world: int, cfg: GPTConfig, tokens: int) -> float:
+    """A rank's payload per step (what it hands to each collective, as the network bench's cost model counts it)."""
+    full = 4.0 * model.num_params()
     if kind == "ddp":
-        return full
-    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic, FSDP2's over the pairs as fsdp2's below
-        grads = sum(b for b, _ in traffic(cfg, 2, world // 2, tokens // cfg.block_size, cfg.block_size).values())
-        return float(grads + (2 * 4 * local_numel(cfg, 2) if world > 2 else 0))
-    return 3 * full  # fsdp2, simple_fsdp: all-gather x2 (reshard) + reduce-scatter
+        return full  # the gradients' all-reduce
+    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic, FSDP2's reduce-scatter over the pairs
+        dp = world // 2
+        grads = sum(b for b, _ in traffic(cfg, 2, dp, tokens // cfg.block_size, cfg.block_size).values())
+        return float(grads + (2 * 4 * local_numel(cfg, 2) / dp if dp > 1 else 0))  # + the pair's weight all-gathers
+    return full + fsdp2_weight_bytes(model, world)  # fsdp2, simple_fsdp: gradients' reduce-scatter, weights' gathers
 
 
 def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
@@ -160,7 +165,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
     parts = []
     for size in p.sizes:
         cfg = _config(p, size)
-        params = GPT(cfg).num_params()
+        gpt = GPT(cfg)
         cells = []
         for world in p.worlds:
             res = launch(_worker, world, preset, size)
@@ -174,7 +179,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 peak = None if state is None else max(state + res[r]["peak"][kind] for r in ranks)
                 sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
-                        else _computed_bytes(kind, params, world, cfg, p.batch * p.block))  # fmt: skip
+                        else _computed_bytes(kind, gpt, world, cfg, p.batch * p.block))  # fmt: skip
                 cells.append([
                     world, kind,
                     "-" if state is None else f"{state / 1e6:.1f}",
@@ -186,7 +191,8 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 ])  # fmt: skip
         headers = ["W", "configuration", "state MB/rank", "vs DDP", "peak MB/rank", "s/step", "vs FSDP2",
                    "MB sent/step/rank", "last loss"]  # fmt: skip
-        title = f"### GPT `{size}`: {cfg.n_layer} layers x d_model {cfg.d_model} ({params / 1e6:.2f}M parameters)"
+        n = gpt.num_params() / 1e6
+        title = f"### GPT `{size}`: {cfg.n_layer} layers x d_model {cfg.d_model} ({n:.2f}M parameters)"
         parts.append(f"{title}\n\n" + table(headers, cells))
     text = (
         "## Parallel modes: DDP, FSDP2, SimpleFSDP and RTP (gloo workers on loopback, CPU)\n\n"
@@ -197,7 +203,8 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "gathered or received weights, gradients, communication buffers), from the profiler's allocation events, "
         "the larger rank's. Step time: median over "
         f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. RTP's bytes are counted (ring hops "
-        "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed. 'rtp "
+        "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed, as what "
+        "a rank hands to each collective (an all-gather: its own shard). 'rtp "
         "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides. 'tp 2 x "
         "fsdp2': tensor parallel in pairs (which read the same batch: half as many tokens per step), FSDP2 across "
         "the pairs.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n\n"
