@@ -51,8 +51,9 @@ RECOMMENDED_POWERSGD = (
 #: What the command's default (RECOMMENDED_POWERSGD with AdamW frozen at POWERSGD_ADAM_FREEZE) costs on the default
 #: GPT: bench quality's 300-step section (BENCHMARKS.md, README "What it costs, measured"); the run's summary says it.
 RECOMMENDED_COST = (
-    "measured on this model over 300 steps (3 seeds, powertrain bench quality), it ends at validation loss 1.9608 "
-    "(seeds 1.9408-1.9846) against fp32 all-reduce's 1.9770 with torch's AdamW (-0.82%), with 1/9.5 of its bytes"
+    "measured by powertrain bench quality on this model over 300 steps (3 seeds, on its own validation batches, so "
+    "not comparable with this run's figure), it ends at validation loss 1.9608 (seeds 1.9407-1.9845) against fp32 "
+    "all-reduce's 1.9770 with torch's AdamW (-0.82%), with 1/9.5 of its bytes"
 )
 
 
