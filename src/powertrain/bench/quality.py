@@ -34,8 +34,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from powertrain.bench import network
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
@@ -176,7 +174,7 @@ def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
             for i, s in enumerate(specs)}  # fmt: skip
 
 
-def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: torch.nn.Module) -> dict[str, Any]:
+def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
     """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
     (by collective)."""
     r0 = results[0]
@@ -184,7 +182,7 @@ def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: torch
     warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
             else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
     warm = min(warm, n)
-    dense = {"all_reduce": 4.0 * sum(q.numel() for q in model.parameters())}
+    dense = {"all_reduce": 4.0 * model.num_params()}
     if row.kind == "torch_psgd":  # torch's hook counts nothing: its exact warm-up, then the paper variant's P and Q
         low = network._model_bytes(Spec(row.key, "torch_psgd", row.options), model)
     else:  # counted as sent: the warm-up's dense all-reduces, then the compressor's messages
@@ -268,9 +266,9 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     if bad or n_seeds < 1:
         raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
                          f"of the preset's eval_every ({p.eval_every}), seeds >= 1")  # fmt: skip
-    model = ResNet1d() if p.model is None else GPT(p.model)
+    model: GPT | ResNet1d = ResNet1d() if p.model is None else GPT(p.model)
     kept = _Kept(Path(out or "runs/bench-quality") / preset, p)
-    report: dict[str, Any] = {"preset": preset, "params": sum(q.numel() for q in model.parameters()), "horizons": []}
+    report: dict[str, Any] = {"preset": preset, "params": model.num_params(), "horizons": []}
     step_s = kept.timing(chosen)
     if step_s is None:
         step_s = _time(p, chosen)

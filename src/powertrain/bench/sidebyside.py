@@ -73,7 +73,7 @@ _TORCH_KINDS = ("plain", "noop", "torch_fp16", "torch_psgd")
 class _Run:
     """One configuration's model, optimizer and gradient averaging; ``step`` trains one batch."""
 
-    def __init__(self, spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> None:
+    def __init__(self, spec: Spec, model: GPT | ResNet1d, start: int, bucket_cap_mb: float) -> None:
         self.model = model
         stats: CommStats | None
         self.wrapped: torch.nn.Module
@@ -162,7 +162,7 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus: TokenData | ClassData
-    build: Callable[[], torch.nn.Module]
+    build: Callable[[], GPT | ResNet1d]
     if model is None:  # powertrain train --model resnet --data mnist1d
         corpus, block, build = load_data(TrainConfig(model="resnet", data="mnist1d")), 0, ResNet1d
     else:
@@ -212,7 +212,7 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
             "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
             "measured_stats": [bool(r.sources) for r in runs],
             "val_loss": val, "val_curve": curves,
-            "params": sum(p.numel() for p in runs[0].model.parameters())}  # fmt: skip
+            "params": runs[0].model.num_params()}  # fmt: skip
 
 
 def model_config(model: dict[str, Any] | None) -> GPTConfig | None:
