@@ -52,11 +52,24 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
     os._exit(0)
 
 
+#: Ranks start from a fork server that has imported torch and the modules every test needs once (a fresh
+#: interpreter per rank, as "spawn" gives, but ~2.5 s faster per 4-rank launch on 2 cores). The server holds no
+#: threads and no process group; it inherits the environment pytest started with (no test changes it for ranks).
+_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp", "dist_utils", "models",
+            "powertrain.compress", "powertrain.ddp", "powertrain.fsdp"]  # fmt: skip
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0, pg_timeout: float = 30.0
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="powertrain-test-") as tmp:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, tmp, args, pg_timeout), daemon=True)
