@@ -284,6 +284,9 @@ def test_adamw_freezes_by_default_with_powersgd_only():
     assert TrainConfig(compressor="none").adam_freeze == 0.0
     assert TrainConfig(optimizer="sgd").adam_freeze == 0.0
     assert TrainConfig(adam_freeze=0.0).adam_freeze == 0.0  # the user's choice stands
+    # too short for a second moment worth freezing: 80 steps freeze after 20, 79 would after 19.75: torch's AdamW
+    assert TrainConfig(steps=80).adam_freeze == POWERSGD_ADAM_FREEZE and TrainConfig(steps=79).adam_freeze == 0.0
+    assert TrainConfig(steps=12, adam_freeze=0.25).freeze_after == 3  # unless the user asks for it
     # a resume keeps the checkpoint's freeze (an older run's 0) unless the user sets one
     assert _continued(TrainConfig(), {"adam_freeze": 0.0}, {}).adam_freeze == 0.0
     assert _continued(TrainConfig(adam_freeze=0.5), {"adam_freeze": 0.0}, {"adam_freeze": 0.5}).adam_freeze == 0.5

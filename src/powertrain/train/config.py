@@ -63,11 +63,19 @@ RECOMMENDED_COST = (
 POWERSGD_ADAM_FREEZE = 0.25
 
 
-def default_adam_freeze(compressor: str, optimizer: str) -> float:
+#: The fewest AdamW steps before a default freeze: the second moment's own horizon, 1 / (1 - beta2) with the command's
+#: beta2 = 0.95. Frozen earlier it holds a few steps' squares, and a coordinate whose gradient happened to be tiny
+#: there takes huge steps afterwards (the tiny preset frozen after 1 of 4 steps: training loss 5.5 -> 160).
+MIN_FREEZE_STEPS = 20
+
+
+def default_adam_freeze(compressor: str, optimizer: str, steps: int) -> float:
     """``adam_freeze`` when a run does not set it: :data:`POWERSGD_ADAM_FREEZE` for AdamW with PowerSGD, whose error
-    feedback delivers gradients late (see powertrain.optim.frozen_adamw), else 0 (torch's AdamW): no other
-    compressor was measured with it."""
-    return POWERSGD_ADAM_FREEZE if compressor == "powersgd" and optimizer == "adamw" else 0.0
+    feedback delivers gradients late (see powertrain.optim.frozen_adamw), when that leaves AdamW at least
+    :data:`MIN_FREEZE_STEPS` steps first; else 0 (torch's AdamW): no other compressor was measured with it."""
+    if compressor != "powersgd" or optimizer != "adamw" or POWERSGD_ADAM_FREEZE * steps < MIN_FREEZE_STEPS:
+        return 0.0
+    return POWERSGD_ADAM_FREEZE
 
 
 def default_compressor(steps: int) -> str:
@@ -231,7 +239,7 @@ class TrainConfig:
             object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.adam_freeze is None:
-            object.__setattr__(self, "adam_freeze", default_adam_freeze(name, self.optimizer))
+            object.__setattr__(self, "adam_freeze", default_adam_freeze(name, self.optimizer, self.steps))
         assert self.adam_freeze is not None
         if not 0 <= self.adam_freeze < 1:
             raise ValueError(f"Invalid adam_freeze={self.adam_freeze!r}: must be a fraction of the steps in [0, 1)")
