@@ -242,6 +242,8 @@ def test_help_shows_each_default(capsys):
         (["--parallel", "tp", "--model", "resnet", "--data", "mnist1d"], "has a plan for the GPT only"),
         (["--optimizer", "demo", "--compressor", "int8"], "drop compressor='int8'"),
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
+        (["--hierarchy", "node", "--parallel", "fsdp"], "hierarchy='node' compresses DDP's gradients"),
+        (["--hierarchy", "rack"], "invalid choice: 'rack'"),
         (["--galore-scale", "0"], "galore_scale=0"),
         (["--demo-decay", "1"], "demo_decay=1"),
         (["--adam-freeze", "1"], "Invalid adam_freeze=1.0: must be a fraction of the steps in [0, 1)"),

@@ -39,7 +39,7 @@ __all__ = ["DDPCompressionHook", "register_compressor"]
 
 
 class _Sequencer:
-    """Issues the c-th collective of every call in call order, on communicator ``c``."""
+    """Issues the collectives of every call on each communicator in call order (a call uses each at most once)."""
 
     def __init__(self, comms: list[Communicator]) -> None:
         self.comms = comms
@@ -48,20 +48,27 @@ class _Sequencer:
         self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
         self._skipped: list[set[int]] = [set() for _ in comms]
 
+    def key(self, comm: Communicator) -> int:
+        """The position of ``comm`` (a communicator a request named) in this sequencer's list."""
+        for k, c in enumerate(self.comms):
+            if c is comm:
+                return k
+        raise RuntimeError("a compressor's request named a communicator its communicators() does not list")
+
     def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
         """``launch()`` issues the collective and returns what to run outside the lock (attach its completion
-        callback); it must not raise. ``phase`` < the number of communicators."""
+        callback); it must not raise. ``phase``: the communicator's position."""
         with self._lock:
             self._pending[phase][call] = launch
             attach = self._drain(phase)
         for a in attach:  # outside the lock: a completed future runs its callback inline
             a()
 
-    def finish(self, call: int, used: int) -> None:
-        """Call ``call`` issued ``used`` collectives and will issue no more."""
+    def finish(self, call: int, used: set[int]) -> None:
+        """Call ``call`` issued collectives on the communicators ``used`` and will issue no more."""
         attach: list[Callable[[], None]] = []
         with self._lock:
-            for phase in range(used, len(self.comms)):
+            for phase in set(range(len(self.comms))) - used:
                 self._skipped[phase].add(call)
                 attach += self._drain(phase)
         for a in attach:
@@ -88,7 +95,8 @@ class _Chain:
                  failed: Callable[[BaseException], None]) -> None:  # fmt: skip
         self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
         self.future: torch.futures.Future = torch.futures.Future()
-        self.phase = 0
+        self.phase = 0  # collectives issued so far
+        self.used: set[int] = set()  # the communicators they used
 
     def _fail(self, e: BaseException) -> None:
         # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
@@ -99,7 +107,7 @@ class _Chain:
         """Fail mid-program: its later collective slots are released (other calls go on), then the future fails."""
         with contextlib.suppress(BaseException):  # the program's own clean-up failed too: ``e`` is what to report
             self.program.close()
-        self.seq.finish(self.call, self.phase)
+        self.seq.finish(self.call, self.used)
         self._fail(e)
 
     def start(self) -> torch.futures.Future:
@@ -113,22 +121,28 @@ class _Chain:
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
         except StopIteration as stop:
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
-            self.seq.finish(self.call, self.phase)
+            self.seq.finish(self.call, self.used)
             try:
                 self.done(stop.value)
             except BaseException as e:
                 self._fail(e)
             return
         except BaseException as e:
-            self.seq.finish(self.call, self.phase)
+            self.seq.finish(self.call, self.used)
             self._fail(e)
             return
-        phase = self.phase
-        if phase >= len(self.seq.comms):
-            self._abort(RuntimeError(f"a compressor issued {phase + 1} collectives in one call but declared at most "
-                                     f"{len(self.seq.comms)} (max_collectives_per_call)"))  # fmt: skip
+        try:
+            phase = self.phase if request.comm is None else self.seq.key(request.comm)
+            if phase >= len(self.seq.comms) or phase in self.used:
+                raise RuntimeError(
+                    f"a compressor issued {self.phase + 1} collectives in one call but declared at most "
+                    f"{len(self.seq.comms)} (max_collectives_per_call), or named one communicator twice"
+                )
+        except RuntimeError as e:
+            self._abort(e)
             return
         self.phase += 1
+        self.used.add(phase)
         self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
 
     def _launch(self, phase: int, request: Request) -> Callable[[], None]:
@@ -246,11 +260,13 @@ def register_compressor(ddp_model: DistributedDataParallel, compressor: Compress
         ddp_group
     ):
         raise ValueError("The compressor and the DDP model must use the same process group (pass group= to both)")
-    phases = compressor.max_collectives_per_call()
-    ranks = dist.get_process_group_ranks(ddp_group)
-    comms = [compressor.comm] + [
-        Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats) for _ in range(phases - 1)
-    ]
+    comms = compressor.communicators()
+    if comms is None:
+        ranks = dist.get_process_group_ranks(ddp_group)
+        comms = [compressor.comm] + [
+            Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats)
+            for _ in range(compressor.max_collectives_per_call() - 1)
+        ]
     state = DDPCompressionHook(compressor, _Sequencer(comms))
     ddp_model.register_comm_hook(state, _hook)
     return state

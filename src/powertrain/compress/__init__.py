@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from powertrain.compress.base import Compressor, NonFiniteGradientError
 from powertrain.compress.exact import AllReduceCompressor
+from powertrain.compress.hierarchical import HierarchicalCompressor
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_config
 from powertrain.compress.quantize import QuantizedCompressor
 from powertrain.compress.sign import SignCompressor
@@ -23,6 +24,7 @@ __all__ = [
     "AllReduceCompressor",
     "Compressor",
     "Config",
+    "HierarchicalCompressor",
     "NonFiniteGradientError",
     "PowerSGDCompressor",
     "QuantizedCompressor",

@@ -47,10 +47,12 @@ class NonFiniteGradientError(FloatingPointError):
 
 @dataclasses.dataclass(frozen=True)
 class ReduceRequest:
-    """All-reduce ``tensor`` in place (``"sum"`` or ``"mean"``); the program receives None."""
+    """All-reduce ``tensor`` in place (``"sum"`` or ``"mean"``); the program receives None. ``comm``: where
+    (None: the compressor's own communicator; see :meth:`Compressor.communicators`)."""
 
     tensor: torch.Tensor
     op: ReduceKind
+    comm: Communicator | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +60,11 @@ class GatherRequest:
     """All-gather ``tensor`` (uint8, same size on every rank); the program receives ``(world, size)``.
 
     The last byte is reserved for :func:`guard_nonfinite`: a rank with non-finite input sets it to 1.
+    ``comm`` as for :class:`ReduceRequest`.
     """
 
     tensor: torch.Tensor
+    comm: Communicator | None = None
 
 
 Request = ReduceRequest | GatherRequest
@@ -91,11 +95,12 @@ def run_program(program: Program, comm: Communicator) -> list[torch.Tensor]:
         request = next(program)
         while True:
             math_s += time.perf_counter() - t0
+            on = request.comm or comm
             if isinstance(request, ReduceRequest):
-                comm.all_reduce_(request.tensor, request.op)
+                on.all_reduce_(request.tensor, request.op)
                 result = None
             else:
-                result, _ = comm.all_gather(request.tensor)
+                result, _ = on.all_gather(request.tensor)
             t0 = time.perf_counter()
             request = program.send(result)
     except StopIteration as stop:
@@ -238,6 +243,12 @@ class Compressor(abc.ABC):
     def max_collectives_per_call(self) -> int:
         """The most collectives one :meth:`program` issues (hooks give each its own ordering slot)."""
         return 1
+
+    def communicators(self) -> list[Communicator] | None:
+        """The communicators a program's requests name (each at most once per call), for compressors that
+        spread a call over several process groups; None: every request runs on ``comm`` (a hook gives the c-th
+        collective of a call a group of its own)."""
+        return None
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

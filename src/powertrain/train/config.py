@@ -31,6 +31,7 @@ ShampooVectors = Literal["graft", "shampoo"]
 CommDtype = Literal["fp32", "bf16"]
 SvdMethod = Literal["randomized", "exact"]
 Precision = Literal["fp32", "bf16"]
+Hierarchy = Literal["flat", "node"]
 Backend = Literal["auto", "gloo", "nccl"]
 
 #: (n_layer, n_head, d_model) of each GPT size; "default" is 3.3M parameters, "gpt2" GPT-2 small's shape.
@@ -128,6 +129,7 @@ class TrainConfig:
     parallel: Parallel = "reference"
     tp: int = 2  # tensor-parallel degree with parallel="tp" (the other nproc / tp ranks are data parallel)
     compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp, rtp and tp (plain_by_default)
+    hierarchy: Hierarchy = "flat"  # node: exact inside a node, the compressor only between nodes
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -247,6 +249,11 @@ class TrainConfig:
             raise ValueError(
                 f"adam_freeze={self.adam_freeze!r} freezes AdamW's second moment; optimizer={self.optimizer!r} has "
                 "none: drop adam_freeze or use optimizer='adamw'"
+            )
+        if self.hierarchy == "node" and (self.parallel not in ("reference", "ddp") or self.optimizer == "demo"):
+            raise ValueError(
+                f"hierarchy='node' compresses DDP's gradients (parallel='ddp' or 'reference'), not "
+                f"parallel={self.parallel!r} with optimizer={self.optimizer!r}: use --parallel ddp, or hierarchy='flat'"
             )
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(

@@ -108,7 +108,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
             print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
                               gradient_sync=cfg.optimizer != "demo", tp=cfg.tp,
-                              batch=cfg.batch_size)  # fmt: skip
+                              batch=cfg.batch_size, hierarchical=cfg.hierarchy == "node")  # fmt: skip
     data_rank, data_world = strategy.data_group or (rank, world)  # a tp group reads one batch
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
@@ -223,7 +223,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
 
     roots = _root_stats(optimizer)
     summary = {
-        "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "steps": cfg.steps,
+        "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
+        "steps": cfg.steps,
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
         "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps if world > 1 else 0,
         f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
@@ -328,6 +329,8 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
     what = {"rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
             "tp": "Sequence/tensor parallelism's activations and FSDP2's gradient reduce-scatter (computed)"}.get(
         cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip
+    if cfg.hierarchy == "node":
+        what = f"Gradient communication between nodes ({cfg.compressor}; exact inside each node)"
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "

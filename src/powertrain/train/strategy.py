@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import CommStats
-from powertrain.compress import Config, make_compressor
+from powertrain.compress import Compressor, Config, make_compressor
 from powertrain.powersgd import PowerSGD, optimizer_step
 
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
@@ -65,15 +65,23 @@ class Strategy:
         return None
 
 
+def _compressor(model: torch.nn.Module, name: str, options: dict[str, Any], hierarchical: bool) -> Compressor:
+    if hierarchical:
+        from powertrain.compress.hierarchical import HierarchicalCompressor
+
+        return HierarchicalCompressor(model.named_parameters(), name, **options)
+    return make_compressor(name, model.named_parameters(), **options)
+
+
 class _Reference(Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], hierarchical: bool) -> None:
         self.model = model
-        if name == "powersgd":
+        if name == "powersgd" and not hierarchical:
             self.agg: PowerSGD | None = PowerSGD(list(model.parameters()), config=Config(**options))
             self.state, self.stats = self.agg, self.agg.comm.stats
         else:
             self.agg = None
-            self.comp = make_compressor(name, model.named_parameters(), **options)
+            self.comp = _compressor(model, name, options, hierarchical)
             self.state, self.stats = self.comp, self.comp.comm.stats
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -100,13 +108,13 @@ class _Local(Strategy):
 
 
 class _DDP(Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], hierarchical: bool) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         from powertrain.ddp import register_compressor
 
         self.model = DistributedDataParallel(model)
-        comp = make_compressor(name, model.named_parameters(), **options)
+        comp = _compressor(model, name, options, hierarchical)
         self.hook = register_compressor(self.model, comp)
         self.state, self.stats = comp, comp.comm.stats
 
@@ -245,20 +253,25 @@ def build_strategy(
     gradient_sync: bool = True,
     tp: int = 1,
     batch: int = 0,
+    hierarchical: bool = False,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
     ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only); ``tp``: the
-    tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch."""
+    tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch; ``hierarchical``:
+    exact inside each node, the compressor between nodes (:mod:`powertrain.compress.hierarchical`; reference or
+    ddp)."""
+    if hierarchical and (parallel not in ("reference", "ddp") or not gradient_sync):
+        raise ValueError(f"hierarchical compression runs with parallel='reference' or 'ddp', not {parallel!r}")
     if not gradient_sync:
         if parallel not in ("reference", "ddp"):
             raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
         return _Local(model, ddp=parallel == "ddp")
     match parallel:
         case "reference":
-            return _Reference(model, name, options)
+            return _Reference(model, name, options, hierarchical)
         case "ddp":
-            return _DDP(model, name, options)
+            return _DDP(model, name, options, hierarchical)
         case "fsdp":
             return _FSDP(model, name, options)
         case "simple_fsdp":

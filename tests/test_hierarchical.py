@@ -1,0 +1,190 @@
+"""Hierarchical compression (exact inside a node, compressed between nodes) on 4 real gloo processes laid out as
+2 nodes x 2 ranks: the exact path against a flat mean, error feedback's conservation per shard, the DDP hook
+against the synchronous program, non-finite gradients, and state that cannot be resharded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, within
+from models import batch, loss_fn, make_model
+from powertrain.compress import NonFiniteGradientError
+from powertrain.compress.hierarchical import HierarchicalCompressor
+
+NODES, LOCAL, RANK = 2, 2, 2
+POWERSGD = {"rank": RANK, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0,
+            "factor_dtype": "fp32"}  # fmt: skip
+
+
+def _grads(model: torch.nn.Module, rank: int, step: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss_fn(model, *batch(rank, step, dtype)).backward()
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
+            if p.requires_grad]  # fmt: skip
+
+
+def _exact(rank: int) -> dict[str, Any]:
+    model = make_model(torch.float32)  # "none" averages in float32
+    comp = HierarchicalCompressor(model.named_parameters(), "none", local_world=LOCAL)
+    grads = _grads(model, rank, 0, torch.float32)
+    out = comp.aggregate(grads)
+    return {"grads": grads, "out": out, "inter": comp.comm.stats.bytes_sent, "intra": comp.node_stats.bytes_sent}
+
+
+def _conservation(rank: int) -> dict[str, Any]:
+    model = make_model(torch.float64)
+    comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    steps = []
+    for step in range(3):
+        grads = _grads(model, rank, step)
+        old = [r.clone() for r in comp.residuals()]
+        out = comp.aggregate(grads)
+        steps.append({"grads": grads, "old": old, "out": out, "new": [r.clone() for r in comp.residuals()]})
+    return {"steps": steps}
+
+
+def _ddp_matches_program(rank: int) -> dict[str, Any]:
+    """DDP's hook (small buckets: several calls in flight) against the synchronous program on the same buckets."""
+    from powertrain.ddp import register_compressor
+
+    model = make_model(torch.float64)
+    ref_model = make_model(torch.float64)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002, find_unused_parameters=True)
+    comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    ref = HierarchicalCompressor(ref_model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    calls: list[list[int]] = []
+    program = comp.program
+    comp.program = lambda grads, indices=None, **kw: (calls.append(list(indices)), program(grads, indices, **kw))[1]
+    register_compressor(ddp, comp)
+    diffs = []
+    for step in range(3):
+        calls.clear()
+        model.zero_grad()
+        loss_fn(ddp, *batch(rank, step, torch.float64)).backward()
+        got = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
+        grads = _grads(ref_model, rank, step)
+        for idx in calls:
+            avg = ref.aggregate([grads[i] for i in idx], idx)
+            diffs.append(max(float((got[i] - a).abs().max()) for i, a in zip(idx, avg, strict=True)))
+    return {"diffs": diffs, "calls": len(calls)}
+
+
+def _nonfinite(rank: int) -> dict[str, Any]:
+    model = make_model(torch.float64)
+    comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    grads = _grads(model, rank, 0)
+    if rank == 3:  # in the second node's second rank's shard only: the other shards must learn of it too
+        grads[1].view(-1)[-1] = float("nan")
+    try:
+        comp.aggregate(grads)
+    except NonFiniteGradientError as e:
+        return {"raised": str(e), "residual_zero": all(bool((r == 0).all()) for r in comp.residuals())}
+    return {"raised": ""}
+
+
+def _state(rank: int) -> dict[str, Any]:
+    model = make_model(torch.float64)
+    comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    comp.aggregate(_grads(model, rank, 0))
+    state = comp.state_dict()
+    twin = HierarchicalCompressor(make_model(torch.float64).named_parameters(), "powersgd", local_world=LOCAL,
+                                  **POWERSGD)  # fmt: skip
+    twin.load_state_dict(state)
+    grads = _grads(model, rank, 1)
+    same = all(torch.equal(a, b) for a, b in zip(comp.aggregate(grads), twin.aggregate(grads), strict=True))
+    other = dict(state, local_rank=(state["local_rank"] + 1) % LOCAL)
+    try:
+        twin.load_state_dict(other)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"same": same, "refused": refused}
+
+
+def _cases(rank: int, world: int) -> dict[str, Any]:
+    assert world == NODES * LOCAL
+    torch.manual_seed(0)
+    return {name: guard(fn, rank) for name, fn in
+            {"exact": _exact, "conservation": _conservation, "ddp": _ddp_matches_program, "nonfinite": _nonfinite,
+             "state": _state}.items()}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_cases, NODES * LOCAL, timeout=120)
+
+
+def test_exact_inner_is_the_flat_mean(results):
+    runs = case(results, "exact")
+    for j in range(len(runs[0]["grads"])):
+        xs = torch.stack([r["out"][j] for r in runs])
+        assert (xs == xs[0]).all(), "ranks got different averages"
+        g = torch.stack([r["grads"][j] for r in runs])
+        # Divisions by 2 are exact; the node sum and the inter-node sum round once each (2 u) against the
+        # reference's 3-term sum (3 u) over terms <= mean |g| x 4 / 4: 5 u = 2.5 eps; 2x safety.
+        within((xs[0] - g.mean(0)).abs(), 5 * EPS32 * g.abs().mean(0), f"tensor {j}")
+    # inter-node: each rank sends its shard only (about half its gradient's bytes), inside the node the whole one
+    total = sum(g.numel() * 4 for g in runs[0]["grads"])
+    assert runs[0]["intra"] >= total
+    assert runs[0]["inter"] < 0.6 * total, (runs[0]["inter"], total)
+
+
+def test_error_feedback_is_conserved_per_shard(results):
+    runs = case(results, "conservation")
+    for step in range(len(runs[0]["steps"])):
+        for j in range(len(runs[0]["steps"][step]["grads"])):
+            g, old, new, out = (torch.stack([r["steps"][step][key][j] for r in runs])
+                                for key in ("grads", "old", "new", "out"))  # fmt: skip
+            assert (out == out[0]).all(), "ranks got different averages"
+            # per node: its mean gradient (bitwise what the ranks averaged: two halves summed) and its residual,
+            # the sum of its ranks' shards (disjoint rows: exact)
+            x = torch.stack([g[n * LOCAL : (n + 1) * LOCAL].div(LOCAL).sum(0) + old[n * LOCAL : (n + 1) * LOCAL].sum(0)
+                             for n in range(NODES)])  # fmt: skip
+            e1 = torch.stack([new[n * LOCAL : (n + 1) * LOCAL].sum(0) for n in range(NODES)])
+            # The flat compressor's bound over the NODES inputs (dist_utils.feedback_bound), plus the node mean's
+            # one rounding and the residual's addition (2 u |x|) inside its 2x safety.
+            bound = feedback_bound(x, e1, eps=EPS64, iters=1, rank=RANK, matrix=x.dim() > 2)
+            within((out[0] + e1.mean(0) - x.mean(0)).abs(), bound, f"step {step} tensor {j}")
+
+
+def test_ddp_hook_runs_the_same_program(results):
+    runs = case(results, "ddp")
+    assert runs[0]["calls"] >= 3, "small buckets must make several hook calls"
+    # identical operations in identical order on identical inputs: bitwise
+    for r in runs:
+        assert max(r["diffs"]) == 0.0, r["diffs"]
+
+
+def test_nonfinite_on_one_rank_raises_everywhere(results):
+    for rank, r in enumerate(case(results, "nonfinite")):
+        assert "non-finite" in r["raised"], f"rank {rank} did not raise"
+        assert r["residual_zero"], f"rank {rank} changed its state"
+
+
+def test_state_round_trip_and_no_resharding(results):
+    for r in case(results, "state"):
+        assert r["same"]
+        assert "cannot be resharded" in r["refused"]
+
+
+def test_bad_layout_is_refused():
+    model = make_model()
+    with pytest.raises(ValueError, match="local_world=0"):
+        HierarchicalCompressor(model.parameters(), local_world=0)
+    with pytest.raises(ValueError, match="would nest"):
+        HierarchicalCompressor(model.parameters(), "hierarchical", local_world=1)
+
+
+def test_single_process_is_the_inner_compressor():
+    """Alone (no process group), one node of one rank: nothing is sent and the mean is the gradient."""
+    model = make_model(torch.float32)  # "none" averages in float32
+    comp = HierarchicalCompressor(model.named_parameters(), "none", local_world=1)
+    grads = _grads(model, 0, 0, torch.float32)
+    assert all(torch.equal(a, g) for a, g in zip(comp.aggregate(grads), grads, strict=True))
+    assert comp.comm.stats.bytes_sent == 0 and comp.node_stats.bytes_sent == 0
+    assert not dist.is_initialized()
