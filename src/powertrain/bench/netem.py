@@ -73,6 +73,9 @@ class EmulatedCluster:
 
     Use as a context manager; :meth:`spawn` starts a command inside rank ``r``'s namespace with the
     environment a torch.distributed worker needs (RANK, WORLD_SIZE, MASTER_ADDR/PORT, GLOO_SOCKET_IFNAME).
+    As a multi-node cluster each namespace is a node: :meth:`torchrun` starts torch's launcher there with
+    several workers, which talk to each other over the namespace's loopback (the fast link inside a node) and
+    to the other nodes over the shaped link (:meth:`sent_bytes` counts what crossed it).
     """
 
     def __init__(self, world: int, rate_mbit: float | None, *, subnet: int = 231) -> None:
@@ -167,6 +170,36 @@ class EmulatedCluster:
         )
         self._procs.append(proc)
         return proc
+
+    def exec(self, node: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        """Start ``argv`` in namespace ``node`` with ``env`` over this process's environment (no torch variables:
+        for a launcher such as torchrun that sets up its workers itself). Killed on :meth:`close`."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv],
+                                env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # fmt: skip
+        self._procs.append(proc)
+        return proc
+
+    def torchrun(self, node: int, nproc: int, args: Sequence[str], *, max_restarts: int = 0,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+        """Run ``torchrun`` on ``node`` as a user runs it on each machine of a cluster: ``nproc`` workers per node,
+        every namespace one node, c10d rendezvous at node 0's address. ``args``: what follows torchrun's own
+        options (``-m powertrain train ...``). Workers of one node talk over its loopback, nodes over the
+        bridge (``GLOO_SOCKET_IFNAME``: the node's link)."""
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.world), "--nproc-per-node",
+                str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.master_addr}:{self.port}",
+                "--rdzv-id", self.tag, "--max-restarts", str(max_restarts),
+                # torch finds which node hosts the store, and where a node's workers are, from the host name, the
+                # same in every namespace: say both
+                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", self.addresses[node], *args]  # fmt: skip
+        return self.exec(node, argv, {"GLOO_SOCKET_IFNAME": self.interface(node), "OMP_NUM_THREADS": "1",
+                                      **(env or {})})  # fmt: skip
+
+    def sent_bytes(self, node: int) -> int:
+        """Bytes node ``node`` has sent on its link to the bridge (the kernel's counter: headers included)."""
+        out = subprocess.run(["ip", "-n", self.namespaces[node], "-j", "-s", "link", "show", "dev",
+                              self.interface(node)], capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
     def close(self) -> None:
         """Kill what this cluster started (by PID) and delete its namespaces. Safe to call twice."""
