@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from powertrain import checkpoint
 from powertrain.checkpoint import CheckpointError, CompressorState
 
-__all__ = ["check_resumable", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 #: Run-level counters a resume continues from (so a resume into a new directory reports the whole run).
 PROGRESS = ("wall_s", "bytes_total", "first_loss")
@@ -178,15 +178,21 @@ def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None =
             f"{saved} (--nproc {saved}); error-feedback buffers, per-rank optimizer state and RNG streams belong to "
             "their worker and are not redistributed"
         )
-    saved_cfg = manifest.get("config")
-    if config is not None and isinstance(saved_cfg, dict):
-        diffs = config_changes(saved_cfg, config)
-        if diffs:
-            raise CheckpointError(
-                f"Checkpoint {str(path)!r} belongs to a run with other settings ({diffs}): a resume continues that run "
-                "(the checkpoint restores its optimizer and schedule); drop those flags, or start a new run"
-            )
+    if config is not None:
+        check_settings(path, manifest, config)
     return manifest
+
+
+def check_settings(path: Path, manifest: dict[str, Any], config: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointError` when ``config`` changes settings of the run that wrote ``manifest`` other than
+    :data:`RESUME_MAY_CHANGE`."""
+    saved_cfg = manifest.get("config")
+    diffs = config_changes(saved_cfg, config) if isinstance(saved_cfg, dict) else ""
+    if diffs:
+        raise CheckpointError(
+            f"Checkpoint {str(path)!r} belongs to a run with other settings ({diffs}): a resume continues that run "
+            "(the checkpoint restores its optimizer and schedule); drop those flags, or start a new run"
+        )
 
 
 def config_changes(saved: dict[str, Any], config: dict[str, Any]) -> str:

@@ -110,13 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel"],
+        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster"],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
         "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
         "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
         "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
         "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
-        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers",
+        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
+        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper",
     )
     bench.add_argument(
         "--out",
@@ -234,16 +235,18 @@ def _train(args: argparse.Namespace) -> int:
             print(f"out={cfg.out!r} holds this run's checkpoints: continuing from the latest", flush=True)
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
         from powertrain.checkpoint import CheckpointError  # DCP: imported by runs that resume only
-        from powertrain.train.checkpoint import check_resumable, find_checkpoint
+        from powertrain.train.checkpoint import check_resumable, check_settings, find_checkpoint
 
         ckpt = find_checkpoint(cfg.resume)
         try:
-            manifest = check_resumable(ckpt, world, dataclasses.asdict(cfg))
+            manifest = check_resumable(ckpt, world)
+            # what the run keeps from its checkpoint first (a default that depends on --steps must not differ)
+            cfg = _continued(cfg, manifest.get("config", {}), {**(toml or {}), **flags})
+            check_settings(ckpt, manifest, dataclasses.asdict(cfg))
         except CheckpointError as e:
             if restart != "checkpoint":
                 raise
             raise ValueError(f"out={cfg.out!r} holds a run that this command would continue, but {e}") from None
-        cfg = _continued(cfg, manifest.get("config", {}), {**(toml or {}), **flags})
         if int(manifest.get("step", -1)) >= cfg.steps:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
@@ -322,6 +325,11 @@ def _bench(args: argparse.Namespace) -> int:
         from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
 
         run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "cluster":
+        from powertrain.bench.cluster import run_cluster_bench
+
+        run_cluster_bench(preset=args.preset, write=args.write or None)
         return 0
     if args.suite == "parallel":
         from powertrain.bench.parallel import run_parallel_bench
