@@ -17,6 +17,11 @@ output. One compressor serves all modules, each call using the module's subset o
 gloo has no native reduce-scatter: it runs one as a full all-reduce, so plain FSDP2 on gloo sends the whole
 ``W * S`` buffer (its byte count here says so), twice what a real reduce-scatter (NCCL) sends.
 
+``compress_replicas(model, name, group=...)`` is HSDP with a compressed replicate dimension: ``fully_shard`` on the
+node's ranks (the shard dimension of a ``(replicate, shard)`` mesh) reduce-scatters exactly inside the node, and the
+compressor averages each rank's shard over the nodes (``group``: the ranks that hold the same shard), after the
+reduce-scatter (``set_all_reduce_hook``): only the compressed shards cross between nodes.
+
 ``quantize_all_gather(model, bits=8)`` additionally all-gathers the sharded *weights* as int8/int4 with
 per-chunk scales (QSDP, Markov et al., arXiv 2302.02390): every rank runs forward and backward on the same
 dequantised weights; the sharded fp32 master weights stay exact.
@@ -41,11 +46,19 @@ from powertrain.compress import (
     Compressor,
     PowerSGDCompressor,
     QuantizedCompressor,
+    make_compressor,
 )
+from powertrain.compress.base import placeholder
 from powertrain.ops.flat import pack_payload, unpack_payload
 from powertrain.ops.quantize import dequantize, pack_int4, quantize, unpack_int4
 
-__all__ = ["CompressedReduceScatter", "QuantizedAllGather", "quantize_all_gather", "register_compressor"]
+__all__ = [
+    "CompressedReduceScatter",
+    "QuantizedAllGather",
+    "compress_replicas",
+    "quantize_all_gather",
+    "register_compressor",
+]
 
 _SUPPORTED = (AllReduceCompressor, PowerSGDCompressor, QuantizedCompressor)
 
@@ -222,3 +235,58 @@ def quantize_all_gather(model: torch.nn.Module, *, bits: int = 8, chunk: int = 2
     for module in _fsdp_modules(model):
         module.set_custom_all_gather(ag)
     return ag
+
+
+class _ReplicaAverage:
+    """FSDP2's all-reduce hook of one ``fully_shard`` module: this rank's reduce-scatter output (each parameter's
+    padded dim-0 chunk, in order) averaged over the replicas by the compressor, in place."""
+
+    def __init__(self, compressor: Compressor, indices: list[int], shapes: list[torch.Size]) -> None:
+        self.compressor, self.indices, self.shapes = compressor, indices, shapes
+        self.numel = sum(s.numel() for s in shapes)
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        if reduce_output.numel() != self.numel:
+            raise RuntimeError(
+                f"FSDP's reduce-scatter output has {reduce_output.numel()} elements, expected {self.numel} for all "
+                "trainable parameters of this module: a parameter got no gradient this step. Compressed replicas "
+                "need every trainable parameter to get a gradient; mark unused ones requires_grad_(False)"
+            )
+        views = [v.view(s) for v, s in zip(reduce_output.split([s.numel() for s in self.shapes]), self.shapes,
+                                           strict=True)]  # fmt: skip
+        for v, a in zip(views, self.compressor.aggregate(views, self.indices), strict=True):
+            v.copy_(a)
+
+
+def compress_replicas(
+    model: torch.nn.Module, name: str = "powersgd", *, group: dist.ProcessGroup, **options: Any
+) -> Compressor:
+    """HSDP whose replicate dimension is compressed: average the shards of ``model`` (``fully_shard`` applied on the
+    shard dimension of a ``(replicate, shard)`` mesh only) over ``group`` with compressor ``name`` (options as for
+    :func:`~powertrain.compress.make_compressor`).
+
+    ``group`` holds the ranks with the same shard: ``mesh["replicate"].get_group()``. The compressor is built on
+    each rank's padded shard of every parameter and keeps its state (error buffers) per shard; save its
+    ``state_dict()`` with the model. Returns it."""
+    mods = _fsdp_modules(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    shards: list[tuple[str, torch.Tensor]] = []
+    hooks = []
+    for module in mods:
+        managed = [(p, size, dim) for p, size, dim in fsdp_managed_params(module) if p.requires_grad]
+        shapes = []
+        for p, size, dim in managed:
+            if dim != 0:
+                raise ValueError(f"compress_replicas supports Shard(0) parameters only, got Shard({dim})")
+            world = p.device_mesh.size()  # type: ignore[attr-defined]
+            if p.device_mesh.ndim != 1:  # type: ignore[attr-defined]
+                raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
+                                 "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
+            shape = torch.Size([-(-size[0] // world), *size[1:]])
+            shapes.append(shape)
+            shards.append((names.get(id(p), f"param[{len(shards)}]"), placeholder(shape, p)))
+        hooks.append((module, len(shards) - len(shapes), shapes))
+    compressor = make_compressor(name, shards, group=group, **options)
+    for module, first, shapes in hooks:
+        module.set_all_reduce_hook(_ReplicaAverage(compressor, list(range(first, first + len(shapes))), shapes))
+    return compressor

@@ -30,6 +30,7 @@ __all__ = [
     "check_state_tensors",
     "guard_nonfinite",
     "named_trainable",
+    "placeholder",
     "run_program",
     "slice_rows",
 ]
@@ -183,6 +184,13 @@ def named_trainable(
             names.append(name)
             tensors.append(p)
     return names, tensors
+
+
+def placeholder(shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    """A trainable tensor of ``shape`` with ``like``'s dtype and device that owns no memory: what a compressor is
+    built from when it averages something other than a model's parameters (shards, node means): compressors read
+    only the shapes, dtypes and device of their parameters."""
+    return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True).expand(*shape)
 
 
 class Compressor(abc.ABC):

@@ -34,7 +34,15 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import CommStats, Communicator
-from powertrain.compress.base import Compressor, GatherRequest, NonFiniteGradientError, Program, ReduceRequest, Rows
+from powertrain.compress.base import (
+    Compressor,
+    GatherRequest,
+    NonFiniteGradientError,
+    Program,
+    ReduceRequest,
+    Rows,
+    placeholder,
+)
 from powertrain.ops.finite import all_finite
 
 __all__ = ["HierarchicalCompressor", "node_layout"]
@@ -117,7 +125,7 @@ class HierarchicalCompressor(Compressor):
         self.owner = _assign([s.numel() for s in self._shapes], self.local_world)
         self._owned = [i for i, o in enumerate(self.owner) if o == self.local_rank]
         self._inner_index = {i: k for k, i in enumerate(self._owned)}
-        mine = [(self.names[i], _placeholder(self.params[i])) for i in self._owned]
+        mine = [(self.names[i], placeholder(self.params[i].shape, self.params[i])) for i in self._owned]
         # One set of groups per collective of a call: node (reduce), inter-node (the inner's), node (gather).
         cross = lambda: _groups(self.nodes, self.local_world, "cross") if distributed else None
         node = lambda: _groups(self.nodes, self.local_world, "node") if distributed else None
@@ -240,9 +248,3 @@ def _assign(sizes: list[int], local_world: int) -> list[int]:
         j = min(range(local_world), key=lambda j: (load[j], j))
         owner[i], load[j] = j, load[j] + sizes[i]
     return owner
-
-
-def _placeholder(like: torch.Tensor) -> torch.Tensor:
-    """A tensor with ``like``'s shape, dtype and device that owns no memory (the inner compressor reads only
-    those)."""
-    return torch.zeros((), dtype=like.dtype, device=like.device, requires_grad=True).expand(like.shape)
