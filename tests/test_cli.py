@@ -242,7 +242,7 @@ def test_help_shows_each_default(capsys):
         (["--parallel", "tp", "--model", "resnet", "--data", "mnist1d"], "has a plan for the GPT only"),
         (["--optimizer", "demo", "--compressor", "int8"], "drop compressor='int8'"),
         (["--optimizer", "demo", "--compressor", "none", "--parallel", "fsdp"], "powertrain.optim.FlexDeMo"),
-        (["--hierarchy", "node", "--parallel", "fsdp"], "hierarchy='node' compresses DDP's gradients"),
+        (["--hierarchy", "node", "--parallel", "simple_fsdp"], "hierarchy='node' compresses gradients between nodes"),
         (["--hierarchy", "rack"], "invalid choice: 'rack'"),
         (["--galore-scale", "0"], "galore_scale=0"),
         (["--demo-decay", "1"], "demo_decay=1"),

@@ -34,6 +34,7 @@ def _cluster_run(out: Path, *extra: str) -> tuple[list[dict], dict, int]:
 
 @pytest.mark.timeout(300)
 def test_two_nodes_train_as_one_node_of_four_and_hierarchy_sends_less_between_them(tmp_path):
+    """Flat, bitwise the single node's run; hierarchical DDP and HSDP with a compressed replicate dimension train."""
     ref = tmp_path / "one_node"
     r = run_cli(*RUN, "--nproc", "4", "--out", str(ref), timeout=150)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -53,4 +54,9 @@ def test_two_nodes_train_as_one_node_of_four_and_hierarchy_sends_less_between_th
     # exact warm-up add the same or more to hierarchy's. Measured 0.75x.
     print(f"node 0 -> node 1: flat {flat_sent} B, hierarchical {hier_sent} B ({hier_sent / flat_sent:.2f}x)")
     assert hier_sent < 0.85 * flat_sent, (hier_sent, flat_sent)
+    assert abs(rows[-1]["loss"] - expect[-1]["loss"]) < 0.1 * expect[-1]["loss"]
+
+    # HSDP: FSDP2 inside each node, PowerSGD over the nodes' replicas of each shard
+    rows, summary, _ = _cluster_run(tmp_path / "hsdp", "--parallel", "fsdp", "--hierarchy", "node")
+    assert len(rows) == STEPS and summary["parallel"] == "fsdp" and summary["bytes_sent"] > 0
     assert abs(rows[-1]["loss"] - expect[-1]["loss"]) < 0.1 * expect[-1]["loss"]

@@ -28,11 +28,12 @@ RATES = (100.0, 10.0)
 WARM = 5  # steps left out of the step time: PowerSGD's exact warm-up (start=5), gloo's first connections
 PSGD = f"powersgd:rank=8,start={WARM}"  # the small GPT's 128-wide matrices: rank 8 sends 1/8 of them
 ROWS: list[tuple[str, list[str]]] = [
-    ("flat fp32", ["--compressor", "none"]),
-    ("flat bf16", ["--compressor", "bf16"]),
-    ("flat PowerSGD r8", ["--compressor", PSGD]),
-    ("hierarchical PowerSGD r8", ["--compressor", PSGD, "--hierarchy", "node"]),
-    ("hierarchical int8", ["--compressor", "int8", "--hierarchy", "node"]),
+    ("flat fp32", ["--parallel", "ddp", "--compressor", "none"]),
+    ("flat bf16", ["--parallel", "ddp", "--compressor", "bf16"]),
+    ("flat PowerSGD r8", ["--parallel", "ddp", "--compressor", PSGD]),
+    ("hierarchical PowerSGD r8", ["--parallel", "ddp", "--compressor", PSGD, "--hierarchy", "node"]),
+    ("hierarchical int8", ["--parallel", "ddp", "--compressor", "int8", "--hierarchy", "node"]),
+    ("HSDP, PowerSGD r8 over the nodes", ["--parallel", "fsdp", "--compressor", PSGD, "--hierarchy", "node"]),
 ]
 PRESETS = {
     "default": ["--gpt-size", "small", "--steps", "60", "--batch-size", "8", "--block-size", "64", "--eval-batches",
@@ -43,7 +44,7 @@ PRESETS = {
 
 def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: float) -> dict[str, Any]:
     before = [cluster.sent_bytes(n) for n in range(NODES)]
-    argv = ["-m", "powertrain", "train", "--parallel", "ddp", "--quiet", *args, "--out", str(out)]
+    argv = ["-m", "powertrain", "train", "--quiet", *args, "--out", str(out)]
     procs = [cluster.torchrun(n, PER_NODE, argv) for n in range(NODES)]
     for n, p in enumerate(procs):
         _, err = p.communicate(timeout=timeout)
@@ -91,10 +92,11 @@ def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARK
         f"## Two nodes x two workers, torchrun per node (`powertrain bench cluster --preset {preset}`)\n\n"
         f"Machine: {machine_info()}. Each node a network namespace running `torchrun --nnodes 2 --nproc-per-node 2 "
         f"--rdzv-backend c10d`; workers of a node over its loopback, nodes over a `tc tbf` link at the rate shown. "
-        f"`powertrain train --parallel ddp {flags}` with each row's flags; one seed. Step: rank 0's median after the "
+        f"`powertrain train {flags}` with each row's flags; one seed. Step: rank 0's median after the "
         "warm-up. MB between nodes: both nodes' link counters (TCP/IP headers, rendezvous and connection set-up "
         "included) over the run, per step. Payload: what a rank hands to its collectives (between nodes only, for "
-        "the hierarchical rows).\n\n" + table(headers, body)
+        "the hierarchical rows; HSDP's weight all-gathers stay inside the node and are not counted).\n\n"
+        + table(headers, body)
     )
     publish(text, write, "cluster" if preset == "default" else f"cluster-{preset}")
     publish(scale_model(), write, "cluster-scale")

@@ -56,7 +56,8 @@ _HELP = {
     "compressor": "NAME[:key=value,...] with NAME in none, fp16, bf16, powersgd, int8, int4, topk, randk, sign; "
     "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01",
     "hierarchy": "flat (every rank compresses against every other) or node (exact mean inside each node, the "
-    "compressor only between nodes, each local rank on its shard; nodes from torchrun's LOCAL_WORLD_SIZE)",
+    "compressor only between nodes; with fsdp: HSDP, sharded inside a node, the compressor over the nodes' "
+    "replicas; nodes from torchrun's LOCAL_WORLD_SIZE)",
     "nproc": "local workers to launch (ignored under torchrun, which sets the world)",
     "threads": "torch threads per worker",
     "timeout_s": "how long a collective may wait for a peer before the run fails",

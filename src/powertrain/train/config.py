@@ -250,10 +250,11 @@ class TrainConfig:
                 f"adam_freeze={self.adam_freeze!r} freezes AdamW's second moment; optimizer={self.optimizer!r} has "
                 "none: drop adam_freeze or use optimizer='adamw'"
             )
-        if self.hierarchy == "node" and (self.parallel not in ("reference", "ddp") or self.optimizer == "demo"):
+        if self.hierarchy == "node" and (self.parallel not in ("reference", "ddp", "fsdp") or self.optimizer == "demo"):
             raise ValueError(
-                f"hierarchy='node' compresses DDP's gradients (parallel='ddp' or 'reference'), not "
-                f"parallel={self.parallel!r} with optimizer={self.optimizer!r}: use --parallel ddp, or hierarchy='flat'"
+                f"hierarchy='node' compresses gradients between nodes with parallel='ddp', 'reference' or 'fsdp' "
+                f"(HSDP), not parallel={self.parallel!r} with optimizer={self.optimizer!r}: use --parallel ddp, or "
+                "hierarchy='flat'"
             )
         if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
             raise ValueError(

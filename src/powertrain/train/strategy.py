@@ -126,20 +126,33 @@ class _DDP(Strategy):
 
 
 class _FSDP(Strategy):
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
+    """FSDP2 over the world; ``hierarchical``: HSDP, sharded inside each node and the compressor over the nodes
+    (:func:`powertrain.fsdp.compress_replicas`)."""
+
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], hierarchical: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         from powertrain import fsdp
 
         device = next(model.parameters()).device
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        if hierarchical:
+            from powertrain.compress.hierarchical import node_layout
+
+            nodes, local = node_layout()
+            hsdp = init_device_mesh(device.type, (nodes, local), mesh_dim_names=("replicate", "shard"))
+            mesh = hsdp["shard"]
+        else:
+            mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
-        comp = make_compressor(name, model.named_parameters(), **options)
-        fsdp.register_compressor(model, comp)
+        if hierarchical:
+            comp = fsdp.compress_replicas(model, name, group=hsdp["replicate"].get_group(), **options)
+        else:
+            comp = make_compressor(name, model.named_parameters(), **options)
+            fsdp.register_compressor(model, comp)
         self.state, self.stats = comp, comp.comm.stats
 
     @contextlib.contextmanager
@@ -259,10 +272,11 @@ def build_strategy(
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
     ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only); ``tp``: the
     tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch; ``hierarchical``:
-    exact inside each node, the compressor between nodes (:mod:`powertrain.compress.hierarchical`; reference or
-    ddp)."""
-    if hierarchical and (parallel not in ("reference", "ddp") or not gradient_sync):
-        raise ValueError(f"hierarchical compression runs with parallel='reference' or 'ddp', not {parallel!r}")
+    exact inside each node, the compressor between nodes (:mod:`powertrain.compress.hierarchical` with reference or
+    ddp; HSDP with a compressed replicate dimension with fsdp)."""
+    if hierarchical and (parallel not in ("reference", "ddp", "fsdp") or not gradient_sync):
+        raise ValueError(f"hierarchical compression runs with parallel='reference', 'ddp' or 'fsdp' (HSDP), not "
+                         f"{parallel!r}")  # fmt: skip
     if not gradient_sync:
         if parallel not in ("reference", "ddp"):
             raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
@@ -273,7 +287,7 @@ def build_strategy(
         case "ddp":
             return _DDP(model, name, options, hierarchical)
         case "fsdp":
-            return _FSDP(model, name, options)
+            return _FSDP(model, name, options, hierarchical)
         case "simple_fsdp":
             return _SimpleFSDP(model, name, options, compiled)
         case "rtp":
