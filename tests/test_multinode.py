@@ -6,6 +6,10 @@ running the unchanged ``powertrain train`` command. Flat, it trains exactly as o
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,37 @@ def test_two_nodes_train_as_one_node_of_four_and_hierarchy_sends_less_between_th
     rows, summary, _ = _cluster_run(tmp_path / "hsdp", "--parallel", "fsdp", "--hierarchy", "node")
     assert len(rows) == STEPS and summary["parallel"] == "fsdp" and summary["bytes_sent"] > 0
     assert abs(rows[-1]["loss"] - expect[-1]["loss"]) < 0.1 * expect[-1]["loss"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["killed", "cut off"])
+def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
+    """Node 1 disappears mid-run: its processes killed (the kernel resets their connections: gloo names the lost
+    peer's address), or its link deleted with them alive (nothing reaches node 0: the collectives' --timeout-s).
+    Node 0's workers fail and its torchrun exits, instead of waiting for a peer that never answers."""
+    out = tmp_path / "run"
+    args = ["-m", "powertrain", *RUN[:-2], "--compressor", "none", "--steps", "100000", "--timeout-s", "5", "--out",
+            str(out)]  # fmt: skip
+    with EmulatedCluster(2, None) as cluster:
+        procs = [cluster.torchrun(n, 2, args) for n in range(2)]
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 90
+        while not metrics.is_file() or len(metrics.read_text().splitlines()) < 5:
+            assert procs[0].poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        if how == "killed":
+            pids = subprocess.run(["ip", "netns", "pids", cluster.namespaces[1]], capture_output=True, text=True)
+            for pid in pids.stdout.split():
+                os.kill(int(pid), signal.SIGKILL)
+        else:
+            subprocess.run(["ip", "-n", cluster.namespaces[1], "link", "del", cluster.interface(1)], check=True)
+        lost = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        stopped_after = time.monotonic() - lost
+    assert procs[0].returncode != 0
+    if how == "killed":
+        assert "Connection reset by peer" in err and cluster.addresses[1] in err, err[-3000:]
+        assert stopped_after < 20, stopped_after
+    else:
+        assert "Timed out waiting 5000ms" in err, err[-3000:]
+        assert stopped_after < 5 + 20, stopped_after  # the timeout, then torchrun's own shutdown

@@ -202,7 +202,8 @@ class EmulatedCluster:
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
     def close(self) -> None:
-        """Kill what this cluster started (by PID) and delete its namespaces. Safe to call twice."""
+        """Kill what this cluster started (by PID, and whatever runs in its namespaces) and delete its namespaces.
+        Safe to call twice."""
         for proc in self._procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -210,6 +211,11 @@ class EmulatedCluster:
                 proc.wait(timeout=10)
         self._procs.clear()
         for ns in reversed(self._created):
+            # what those started in their own sessions (torchrun's workers) left in this cluster's namespaces
+            left = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._created.clear()
 

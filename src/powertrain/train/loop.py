@@ -175,6 +175,8 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
                 cause = strategy.take_error()
                 if isinstance(cause, NonFiniteGradientError):
                     raise FloatingPointError(_nonfinite_message(step, cause, out, cfg)) from None
+                if cause is not None:  # a lost peer (gloo names its address when the connection was reset)
+                    raise RuntimeError(f"gradient communication failed at step {step + 1}: {cause}") from None
                 raise
             loss_sum += loss.item()
         t1 = time.perf_counter()
