@@ -63,6 +63,21 @@ __all__ = [
 _SUPPORTED = (AllReduceCompressor, PowerSGDCompressor, QuantizedCompressor)
 
 
+def _trainable_shard0(module: FSDPModule, what: str) -> list[tuple[torch.nn.Parameter, torch.Size]]:
+    """(sharded parameter, unsharded size) of each trainable parameter ``module`` manages, in its reduce-scatter's
+    order; ValueError naming ``what`` for one not sharded on dim 0."""
+    managed = [(p, size, dim) for p, size, dim in fsdp_managed_params(module) if p.requires_grad]
+    for _, _, dim in managed:
+        if dim != 0:
+            raise ValueError(f"{what} supports Shard(0) parameters only, got Shard({dim})")
+    return [(p, size) for p, size, _ in managed]
+
+
+def _chunk_rows(rows: int, world: int) -> int:
+    """Dim-0 rows of each rank's padded chunk of a parameter with ``rows`` rows (FSDP2's layout)."""
+    return -(-rows // world)
+
+
 def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     mods: list[FSDPModule] = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not mods:
@@ -85,11 +100,8 @@ class CompressedReduceScatter(ReduceScatter):
 
     @classmethod
     def for_module(cls, compressor: Compressor, module: FSDPModule) -> CompressedReduceScatter:
-        managed = [(p, size, dim) for p, size, dim in fsdp_managed_params(module) if p.requires_grad]
-        for _, _, dim in managed:
-            if dim != 0:
-                raise ValueError(f"Compressed reduce-scatter supports Shard(0) parameters only, got Shard({dim})")
-        return cls(compressor, [p for p, _, _ in managed], [size for _, size, _ in managed])
+        managed = _trainable_shard0(module, "Compressed reduce-scatter")
+        return cls(compressor, [p for p, _ in managed], [size for _, size in managed])
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -106,7 +118,7 @@ class CompressedReduceScatter(ReduceScatter):
         if isinstance(comp, AllReduceCompressor):
             return self._exact(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), group.rank()
-        padded = [(-(-s[0] // world) * world, s) for s in self.sizes]
+        padded = [(_chunk_rows(s[0], world) * world, s) for s in self.sizes]
         chunk_numels = [p0 // world * s[1:].numel() for p0, s in padded]
         if sum(chunk_numels) * world != input_tensor.numel():
             raise RuntimeError(
@@ -273,16 +285,12 @@ def compress_replicas(
     shards: list[tuple[str, torch.Tensor]] = []
     hooks = []
     for module in mods:
-        managed = [(p, size, dim) for p, size, dim in fsdp_managed_params(module) if p.requires_grad]
         shapes = []
-        for p, size, dim in managed:
-            if dim != 0:
-                raise ValueError(f"compress_replicas supports Shard(0) parameters only, got Shard({dim})")
-            world = p.device_mesh.size()  # type: ignore[attr-defined]
+        for p, size in _trainable_shard0(module, "compress_replicas"):
             if p.device_mesh.ndim != 1:  # type: ignore[attr-defined]
                 raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
                                  "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
-            shape = torch.Size([-(-size[0] // world), *size[1:]])
+            shape = torch.Size([_chunk_rows(size[0], p.device_mesh.size()), *size[1:]])  # type: ignore[attr-defined]
             shapes.append(shape)
             shards.append((names.get(id(p), f"param[{len(shards)}]"), placeholder(shape, p)))
         hooks.append((module, len(shards) - len(shapes), shapes))

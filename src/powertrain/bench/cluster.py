@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from powertrain.bench.netem import EmulatedCluster, unavailable
+from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, table
 
 NODES, PER_NODE = 2, 2
@@ -143,12 +143,12 @@ def _payloads(n_layer: int, n_head: int, d_model: int, block: int) -> dict[str, 
 
 
 def _comm_s(payload: float, nodes: int, gpus: int, rate_bps: float, hierarchical: bool) -> float:
-    world = nodes * gpus
+    """A ring all-reduce's time (payload bytes only, no framing), flat over all GPUs or in two stages."""
+    ring = lambda world, bps: collective_seconds("all_reduce", payload, world, bps / 1e6, framing=1.0)
     if not hierarchical:
-        return 2 * (world - 1) / world * payload * 8 / rate_bps + 2 * (world - 1) * ALPHA_S
-    inside = 2 * (gpus - 1) / gpus * payload * 8 / NVLINK_BPS  # reduce-scatter + all-gather
-    between = 2 * (nodes - 1) / nodes * payload * 8 / rate_bps + 2 * (nodes - 1) * ALPHA_S
-    return inside + between
+        return ring(nodes * gpus, rate_bps) + 2 * (nodes * gpus - 1) * ALPHA_S
+    # reduce-scatter + all-gather inside the node (an all-reduce's bytes), then the node rings share the link
+    return ring(gpus, NVLINK_BPS) + ring(nodes, rate_bps) + 2 * (nodes - 1) * ALPHA_S
 
 
 def scale_model() -> str:

@@ -33,19 +33,22 @@ __all__ = ["EmulatedCluster", "collective_seconds", "unavailable", "validate"]
 FRAMING = 1514 / 1448
 
 
-def collective_seconds(op: str, payload_bytes: float, world: int, rate_mbit: float) -> float:
+def collective_seconds(
+    op: str, payload_bytes: float, world: int, rate_mbit: float, *, framing: float = FRAMING
+) -> float:
     """Time a bandwidth-bound ring collective needs on links of ``rate_mbit``, per rank.
 
     ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
     for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it, all-gather ``(W-1)`` times it,
     reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there).
+    ``framing``: wire bytes per payload byte (TCP over Ethernet by default; 1 counts payload only).
     """
     factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
     if op not in factor:
         raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(factor)}")
     if world < 2 or payload_bytes <= 0:
         return 0.0
-    return factor[op] * payload_bytes * FRAMING * 8 / (rate_mbit * 1e6)
+    return factor[op] * payload_bytes * framing * 8 / (rate_mbit * 1e6)
 
 
 def unavailable() -> str | None:
@@ -149,9 +152,7 @@ class EmulatedCluster:
 
     def spawn(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """Start ``argv`` in rank ``rank``'s namespace as a torch.distributed worker of this cluster."""
-        full_env = {
-            **os.environ,
-            **(env or {}),
+        worker = {
             "RANK": str(rank),
             "LOCAL_RANK": "0",
             "WORLD_SIZE": str(self.world),
@@ -160,16 +161,7 @@ class EmulatedCluster:
             "GLOO_SOCKET_IFNAME": self.interface(rank),
             "OMP_NUM_THREADS": "1",
         }
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespaces[rank], *argv],
-            env=full_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        self._procs.append(proc)
-        return proc
+        return self.exec(rank, argv, {**(env or {}), **worker})
 
     def exec(self, node: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """Start ``argv`` in namespace ``node`` with ``env`` over this process's environment (no torch variables:

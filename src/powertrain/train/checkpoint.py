@@ -96,7 +96,7 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
                     per_rank: dict[str, Any], progress: dict[str, float] | None = None,
                     config: dict[str, Any] | None = None) -> Path:  # fmt: skip
     """Save after ``step`` completed steps; returns the checkpoint directory. Every rank must call it. ``config``
-    (JSON values: the run's resolved configuration) goes into the manifest, for :func:`check_resumable`."""
+    (JSON values: the run's resolved configuration) goes into the manifest, for :func:`check_settings`."""
     root = out / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
@@ -163,10 +163,10 @@ RESUME_MAY_CHANGE = frozenset({"steps", "out", "resume", "log_every", "eval_ever
                                "quiet", "timeout_s", "threads", "nproc"})  # fmt: skip
 
 
-def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Verify the checkpoint at ``path`` (checksums, format), that ``world_size`` workers can resume it and, when
-    given, that ``config`` (the new run's settings) changes only :data:`RESUME_MAY_CHANGE`; returns its manifest.
-    Raises :class:`CheckpointError` with a one-line reason."""
+def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
+    """Verify the checkpoint at ``path`` (checksums, format) and that ``world_size`` workers can resume it; returns
+    its manifest (:func:`check_settings` then compares the new run's settings with it). Raises
+    :class:`CheckpointError` with a one-line reason."""
     try:
         manifest = checkpoint.verify(path)
     except CheckpointError as e:
@@ -178,8 +178,6 @@ def check_resumable(path: Path, world_size: int, config: dict[str, Any] | None =
             f"{saved} (--nproc {saved}); error-feedback buffers, per-rank optimizer state and RNG streams belong to "
             "their worker and are not redistributed"
         )
-    if config is not None:
-        check_settings(path, manifest, config)
     return manifest
 
 
