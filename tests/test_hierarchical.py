@@ -134,6 +134,13 @@ def _hsdp(rank: int) -> dict[str, Any]:
     comp = compress_replicas(ours, "none", group=mesh["replicate"].get_group())
     for m in (native, ours):
         _hsdp_grads(m, rank, 0)
+    partial = _mlp()
+    fully_shard(partial[0], mesh=mesh["shard"])  # the root not sharded: its other layers would never be averaged
+    try:
+        compress_replicas(partial, "none", group=mesh["replicate"].get_group())
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     grads = [(a.grad.to_local().clone(), b.grad.to_local().clone()) for a, b in
              zip(native.parameters(), ours.parameters(), strict=True)]  # fmt: skip
     model = fully_shard(_mlp(), mesh=mesh["shard"])
@@ -151,8 +158,8 @@ def _hsdp(rank: int) -> dict[str, Any]:
         losses.append(loss.item())
         sent.append(psgd.comm.stats.bytes_sent)
     shards = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
-    return {"grads": grads, "exact_bytes": comp.comm.stats.bytes_sent, "psgd_bytes": sent[-1] - sent[-2],
-            "losses": losses, "shards": shards}  # fmt: skip
+    return {"grads": grads, "refused": refused, "exact_bytes": comp.comm.stats.bytes_sent,
+            "psgd_bytes": sent[-1] - sent[-2], "losses": losses, "shards": shards}  # fmt: skip
 
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
@@ -242,6 +249,7 @@ def test_single_process_is_the_inner_compressor():
 def test_hsdp_with_a_compressed_replicate_dimension(results):
     runs = case(results, "hsdp")
     for r in runs:
+        assert "manage 2 of the model's trainable parameters" in r["refused"], r["refused"]
         for j, (native, ours) in enumerate(r["grads"]):
             # Each entry: 4 ranks' gradients reduced in two stages by both (reduce-scatter in the node, then the
             # replicas), divided by powers of two: the same sums in the same order up to how the halving is placed,

@@ -294,6 +294,11 @@ def compress_replicas(
             shapes.append(shape)
             shards.append((names.get(id(p), f"param[{len(shards)}]"), placeholder(shape, p)))
         hooks.append((module, len(shards) - len(shapes), shapes))
+    if len(shards) != sum(1 for p in model.parameters() if p.requires_grad):
+        raise ValueError(
+            f"The fully_shard modules manage {len(shards)} of the model's trainable parameters, not all: the others "
+            "would never be averaged; call fully_shard on the root too (compress_replicas after fully_shard)"
+        )
     compressor = make_compressor(name, shards, group=group, **options)
     for module, first, shapes in hooks:
         module.set_all_reduce_hook(_ReplicaAverage(compressor, list(range(first, first + len(shapes))), shapes))
