@@ -70,8 +70,9 @@ def test_two_nodes_train_as_one_node_of_four_and_hierarchy_sends_less_between_th
 @pytest.mark.parametrize("how", ["killed", "cut off"])
 def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
     """Node 1 disappears mid-run: its processes killed (the kernel resets their connections: gloo names the lost
-    peer's address), or its link deleted with them alive (nothing reaches node 0: the collectives' --timeout-s).
-    Node 0's workers fail and its torchrun exits, instead of waiting for a peer that never answers."""
+    peer's address), or its link deleted with them alive (nothing reaches node 0: the collectives' --timeout-s,
+    then the heartbeat names the silent node). Node 0's workers fail and its torchrun exits, instead of waiting for
+    a peer that never answers."""
     out = tmp_path / "run"
     args = ["-m", "powertrain", *RUN[:-2], "--compressor", "none", "--steps", "100000", "--timeout-s", "5", "--out",
             str(out)]  # fmt: skip
@@ -97,4 +98,6 @@ def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
         assert stopped_after < 20, stopped_after
     else:
         assert "Timed out waiting 5000ms" in err, err[-3000:]
-        assert stopped_after < 5 + 20, stopped_after  # the timeout, then torchrun's own shutdown
+        # the heartbeat names the node that went silent (gloo's timeout names nobody)
+        assert f"from node 1 ({cluster.addresses[1]}): ranks 2, 3" in err, err[-3000:]
+        assert stopped_after < 5 + 2.5 + 20, stopped_after  # the timeout, the diagnosis, torchrun's own shutdown

@@ -7,6 +7,7 @@ import datetime
 import math
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from powertrain.train.config import (
 )
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world, torchrun_shared_store
+from powertrain.train.liveness import Heartbeat
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
@@ -85,6 +87,31 @@ def build_model(cfg: TrainConfig, data: TokenData | ClassData) -> torch.nn.Modul
 @record
 def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     device = _init_distributed(cfg)
+    heartbeat = _heartbeat(cfg)
+    try:
+        return _train(cfg, device)
+    except RuntimeError as e:  # a failed collective: name the peers that are gone, if any are
+        lost = heartbeat.diagnose() if heartbeat is not None else ""
+        if lost:
+            raise RuntimeError(f"{lost} (what failed here: {str(e).splitlines()[0]})") from e
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _heartbeat(cfg: TrainConfig) -> Heartbeat | None:
+    """A heartbeat in the launcher's store, for a world of several workers (see :mod:`powertrain.train.liveness`)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or "MASTER_ADDR" not in os.environ:
+        return None
+    try:
+        return Heartbeat(dist.get_rank(), dist.get_world_size(), cfg.timeout_s)
+    except (RuntimeError, OSError) as e:  # a run does not need it: it only names lost peers
+        warnings.warn(f"no heartbeat (a lost peer will not be named): {e}", stacklevel=2)
+        return None
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     metrics = Communicator()  # loss averaging; kept apart from the gradient byte counts
     rank, world = metrics.rank, metrics.world_size
     torch.set_num_threads(cfg.threads)

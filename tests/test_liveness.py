@@ -1,0 +1,61 @@
+"""The heartbeat that names lost peers when a collective fails (powertrain.train.liveness)."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch.distributed as dist
+
+from powertrain.train.liveness import Heartbeat
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def store(monkeypatch):
+    port = _free_port()
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
+                           wait_for_workers=False)  # fmt: skip
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    return master
+
+
+@pytest.mark.timeout(60)
+def test_the_ranks_that_stop_beating_are_named_by_node_and_address(store, monkeypatch):
+    beats = []
+    for rank, node in ((0, "0"), (1, "0"), (2, "1"), (3, "1")):
+        monkeypatch.setenv("GROUP_RANK", node)
+        beats.append(Heartbeat(rank, 4, timeout_s=5, period_s=0.05))
+    assert beats[0].diagnose() == ""  # everyone beats
+    beats[2].stop()
+    beats[3].stop()
+    assert beats[0].diagnose() == "no heartbeat for 0.125 s from node 1 (127.0.0.1): ranks 2, 3"
+    beats[1].stop()
+    lost = beats[0].diagnose()
+    assert lost == "no heartbeat for 0.125 s from node 0 (127.0.0.1): rank 1; node 1 (127.0.0.1): ranks 2, 3"
+    beats[0].stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_beat_is_named_and_a_lost_store_names_node_0(monkeypatch):
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)  # fmt: skip
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("GROUP_RANK", "1")
+    beat = Heartbeat(0, 2, timeout_s=1, period_s=0.05)
+    assert beat.diagnose() == "no heartbeat for 0.125 s from node ? (never started its heartbeat): rank 1"
+    del store  # the store (on node 0) is gone
+    lost = beat.diagnose()
+    assert lost.startswith(f"the rendezvous store at 127.0.0.1:{port} (on node 0) did not answer"), lost
+    assert lost.endswith("node 0 is lost or out of reach from this node"), lost
+    beat.stop()
