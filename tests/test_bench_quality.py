@@ -10,6 +10,8 @@ import pytest
 from powertrain.bench import network, quality
 from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, seconds_to, select_rows
 from powertrain.bench.sidebyside import Spec
+from powertrain.train.config import TrainConfig
+from powertrain.train.data import load_data
 from powertrain.train.model import GPT
 
 
@@ -118,3 +120,8 @@ def test_the_second_workload_trains_the_resnet_on_mnist1d():
     fp32, r8 = (sum(s.values()) for s in r0["sent_per_step"])
     assert fp32 == 4 * r0["params"] and r8 < fp32 / 2  # 2 of 6 steps exact
     assert PRESETS["mnist1d"].model is None
+    # accuracy over the whole validation split (every rank its share): a whole number of its samples correct
+    n_val = load_data(TrainConfig(model="resnet", data="mnist1d")).x_val.shape[0]
+    accs = [a for curve in r0["acc_curve"] for _, a in curve]
+    assert len(accs) == 4 and all(0 <= a <= 1 and abs(a * n_val - round(a * n_val)) < 1e-6 for a in accs)
+    assert r0["acc_curve"] == res[1]["acc_curve"]

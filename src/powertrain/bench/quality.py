@@ -121,7 +121,7 @@ PRESETS = {
     "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START),
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
-    "mnist1d": Preset(None, 32, (1000,), 3, 50, 0.0, DEFAULT_START),
+    "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
 }
 
 
@@ -189,7 +189,10 @@ def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT |
         total = {op: b * n for op, b in r0["sent_per_step"][i].items()}
         low = {op: (b - warm * dense.get(op, 0.0)) / max(1, n - warm) for op, b in total.items()}
         low = {op: b for op, b in low.items() if b > 0.5}
-    return {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low}
+    out = {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low}
+    if r0["acc_curve"] is not None:  # a classifier
+        out["acc_curve"] = r0["acc_curve"][i]
+    return out
 
 
 def _identity(row: Row, p: Preset) -> dict[str, Any]:
@@ -197,6 +200,8 @@ def _identity(row: Row, p: Preset) -> dict[str, Any]:
     seed counts)."""
     run = {k: v for k, v in dataclasses.asdict(row).items() if k != "label"}
     preset = {k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds")}
+    if p.model is None:  # since format 2, a classifier is evaluated on the whole validation split, with accuracy
+        preset["eval"] = "val split, loss and accuracy"
     return json.loads(json.dumps({"format": KEPT_FORMAT, "row": run, "preset": preset}))
 
 
@@ -295,9 +300,9 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     return report
 
 
-def _at(m: dict[str, Any] | None, steps: int) -> float:
+def _at(m: dict[str, Any] | None, steps: int, curve: str = "curve") -> float:
     assert m is not None, "kept just now"
-    return next(v for k, v in m["curve"] if k == steps)
+    return next(v for k, v in m[curve] if k == steps)
 
 
 def _bytes(m: dict[str, Any], k: float) -> float:
@@ -326,6 +331,9 @@ def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: 
         res: dict[str, Any] = {"key": row.key, "label": row.label, "val_mean": statistics.mean(vals),
                                "val_min": min(vals), "val_max": max(vals), "hits": hits, "step_s": step_s[row.key],
                                "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
+        if "acc_curve" in ms[0]:
+            accs = [_at(m, steps, "acc_curve") for m in ms]
+            res.update(acc_mean=statistics.mean(accs), acc_min=min(accs), acc_max=max(accs))
         reached = [h for h in hits if h is not None]
         if len(reached) == len(hits):  # the median seed's steps, each seed's own bytes
             k = statistics.median(reached)
@@ -371,15 +379,20 @@ def _speedups(h: dict[str, Any]) -> list[str]:
 def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
     parts = []
     for h in report["horizons"]:
-        fp32 = h["rows"][0]["val_mean"]
+        fp32 = h["rows"][0]
+        accuracy = "acc_mean" in fp32  # a classifier
         cells = []
         for r in h["rows"]:
             times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in RATES]
+            acc = ([f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
+                    f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}"] if accuracy else [])  # fmt: skip
             cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
-                          f"{100 * (r['val_mean'] / fp32 - 1):+.2f}%", f"1/{1 / r['fraction']:.1f}",
+                          f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%", *acc, f"1/{1 / r['fraction']:.1f}",
                           _hits_text(r["hits"], CAP * h["steps"]), *times])  # fmt: skip
-        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", "bytes vs fp32",
-                   "steps to target", *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
+        acc_headers = [f"accuracy at {h['steps']}, mean (min-max)", "vs fp32 (points)"] if accuracy else []
+        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", *acc_headers,
+                   "bytes vs fp32", "steps to target",
+                   *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
         parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
                      + table(headers, cells) + "\n\n" + "\n".join(_speedups(h)))  # fmt: skip
     if p.model is None:
@@ -399,8 +412,10 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
         f"{what}, AdamW with `powertrain train`'s "
         "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
         f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
-        f"validation every {p.eval_every} steps on the same held-out batches. PowerSGD rows compress after {p.start} "
-        "exact steps; bytes are a worker's total over the horizon, warm-up included. Target: fp32's mean validation "
+        f"validation every {p.eval_every} steps on the same held-out "
+        f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
+        f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
+        "included. Target: fp32's mean validation "
         f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
         f"most {CAP}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
         "Time to target: those steps x the step time at the link rate, from the serial model (the row's step time on "

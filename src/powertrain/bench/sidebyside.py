@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -117,15 +118,24 @@ class _Run:
             self.scheduler.step()
         return float(loss.item())
 
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean validation loss over ``batches`` and over ranks."""
+    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]], classes: bool) -> tuple[float, float]:
+        """Validation loss and, for a classifier (``classes``), accuracy over ``batches`` and over ranks: sample
+        means, every sample weighing the same (accuracy NaN for a language model)."""
         self.wrapped.eval()
+        sums = torch.zeros(3, dtype=torch.float64)  # loss x samples, correct, samples
         with torch.no_grad():
-            total = sum(self.wrapped(x, y).item() for x, y in batches)
+            for x, y in batches:
+                if classes:
+                    logits = self.wrapped(x)
+                    loss = torch.nn.functional.cross_entropy(logits.float(), y)
+                    sums[1] += (logits.argmax(-1) == y).sum().item()
+                else:
+                    loss = self.wrapped(x, y)
+                sums[0] += loss.item() * y.shape[0]
+                sums[2] += y.shape[0]
         self.wrapped.train()
-        mean = torch.tensor([total / len(batches)], dtype=torch.float64)
-        dist.all_reduce(mean)
-        return mean.item() / dist.get_world_size()
+        dist.all_reduce(sums)
+        return sums[0].item() / sums[2].item(), sums[1].item() / sums[2].item() if classes else math.nan
 
 
 def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: float) -> tuple[DDP, Any]:
@@ -168,7 +178,12 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
     else:
         corpus, block = load_data(TrainConfig(data_max_mb=data_mb)), model.block_size
         build = functools.partial(GPT, model)
-    val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, block) for j in range(eval_batches)]
+    classes = isinstance(corpus, ClassData)
+    if isinstance(corpus, ClassData):  # the whole validation split: a classifier's loss and accuracy, no sampling
+        x_val, y_val = corpus.val_shard(rank, world)
+        val_batches = list(zip(x_val.split(256), y_val.split(256), strict=True))
+    else:
+        val_batches = [corpus.batch("val", rank, world, (1, rank, j), batch, block) for j in range(eval_batches)]
     runs = []
     for spec in specs:
         torch.manual_seed(seed)
@@ -177,6 +192,7 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
     times: list[list[float]] = [[] for _ in specs]
     losses: list[list[float]] = [[] for _ in specs]
     curves: list[list[tuple[int, float]]] = [[] for _ in specs]
+    acc_curves: list[list[tuple[int, float]]] = [[] for _ in specs]
     sent: list[dict[str, int]] = [{} for _ in specs]
     spent = [[0.0, 0.0, 0] for _ in specs]  # compress_s, comm_s, collectives over the timed rounds
     for step in range(warmup + timed):
@@ -200,10 +216,12 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
                     spent[i][2] += after.num_collectives - before.num_collectives
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
-                curves[i].append((step + 1, r.evaluate(val_batches)))
+                loss_val, acc = r.evaluate(val_batches, classes)
+                curves[i].append((step + 1, loss_val))
+                acc_curves[i].append((step + 1, acc))
                 target = specs[i].stop_below  # checked from the end of the schedule on: the horizon's loss is kept
                 stopped[i] = target is not None and step + 1 >= specs[i].steps and curves[i][-1][1] <= target
-    val = [r.evaluate(val_batches) for r in runs]
+    val = [r.evaluate(val_batches, classes)[0] for r in runs]
     timed_steps = [max(len(t), 1) for t in times]
     return {"times": times, "losses": losses,
             "sent_per_step": [{k: v / timed_steps[i] for k, v in s.items()} for i, s in enumerate(sent)],
@@ -211,7 +229,7 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
             "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
             "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
             "measured_stats": [bool(r.sources) for r in runs],
-            "val_loss": val, "val_curve": curves,
+            "val_loss": val, "val_curve": curves, "acc_curve": acc_curves if classes else None,
             "params": runs[0].model.num_params()}  # fmt: skip
 
 

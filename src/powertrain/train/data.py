@@ -78,6 +78,11 @@ class ClassData:
         idx = lo + torch.randint(0, hi - lo, (batch_size,), generator=_generator(key))
         return x[idx], y[idx]
 
+    def val_shard(self, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's whole share of the validation split (the shares of all ranks partition it)."""
+        lo, hi = _shard(self.x_val.shape[0], rank, world)
+        return self.x_val[lo:hi], self.y_val[lo:hi]
+
     def check(self, rank: int, world: int, block_size: int = 0) -> None:
         """ValueError now if a batch of either split could not be drawn later."""
         for split, n in (("train", self.x_train.shape[0]), ("val", self.x_val.shape[0])):
