@@ -301,6 +301,9 @@ def test_resume_with_another_world_size_is_refused(run2, tmp_path):
     r = _run(*TINY, "--steps", "6", "--nproc", "1", "--out", str(tmp_path / "one"), "--resume", str(run2))
     assert r.returncode == 2
     assert "written by 2 worker(s) and this run has 1" in r.stderr and "--nproc 2" in r.stderr, r.stderr[-2000:]
+    # what cannot follow the run to another world size, named for this run (the tiny preset compresses)
+    assert "--nnodes x --nproc-per-node = 2" in r.stderr, r.stderr[-2000:]
+    assert "each worker's stream of batches" in r.stderr and "compressor's state of each worker" in r.stderr
     single = tmp_path / "single"
     r = _run(*TINY, "--steps", "3", "--nproc", "1", "--checkpoint-every", "3", "--out", str(single))
     assert r.returncode == 0, r.stderr[-2000:]

@@ -175,10 +175,23 @@ def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
     if saved != world_size:
         raise CheckpointError(
             f"Checkpoint {str(path)!r} was written by {saved} worker(s) and this run has {world_size}: resume with "
-            f"{saved} (--nproc {saved}); error-feedback buffers, per-rank optimizer state and RNG streams belong to "
-            "their worker and are not redistributed"
+            f"{saved} (--nproc {saved}, or torchrun with --nnodes x --nproc-per-node = {saved}); a resume continues "
+            f"the run bit for bit and what belongs to each worker is not redistributed: "
+            f"{_per_worker(manifest.get('config'))}"
         )
     return manifest
+
+
+def _per_worker(config: Any) -> str:
+    """What a run with ``config`` (a manifest's) keeps per worker, which another world size cannot take over."""
+    config = config if isinstance(config, dict) else {}
+    kept = ["each worker's stream of batches (its rank and the world size choose them)"]
+    compressor = str(config.get("compressor", "none")).split(":")[0]
+    if compressor not in ("none", "fp16", "bf16"):
+        kept.append(f"the {compressor} compressor's state of each worker (error-feedback buffers)")
+    if config.get("optimizer") in ("shampoo", "galore", "demo"):
+        kept.append(f"{config['optimizer']}'s state of each worker")
+    return ", ".join(kept)
 
 
 def check_settings(path: Path, manifest: dict[str, Any], config: dict[str, Any]) -> None:
