@@ -101,3 +101,37 @@ def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
         # the heartbeat names the node that went silent (gloo's timeout names nobody)
         assert f"from node 1 ({cluster.addresses[1]}): ranks 2, 3" in err, err[-3000:]
         assert stopped_after < 5 + 2.5 + 20, stopped_after  # the timeout, the diagnosis, torchrun's own shutdown
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_restarts_both_nodes_after_a_worker_dies_and_the_run_continues_bitwise(tmp_path):
+    """``--max-restarts 1`` on each node, a worker of node 1 killed after the first checkpoint: both agents restart
+    their workers (a new rendezvous round; ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, a store per attempt, as the
+    command asks for across nodes) and the unchanged command continues from the latest checkpoint: the losses equal
+    one uninterrupted node of four workers', bitwise (the first test: 2 x 2 trains as 1 x 4)."""
+    steps, every = 60, 20
+    run = [*RUN[:6], *RUN[8:], "--steps", str(steps), "--checkpoint-every", str(every)]  # RUN's but --steps
+    ref = tmp_path / "ref"
+    r = run_cli(*run, "--nproc", "4", "--out", str(ref), timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "elastic"
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    with EmulatedCluster(2, None) as cluster:
+        procs = [cluster.torchrun(n, 2, ["-m", "powertrain", *run, "--out", str(out)], max_restarts=1, env=env)
+                 for n in range(2)]  # fmt: skip
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+        while not (out / "checkpoints" / "latest").is_file() or len(metrics.read_text().splitlines()) <= every + 3:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.05)
+        victim = int((out / "pids" / "rank3").read_text())  # a worker of node 1
+        os.kill(victim, signal.SIGKILL)
+        killed_at = len(metrics.read_text().splitlines())
+        outputs = [p.communicate(timeout=180) for p in procs]
+    assert killed_at < steps, f"the run ended before the kill (step {killed_at}): raise steps"
+    for n, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {n}: {err[-3000:]}"
+    assert "continuing from the latest" in outputs[0][0], outputs[0][0][-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    expect = [json.loads(line) for line in (ref / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [row["step"] for row in rows] == list(range(1, steps + 1))
+    assert [row["loss"] for row in rows] == [row["loss"] for row in expect]

@@ -195,8 +195,11 @@ class DDPCompressionHook:
         return error
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        grads = bucket.gradients()
-        idx = self.compressor.indices_of(bucket.parameters())
+        # in the compressor's parameter order, not the bucket's: DDP's first step after a (re)start orders a
+        # bucket by parameter registration, later ones by backward; messages packed alike sum alike on any world
+        order = sorted(zip(self.compressor.indices_of(bucket.parameters()), bucket.gradients(), strict=True),
+                       key=lambda pair: pair[0])  # fmt: skip
+        idx, grads = [i for i, _ in order], [g for _, g in order]
         buffer = bucket.buffer()
 
         def done(averaged: list[torch.Tensor]) -> None:
