@@ -20,8 +20,8 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/powertrain train
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check src tests tools
-	$(VENV)/bin/ruff format --check src tests tools
+	$(VENV)/bin/ruff check src tests tools examples
+	$(VENV)/bin/ruff format --check src tests tools examples
 	$(VENV)/bin/mypy
 
 # Tolerances must hold on every CPU, not only this one (issue 16): the numerically sensitive tests run again on
