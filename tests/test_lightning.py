@@ -1,0 +1,34 @@
+"""powertrain.lightning.GradientCompression in real Lightning fits under torchrun (2 gloo processes, DDP): fewer
+bytes, about the same loss as uncompressed DDP, and a fit resumed from Lightning's checkpoint continues with the
+uninterrupted fit's losses bitwise (the compressor's per-worker state travels in the checkpoint)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
+
+
+@pytest.mark.timeout(300)
+def test_lightning_fit_compresses_and_resumes_bitwise(tmp_path):
+    script = Path(__file__).with_name("lightning_fit.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", str(script), str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(2):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(res["full"]) == 4 * 512 // 2 // 16
+        assert res["resumed"] == res["full"]  # bitwise, across Lightning's checkpoint
+        assert 0 < res["sent"] < 0.5 * res["dense"], (res["sent"], res["dense"])  # measured 0.21x (rank 4)
+        # quality, not parity: the last epoch's mean loss, measured 0.2246 compressed against 0.2191 plain (+2.5%)
+        last = [sum(res[k][-16:]) / 16 for k in ("full", "plain")]
+        assert abs(last[0] - last[1]) < 0.1 * last[1], last
