@@ -31,7 +31,7 @@ def _metrics(out: Path) -> list[dict]:
 
 def test_default_run_writes_everything(tmp_path):
     out = tmp_path / "run"
-    r = _run("train", "--preset", "tiny", "--steps", "8", "--out", str(out))
+    r = _run("train", "--preset", "tiny", "--steps", "8", "--out", str(out), "--tensorboard")
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [line for line in r.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 8 and "2 worker(s)" in r.stdout
@@ -45,6 +45,27 @@ def test_default_run_writes_everything(tmp_path):
     assert "compressor = " in (out / "config.toml").read_text()
     for png in ("loss_vs_step", "loss_vs_wallclock", "loss_vs_bytes"):
         assert (out / f"{png}.png").stat().st_size > 1000
+    # --tensorboard: the logged scalars as TensorBoard events, the same values at the same steps
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "lr", "bytes_sent", "step_time_s", "comm_s", "val_loss"):
+        logged = [(row["step"], row[key]) for row in rows if key in row]
+        seen = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in seen] == [s for s, _ in logged], key
+        assert all(abs(v - w) <= 1e-6 * max(1.0, abs(w)) for (_, v), (_, w) in zip(seen, logged, strict=True)), key
+
+
+def test_tensorboard_without_the_package_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--preset", "tiny", "--tensorboard", "--out", str(tmp_path / "x")])
+    assert exc.value.code == 2 and not (tmp_path / "x").exists()
+    assert "pip install 'powertrain[tensorboard]'" in capsys.readouterr().err
 
 
 def test_config_file_and_flags(tmp_path):

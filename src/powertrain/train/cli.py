@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import importlib.util
 import os
 import sys
 import typing
@@ -66,6 +67,8 @@ _HELP = {
     "checkpoint_every": "save a checkpoint every N steps (0: never)",
     "resume": "continue from a run directory (its latest checkpoint) or a checkpoint directory",
     "quiet": "no progress output, only the summary",
+    "tensorboard": "also write the logged scalars as TensorBoard events to <out>/tensorboard (needs "
+    "powertrain[tensorboard])",
 }
 
 
@@ -228,6 +231,8 @@ def _train(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, out=_default_out())
     rank0 = int(os.environ.get("RANK", "0")) == 0
     check_source(cfg)
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package: pip install 'powertrain[tensorboard]'")
     ckpt, world = None, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
     restart = cfg.resume is None and _continues_in_place(cfg)
     if restart == "checkpoint":

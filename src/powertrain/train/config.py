@@ -142,6 +142,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: str | None = None
     quiet: bool = False
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(TrainConfig)

@@ -168,7 +168,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                       "train further.", flush=True)  # fmt: skip
             leave_world()
             return {"steps": start}
-    writer = RunWriter(out, resume_step=start if cfg.resume else None) if rank == 0 else None
+    writer = (
+        RunWriter(out, resume_step=start if cfg.resume else None, tensorboard=cfg.tensorboard) if rank == 0 else None
+    )
     progress = Progress(cfg.steps, quiet=cfg.quiet or rank != 0)
     is_text = isinstance(data, TokenData)
     unit, per_step = ("tok", cfg.batch_size * cfg.block_size) if is_text else ("samples", cfg.batch_size)

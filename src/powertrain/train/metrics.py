@@ -77,7 +77,7 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
 class RunWriter:
     """Files of one run directory (rank 0)."""
 
-    def __init__(self, out: Path, *, resume_step: int | None) -> None:
+    def __init__(self, out: Path, *, resume_step: int | None, tensorboard: bool = False) -> None:
         self.out = out
         self.metrics_path = out / "metrics.jsonl"
         self.rows: list[dict[str, Any]] = []
@@ -88,12 +88,10 @@ class RunWriter:
         else:
             self.metrics_path.touch()
         self.tb = None
-        try:
+        if tensorboard:  # asked for: the command checked that tensorboard is installed
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out / "tensorboard"))
-        except Exception:  # tensorboard is optional
-            self.tb = None
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
