@@ -227,6 +227,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         wall += step_time
         total_sent += sent
         done = step + 1
+        if writer:
+            writer.every_step(done, last_loss, wall, total_sent)
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
         if done % cfg.log_every == 0 or done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):

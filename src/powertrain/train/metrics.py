@@ -87,11 +87,16 @@ class RunWriter:
             self.rows = supersede(out, resume_step)  # continue the same log
         else:
             self.metrics_path.touch()
+        self.steps: list[tuple[int, float, float, float]] = []  # every step of this process: step, loss, wall, bytes
         self.tb = None
         if tensorboard:  # asked for: the command checked that tensorboard is installed
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(out / "tensorboard"))
+
+    def every_step(self, step: int, loss: float, wall_s: float, bytes_total: float) -> None:
+        """Every step's training loss, for the plots (metrics.jsonl keeps the logged steps only)."""
+        self.steps.append((step, loss, wall_s, bytes_total))
 
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -108,6 +113,21 @@ class RunWriter:
             self.tb.close()
         self.plot()
 
+    def series(
+        self,
+    ) -> tuple[list[tuple[int, float, float, float]], list[float], list[tuple[int, float, float, float]]]:
+        """What the plots draw: the training loss of every step this process trained, after the logged rows of
+        the steps before it (a resumed run), as (step, loss, wall_s, bytes_total); its moving average; and the
+        validation points as (step, wall_s, bytes_total, val_loss)."""
+        rows = [r for r in self.rows if "loss" in r]
+        first = self.steps[0][0] if self.steps else math.inf
+        train = [(r["step"], r["loss"], r.get("wall_s", 0.0), r.get("bytes_total", 0)) for r in rows
+                 if r["step"] < first] + self.steps  # fmt: skip
+        smooth = _ema([loss for _, loss, _, _ in train], span=max(1, len(train) // 25))
+        val = [(r["step"], r.get("wall_s", 0.0), r.get("bytes_total", 0), r["val_loss"]) for r in rows
+               if "val_loss" in r]  # fmt: skip
+        return train, smooth, val
+
     def plot(self) -> list[Path]:
         """loss vs step, vs wall-clock, vs bytes sent (PNG); skipped without matplotlib."""
         try:
@@ -117,20 +137,20 @@ class RunWriter:
             import matplotlib.pyplot as plt
         except ImportError:
             return []
-        rows = [r for r in self.rows if "loss" in r]
-        if not rows:
+        train, smooth, val = self.series()
+        if not train:
             return []
-        wall = [r.get("wall_s", 0.0) for r in rows]  # cumulative training time
-        sent = [r.get("bytes_total", 0) / 1e6 for r in rows]  # cumulative gradient bytes per worker
         paths = []
-        for name, xs, label in (("loss_vs_step", [r["step"] for r in rows], "step"),
-                                ("loss_vs_wallclock", wall, "wall-clock (s)"),
-                                ("loss_vs_bytes", sent, "MB sent per worker")):  # fmt: skip
+        for name, axis, label in (("loss_vs_step", 0, "step"), ("loss_vs_wallclock", 2, "wall-clock (s)"),
+                                  ("loss_vs_bytes", 3, "MB sent per worker")):  # fmt: skip
+            scale = 1e-6 if axis == 3 else 1.0  # cumulative gradient bytes per worker, in MB
+            xs = [t[axis] * scale for t in train]
             fig, ax = plt.subplots(figsize=(6, 4))
-            ax.plot(xs, [r["loss"] for r in rows], label="train")
-            val = [(x, r["val_loss"]) for x, r in zip(xs, rows, strict=True) if "val_loss" in r]
+            ax.plot(xs, [t[1] for t in train], color="tab:blue", alpha=0.25, linewidth=0.8, label="train (every step)")
+            ax.plot(xs, smooth, color="tab:blue", label="train (smoothed)")
             if val:
-                ax.plot(*zip(*val, strict=True), "o-", label="validation")
+                vx = [v[{0: 0, 2: 1, 3: 2}[axis]] * scale for v in val]
+                ax.plot(vx, [v[3] for v in val], "o-", color="tab:orange", label="validation")
             ax.set_xlabel(label)
             ax.set_ylabel("loss")
             ax.legend()
@@ -141,3 +161,13 @@ class RunWriter:
             plt.close(fig)
             paths.append(path)
         return paths
+
+
+def _ema(values: list[float], span: int) -> list[float]:
+    """Exponential moving average with pandas' ``span`` convention (alpha = 2 / (span + 1)), bias-corrected."""
+    alpha, avg, weight, out = 2.0 / (span + 1), 0.0, 0.0, []
+    for v in values:
+        avg = (1 - alpha) * avg + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(avg / weight)
+    return out
