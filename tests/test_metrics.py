@@ -1,11 +1,14 @@
-"""The run directory's plots (powertrain.train.metrics.RunWriter): every step's training loss, not only the
-logged ones, a moving average over it, and the validation points."""
+"""What a run shows (powertrain.train.metrics): plots of every step's training loss, not only the logged ones, a
+moving average over it and the validation points; the progress display on a terminal and in a log."""
 
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
 
-from powertrain.train.metrics import RunWriter, _ema
+from powertrain.train.metrics import Progress, RunWriter, _clock, _ema
 
 
 def _train(writer: RunWriter, steps: range, log_every: int) -> None:
@@ -40,3 +43,38 @@ def test_the_moving_average_is_bias_corrected():
     assert _ema([0.0, 1.0], span=1) == [0.0, 1.0]  # span 1: no smoothing
     out = _ema([0.0, 10.0], span=3)  # alpha 1/2: (0.5 * 10) / (1 - 0.25)
     assert out == pytest.approx([0.0, 10.0 * 0.5 / 0.75])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_terminal_redraws_one_line_every_step_with_a_bar_rate_and_time_left(monkeypatch):
+    clock = iter(float(t) for t in range(1000))  # one second per call: every step is due for a redraw
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    out = _Terminal()
+    progress = Progress(10, quiet=False, stream=out, start=4)  # resumed after step 4
+    for step in range(5, 11):
+        progress.update(step, 2.0, 1234.0, "tok", 0.5, 2.0, logged=step == 10)
+    frames = out.getvalue().split("\r")[1:]
+    assert len(frames) == 6 and out.getvalue().endswith("\n") and "\n" not in "".join(frames[:-1])
+    assert frames[0].startswith("[" + "#" * 10 + "." * 10 + "] 5/10") and "1,234 tok/s" in frames[0]
+    assert "4.0x less" in frames[0] and "\x1b[K" in frames[0]
+    # the time left from this process's own steps: 1 s per step here, 5 steps left after step 5
+    assert "0:05 left" in frames[0] and frames[-1].startswith("[" + "#" * 20 + "] 10/10")
+
+
+def test_progress_throttles_on_a_terminal_and_writes_logged_steps_only_elsewhere(monkeypatch):
+    monkeypatch.setattr(time, "perf_counter", lambda: 0.0)  # no time passes: only logged steps and the last draw
+    tty, log = _Terminal(), io.StringIO()
+    for stream in (tty, log):
+        progress = Progress(100, quiet=False, stream=stream)
+        for step in range(1, 101):
+            progress.update(step, 1.0, 10.0, "tok", 1.0, 1.0, logged=step % 25 == 0)
+    assert tty.getvalue().count("\r") == 5  # the first step at once, then steps 25, 50, 75, 100
+    assert [line.split()[1] for line in log.getvalue().splitlines()] == ["25/100", "50/100", "75/100", "100/100"]
+
+
+def test_clock():
+    assert [_clock(s) for s in (0, 59.4, 61, 3600, 3725)] == ["0:00", "0:59", "1:01", "1:00:00", "1:02:05"]

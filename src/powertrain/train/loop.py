@@ -171,7 +171,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     writer = (
         RunWriter(out, resume_step=start if cfg.resume else None, tensorboard=cfg.tensorboard) if rank == 0 else None
     )
-    progress = Progress(cfg.steps, quiet=cfg.quiet or rank != 0)
+    progress = Progress(cfg.steps, quiet=cfg.quiet or rank != 0, start=start)
     is_text = isinstance(data, TokenData)
     unit, per_step = ("tok", cfg.batch_size * cfg.block_size) if is_text else ("samples", cfg.batch_size)
     if rank == 0 and not cfg.quiet:
@@ -231,7 +231,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             writer.every_step(done, last_loss, wall, total_sent)
         if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
             val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
-        if done % cfg.log_every == 0 or done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0):
+        logged = done % cfg.log_every == 0 or done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0)
+        if logged:
             if done == cfg.steps:
                 val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
             row = {
@@ -244,10 +245,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                 row["val_loss"] = val
             if writer:
                 writer.log(row)
-            dense_mb = dense_bytes / MB if world > 1 else 0.0
-            progress.update(
-                done, last_loss, per_step * cfg.grad_accum * data_world / step_time, unit, sent / MB, dense_mb
-            )
+        dense_mb = dense_bytes / MB if world > 1 else 0.0
+        rate = per_step * cfg.grad_accum * data_world / step_time
+        progress.update(done, last_loss, rate, unit, sent / MB, dense_mb, logged=logged)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             from powertrain.train.checkpoint import save_checkpoint
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,31 +21,44 @@ from typing import Any, TextIO
 
 
 class Progress:
-    """One status line on a terminal (rewritten in place), or a line per log step in a log file."""
+    """Training progress. On a terminal: one line rewritten in place at every step, at most ``REFRESH_S`` apart
+    (a bar, step, loss, throughput, bytes per step against an fp32 all-reduce's, time left). Elsewhere (a log file,
+    a pipe): a plain line per logged step."""
 
-    def __init__(self, total: int, *, quiet: bool, stream: TextIO = sys.stdout) -> None:
-        self.total, self.quiet, self.stream = total, quiet, stream
+    REFRESH_S = 0.1
+
+    def __init__(self, total: int, *, quiet: bool, stream: TextIO = sys.stdout, start: int = 0) -> None:
+        self.total, self.quiet, self.stream, self.start = total, quiet, stream, start
         self.tty = stream.isatty()
         self.t0 = time.perf_counter()
+        self._drawn = -math.inf
 
-    def update(self, step: int, loss: float, rate: float, unit: str, mb: float, dense_mb: float) -> None:
-        if self.quiet:
+    def update(self, step: int, loss: float, rate: float, unit: str, mb: float, dense_mb: float, *,
+               logged: bool = True) -> None:  # fmt: skip
+        """Step ``step`` is done (``logged``: a step metrics.jsonl records)."""
+        if self.quiet or not (self.tty or logged):
             return
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(step, 1) * (self.total - step)
+        now = time.perf_counter()
+        if self.tty and not logged and step != self.total and now - self._drawn < self.REFRESH_S:
+            return
+        self._drawn = now
+        # the time left from this process's own steps (a resumed run did the others earlier)
+        eta = (now - self.t0) / max(step - self.start, 1) * (self.total - step)
         if mb <= 0:
             ratio = "  no comm"
         else:
             ratio = f"{dense_mb / mb:6.1f}x less" if mb <= dense_mb else f"{mb / max(dense_mb, 1e-12):6.1f}x more"
-        line = (
-            f"step {step:5d}/{self.total}  loss {loss:.4f}  {rate:8.0f} {unit}/s  sent {mb:7.3f} MB/step "
-            f"(all-reduce {dense_mb:.3f} MB, {ratio})  ETA {eta:5.0f}s"
-        )
-        if self.tty:
-            end = "\n" if step == self.total else ""
-            self.stream.write("\r" + line + end)
+        if not self.tty:
+            self.stream.write(
+                f"step {step:5d}/{self.total}  loss {loss:.4f}  {rate:8.0f} {unit}/s  sent {mb:7.3f} MB/step "
+                f"(all-reduce {dense_mb:.3f} MB, {ratio})  ETA {eta:5.0f}s\n"
+            )
         else:
-            self.stream.write(line + "\n")
+            filled = round(20 * step / self.total)
+            line = (f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} {unit}/s"
+                    f"  {mb:.3f} MB/step ({ratio.strip()})  {_clock(eta)} left")  # fmt: skip
+            width = shutil.get_terminal_size((120, 24)).columns
+            self.stream.write("\r" + line[: width - 1] + "\x1b[K" + ("\n" if step == self.total else ""))
         self.stream.flush()
 
     def message(self, text: str) -> None:
@@ -52,6 +66,13 @@ class Progress:
             self.stream.write("\n")
         self.stream.write(text + "\n")
         self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    """``seconds`` as h:mm:ss (m:ss under an hour)."""
+    s = max(0, round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}:{m:02d}:{s % 60:02d}" if h else f"{m}:{s % 60:02d}"
 
 
 def supersede(out: Path, step: int) -> list[dict[str, Any]]:
