@@ -1,0 +1,85 @@
+"""Hugging Face ``Trainer``: gradient compression as a callback (``pip install 'powertrain[hf]'``).
+
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    compress_gradients(trainer, "powersgd")     # before trainer.train(); run under torchrun
+    trainer.train()                             # later: trainer.train(resume_from_checkpoint=True)
+
+When training begins (the Trainer has wrapped the model in ``DistributedDataParallel``), the callback builds the
+compressor from the model's parameters and registers it on the DDP model (:func:`powertrain.ddp.register_compressor`).
+Whenever the Trainer saves ``OUTPUT_DIR/checkpoint-N``, every worker writes its own compressor state there
+(``powertrain_compressor_rank<r>_of_<w>.bin``, :mod:`powertrain.serialize`'s format: loading runs no code), next
+to the Trainer's per-rank RNG states; a run resumed at step N takes it back from the same folder, and refuses to
+start without it. With ``accelerate`` in a hand-written loop, ``accelerator.prepare`` returns the DDP model:
+:func:`powertrain.ddp.register_compressor` applies as is.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from powertrain import serialize
+from powertrain.compress import Compressor, make_compressor
+from powertrain.ddp import DDPCompressionHook, register_compressor
+
+__all__ = ["GradientCompression", "compress_gradients"]
+
+
+def compress_gradients(trainer: Trainer, name: str = "powersgd", **options: Any) -> GradientCompression:
+    """Replace ``trainer``'s DDP gradient all-reduce with the compressor ``name`` (see
+    :func:`powertrain.compress.make_compressor`); returns the callback (its ``compressor`` exists once training
+    began: ``.comm.stats`` counts what it sent)."""
+    callback = GradientCompression(trainer, name, **options)
+    trainer.add_callback(callback)
+    return callback
+
+
+class GradientCompression(TrainerCallback):
+    """See the module; added by :func:`compress_gradients`."""
+
+    def __init__(self, trainer: Trainer, name: str = "powersgd", **options: Any) -> None:
+        self.trainer, self.name, self.options = trainer, name, options
+        self.compressor: Compressor | None = None
+        self.hook: DDPCompressionHook | None = None
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:  # fmt: skip
+        ddp = self.trainer.model_wrapped
+        if not isinstance(ddp, DistributedDataParallel):
+            raise ValueError(
+                f"compress_gradients needs the Trainer's model in DistributedDataParallel, got {type(ddp).__name__}: "
+                "launch with torchrun --nproc-per-node N (compression replaces DDP's all-reduce)"
+            )
+        if self.hook is not None:
+            raise ValueError("compress_gradients: this Trainer trained already; build a new Trainer for a new run")
+        self.compressor = make_compressor(self.name, ddp.module.named_parameters(), group=ddp.process_group,
+                                          **self.options)  # fmt: skip
+        self.hook = register_compressor(ddp, self.compressor)
+        if state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
+            path = self._path(args, state)
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"Training resumed at step {state.global_step} but {path} is missing: resume from a checkpoint "
+                    "in this output_dir that was saved with compress_gradients (each worker's error feedback)"
+                )
+            self.compressor.load_state_dict(serialize.loads(path.read_bytes()))
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.compressor is None:
+            return
+        path = self._path(args, state)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(serialize.dumps(self.compressor.state_dict()))
+        tmp.replace(path)  # whole or not at all
+
+    def _path(self, args: TrainingArguments, state: TrainerState) -> Path:
+        group = self.compressor.comm.group if self.compressor is not None else None
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        name = f"powertrain_compressor_rank{rank}_of_{world}.bin"
+        return Path(str(args.output_dir)) / f"checkpoint-{state.global_step}" / name
