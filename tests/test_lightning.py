@@ -32,3 +32,6 @@ def test_lightning_fit_compresses_and_resumes_bitwise(tmp_path):
         # quality, not parity: the last epoch's mean loss, measured 0.2246 compressed against 0.2191 plain (+2.5%)
         last = [sum(res[k][-16:]) / 16 for k in ("full", "plain")]
         assert abs(last[0] - last[1]) < 0.1 * last[1], last
+        # every worker's state on rank 0 (the one that writes the checkpoint); another world size refused
+        assert res["saved_world"] == 2 and res["saved_ranks"] == (2 if rank == 0 else 0)
+        assert "written by 3 workers and this fit has 2: resume with 3" in res["refusal"], res["refusal"]
