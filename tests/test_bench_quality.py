@@ -3,6 +3,7 @@ its kept results: a second call runs only what is missing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -83,6 +84,12 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     assert launched == []
     by_key = {r["key"]: r for r in again["horizons"][0]["rows"]}
     assert all(by_key[r["key"]] == r for r in report["horizons"][0]["rows"])
+    # a horizon limited to some rows (rows_at: the long one) runs and reports only those, fp32 first; the kept
+    # results stay valid (rows_at is not part of a result's identity)
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(p, rows_at={8: ("alt-r4",)}))
+    only = run_quality_bench(preset="tiny", rows=["fp32-frozen", "alt-r4", "torch-r4"], out=str(out), write=None)
+    assert launched == [] and [r["key"] for r in only["horizons"][0]["rows"]] == ["fp32", "alt-r4"]
+    monkeypatch.setitem(PRESETS, "tiny", p)
     path = out / "tiny" / "h8" / "s1" / "alt-r4.json"
     changed = json.loads(path.read_text())
     changed["identity"]["row"]["options"]["rank"] = 2

@@ -111,6 +111,8 @@ class Preset:
     eval_every: int
     data_mb: float
     start: int  # exact warm-up steps of the PowerSGD rows (powertrain train's default: DEFAULT_START)
+    #: horizon -> the only rows (keys) run at it besides fp32 (the long horizon costs hours); others: every row
+    rows_at: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if any(h % self.eval_every for h in self.horizons):
@@ -118,7 +120,9 @@ class Preset:
 
 
 PRESETS = {
-    "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START),
+    "default": Preset(
+        GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
+    ),
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
@@ -199,7 +203,7 @@ def _identity(row: Row, p: Preset) -> dict[str, Any]:
     """What decides a row's run: its kind and options, and the preset's model and data (not labels, horizons or
     seed counts)."""
     run = {k: v for k, v in dataclasses.asdict(row).items() if k != "label"}
-    preset = {k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds")}
+    preset = {k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds", "rows_at")}
     if p.model is None:  # since format 2, a classifier is evaluated on the whole validation split, with accuracy
         preset["eval"] = "val split, loss and accuracy"
     return json.loads(json.dumps({"format": KEPT_FORMAT, "row": run, "preset": preset}))
@@ -280,6 +284,8 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         kept.put_timing(chosen, step_s)
     report["step_s"] = step_s
     for steps in horizons:
+        only = p.rows_at.get(steps)
+        here = [r for r in chosen if only is None or r is FP32 or r.key in only]
         for seed in range(n_seeds):
             if kept.get(steps, seed, FP32, None) is None:
                 res = _launch(p, [FP32], steps, seed, None)
@@ -287,14 +293,14 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
         target = TARGET * statistics.mean(fp32)
         for seed in range(n_seeds):
-            todo = [r for r in chosen[1:] if kept.get(steps, seed, r, target) is None]
+            todo = [r for r in here[1:] if kept.get(steps, seed, r, target) is None]
             if todo:
                 res = _launch(p, todo, steps, seed, target)
                 for i, r in enumerate(todo):
                     kept.put(steps, seed, r, _measured(r, i, res, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
-        runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in chosen}
-        report["horizons"].append(_summarise(chosen, runs, steps, target, step_s))
+        runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in here}
+        report["horizons"].append(_summarise(here, runs, steps, target, step_s))
     (kept.root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds), write, "quality" if preset == "default" else f"quality-{preset}")
     return report
