@@ -53,3 +53,14 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: s
         out, err = proc.communicate()
         pytest.fail(f"still running after {timeout:g} s: {' '.join(cmd)}\n--- stderr (stacks)\n{err[-20000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` as a user runs it on one machine (c10d rendezvous on a free
+    loopback port), one torch thread per worker, the tests' directory importable; a hang fails as in
+    :func:`run_cli`."""
+    tests = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
+    return run_cli("--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                   str(script), *args, timeout=timeout, module="torch.distributed.run",
+                   env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path})  # fmt: skip

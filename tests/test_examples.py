@@ -7,23 +7,19 @@ per-rank checkpoint; the batches depend only on (seed, rank, step))."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_utils import torchrun
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "nanogpt_ddp.py"
 STEPS, HALF = 20, 10
 
 
 def _torchrun(out: Path, *args: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", str(EXAMPLE), "--out", str(out), "--log-every", "1",
-           "--checkpoint-every", str(HALF), "--decay-steps", str(STEPS), *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    r = torchrun(EXAMPLE, "--out", str(out), "--log-every", "1", "--checkpoint-every", str(HALF), "--decay-steps",
+                 str(STEPS), *args)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_utils import torchrun
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
@@ -22,11 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.timeout(300)
 def test_hf_trainer_compresses_and_resumes(tmp_path):
-    script = Path(__file__).with_name("hf_train.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", str(script), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    r = torchrun(Path(__file__).with_name("hf_train.py"), str(tmp_path), timeout=280)
     assert r.returncode == 0, r.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     assert len(res["full"]) == 20 and len(res["resumed"]) == 20

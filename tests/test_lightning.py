@@ -6,23 +6,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_utils import torchrun
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning is not installed")
 
 
 @pytest.mark.timeout(300)
 def test_lightning_fit_compresses_and_resumes_bitwise(tmp_path):
-    script = Path(__file__).with_name("lightning_fit.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", str(script), str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+    r = torchrun(Path(__file__).with_name("lightning_fit.py"), str(tmp_path), timeout=280)
     assert r.returncode == 0, r.stderr[-4000:]
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())

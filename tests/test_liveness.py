@@ -17,15 +17,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def store(monkeypatch):
+def _store(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store on a free loopback port, named by MASTER_ADDR / MASTER_PORT as a launcher does."""
     port = _free_port()
     master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
                            wait_for_workers=False)  # fmt: skip
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    return master
+    return master, port
+
+
+@pytest.fixture
+def store(monkeypatch):
+    return _store(monkeypatch)[0]
 
 
 @pytest.mark.timeout(60)
@@ -46,11 +51,7 @@ def test_the_ranks_that_stop_beating_are_named_by_node_and_address(store, monkey
 
 @pytest.mark.timeout(60)
 def test_a_rank_that_never_beat_is_named_and_a_lost_store_names_node_0(monkeypatch):
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
-                          wait_for_workers=False)  # fmt: skip
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
+    store, port = _store(monkeypatch)
     monkeypatch.setenv("GROUP_RANK", "1")
     beat = Heartbeat(0, 2, timeout_s=1, period_s=0.05)
     assert beat.diagnose() == "no heartbeat for 0.125 s from node ? (never started its heartbeat): rank 1"
