@@ -38,14 +38,14 @@ def test_the_ranks_that_stop_beating_are_named_by_node_and_address(store, monkey
     beats = []
     for rank, node in ((0, "0"), (1, "0"), (2, "1"), (3, "1")):
         monkeypatch.setenv("GROUP_RANK", node)
-        beats.append(Heartbeat(rank, 4, timeout_s=5, period_s=0.05))
+        beats.append(Heartbeat(rank, 4, timeout_s=5, period_s=0.2))
     assert beats[0].diagnose() == ""  # everyone beats
     beats[2].stop()
     beats[3].stop()
-    assert beats[0].diagnose() == "no heartbeat for 0.125 s from node 1 (127.0.0.1): ranks 2, 3"
+    assert beats[0].diagnose() == "no heartbeat for 0.5 s from node 1 (127.0.0.1): ranks 2, 3"
     beats[1].stop()
     lost = beats[0].diagnose()
-    assert lost == "no heartbeat for 0.125 s from node 0 (127.0.0.1): rank 1; node 1 (127.0.0.1): ranks 2, 3"
+    assert lost == "no heartbeat for 0.5 s from node 0 (127.0.0.1): rank 1; node 1 (127.0.0.1): ranks 2, 3"
     beats[0].stop()
 
 
@@ -53,10 +53,11 @@ def test_the_ranks_that_stop_beating_are_named_by_node_and_address(store, monkey
 def test_a_rank_that_never_beat_is_named_and_a_lost_store_names_node_0(monkeypatch):
     store, port = _store(monkeypatch)
     monkeypatch.setenv("GROUP_RANK", "1")
-    beat = Heartbeat(0, 2, timeout_s=1, period_s=0.05)
-    assert beat.diagnose() == "no heartbeat for 0.125 s from node ? (never started its heartbeat): rank 1"
+    beat = Heartbeat(0, 2, timeout_s=1, period_s=0.2)
+    assert beat.diagnose() == "no heartbeat for 0.5 s from node ? (never started its heartbeat): rank 1"
     del store  # the store (on node 0) is gone
     lost = beat.diagnose()
-    assert lost.startswith(f"the rendezvous store at 127.0.0.1:{port} (on node 0) did not answer"), lost
-    assert lost.endswith("node 0 is lost or out of reach from this node"), lost
+    # its host answers (connection refused): the process that held the store is gone, not the node
+    assert lost == (f"the rendezvous store at 127.0.0.1:{port} refused the connection: the process that hosted it "
+                    "(rank 0's, or torchrun's) exited"), lost  # fmt: skip
     beat.stop()

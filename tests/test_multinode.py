@@ -94,8 +94,10 @@ def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
         stopped_after = time.monotonic() - lost
     assert procs[0].returncode != 0
     if how == "killed":
-        assert "Connection reset by peer" in err and cluster.addresses[1] in err, err[-3000:]
-        assert stopped_after < 20, stopped_after
+        # gloo names the peer (reset or closed, as the kernel tore the connection down), the heartbeat its node
+        assert "by peer" in err and cluster.addresses[1] in err, err[-3000:]
+        assert f"from node 1 ({cluster.addresses[1]}): ranks 2, 3" in err, err[-3000:]
+        assert stopped_after < 20 + 2.5, stopped_after
     else:
         assert "Timed out waiting 5000ms" in err, err[-3000:]
         # the heartbeat names the node that went silent (gloo's timeout names nobody)

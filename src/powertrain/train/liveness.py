@@ -6,7 +6,9 @@ waited ``--timeout-s`` for someone. Each worker therefore counts up a key of its
 a second (``MASTER_ADDR:MASTER_PORT``: torchrun's store, or the one rank 0 hosts, on node 0), next to what node it
 runs on and its address. When a run fails, :meth:`Heartbeat.diagnose` reads every counter twice, a few periods
 apart, and names the ranks (grouped by node) whose counter stood still. A worker that cannot reach the store at
-all names node 0, which holds it.
+all says whether the store's process exited (connection refused) or node 0, which holds it, is out of reach.
+
+gloo only: NCCL's watchdog ends a process whose collective timed out before Python sees an error.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class Heartbeat:
         # torchrun's store outlives a restart on one node: the attempt separates the counts (see _restart_store)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") if torchrun_shared_store() == "one node" else "0"
         self._prefix = f"powertrain/heartbeat/{attempt}"
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._beat, self._ask = (self._client(timeout) for _ in range(2))  # the beat never waits behind a diagnosis
+        # the beat never waits behind a diagnosis; a diagnosis that cannot reach the store says so within seconds
+        self._beat = self._client(datetime.timedelta(seconds=timeout_s))
+        self._ask = self._client(datetime.timedelta(seconds=min(timeout_s, max(5.0, 5 * period_s))))
         node = os.environ.get("GROUP_RANK", "0")
         self._ask.set(f"who/{rank}", f"{node} {_local_address(self.host, self.port)}")
         self._beat.add(f"beat/{rank}", 1)
@@ -56,6 +59,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=self.period_s)  # no beat lands after this (unless the store hangs it)
 
     def diagnose(self) -> str:
         """One line naming the ranks that stopped beating, by node and address; empty when every peer beats."""
@@ -67,9 +71,14 @@ class Heartbeat:
             silent = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
             where = {r: (self._ask.get(f"who/{r}").decode().split(" ", 1) if self._ask.check([f"who/{r}"])
                          else ("?", "never started its heartbeat")) for r in silent}  # fmt: skip
-        except Exception as e:  # any failure of the store means the same here
-            return (f"the rendezvous store at {self.host}:{self.port} (on node 0) did not answer "
-                    f"({type(e).__name__}): node 0 is lost or out of reach from this node")  # fmt: skip
+        except Exception as e:  # the store failed us
+            store = f"the rendezvous store at {self.host}:{self.port}"
+            text = str(e).lower()
+            if any(w in text for w in ("refused", "reset", "closed")):  # its host answered: the store's process is gone
+                return f"{store} refused the connection: the process that hosted it (rank 0's, or torchrun's) exited"
+            if os.environ.get("GROUP_RANK", "0") == "0":
+                return f"{store} did not answer ({type(e).__name__})"
+            return f"{store} did not answer ({type(e).__name__}): node 0, which hosts it, is lost or out of reach"
         if not silent:
             return ""
         nodes: dict[tuple[str, str], list[int]] = {}

@@ -93,7 +93,7 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     except RuntimeError as e:  # a failed collective: name the peers that are gone, if any are
         lost = heartbeat.diagnose() if heartbeat is not None else ""
         if lost:
-            raise RuntimeError(f"{lost} (what failed here: {str(e).splitlines()[0]})") from e
+            e.add_note(f"powertrain: {lost}")  # the error keeps its type and message; tracebacks show the note
         raise
     finally:
         if heartbeat is not None:
