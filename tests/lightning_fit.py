@@ -44,7 +44,7 @@ def data() -> DataLoader:
     return DataLoader(TensorDataset(x, torch.tanh(x @ teacher)), batch_size=16)
 
 
-def fit(out: Path, epochs: int, compress: bool, ckpt: str | None = None) -> tuple[list[float], int, Any]:
+def fit(out: Path, epochs: int, compress: bool, ckpt: str | None = None) -> tuple[list[float], int, Any, Any]:
     L.seed_everything(0, verbose=False)
     model = Net()
     compression = GradientCompression("powersgd", rank=4, start_compressing_after_num_steps=4)
@@ -53,13 +53,16 @@ def fit(out: Path, epochs: int, compress: bool, ckpt: str | None = None) -> tupl
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)  # fmt: skip
     trainer.fit(model, data(), ckpt_path=ckpt)
     sent = compression.compressor.comm.stats.bytes_sent if compress and compression.compressor else 0
-    return model.losses, sent, compression
+    return model.losses, sent, compression, (trainer, model)
 
 
-full, full_sent, callback = fit(OUT / "full", 4, True)
-first, _, _ = fit(OUT / "resumed", 2, True)
-rest, _, _ = fit(OUT / "resumed", 4, True, ckpt=str(OUT / "resumed" / "last.ckpt"))
-plain, _, _ = fit(OUT / "plain", 4, False)
+full, full_sent, callback, (trainer, model) = fit(OUT / "full", 4, True)
+hook = callback.hook
+trainer.fit(model, data(), ckpt_path=str(OUT / "full" / "last.ckpt"))  # a second fit of the same Trainer (a no-op)
+refit = callback.hook is not hook and callback.compressor.comm.stats.bytes_sent == full_sent
+first, _, _, _ = fit(OUT / "resumed", 2, True)
+rest, _, _, _ = fit(OUT / "resumed", 4, True, ckpt=str(OUT / "resumed" / "last.ckpt"))
+plain, _, _, _ = fit(OUT / "plain", 4, False)
 state = callback.state_dict()  # a collective: every rank
 try:  # a checkpoint of another world size
     callback.load_state_dict({"world_size": 3, "ranks": [torch.zeros(1, dtype=torch.uint8)] * 3})
@@ -69,5 +72,6 @@ except ValueError as e:
 n_params = sum(p.numel() for p in Net().parameters())
 rank = torch.distributed.get_rank()
 result = {"full": full, "resumed": first + rest, "plain": plain, "sent": full_sent, "dense": 4 * n_params * len(full),
-          "saved_world": state["world_size"], "saved_ranks": len(state["ranks"]), "refusal": refusal}  # fmt: skip
+          "saved_world": state["world_size"], "saved_ranks": len(state["ranks"]), "refusal": refusal,
+          "refit": refit}  # fmt: skip
 (OUT / f"rank{rank}.json").write_text(json.dumps(result))

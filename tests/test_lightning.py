@@ -30,3 +30,4 @@ def test_lightning_fit_compresses_and_resumes_bitwise(tmp_path):
         # every worker's state on rank 0 (the one that writes the checkpoint); another world size refused
         assert res["saved_world"] == 2 and res["saved_ranks"] == (2 if rank == 0 else 0)
         assert "written by 3 workers and this fit has 2: resume with 3" in res["refusal"], res["refusal"]
+        assert res["refit"]  # a second fit of the Trainer registers the same compressor on its new DDP wrapper

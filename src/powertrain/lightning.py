@@ -7,9 +7,16 @@
 When the fit starts (Lightning has wrapped the module in ``DistributedDataParallel``), the callback builds the
 compressor from the module's parameters and registers it on the DDP model (:func:`powertrain.ddp.register_compressor`:
 overlapped with backward, any compressor). Its state travels in Lightning's checkpoint: every worker's own state
-(error-feedback buffers differ per worker), gathered to rank 0, which writes the checkpoint, as byte tensors in
-:mod:`powertrain.serialize`'s format (loading runs no code); on resume each worker takes back its own. A resume
-with another number of workers is refused with a one-line error.
+(error-feedback buffers differ per worker), gathered to rank 0 (on the CPU), which writes the checkpoint, as byte
+tensors in :mod:`powertrain.serialize`'s format (loading runs no code); on resume each worker takes back its own.
+A resume with another number of workers is refused with a one-line error; a resume from a checkpoint without the
+callback's state warns that error feedback starts empty. A later fit of the same Trainer (Lightning's Tuner runs
+fits too) registers the same compressor, state kept, on the new DDP wrapper.
+
+Saving is a collective (every rank hands over its state): save checkpoints from every rank, as Lightning's
+``ModelCheckpoint`` and ``trainer.save_checkpoint`` do; a checkpoint written by one rank alone
+(``OnExceptionCheckpoint`` on the failing rank) would wait for the others. The checkpoint holds world size x the
+compressor state (for PowerSGD about one fp32 copy of the trainable parameters per worker).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from powertrain import serialize
@@ -38,10 +46,13 @@ class GradientCompression(Callback):
         self.compressor: Compressor | None = None  # built when the fit starts; .comm.stats counts what it sent
         self.hook: DDPCompressionHook | None = None
         self._pending: dict[str, Any] | None = None  # a checkpoint's state, loaded before the compressor exists
+        self._ddp: DistributedDataParallel | None = None
+        self._cpu_group: dist.ProcessGroup | None = None  # the state's gather, on the CPU whatever the backend
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(name=self.name, options=sorted(self.options.items()))
+        # the name only: options may change between a run and its resume, the state itself says whether it fits
+        return self._generate_state_key(name=self.name)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         ddp = trainer.strategy.model
@@ -50,21 +61,30 @@ class GradientCompression(Callback):
                 f"GradientCompression needs Trainer(strategy='ddp'), got {type(trainer.strategy).__name__} wrapping "
                 f"{type(ddp).__name__}: compression replaces DDP's all-reduce"
             )
-        if self.hook is not None:
-            raise ValueError("GradientCompression is already registered on a fit: use a new callback per Trainer")
-        self.compressor = make_compressor(self.name, pl_module.named_parameters(), group=ddp.process_group,
-                                          **self.options)  # fmt: skip
-        self.hook = register_compressor(ddp, self.compressor)
+        if ddp is self._ddp:
+            return  # registered on this wrapper already
+        if self.compressor is None:
+            self.compressor = make_compressor(self.name, pl_module.named_parameters(), group=ddp.process_group,
+                                              **self.options)  # fmt: skip
+            group = self.compressor.comm.group
+            on_cpu = dist.get_backend(group) == "gloo"
+            self._cpu_group = group if on_cpu else dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+        self.hook = register_compressor(ddp, self.compressor)  # a later fit: a new wrapper, the same state
+        self._ddp = ddp
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
+        elif trainer.ckpt_path is not None:
+            rank_zero_warn(f"GradientCompression: the checkpoint {trainer.ckpt_path} has no compressor state (saved "
+                           "without this callback, or with another compressor name): error feedback starts "
+                           "empty")  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """Every worker's compressor state, on rank 0 (a collective: Lightning calls this on every rank)."""
         if self.compressor is None:
             return {}
         blob = torch.frombuffer(bytearray(serialize.dumps(self.compressor.state_dict())), dtype=torch.uint8)
-        return {"world_size": dist.get_world_size(self.compressor.comm.group), "ranks": _gather(blob, self.compressor)}
+        return {"world_size": dist.get_world_size(self._cpu_group), "ranks": _gather(blob, self._cpu_group)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -87,21 +107,20 @@ class GradientCompression(Callback):
         self.compressor.load_state_dict(serialize.loads(blob.numpy().tobytes()))
 
 
-def _gather(blob: torch.Tensor, compressor: Compressor) -> list[torch.Tensor]:
-    """Every rank's ``blob`` on the group's first rank (others get an empty list): sizes first, then padded bytes."""
-    group = compressor.comm.group
+def _gather(blob: torch.Tensor, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's ``blob`` on the group's first rank (others get an empty list), on the CPU (``group``: gloo):
+    sizes first, then padded bytes."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     dst = dist.get_global_rank(group, 0) if group is not None else 0
-    device = compressor.params[0].device
-    size = torch.tensor([blob.numel()], dtype=torch.int64, device=device)
+    size = torch.tensor([blob.numel()], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(world)] if rank == 0 else None
     dist.gather(size, sizes, dst=dst, group=group)
-    longest = torch.tensor([max(int(s) for s in sizes) if sizes else 0], device=device)
+    longest = torch.tensor([max(int(s) for s in sizes) if sizes else 0])
     dist.broadcast(longest, src=dst, group=group)
-    padded = torch.zeros(int(longest), dtype=torch.uint8, device=device)
-    padded[: blob.numel()] = blob.to(device)
+    padded = torch.zeros(int(longest), dtype=torch.uint8)
+    padded[: blob.numel()] = blob
     out = [torch.empty_like(padded) for _ in range(world)] if rank == 0 else None
     dist.gather(padded, out, dst=dst, group=group)
     if out is None or sizes is None:
         return []
-    return [o[: int(s)].cpu() for o, s in zip(out, sizes, strict=True)]
+    return [o[: int(s)] for o, s in zip(out, sizes, strict=True)]
