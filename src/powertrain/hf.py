@@ -6,11 +6,12 @@
 
 When training begins (the Trainer has wrapped the model in ``DistributedDataParallel``), the callback builds the
 compressor from the model's parameters and registers it on the DDP model (:func:`powertrain.ddp.register_compressor`).
-Whenever the Trainer saves ``OUTPUT_DIR/checkpoint-N``, every worker writes its own compressor state there
-(``powertrain_compressor_rank<r>_of_<w>.bin``, :mod:`powertrain.serialize`'s format: loading runs no code), next
-to the Trainer's per-rank RNG states; a run resumed at step N takes it back from the same folder, and refuses to
-start without it. With ``accelerate`` in a hand-written loop, ``accelerator.prepare`` returns the DDP model:
-:func:`powertrain.ddp.register_compressor` applies as is.
+Whenever the Trainer is about to save ``OUTPUT_DIR/checkpoint-N``, every worker writes its own compressor state
+there first (``powertrain_compressor_rank<r>_of_<w>.bin``, :mod:`powertrain.serialize`'s format: loading runs no
+code), next to the Trainer's per-rank RNG states; a run resumed at step N takes it back from ``OUTPUT_DIR``'s
+``checkpoint-N``, and refuses to start without it (resume from a checkpoint in the run's own ``output_dir``; not
+under ``hyperparameter_search``, whose trials save elsewhere). With ``accelerate`` in a hand-written loop,
+``accelerator.prepare`` returns the DDP model: :func:`powertrain.ddp.register_compressor` applies as is.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class GradientCompression(TrainerCallback):
         self.trainer, self.name, self.options = trainer, name, options
         self.compressor: Compressor | None = None
         self.hook: DDPCompressionHook | None = None
+        self._ddp: DistributedDataParallel | None = None
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:  # fmt: skip
@@ -55,12 +57,16 @@ class GradientCompression(TrainerCallback):
                 f"compress_gradients needs the Trainer's model in DistributedDataParallel, got {type(ddp).__name__}: "
                 "launch with torchrun --nproc-per-node N (compression replaces DDP's all-reduce)"
             )
-        if self.hook is not None:
-            raise ValueError("compress_gradients: this Trainer trained already; build a new Trainer for a new run")
-        self.compressor = make_compressor(self.name, ddp.module.named_parameters(), group=ddp.process_group,
-                                          **self.options)  # fmt: skip
+        if ddp is self._ddp:
+            return  # registered on this wrapper already
+        fresh = self.compressor is None
+        if self.compressor is None:
+            self.compressor = make_compressor(self.name, ddp.module.named_parameters(), group=ddp.process_group,
+                                              **self.options)  # fmt: skip
+        # a later train() (or auto_find_batch_size's retry) wraps the model again: the same compressor, state kept
         self.hook = register_compressor(ddp, self.compressor)
-        if state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
+        self._ddp = ddp
+        if fresh and state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
             path = self._path(args, state)
             if not path.is_file():
                 raise FileNotFoundError(
@@ -69,7 +75,17 @@ class GradientCompression(TrainerCallback):
                 )
             self.compressor.load_state_dict(serialize.loads(path.read_bytes()))
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    # Written when the Trainer decides to save, before it writes its own files and rotates old checkpoints: a crash
+    # in between leaves a folder without trainer_state.json, which a resume does not pick.
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if control.should_save:
+            self._save(args, state)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        if control.should_save:
+            self._save(args, state)
+
+    def _save(self, args: TrainingArguments, state: TrainerState) -> None:
         if self.compressor is None:
             return
         path = self._path(args, state)
