@@ -53,7 +53,7 @@ class GPT(nn.Module):
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         logits = self.head(self.ln(self.blocks(x)))
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -93,7 +93,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     data, model = corpus(), GPT()
     ddp = DDP(model)
@@ -118,6 +118,11 @@ def main() -> None:
         if compressor is not None:
             compressor.load_state_dict(state["compressor"])  # powertrain
         start = state["step"]
+        steps = torch.tensor([start, -start])
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # every rank must continue from the same step
+        if steps[0] != -steps[1]:
+            raise RuntimeError(f"The ranks' checkpoints in {args.out} are from steps {-steps[1]}..{steps[0]}: a save "
+                               "was interrupted; restore a consistent set")  # fmt: skip
 
     for step in range(start, args.steps):
         x, y = batch(data, args.seed, rank, step, args.batch_size, model.pos.num_embeddings)

@@ -4,6 +4,8 @@ moving average over it and the validation points; the progress display on a term
 from __future__ import annotations
 
 import io
+import os
+import shutil
 import time
 
 import pytest
@@ -53,6 +55,7 @@ class _Terminal(io.StringIO):
 def test_progress_on_a_terminal_redraws_one_line_every_step_with_a_bar_rate_and_time_left(monkeypatch):
     clock = iter(float(t) for t in range(1000))  # one second per call: every step is due for a redraw
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(120, 24): os.terminal_size((160, 24)))
     out = _Terminal()
     progress = Progress(10, quiet=False, stream=out, start=4)  # resumed after step 4
     for step in range(5, 11):
@@ -78,3 +81,10 @@ def test_progress_throttles_on_a_terminal_and_writes_logged_steps_only_elsewhere
 
 def test_clock():
     assert [_clock(s) for s in (0, 59.4, 61, 3600, 3725)] == ["0:00", "0:59", "1:01", "1:00:00", "1:02:05"]
+
+
+def test_a_narrow_terminal_gets_the_line_cut_not_wrapped(monkeypatch):
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda fallback=(120, 24): os.terminal_size((40, 24)))
+    out = _Terminal()
+    Progress(10, quiet=False, stream=out).update(1, 2.0, 1.0, "tok", 1.0, 1.0)
+    assert out.getvalue() == "\r" + "[##" + "." * 18 + "] 1/10  loss 2.000" + "\x1b[K"

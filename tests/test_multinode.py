@@ -126,10 +126,10 @@ def test_torchrun_restarts_both_nodes_after_a_worker_dies_and_the_run_continues_
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no first checkpoint"
             time.sleep(0.05)
         victim = int((out / "pids" / "rank3").read_text())  # a worker of node 1
-        os.kill(victim, signal.SIGKILL)
         killed_at = len(metrics.read_text().splitlines())
+        assert killed_at < steps, f"the run ended before the kill (step {killed_at}): raise steps"
+        os.kill(victim, signal.SIGKILL)
         outputs = [p.communicate(timeout=180) for p in procs]
-    assert killed_at < steps, f"the run ended before the kill (step {killed_at}): raise steps"
     for n, (p, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"node {n}: {err[-3000:]}"
     assert "continuing from the latest" in outputs[0][0], outputs[0][0][-2000:]
