@@ -377,6 +377,9 @@ def test_the_mnist1d_workload_is_bench_quality_s_only(capsys):
         main(["bench", "overhead", "--preset", "mnist1d"])
     assert exc.value.code == 2
     assert "--preset mnist1d is a workload of bench quality only, not of overhead" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "parallel", "--preset", "wide"])
+    assert "--preset wide is a workload of bench quality only, not of parallel" in capsys.readouterr().err
 
 
 def _returns(marker: str) -> int:

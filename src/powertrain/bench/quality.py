@@ -126,6 +126,8 @@ PRESETS = {
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
+    # a second text shape (issue 18): wider and shallower than the default, about as many parameters and FLOPs
+    "wide": Preset(GPTConfig(256, 128, 2, 6, 384), 16, (300,), 3, 25, 32.0, DEFAULT_START),
 }
 
 
@@ -408,7 +410,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
             f"convolutions viewed as matrices) on mnist1d, 2 workers, {p.batch} samples per worker per step"
         )
     else:
-        title = "Quality: validation loss, bytes and time to a target loss"
+        title = ("Quality on a second text shape: a wider, shallower GPT" if report["preset"] == "wide"
+                 else "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
         what = (
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
             f"parameters), 2 workers, {p.batch}x{p.model.block_size} tokens per worker per step"

@@ -79,6 +79,9 @@ _DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} (n
                  "out": "runs/<timestamp>"}  # fmt: skip
 
 
+QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
+
+
 def _help(f: dataclasses.Field[Any]) -> str:
     """The flag's help with the default the command uses when neither the flag nor a config file sets it (the
     default preset's value)."""
@@ -129,8 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="directory for results.json and table.md (network); quality: kept "
         "results, reused by later calls (default runs/bench-quality)",
     )
-    bench.add_argument("--preset", choices=["default", "tiny", "mnist1d"], default="default",
-                       help="tiny: seconds; mnist1d (quality only): the 1-D ResNet on mnist1d")  # fmt: skip
+    bench.add_argument("--preset", choices=["default", "tiny", *QUALITY_ONLY], default="default",
+                       help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
+                       "shallower GPT: 2 layers x d_model 384)")  # fmt: skip
     bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
@@ -319,9 +323,9 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    if args.preset == "mnist1d" and args.suite != "quality":
-        raise ValueError(f"--preset mnist1d is a workload of bench quality only, not of {args.suite}: use default "
-                         "or tiny")  # fmt: skip
+    if args.preset in QUALITY_ONLY and args.suite != "quality":
+        raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
+                         "default or tiny")  # fmt: skip
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
 
