@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import datetime
-import socket
-
 import pytest
 import torch.distributed as dist
 
+from powertrain.train.launch import _loopback_store
 from powertrain.train.liveness import Heartbeat
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _store(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.TCPStore, int]:
-    """A rendezvous store on a free loopback port, named by MASTER_ADDR / MASTER_PORT as a launcher does."""
-    port = _free_port()
-    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5),
-                           wait_for_workers=False)  # fmt: skip
+    """A rendezvous store on a free loopback port (the launcher's own, no port race), named by MASTER_ADDR /
+    MASTER_PORT as a launcher does."""
+    master, port = _loopback_store(5.0)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
