@@ -28,7 +28,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dist_utils import case, guard, run_ranks, value_errors, within
@@ -142,6 +147,64 @@ def _checkpoint(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             "full_numel": sum(p.numel() for p in plain.parameters())}  # fmt: skip
 
 
+class _ConvNet(nn.Module):
+    """Convolutions RTP rotates along their output channels: 2-D with bias, stride and padding; 1-D without bias,
+    dilated, padding="same"; and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.c2 = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.c1 = nn.Conv1d(8, 4, 3, padding="same", dilation=2, bias=False)
+        self.head = nn.Linear(4 * 9, 4)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.c2(x)).flatten(2)  # (n, 8, 3 * 3)
+        return self.head(torch.tanh(self.c1(h)).flatten(1))
+
+
+def _conv_batch(rank: int) -> torch.Tensor:
+    return torch.randn(3, 3, 6, 6, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+
+
+def _conv_vs_single_process(rank: int, world: int) -> dict[str, Any]:
+    """As :func:`_grads_vs_single_process`, for convolutions; the ring sends every shard (weight and bias) W - 1
+    hops in forward, the weight shard again in backward where the input needs a gradient (not the first layer's:
+    the batch needs none) and every gradient buffer."""
+    ref = _ConvNet()
+    model = rotated_tensor_parallel(copy.deepcopy(ref))
+    out = model(_conv_batch(rank))
+    out.square().sum().backward()
+    (sum(ref(_conv_batch(r)).square().sum() for r in range(world)) / world).backward()
+    res: dict[str, Any] = {"logits": (out.detach(), ref(_conv_batch(rank)).detach()), "grads": {}}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        res["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
+    shards = [(m.weight.numel() // world, 0 if m.bias is None else m.bias.numel() // world) for m in ref.modules()
+              if type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)]  # fmt: skip
+    res["sent"] = comm_stats(model).by_op.get("send", 0)
+    res["expected_sent"] = 8 * (world - 1) * sum((w + b) + (w if i else 0) + (w + b) for i, (w, b) in enumerate(shards))
+    return res
+
+
+def _built_on_meta(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """A model built on the meta device (no full weight anywhere), made RTP, allocated with to_empty and filled
+    from the checkpoint :func:`_checkpoint` wrote: the same parameters and the same step as the model saved."""
+    with torch.device("meta"):
+        model = parity_gpt()
+    rotated_tensor_parallel(model)
+    on_meta = all(p.to_local().is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    state = {"model": get_model_state_dict(model)}
+    checkpoint.load(state, ckpt, optional=lambda key: key.startswith("optim"))
+    set_model_state_dict(model, state["model"])
+    loss = model(*token_batch(rank, 2))
+    loss.backward()
+    return {"on_meta": on_meta, "params": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
+            "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+            "grads_finite": all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters())}  # fmt: skip
+
+
 def _overlap_changes_nothing(rank: int, world: int) -> dict[str, Any]:
     """overlap=False only moves the waits: the same operations on the same bits."""
     out = {}
@@ -163,6 +226,9 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "tied": tied,
         "twice": lambda: rotated_tensor_parallel(rotated_tensor_parallel(parity_gpt())),
         "max_norm": lambda: rotated_tensor_parallel(nn.Embedding(8, 4, max_norm=1.0)),
+        "grouped": lambda: rotated_tensor_parallel(nn.Conv2d(4, 4, 3, groups=2)),
+        "same_even": lambda: rotated_tensor_parallel(nn.Conv1d(4, 4, 2, padding="same")),
+        "half_meta": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))),
         "overlap": lambda: rotated_tensor_parallel(parity_gpt(), overlap=1),  # type: ignore[arg-type]
     })  # fmt: skip
     out["is_rtp"] = str((is_rtp(rotated_tensor_parallel(parity_gpt())), is_rtp(parity_gpt())))
@@ -173,6 +239,8 @@ def rtp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     res: dict[str, Any] = {"grads": guard(_grads_vs_single_process, rank, world)}
     res["trajectory"] = guard(_trajectory, rank, world)
     res["checkpoint"] = guard(_checkpoint, rank, world, ckpt)
+    res["meta"] = guard(_built_on_meta, rank, world, ckpt)
+    res["conv"] = guard(_conv_vs_single_process, rank, world)
     res["refusals"] = guard(_refusals, rank, world)
     res["overlap"] = guard(_overlap_changes_nothing, rank, world)
     if world == 4:  # two RTP groups of 2 ranks side by side: each must talk within its own group only
@@ -237,6 +305,22 @@ def test_checkpoint_resumes_bitwise_and_loads_into_a_plain_model(results):
         assert run["local_numel"] == (run["full_numel"] - ln) // world + ln
 
 
+def test_convolutions_rotate_and_equal_single_process(results):
+    world, runs = results
+    conv = case(runs, "conv")
+    _check_grads(conv, f"w{world} convolutions")
+    placements = {n: v[3] for n, v in conv[0]["grads"].items()}
+    assert placements["c2.weight"] == placements["c2.bias"] == placements["c1.weight"] == "(Shard(dim=0),)"
+
+
+def test_a_model_built_on_meta_never_holds_a_full_weight_and_loads_a_checkpoint(results):
+    _, runs = results
+    for meta, ckpt in zip(case(runs, "meta"), case(runs, "checkpoint"), strict=True):
+        assert meta["on_meta"] and meta["grads_finite"]
+        assert meta["local_numel"] == ckpt["local_numel"]  # its shards only, as a model sharded from a full one
+        assert torch.equal(meta["params"], ckpt["saved"])
+
+
 def test_overlap_off_is_bitwise_the_same(results):
     _, runs = results
     for out in case(runs, "overlap"):
@@ -250,5 +334,8 @@ def test_refusals_name_the_value_and_the_fix(results):
         assert "untie them" in out["tied"] and "head.weight" in out["tied"], out
         assert "already applied" in out["twice"], out
         assert "max_norm" in out["max_norm"], out
+        assert "groups=2" in out["grouped"] and "use groups=1" in out["grouped"], out
+        assert "padding='same'" in out["same_even"] and "odd" in out["same_even"], out
+        assert "meta device" in out["half_meta"], out
         assert "overlap=1" in out["overlap"], out
         assert out["is_rtp"] == "(True, False)"

@@ -6,16 +6,18 @@ rotated weight (and so of its gradient and optimizer state): no replica of it an
 
 * forward: for ``i = 0 .. W-1`` a rank computes with the shard it holds while that shard moves one hop around the
   ring (to rank+1, from rank-1), so the next one arrives during the compute. Every rotated module is split along
-  its output features (``nn.Linear``'s rows, ``nn.Embedding``'s columns): each shard gives a slice of the output
-  and the slices are concatenated, so the output is exactly the module's own on this rank's input.
+  its output features (``nn.Linear``'s rows, ``nn.Embedding``'s columns, a convolution's output channels): each
+  shard gives a slice of the output and the slices are concatenated, so the output is exactly the module's own on
+  this rank's input.
 * backward: the weights go round again (only where the input's gradient needs them), and each shard's gradient
   buffer goes round too, starting one rank after its owner: every rank adds its own contribution as the buffer
   passes, and it stops at its owner summed over all ranks (W - 1 hops: a ring reduce-scatter, one buffer at a
   time, overlapped with compute; the paper's buffer travels with its shard and needs one hop more). Gradients
   are averaged over the ranks, as DDP does.
 
-Which modules rotate: every ``nn.Linear`` and ``nn.Embedding`` (exactly those classes). Everything else
-(LayerNorm, convolutions, a subclass of Linear) stays replicated and its gradient is averaged by an all-reduce in
+Which modules rotate: every ``nn.Linear``, ``nn.Embedding`` and ``nn.Conv1d`` / ``2d`` / ``3d`` (exactly those
+classes; convolutions with ``groups=1`` and zero padding). Everything else (LayerNorm, a subclass of Linear such as
+``nn.MultiheadAttention``'s output projection) stays replicated and its gradient is averaged by an all-reduce in
 backward (:func:`powertrain.simple_fsdp.data_parallel`'s ``replicate`` mode). Unlike the reference code, the
 replicated parameters are averaged too and ``group`` is honoured by every collective.
 
@@ -23,8 +25,9 @@ Parameters are DTensors on a 1-D mesh over the group: rotated ones ``Shard(0)`` 
 ``Shard(1)`` (Embedding weight), the rest ``Replicate()``. The state dict keys are the model's own, so DCP
 checkpoints load into a DDP, FSDP2 or RTP model alike, and the optimizer holds only the shards.
 
-Not here (yet): building the model without ever materialising a full weight (the paper's "flyweight" shells):
-pass a model built on every rank, which is sharded in place and whose full weights are then freed.
+A full weight need never exist on any rank (the paper's "flyweight" construction): build the model on the meta
+device, make it rotated tensor parallel, then ``model.to_empty(device=...)`` allocates each rank's shards only, and
+a checkpoint loaded with DCP fills them, reading only this rank's slices.
 """
 
 from __future__ import annotations
@@ -185,6 +188,52 @@ class _RotatedEmbedding(torch.autograd.Function):
         return None, _ring_reduce(ctx.ring, grad_part)[0], None, None
 
 
+class _RotatedConv(torch.autograd.Function):
+    """A convolution (1-, 2- or 3-D, ``groups=1``, zero padding) split along its output channels: each shard gives
+    a slice of the output's channels (dim 1), as a Linear's gives a slice of its features."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ring: _Ring,
+                geometry: tuple[Any, ...]) -> torch.Tensor:  # fmt: skip
+        stride, padding, dilation = geometry
+        chans = w.shape[0]
+        parts: dict[int, torch.Tensor] = {}
+
+        def compute(j: int, held: list[torch.Tensor]) -> None:
+            bias = held[1] if b is not None else None
+            parts[j] = torch.convolution(x, held[0], bias, stride, padding, dilation, False, [0] * len(stride), 1)
+
+        _ring_forward(ring, [w] if b is None else [w, b], compute)
+        out = torch.cat([parts[j] for j in range(ring.comm.world_size)], dim=1)
+        ctx.save_for_backward(x, w)
+        ctx.ring, ctx.has_bias, ctx.geometry, ctx.chans = ring, b is not None, geometry, chans
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        stride, padding, dilation = ctx.geometry
+        c = ctx.chans
+        gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+
+        def conv_backward(j: int, weight: torch.Tensor, mask: list[bool]) -> tuple[Any, ...]:
+            gy = grad[:, j * c : (j + 1) * c]
+            bias_sizes = [c] if ctx.has_bias else None
+            return torch.ops.aten.convolution_backward(gy, x, weight, bias_sizes, stride, padding, dilation, False,
+                                                       [0] * len(stride), 1, mask)  # fmt: skip
+
+        def use_weights(j: int, held: list[torch.Tensor]) -> None:
+            assert gx is not None, "weights rotate only when the input needs a gradient"
+            gx.add_(conv_backward(j, held[0], [True, False, False])[0])
+
+        def grad_part(j: int) -> list[torch.Tensor]:
+            _, gw, gb = conv_backward(j, w, [False, True, ctx.has_bias])
+            return [gw, gb] if ctx.has_bias else [gw]
+
+        grads = _ring_reduce(ctx.ring, grad_part, [w] if gx is not None else None, use_weights)
+        return gx, grads[0], grads[1] if ctx.has_bias else None, None, None
+
+
 def _local(module: nn.Module, name: str) -> torch.Tensor | None:
     p = module._parameters[name]
     return None if p is None else p.to_local()  # type: ignore[attr-defined]
@@ -206,7 +255,31 @@ def _embedding_forward(self: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_ROTATED: dict[type, tuple[int, Any]] = {nn.Linear: (0, _linear_forward), nn.Embedding: (1, _embedding_forward)}
+def _conv_forward(self: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _RotatedConv.apply(x, _local(self, "weight"), _local(self, "bias"), _ring(self),
+                                           _conv_geometry(self))  # fmt: skip
+    return out
+
+
+def _conv_geometry(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[list[int], list[int], list[int]]:
+    """Stride, explicit padding and dilation of ``conv`` (``padding="same"`` as the symmetric padding it is)."""
+    k, dilation = conv.kernel_size, list(conv.dilation)
+    if conv.padding == "valid":
+        padding = [0] * len(k)
+    elif conv.padding == "same":
+        padding = [d * (n - 1) // 2 for d, n in zip(dilation, k, strict=True)]
+    else:
+        padding = list(conv.padding)  # type: ignore[arg-type]
+    return list(conv.stride), padding, dilation
+
+
+_ROTATED: dict[type, tuple[int, Any]] = {
+    nn.Linear: (0, _linear_forward),
+    nn.Embedding: (1, _embedding_forward),
+    nn.Conv1d: (0, _conv_forward),
+    nn.Conv2d: (0, _conv_forward),
+    nn.Conv3d: (0, _conv_forward),
+}
 _CLASSES: dict[type, type] = {}
 
 
@@ -224,11 +297,12 @@ def comm_stats(model: nn.Module) -> CommStats:
 
 
 def _check(name: str, module: nn.Module, world: int) -> None:
+    name = name or "the model"
     dim = _ROTATED[type(module)][0]
     weight = module.weight
     assert isinstance(weight, torch.Tensor), "nn.Linear and nn.Embedding have a weight"
     size = weight.shape[dim]
-    what = "out_features" if isinstance(module, nn.Linear) else "embedding_dim"
+    what = {nn.Linear: "out_features", nn.Embedding: "embedding_dim"}.get(type(module), "out_channels")
     if size % world:
         raise ValueError(
             f"RTP splits {name} ({type(module).__name__}) along {what}={size}, which does not divide over {world} "
@@ -239,6 +313,16 @@ def _check(name: str, module: nn.Module, world: int) -> None:
             f"RTP cannot rotate {name}: nn.Embedding with max_norm, sparse or scale_grad_by_freq is not supported; "
             "use a plain nn.Embedding"
         )
+    if isinstance(module, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+        even = module.padding == "same" and any(
+            (d * (n - 1)) % 2 for d, n in zip(module.dilation, module.kernel_size, strict=True)
+        )
+        if module.groups != 1 or module.padding_mode != "zeros" or even:
+            raise ValueError(
+                f"RTP cannot rotate {name}: {type(module).__name__} with groups={module.groups}, "
+                f"padding_mode={module.padding_mode!r}, padding={module.padding!r} is not supported; use groups=1, "
+                "zero padding and, with padding='same', an odd (dilated) kernel"
+            )
 
 
 def rotated_tensor_parallel(
@@ -247,8 +331,12 @@ def rotated_tensor_parallel(
     """Make ``model`` rotated tensor parallel over ``group`` (default: the world), in place; returns ``model``.
 
     ``model``'s parameters must be identical on every rank (seed the initialisation) and on the group's device
-    type. Every ``nn.Linear`` and ``nn.Embedding`` keeps 1/W of its weight and rotates the shards; every other
-    parameter is replicated and averaged. Create the optimizer afterwards, on ``model.parameters()``.
+    type, or all on the meta device: then no full weight is ever allocated; call ``model.to_empty(device=...)``
+    afterwards (it allocates this rank's shards and the replicated parameters, without values) and fill them, by
+    loading a checkpoint (:func:`powertrain.checkpoint.load` and ``set_model_state_dict``) or with your own
+    initialisation, which must give the replicated parameters the same values on every rank. Every
+    ``nn.Linear``, ``nn.Embedding`` and plain convolution keeps 1/W of its weight and rotates the shards; every
+    other parameter is replicated and averaged. Create the optimizer afterwards, on ``model.parameters()``.
     Gradient communication is part of backward: do not wrap the model in DDP or FSDP as well.
     ``overlap=False`` waits for every hop before the compute it would hide behind (same results, bitwise; for
     measuring what the overlap saves).
@@ -262,7 +350,13 @@ def rotated_tensor_parallel(
     pg = group if group is not None else dist.group.WORLD
     assert pg is not None, "initialised above"
     params = list(model.parameters())
-    device = params[0].device.type if params else "cpu"
+    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
+        raise ValueError("rotated_tensor_parallel takes a model entirely on the meta device or entirely off it; "
+                         "move every parameter to one device first")  # fmt: skip
+    if params and params[0].is_meta:  # the group's device: NCCL's CUDA, otherwise the CPU
+        device = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
+    else:
+        device = params[0].device.type if params else "cpu"
     mesh = DeviceMesh.from_group(pg, device)
     comm = Communicator(group)
     ring = _Ring(comm, overlap)

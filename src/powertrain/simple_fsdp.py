@@ -317,7 +317,7 @@ def data_parallel(
             if isinstance(p, DTensor):
                 raise ValueError(f"Parameter {mod_name}.{n} is already a DTensor (fully_shard or tensor parallel?): "
                                  "SimpleFSDP takes plain parameters")  # fmt: skip
-            if p.device.type != mesh.device_type:
+            if p.device.type != mesh.device_type and not p.is_meta:
                 raise ValueError(f"Parameter {mod_name}.{n} is on {p.device}, the mesh on {mesh.device_type}: "
                                  "move the model to the mesh's device first")  # fmt: skip
             if id(p) not in done:
