@@ -24,8 +24,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import case, guard, run_ranks, value_errors, within
@@ -104,6 +106,40 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
             "logits": (logits, ref(token_batch(me, 0)[0]).detach())}  # fmt: skip
 
 
+def _loss_parallel(rank: int, world: int) -> dict[str, Any]:
+    """One step with the logits left vocabulary-sharded on the 2x2 mesh: loss, gradients and logits against the
+    single process, and the traffic: DTensor's own collectives (the dispatch counter) and the loss's all-reduces,
+    which torch's loss_parallel issues inside DTensor's dispatch where that counter cannot see them (counted at
+    funcol.all_reduce, which every DTensor all-reduce goes through)."""
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    me = mesh["dp"].get_local_rank()
+    ref = parity_gpt()
+    model = tensor_parallel(copy.deepcopy(ref), mesh, loss_parallel=True)
+    real, reduced = funcol.all_reduce, [0, 0]
+
+    def counted(t: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        reduced[0] += t.numel() * t.element_size()
+        reduced[1] += 1
+        return real(t, *args, **kwargs)
+
+    funcol.all_reduce = counted  # type: ignore[assignment]
+    try:
+        with _Sent() as sent, loss_parallel():
+            loss = model(*token_batch(me, 0))
+            loss.backward()
+    finally:
+        funcol.all_reduce = real  # type: ignore[assignment]
+    ref_loss = sum(ref(*token_batch(r, 0)) for r in range(world // 2)) / (world // 2)
+    ref_loss.backward()
+    refg = {n: p.grad for n, p in ref.named_parameters()}
+    grads = {n: (p.grad.full_tensor(), _reference_grad(refg, n, p.shape)) for n, p in model.named_parameters()}
+    logits = model(token_batch(me, 0)[0])
+    seen = {k: v for k, v in sent.sent.items() if k != "all_reduce"}
+    return {"loss": (loss.item(), ref(*token_batch(me, 0)).item()), "grads": grads,
+            "logits": (type(logits).__name__, logits.full_tensor().detach(), ref(token_batch(me, 0)[0]).detach()),
+            "sent": {**seen, "all_reduce": tuple(reduced)}}  # fmt: skip
+
+
 def _refusals(rank: int, world: int) -> dict[str, str]:
     def pairs() -> DeviceMesh:
         return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
@@ -112,6 +148,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)), pairs()),
         "mesh": lambda: tensor_parallel(parity_gpt(), init_device_mesh("cpu", (world,))),
         "model": lambda: tensor_parallel(nn.Linear(4, 4), pairs()),  # type: ignore[arg-type]
+        "loss_parallel": lambda: tensor_parallel(parity_gpt(), pairs(), loss_parallel=1),  # type: ignore[arg-type]
     })  # fmt: skip
 
 
@@ -134,7 +171,7 @@ def _uneven(rank: int, world: int) -> dict[str, Any]:
 
 def tp_cases(rank: int, world: int) -> dict[str, Any]:
     res = {"2d": guard(_parity, rank, world, world // 2), "refusals": guard(_refusals, rank, world),
-           "uneven": guard(_uneven, rank, world)}  # fmt: skip
+           "uneven": guard(_uneven, rank, world), "loss_parallel": guard(_loss_parallel, rank, world)}  # fmt: skip
     dist.barrier()
     return res
 
@@ -164,6 +201,7 @@ def test_refusals_name_the_value_and_the_fix(results):
         assert "n_head=1 does not divide by tp=2" in out["heads"], out
         assert "mesh_dim_names=('dp', 'tp')" in out["mesh"], out
         assert "powertrain's GPT" in out["model"], out
+        assert "loss_parallel=1" in out["loss_parallel"], out
 
 
 def test_computed_traffic_is_what_dtensor_sends(results):
@@ -189,3 +227,29 @@ def test_shards_need_not_be_even(results):
         for name, (g, r) in run["grads"].items():
             within((g - r).abs(), REL * scale, f"uneven shards: gradient of {name}")
         assert run["sent"] == traffic(UNEVEN, 2, 1, 2, 13, itemsize=8), run["sent"]
+
+
+def test_loss_parallel_keeps_logits_sharded_and_equals_single_process(results):
+    """The loss is float32 (the model's cross-entropy) in both runs, but loss_parallel sums a token's exponentials
+    in tp partial sums and its mean over tokens as one: the log-sum-exp moves by at most gamma_V ~ V u32 (V = 64,
+    u32 = 2**-24: 3.8e-6), so each logit's gradient (softmax - one-hot) / N moves by ~4e-6 relative, and the
+    float64 backward carries that linearly into every gradient; the loss moves by (V + N) u32 ~ 7e-6 relative
+    (N = 48 tokens). REL32 = 1e-4 of the largest entry leaves 25x for the backward's chain. A missing shard or a
+    sum over the wrong group moves them by >= 1/2. The logits themselves are float64 and gathered, not reduced:
+    REL as everywhere."""
+    _, runs = results
+    rel32 = 1e-4
+    for run in case(runs, "loss_parallel"):
+        got, ref = run["loss"]
+        assert abs(got - ref) <= rel32 * abs(ref), (got, ref)
+        scale = max(r.abs().max().item() for _, r in run["grads"].values())
+        for name, (g, r) in run["grads"].items():
+            within((g - r).abs(), rel32 * scale, f"loss parallel: gradient of {name}")
+        kind, logits, ref_logits = run["logits"]
+        assert kind == "DTensor"
+        within((logits - ref_logits).abs(), REL * ref_logits.abs().max(), "loss parallel: logits")
+        assert run["sent"] == traffic(PARITY_GPT, 2, 1, *token_batch(0, 0)[0].shape, itemsize=8, loss_parallel=True)
+        # no tokens x vocabulary all-gather: the plain plan's traffic less exactly the logits
+        plain = traffic(PARITY_GPT, 2, 1, *token_batch(0, 0)[0].shape, itemsize=8)["all_gather"]
+        b, t = token_batch(0, 0)[0].shape
+        assert run["sent"]["all_gather"] == (plain[0] - 8 * b * t * PARITY_GPT.vocab_size // 2, plain[1] - 1)

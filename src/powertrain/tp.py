@@ -11,9 +11,11 @@ all-gathered once, and the row-parallel outputs are reduce-scattered back to seq
 (the same bytes on a ring, ``1 / tp`` of the activations kept). The token embedding is row-parallel (``vocab / tp``
 rows a rank, its output reduce-scattered to sequence shards), the position embedding likewise, and the output head
 column-parallel over the vocabulary with its input all-gathered, its logits gathered whole (the loss is computed as
-usual). LayerNorms (gains, biases) and row-parallel biases are replicated over ``tp``; their gradients are summed
-over the sequence shards. Then FSDP2 shards every block and the root over ``dp``, which averages the gradients
-across the data-parallel groups.
+usual); or, with ``loss_parallel=True``, left sharded over the vocabulary: torch's ``loss_parallel()`` then computes
+the cross-entropy from the shards (three all-reduces of one float per token instead of all-gathering
+``tokens x vocab`` logits, and no rank holds them whole). LayerNorms (gains, biases) and row-parallel biases are
+replicated over ``tp``; their gradients are summed over the sequence shards. Then FSDP2 shards every block and the
+root over ``dp``, which averages the gradients across the data-parallel groups.
 """
 
 from __future__ import annotations
@@ -54,12 +56,15 @@ class _QKV(nn.Module):
         return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
 
 
-def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
+def tensor_parallel(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool = False) -> GPT:
     """Make ``model`` (powertrain's :class:`~powertrain.train.model.GPT`) 2-D parallel over ``mesh`` in place.
 
     ``mesh``: a 2-D device mesh with dimension names ``("dp", "tp")``
     (``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``). The ranks of one ``tp`` group must be
     given the same batches. Create the optimizer afterwards, on ``model.parameters()``.
+
+    ``loss_parallel``: the logits stay a DTensor sharded over the vocabulary (``full_tensor()`` gathers them);
+    compute the loss and run backward inside ``torch.distributed.tensor.parallel.loss_parallel()``.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -67,6 +72,8 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
         raise ValueError(
             f"tensor_parallel takes powertrain's GPT (its plan names its modules), got {type(model).__name__}"
         )
+    if not isinstance(loss_parallel, bool):
+        raise ValueError(f"Invalid loss_parallel={loss_parallel!r}: must be True or False")
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2 or mesh.mesh_dim_names != ("dp", "tp"):
         raise ValueError(f"Invalid mesh={mesh!r}: pass a 2-D DeviceMesh with mesh_dim_names=('dp', 'tp')")
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
@@ -96,7 +103,8 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh) -> GPT:
         # positions are (t, d): their sequence dimension is 0, broadcast onto the tokens' dimension 1
         "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False),
         "ln_f": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+        "head": (ColwiseParallel(input_layouts=seq, use_local_output=False) if loss_parallel
+                 else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())),
     })  # fmt: skip
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
@@ -116,7 +124,9 @@ def local_numel(cfg: GPTConfig, tp: int) -> int:
     return local + replicated
 
 
-def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize: int = 4) -> dict[str, tuple[int, int]]:
+def traffic(
+    cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize: int = 4, loss_parallel: bool = False
+) -> dict[str, tuple[int, int]]:
     """Gradient-step traffic per micro-step and rank of :func:`tensor_parallel`, by collective: payload bytes as
     handed to it (a reduce-scatter's whole input, an all-gather's own part; DTensor pads uneven shards to the
     largest) and the number of collectives; ``batch`` sequences of ``seq`` tokens per ``tp`` group, parameters and
@@ -125,7 +135,9 @@ def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize:
     Sequence parallelism, per block: the attention's and the MLP's inputs all-gathered (forward) and their gradients
     reduce-scattered (backward), the row-parallel outputs reduce-scattered (forward) and their gradients all-gathered
     (backward); the embeddings' outputs reduce-scattered and the head's input all-gathered likewise, the logits
-    all-gathered; the LayerNorms' gradients all-reduced. FSDP2 over ``dp`` (when > 1): each unit's gradients
+    all-gathered (with ``loss_parallel``: not gathered; the loss's maximum, sum of exponentials and target logit
+    all-reduced instead, one float32 per token each); the LayerNorms' gradients all-reduced. FSDP2 over ``dp``
+    (when > 1): each unit's gradients
     reduce-scattered (the blocks and the root), as the command counts FSDP2 elsewhere; its weight all-gathers are
     not gradient traffic and are not in here.
     """
@@ -135,8 +147,11 @@ def traffic(cfg: GPTConfig, tp: int, dp: int, batch: int, seq: int, *, itemsize:
         s, v = -(-seq // tp), -(-cfg.vocab_size // tp)  # a rank's positions and vocabulary rows
         wide = 4 * layers + 2  # (b, t, d) activations per direction: the blocks' sublayers, the embedding, the head
         out["reduce_scatter"] = (itemsize * (wide * batch + 1) * tp * s * d, 4 * layers + 3)
-        out["all_gather"] = (itemsize * ((wide * batch + 1) * s * d + batch * seq * v), 4 * layers + 4)
+        logits = 0 if loss_parallel else batch * seq * v
+        out["all_gather"] = (itemsize * ((wide * batch + 1) * s * d + logits), 4 * layers + 4 - loss_parallel)
         out["all_reduce"] = (itemsize * (2 * layers + 1) * 2 * d, 4 * layers + 2)
+        if loss_parallel:  # the model computes its loss in float32
+            out["all_reduce"] = (out["all_reduce"][0] + 3 * 4 * batch * seq, out["all_reduce"][1] + 3)
     if dp > 1:
         rs = out.get("reduce_scatter", (0, 0))
         out["reduce_scatter"] = (rs[0] + itemsize * local_numel(cfg, tp), rs[1] + cfg.n_layer + 1)
