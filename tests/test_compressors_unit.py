@@ -156,10 +156,22 @@ def test_bad_options_are_value_errors(name, opts, message):
         make_compressor(name, _params(), **opts)
 
 
-def test_every_listed_compressor_builds():
+def test_every_listed_compressor_builds_and_averages_one_rank():
+    """Every name in COMPRESSORS builds and averages over one rank: one output per parameter, of its shape and
+    dtype; zeros stay zeros (there is nothing to send and no error to feed back); a random gradient gives finite
+    values, unchanged by the exact one."""
+    params = _params()
     for name in COMPRESSORS:
-        opts = {"rank": 2} if name == "powersgd" else {}
-        assert make_compressor(name, _params(), **opts).aggregate([torch.zeros_like(p) for p in _params()])
+        opts = {"rank": 2, "start_compressing_after_num_steps": 0} if name == "powersgd" else {}
+        zeros = make_compressor(name, params, **opts).aggregate([torch.zeros_like(p) for p in params])
+        assert [(z.shape, z.dtype) for z in zeros] == [(p.shape, p.dtype) for p in params], name
+        assert all(not z.any() for z in zeros), name
+        comp = make_compressor(name, params, **opts)
+        g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+        first = [o.clone() for o in comp.aggregate([t.clone() for t in g])]
+        assert all(o.isfinite().all() for o in first), name
+        if name in ("none", "fp32"):
+            assert all(torch.equal(o, t) for o, t in zip(first, g, strict=True)), name
 
 
 @pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])

@@ -232,7 +232,7 @@ def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:
         res["no_sync/plain"] = guard(_no_sync, rank, None, {})
         res["no_sync/none"] = guard(_no_sync, rank, "none", {})
         res["no_sync/powersgd"] = guard(_no_sync, rank, *CASES["powersgd_paper_k2"])
-        for case_name in ("powersgd", "int8"):
+        for case_name in ("none", "powersgd", "int8"):
             res[f"autocast/{case_name}"] = guard(_autocast, rank, *CASES[case_name])
         res["static/plain"] = guard(_train, rank, None, {}, steps=8, static_graph=True)
         res["static/none"] = guard(_train, rank, "none", {}, steps=8, static_graph=True)
@@ -327,11 +327,17 @@ def test_no_sync_accumulation(results):
 
 
 def test_bf16_autocast(results):
+    """Under bf16 autocast (bf16 gradients of the autocast ops, float32 parameters) the compressors learn and track
+    the exact all-reduce under the same autocast within their own LOSS_GAP (6 steps here, 30 there: their
+    approximation error only grows with steps)."""
     _mechanics(results[0])
+    exact = case(results[1], "autocast/none")
     for name in ("powersgd", "int8"):
         runs = case(results[1], f"autocast/{name}")
         same_on_all_ranks(runs)
-        assert all(torch.tensor(r["losses"]).isfinite().all() for r in runs)
+        first, got = runs[0]["losses"][0], runs[0]["losses"][-1]
+        assert got < first, f"{name} under autocast did not learn: {first:.4f} -> {got:.4f}"
+        within(abs(got - exact[0]["losses"][-1]) / first, LOSS_GAP[name], f"{name} under autocast vs exact")
 
 
 def test_static_graph(results):
@@ -343,8 +349,14 @@ def test_static_graph(results):
 
 
 def test_many_small_buckets_repeatedly_no_hang(results):
-    for rep in range(3):
-        same_on_all_ranks(case(results[1], f"repeat/{rep}"))
+    """Three fresh DDP models in one process, many buckets each: no hang (the run's timeout), and every repetition
+    gives the same bits: nothing (a future, a buffer, a counter) leaks from one model's hook into the next."""
+    runs = [case(results[1], f"repeat/{rep}") for rep in range(3)]
+    for rep in runs:
+        same_on_all_ranks(rep)
+        assert rep[0]["losses"][-1] < rep[0]["losses"][0]
+    for rep in runs[1:]:
+        assert rep[0]["losses"] == runs[0][0]["losses"] and torch.equal(rep[0]["params"], runs[0][0]["params"])
 
 
 def test_paper_variant_tracks_torch_powersgd_hook(results):

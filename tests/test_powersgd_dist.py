@@ -530,7 +530,7 @@ def test_bf16_factors_lose_nothing_and_send_fewer_bytes(results):
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 def test_matches_naive_per_parameter_reference(results, variant):
     """Outputs and residuals equal a plain per-tensor float64 implementation of the algorithm. (The
-    batched code was also checked bitwise against epfml/powersgd itself: tools/compare_reference.py.)"""
+    batched code is also checked bitwise against epfml/powersgd itself: test_powersgd_reference.py.)"""
     world = results[0]
     for r in case(results[1], f"naive/{variant}"):
         for step, d in enumerate(r["steps"]):
