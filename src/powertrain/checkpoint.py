@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
-FORMAT = 3  # 2: per-rank state as torch.save bytes; 1: as pickled io.BytesIO, no manifest
+FORMAT = 3  # the manifest's format; a checkpoint of any other is refused (older ones held unsafe per-rank state)
 _NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")  # a plain file name: no "/", no "..", no leading "."
 
 

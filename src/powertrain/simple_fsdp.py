@@ -13,11 +13,9 @@ forward and gathered again in backward) is one mechanism for eager and compiled 
 owns parameters runs its forward under a selective activation checkpoint whose policy recomputes the
 collectives (and views of them) and saves every other op's output, so no compute is repeated. Eagerly,
 autograd then holds no gathered weight; under ``torch.compile`` the same policy becomes recompute tags on
-the joint graph, which the min-cut partitioner honours (measured: 4-layer GPT, d_model 256, 2 ranks, 4x32
-tokens, memory held between forward and backward 23.4 MB -> 12.0 MB eager, 21.8 MB -> 8.9 MB compiled; the
-weights are 12.8 MB). Caveat: eager *per-parameter* resharding at 16x128 tokens held more (162 vs 154 MB, cause
-not found); eager buckets (``buckets=``) held less (116 vs 154 MB). Because the tags are part of the
-traced graph, an AOTAutograd cache hit cannot drop them (a separate joint-graph pass could be skipped).
+the joint graph, which the min-cut partitioner honours. What each mode holds between forward and backward is
+measured by ``powertrain bench simple_fsdp`` (BENCHMARKS.md). Because the tags are part of the traced graph, an
+AOTAutograd cache hit cannot drop them (a separate joint-graph pass could be skipped).
 
 Design note: the parametrization is installed by giving each module a subclass with one property per
 parameter (as in the paper's implementation) rather than ``torch.nn.utils.parametrize``, which renames
@@ -459,8 +457,9 @@ def checkpoint_gathers(module: nn.Module) -> nn.Module:
 def compile_model(model: nn.Module, *, bucket: bool = True, **kwargs: Any) -> Any:
     """``torch.compile(model, fullgraph=True)`` for a SimpleFSDP model, with inductor's FSDP bucketing of the
     per-parameter all-gathers and reduce-scatters into a few large collectives when ``bucket`` (per compile,
-    through ``options``: no global config is changed). Measured on the default GPT, 2 gloo ranks: 0.78 ->
-    0.59-0.61 s/step. Torch versions without the bucketing passes compile without them (with a warning).
+    through ``options``: no global config is changed): fewer, larger collectives, each with its fixed cost paid
+    once (``powertrain bench simple_fsdp`` measures both). Torch versions without the bucketing passes compile
+    without them (with a warning).
     ``kwargs`` go to ``torch.compile``."""
     options = dict(kwargs.pop("options", None) or {})
     if bucket:

@@ -58,9 +58,8 @@ RECOMMENDED_COST = (
 )
 
 
-#: AdamW's freeze with PowerSGD when the run does not set one (1-bit Adam's 15-25% of exact Adam first): r32 with
-#: it ended below fp32 at 300 and 1,000 steps (3 seeds, README "What it costs, measured"), where a tenth was too
-#: early at 300 steps.
+#: AdamW's freeze with PowerSGD when the run does not set one (1-bit Adam's 15-25% of exact Adam first): the
+#: fraction bench quality chose over a tenth (README "What it costs, measured").
 POWERSGD_ADAM_FREEZE = 0.25
 
 

@@ -82,11 +82,11 @@ class _Block:
     owner: int
 
 
-# Balancing model: a block's time per step in multiply-adds of a large matrix product, from measurements on one
-# CPU thread (float32, 256 x 256 blocks; a 256^3 product takes 0.33 ms): an eigendecomposition of a d x d factor
-# costs about 10 d^3 (3.1 ms for d = 256), the step's elementwise passes about 140 per entry (about 15 passes of
-# 12 us over 65,536 entries), and each block about 5e6 of fixed work (0.1 ms: dispatch, Python). Only the balance
-# depends on it: any deterministic assignment keeps the distributed optimizer bitwise the single-process one.
+# Balancing model: a block's time per step in multiply-adds of a large matrix product: an eigendecomposition of a
+# d x d factor costs about 10 d^3, the step's elementwise passes about 140 per entry (about 15 passes), and each
+# block a fixed cost of dispatch and Python worth about 5e6. The ratios were timed on one CPU thread with float32
+# 256 x 256 blocks. Only the balance depends on them: any deterministic assignment keeps the distributed optimizer
+# bitwise the single-process one.
 _ROOT_COST, _PASS_COST, _BLOCK_COST = 10, 140, 5e6
 
 

@@ -37,9 +37,9 @@ def _unfold(g: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _add_gram(f: torch.Tensor, u: torch.Tensor, beta: float, alpha: float) -> None:
     """``f <- beta f + alpha u u^T`` for a symmetric ``f``. Large factors compute the lower half's three
-    quarter-size products and mirror the off-diagonal one, a quarter fewer multiply-adds than the full product
-    (about 8% less time for 256 x 256 on one CPU thread), and ``f`` stays exactly symmetric off the diagonal
-    blocks; small ones, or few columns (a vector's rank-1 update), take one product."""
+    quarter-size products and mirror the off-diagonal one, a quarter fewer multiply-adds than the full product,
+    and ``f`` stays exactly symmetric off the diagonal blocks; small ones, or few columns (a vector's rank-1
+    update), take one product."""
     n = f.shape[0]
     if n < 128 or u.shape[1] < 32:
         f.addmm_(u, u.T, beta=beta, alpha=alpha)
@@ -91,8 +91,8 @@ def _mode_products(g: torch.Tensor, mats: list[torch.Tensor], *, transpose: bool
 def precondition(g: torch.Tensor, roots: list[torch.Tensor]) -> torch.Tensor:
     """``G x_1 R_1 ... x_k R_k`` in the roots' dtype (the caller casts back)."""
     if len(roots) == 2:
-        # a matrix, the common case: R_1 G R_2 as two plain products (about 5% faster than the mode products'
-        # tensordot on 256 x 256 blocks on one CPU thread)
+        # a matrix, the common case: R_1 G R_2 as two plain products (no transposes or copies, unlike the mode
+        # products' tensordot)
         return roots[0] @ g.to(roots[0].dtype) @ roots[1]
     return _mode_products(g, roots, transpose=False)  # the roots are symmetric
 
