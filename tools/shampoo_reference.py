@@ -23,7 +23,8 @@ process, one torch thread by default.
    backward, ``step()``). heavyball runs eager unless asked to compile (it compiles by default).
 3. :func:`markdown` renders the results (with the reference's version and commit) for BENCHMARKS.md.
 
-Run: ``python -m powertrain.bench.shampoo_reference --reference-path /tmp/ref/optimizers``.
+Run: ``python tools/shampoo_reference.py --reference-path /tmp/ref/optimizers`` (a development tool against a local
+clone of another library: not part of the installed package).
 """
 
 from __future__ import annotations
@@ -53,72 +54,30 @@ from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
 
-__all__ = ["Case", "compare", "default_cases", "load_reference", "markdown", "probe_differences", "reference_optimizer"]
+__all__ = ["Case", "compare", "default_cases", "load_reference", "markdown", "reference_optimizer"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
 PreconditionerKind = Literal["shampoo", "eigenvalue_corrected"]
 
-#: Found by reading both implementations, as (probe key, text); those with a key are re-checked at run time by
-#: :func:`probe_differences` (either implementation may change), the others hold as of the recorded commit.
-DESIGN_DIFFERENCES: list[tuple[str | None, str]] = [
-    ("eigenvalues", "Damping of the factors' eigenvalues: powertrain adds max(epsilon, rel_epsilon * lambda_max) with "
-     "rel_epsilon defaulting to the factor dtype's unit round-off (float32: 1.2e-7), the reference epsilon alone "
-     "(both after shifting a round-off-negative spectrum to >= 0). With float32 factors and epsilon 1e-12 a "
-     "rank-deficient factor's round-off eigenvalues then weigh up to epsilon^(-1/2k) in the reference's root, and "
-     "its preconditioned direction can be mostly round-off (issue 19: a 16 x 32 weight merged into a 512-vector "
-     "stalled at the first preconditioned step). The agreement runs set powertrain's rel_epsilon=0."),
-    (None, "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
-     "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
-     "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on)."),
-    ("blocking", "Blocking: powertrain merges adjacent dimensions from the last but keeps at least two, so a matrix "
-     "keeps a factor per side however small; the reference's default (target_parameter_dimensionality=1) merges "
-     "down to one dimension (a (16, 32) weight with max_preconditioner_dim 1024 becomes a 512-vector with one "
-     "512 x 512 factor). The agreement runs set the reference's target_parameter_dimensionality=2 where it has it."),
-    ("float32_state", "powertrain keeps the filtered gradient, the grafting statistics and the direction in "
-     "float32 even for float64 parameters; the reference keeps them in the parameters' dtype."),
-    (None, "The reference's lr and its bias corrections of the filtered gradient and of Adam grafting are float32 "
-     "scalars even for float64 parameters: a ~1e-7 .. 1e-5 relative floor in float64 (lr 2^-7 avoids the lr's)."),
-    (None, "Weight decay with momentum: the reference adds weight_decay * W to the direction before momentum; "
-     "powertrain decays the weights outside the momentum buffer. Equal without momentum."),
-    (None, "Eigenvalue-corrected Shampoo on rank-deficient factors (vectors, first steps): the eigenvectors of the "
-     "null space are arbitrary, so both implementations (and the reference against itself) disagree there."),
-    (None, "Grafting: the reference divides by ||shampoo|| + 1e-16, powertrain by ||shampoo|| (if > 0)."),
-]  # fmt: skip
-
-
-def probe_differences(ref: Any) -> dict[str, bool]:
-    """For each probe key of :data:`DESIGN_DIFFERENCES`: whether that difference is still there."""
-    from fractions import Fraction
-
-    from powertrain.optim.shampoo import blocks
-    from powertrain.optim.shampoo.matrix import inverse_root
-
-    utils = importlib.import_module("distributed_shampoo.utils.shampoo_utils")
-    functions = importlib.import_module("distributed_shampoo.preconditioner.matrix_functions")
-    shapes = [((8, 3, 5), 32), ((64, 3, 3, 3), 1024), ((4, 5, 6, 7), 30), ((16, 32), 1024)]
-    blocking = any(blocks.merged_shape(s, d) != tuple(utils.merge_small_dims(s, d, 1)) for s, d in shapes)
-    # a float32 factor with eigenvalues far below its round-off floor (1.2e-7) and a round-off negative one
-    a = torch.diag(torch.tensor([1.0, 1e-9, 1e-11, -1e-10]))
-    config = ref.EigenConfig(rank_deficient_stability_config=ref.PerturbationConfig(perturb_before_computation=False))
-    ours = inverse_root(a, 2, epsilon=1e-12)
-    theirs = functions.matrix_inverse_root(a, Fraction(2), root_inv_config=config, epsilon=1e-12)
-    w = nn.Parameter(torch.ones(3, dtype=torch.float64))
-    opt = DistributedShampoo([w], betas=(0.9, 1.0), precondition_frequency=1)
-    w.grad = torch.ones_like(w)
-    opt.step()
-
-    def dtypes(x: Any) -> Iterator[torch.dtype]:
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            yield x.dtype
-        elif isinstance(x, dict | list | tuple):
-            for v in x.values() if isinstance(x, dict) else x:
-                yield from dtypes(v)
-
-    return {
-        "eigenvalues": not torch.allclose(ours, theirs, rtol=1e-6, atol=0.0),
-        "blocking": blocking,
-        "float32_state": torch.float32 in set(dtypes(opt.state[w])),
-    }
+#: Found by reading both implementations (as of the recorded reference commit); each is visible in a row of the
+#: agreement table or set equal in its runs. powertrain's side of each is a test (tests/test_shampoo_math.py).
+DESIGN_DIFFERENCES: list[str] = [
+    "Damping of the factors' eigenvalues: powertrain adds max(epsilon, rel_epsilon * lambda_max) with rel_epsilon "
+    "defaulting to the factor dtype's unit round-off (float32: 1.2e-7); the reference damps by epsilon alone unless "
+    "told otherwise. With float32 factors and epsilon 1e-12, a rank-deficient factor's round-off eigenvalues weigh up "
+    "to epsilon^(-1/2k) in the root, and the preconditioned direction can be mostly round-off (issue 19). The "
+    "agreement runs set powertrain's rel_epsilon=0.",
+    "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
+    "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
+    "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on).",
+    "The reference's lr and its bias corrections of the filtered gradient and of Adam grafting are float32 "
+    "scalars even for float64 parameters: a ~1e-7 .. 1e-5 relative floor in float64 (lr 2^-7 avoids the lr's).",
+    "Weight decay with momentum: the reference adds weight_decay * W to the direction before momentum; "
+    "powertrain decays the weights outside the momentum buffer. Equal without momentum.",
+    "Eigenvalue-corrected Shampoo on rank-deficient factors (vectors, first steps): the eigenvectors of the "
+    "null space are arbitrary, so both implementations (and the reference against itself) disagree there.",
+    "Grafting: the reference divides by ||shampoo|| + 1e-16, powertrain by ||shampoo|| (if > 0).",
+]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -532,7 +491,7 @@ def compare(
             "torch": torch.__version__,
             "machine": machine_info(),
             "threads": threads,
-            "differences": [] if ref is None else _differences(ref),
+            "differences": [] if ref is None else list(DESIGN_DIFFERENCES),
             "agreement": [],
             "timing": None,
         }
@@ -546,12 +505,6 @@ def compare(
     finally:
         torch.set_num_threads(saved_threads)
     return results
-
-
-def _differences(ref: Any) -> list[dict[str, Any]]:
-    present = probe_differences(ref)
-    return [{"text": text, "probe": key, "present": True if key is None else present[key]}
-            for key, text in DESIGN_DIFFERENCES]  # fmt: skip
 
 
 def _dist_version(name: str) -> str:
@@ -611,10 +564,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"Loss curves of the first case ({first['dtype']}, free-running):\n",
                   table(["step", "powertrain", "reference"], curve), ""]  # fmt: skip
         lines += ["Differences (found by reading both; most are visible in a row above):\n"]
-        lines += [f"- {d['text']}" for d in results["differences"] if d["present"]] + [""]
-        gone = [d["text"] for d in results["differences"] if not d["present"]]
-        if gone:
-            lines += ["No longer different (checked at run time):\n", *(f"- ~~{d}~~" for d in gone), ""]
+        lines += [f"- {d}" for d in results["differences"]] + [""]
     t = results["timing"]
     if t:
         m = t["model"]
@@ -652,9 +602,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m powertrain.bench.shampoo_reference", description=__doc__.split("\n")[0]
-    )
+    ap = argparse.ArgumentParser(prog="python tools/shampoo_reference.py", description=__doc__.split("\n")[0])
     ap.add_argument("--reference-path", default=None, help="root of a facebookresearch/optimizers clone")
     ap.add_argument("--reference-commit", default=None, help="its commit, if the clone has no .git")
     ap.add_argument("--steps", type=int, default=30, help="steps per agreement run (0: skip)")
@@ -671,9 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         preset=args.preset, threads=args.threads, heavyball_compile=args.heavyball_compile,
         reference_commit=args.reference_commit,
     )  # fmt: skip
-    results["command"] = "python -m powertrain.bench.shampoo_reference " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
+    results["command"] = "python tools/shampoo_reference.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     publish(markdown(results), args.write or None, "shampoo-reference")
