@@ -85,6 +85,13 @@ ROWS = [
     ),
     Row("r32", "powertrain powersgd r32 paper, bf16 factors, torch's AdamW", "powersgd", _R32),
     Row(
+        "r48-frozen",
+        f"powertrain powersgd r48 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
+        "powersgd",
+        {**_R32, "rank": 48},
+        optimizer_options=_FROZEN,
+    ),
+    Row(
         "r32-frozen",
         f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default)",
         "powersgd",
@@ -127,7 +134,9 @@ PRESETS = {
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
     # a second text shape (issue 18): wider and shallower than the default, about as many parameters and FLOPs
-    "wide": Preset(GPTConfig(256, 128, 2, 6, 384), 16, (300,), 3, 25, 32.0, DEFAULT_START),
+    "wide": Preset(
+        GPTConfig(256, 128, 2, 6, 384), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
+    ),
 }
 
 
