@@ -49,15 +49,13 @@ import torch
 from torch import nn
 
 from powertrain.bench.report import machine_info, publish, table
-from powertrain.optim.shampoo.optimizer import DistributedShampoo
+from powertrain.optim.shampoo.optimizer import DistributedShampoo, Grafting, Preconditioner
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.model import GPT, GPTConfig
 
 __all__ = ["Case", "compare", "default_cases", "load_reference", "markdown", "reference_optimizer"]
 
-Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
-PreconditionerKind = Literal["shampoo", "eigenvalue_corrected"]
 
 #: Found by reading both implementations (as of the recorded reference commit); each is visible in a row of the
 #: agreement table or set equal in its runs. powertrain's side of each is a test (tests/test_shampoo_math.py).
@@ -90,7 +88,7 @@ class Case:
 
     name: str
     model: Literal["mlp", "conv"] = "mlp"
-    preconditioner: PreconditionerKind = "shampoo"
+    preconditioner: Preconditioner = "shampoo"
     lr: float = 2.0**-7
     betas: tuple[float, float] = (0.9, 1.0)
     epsilon: float = 1e-12

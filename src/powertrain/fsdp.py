@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from powertrain._checks import check_int
 from powertrain._compat import all_gather_single, fsdp_managed_params, fsdp_param_group_count
 from powertrain.compress import (
     AllReduceCompressor,
@@ -210,8 +211,7 @@ class QuantizedAllGather(AllGather):
     def __init__(self, bits: int = 8, chunk: int = 256) -> None:
         if bits not in (4, 8):
             raise ValueError(f"Invalid bits={bits!r}: must be 4 or 8")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8:
-            raise ValueError(f"Invalid chunk={chunk!r}: must be an integer >= 8")
+        check_int("chunk", chunk, 8)
         self.bits, self.chunk = bits, chunk
         self.bytes_sent = 0
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain._compat import foreach_add_
 from powertrain.compress.base import (
     Compressor,
@@ -60,8 +61,7 @@ class ErrorFeedbackCompressor(Compressor):
         seed: int = 0,
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"Invalid seed={seed!r}: must be an integer >= 0")
+        check_int("seed", seed, 0)
         self._init_params(params, group)
         self.seed = seed
         self.error_dtype = error_dtype

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress.base import (
     Compressor,
@@ -61,8 +62,7 @@ def node_layout(local_world: int | None = None, group: dist.ProcessGroup | None 
             raise ValueError("HierarchicalCompressor needs local_world= (ranks per node): it is not under torchrun, "
                              "which sets LOCAL_WORLD_SIZE")  # fmt: skip
         local_world = int(env)
-    if isinstance(local_world, bool) or not isinstance(local_world, int) or local_world < 1:
-        raise ValueError(f"Invalid local_world={local_world!r}: must be a positive integer (ranks per node)")
+    check_int("local_world", local_world, 1, " (ranks per node)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world % local_world:
         raise ValueError(f"local_world={local_world} does not divide the world size {world}: every node must run "

@@ -50,6 +50,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain._compat import foreach_add_
 from powertrain.comm import ReduceKind
 from powertrain.compress.base import (
@@ -70,11 +71,6 @@ Variant = Literal["alternating", "paper"]
 _VARIANTS: tuple[Variant, ...] = ("alternating", "paper")
 FactorDtype = Literal["fp32", "bf16"]
 _FACTOR_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # None: the compressor's
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"Invalid Config.{name}={value!r}: must be an integer >= {minimum}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +95,10 @@ class Config:
     rounding is part of what error feedback carries). ``"bf16"`` needs ``variant="paper"``."""
 
     def __post_init__(self) -> None:
-        _check_int("rank", self.rank, 1)
-        _check_int("num_iters_per_step", self.num_iters_per_step, 1)
-        _check_int("start_compressing_after_num_steps", self.start_compressing_after_num_steps, 0)
-        _check_int("seed", self.seed, 0)
+        check_int("Config.rank", self.rank, 1)
+        check_int("Config.num_iters_per_step", self.num_iters_per_step, 1)
+        check_int("Config.start_compressing_after_num_steps", self.start_compressing_after_num_steps, 0)
+        check_int("Config.seed", self.seed, 0)
         if self.seed >= 2**63:
             raise ValueError(f"Invalid Config.seed={self.seed!r}: must be below 2**63")
         rate = self.min_compression_rate

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain.compress.base import GatherRequest
 from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
 from powertrain.ops.flat import pack_payload, unpack_payload
@@ -50,14 +51,12 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
     ) -> None:
         if bits not in (4, 8):
             raise ValueError(f"Invalid bits={bits!r}: must be 4 or 8")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8:
-            raise ValueError(f"Invalid chunk={chunk!r}: must be an integer >= 8")
+        check_int("chunk", chunk, 8)
         if not isinstance(stochastic, bool):
             raise ValueError(f"Invalid stochastic={stochastic!r}: must be True or False")
         if isinstance(loco_beta, bool) or not isinstance(loco_beta, int | float) or not 0.0 <= loco_beta < 1.0:
             raise ValueError(f"Invalid loco_beta={loco_beta!r}: must be in [0, 1); 0 is plain error feedback")
-        if isinstance(loco_reset_every, bool) or not isinstance(loco_reset_every, int) or loco_reset_every < 1:
-            raise ValueError(f"Invalid loco_reset_every={loco_reset_every!r}: must be an integer >= 1")
+        check_int("loco_reset_every", loco_reset_every, 1)
         if error_dtype is None:
             error_dtype = torch.bfloat16 if loco_beta > 0 else torch.float32
         super().__init__(params, group=group, seed=seed, error_dtype=error_dtype)

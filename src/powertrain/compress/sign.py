@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain.compress.base import GatherRequest
 from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
 from powertrain.ops.flat import pack_payload, unpack_payload
@@ -28,8 +29,7 @@ class SignCompressor(ErrorFeedbackCompressor):
         chunk: int = 4096,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 8:
-            raise ValueError(f"Invalid chunk={chunk!r}: must be an integer >= 8")
+        check_int("chunk", chunk, 8)
         super().__init__(params, group=group)
         self.chunk = chunk
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from powertrain._checks import check_int
+
 __all__ = ["FrozenVarianceAdamW"]
 
 
@@ -53,8 +55,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         *,
         freeze_after: int,
     ) -> None:
-        if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
-            raise ValueError(f"Invalid freeze_after={freeze_after!r}: must be an integer >= 1 (AdamW steps first)")
+        check_int("freeze_after", freeze_after, 1, " (AdamW steps first)")
         limits = {"lr": (lr, lr >= 0, ">= 0"), "eps": (eps, eps > 0, "> 0"),
                   "weight_decay": (weight_decay, weight_decay >= 0, ">= 0"),
                   "betas": (betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two in [0, 1)")}  # fmt: skip

@@ -20,16 +20,16 @@ import torch
 
 from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
+from powertrain.optim.galore.projector import SvdMethod
+from powertrain.optim.shampoo.optimizer import Preconditioner
 
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
 Optimizer = Literal["adamw", "sgd", "shampoo", "galore", "demo"]
-ShampooPreconditioner = Literal["shampoo", "eigenvalue_corrected"]
 ShampooVectors = Literal["graft", "shampoo"]
 CommDtype = Literal["fp32", "bf16"]
-SvdMethod = Literal["randomized", "exact"]
 Precision = Literal["fp32", "bf16"]
 Hierarchy = Literal["flat", "node"]
 Backend = Literal["auto", "gloo", "nccl"]
@@ -111,7 +111,7 @@ class TrainConfig:
     adam_freeze: float | None = None
     shampoo_frequency: int = 50  # with blocks of 256: bench optimizers' configuration (overhead in BENCHMARKS.md)
     shampoo_max_dim: int = 256
-    shampoo_preconditioner: ShampooPreconditioner = "shampoo"
+    shampoo_preconditioner: Preconditioner = "shampoo"
     shampoo_comm_dtype: CommDtype = "fp32"  # fp32: bitwise the single-process optimizer; bf16: half the bytes
     shampoo_vectors: ShampooVectors = "graft"  # 1-D blocks: Adam alone (as SOAP), or full-matrix factors
     galore_rank: int = 64  # d_model / 4 on the default GPT

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from powertrain._checks import check_int
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -19,9 +21,7 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Invalid GPTConfig.{name}={value!r}: must be an integer >= 1")
+            check_int(f"GPTConfig.{name}", getattr(self, name), 1)
         if self.d_model % self.n_head:
             raise ValueError(f"GPTConfig.d_model={self.d_model} must be divisible by n_head={self.n_head}")
 

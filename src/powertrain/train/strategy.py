@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,7 @@ import torch.distributed as dist
 from powertrain.comm import CommStats
 from powertrain.compress import Compressor, Config, make_compressor
 from powertrain.powersgd import PowerSGD, optimizer_step
-
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
+from powertrain.train.config import Parallel
 
 
 class Strategy:

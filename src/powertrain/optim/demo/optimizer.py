@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from powertrain._checks import check_int
 from powertrain.comm import Communicator
 from powertrain.ops.flat import index_dtype, local_tensor, pack_payload, unpack_payload
 from powertrain.optim.demo.dct import (
@@ -96,9 +97,8 @@ class DeMo(torch.optim.Optimizer):
         for name, value, ok, want in checks:
             if isinstance(value, bool) or not isinstance(value, int | float) or not ok:
                 raise ValueError(f"Invalid {name}={value!r}: must be a number {want}")
-        for name, v in (("compression_topk", compression_topk), ("compression_chunk", compression_chunk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Invalid {name}={v!r}: must be an integer >= 1")
+        check_int("compression_topk", compression_topk, 1)
+        check_int("compression_chunk", compression_chunk, 1)
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"Invalid comm_dtype={comm_dtype!r}: must be one of {_COMM_DTYPES}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))

@@ -63,6 +63,7 @@ from typing import Any, Literal
 
 import torch
 
+from powertrain._checks import check_int
 from powertrain.comm import CommStats, Communicator
 from powertrain.ops.flat import local_tensor
 from powertrain.optim.galore import projector as proj
@@ -194,8 +195,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         moments_on_refresh: MomentsOnRefresh = "keep",
         seed: int = 0,
     ) -> None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"Invalid seed={seed!r}: must be an integer >= 0")
+        check_int("seed", seed, 0)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
                         rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, svd=svd,
                         oversample=oversample, power_iters=power_iters,

@@ -21,12 +21,13 @@ import math
 
 import torch
 
+from powertrain._checks import check_int
+
 __all__ = ["merged_shape", "split"]
 
 
 def merged_shape(shape: tuple[int, ...] | torch.Size, max_dim: int) -> tuple[int, ...]:
-    if isinstance(max_dim, bool) or not isinstance(max_dim, int) or max_dim < 1:
-        raise ValueError(f"Invalid max_preconditioner_dim={max_dim!r}: must be an integer >= 1")
+    check_int("max_preconditioner_dim", max_dim, 1)
     dims = [d for d in shape if d != 1]
     if not dims:
         return (1,)

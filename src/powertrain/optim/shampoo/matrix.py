@@ -28,6 +28,8 @@ from typing import Literal
 
 import torch
 
+from powertrain._checks import check_int
+
 __all__ = ["FLOOR", "RootFailure", "eigenvectors", "inverse_root"]
 
 Method = Literal["eigh", "newton"]
@@ -102,8 +104,7 @@ def inverse_root(
     """
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"inverse_root needs a square matrix, got shape {tuple(a.shape)}")
-    if isinstance(root, bool) or not isinstance(root, int) or root < 1:
-        raise ValueError(f"Invalid root={root!r}: must be an integer >= 1")
+    check_int("root", root, 1)
     if not epsilon >= 0:
         raise ValueError(f"Invalid epsilon={epsilon!r}: must be >= 0")
     if rel_epsilon is None:

@@ -45,10 +45,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from powertrain._checks import check_int
 from powertrain.comm import Communicator
 from powertrain.ops.flat import local_tensor
 from powertrain.optim.shampoo import blocks as blocking
-from powertrain.optim.shampoo.matrix import RootFailure
+from powertrain.optim.shampoo.matrix import Method, RootFailure
 from powertrain.optim.shampoo.preconditioner import (
     eigenbases,
     init_factors,
@@ -182,7 +183,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         grafting: Grafting = "adam",
         grafting_beta2: float = 0.95,
         grafting_epsilon: float = 1e-8,
-        root_method: Literal["eigh", "newton"] = "eigh",
+        root_method: Method = "eigh",
         exponent_multiplier: float = 1.0,
         preconditioner: Preconditioner = "shampoo",
         bias_correction: bool = True,
@@ -204,13 +205,10 @@ class DistributedShampoo(torch.optim.Optimizer):
         for name, value, ok, want in checks:
             if not ok:
                 raise ValueError(f"Invalid {name}={value!r}: must be {want}")
-        for name, v in (("precondition_frequency", precondition_frequency),
-                        ("max_preconditioner_dim", max_preconditioner_dim)):  # fmt: skip
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Invalid {name}={v!r}: must be an integer >= 1")
+        check_int("precondition_frequency", precondition_frequency, 1)
+        check_int("max_preconditioner_dim", max_preconditioner_dim, 1)
         start = precondition_frequency if start_preconditioning_step is None else start_preconditioning_step
-        if isinstance(start, bool) or not isinstance(start, int) or start < 1:
-            raise ValueError(f"Invalid start_preconditioning_step={start!r}: must be an integer >= 1")
+        check_int("start_preconditioning_step", start, 1)
         if grafting not in ("adam", "rmsprop", "adagrad", "none"):
             raise ValueError(f"Invalid grafting={grafting!r}: choose adam, rmsprop, adagrad or none")
         if root_method not in ("eigh", "newton"):
