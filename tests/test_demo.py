@@ -417,7 +417,7 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
         plain = make_model()
         pieces = [torch.nn.Parameter(p.detach().chunk(2, dim=0)[shard_index].clone(), requires_grad=p.requires_grad)
                   for p in plain.parameters()]  # fmt: skip
-        ref = DeMo(pieces, process_group=mesh["replicate"].get_group(), **OPTS)
+        ref = DeMo(pieces, group=mesh["replicate"].get_group(), **OPTS)
         sent = []
         for step in range(STEPS):
             opt.zero_grad()
@@ -452,7 +452,7 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
         full = copy.deepcopy(model)
         fully_shard(model, mesh=mesh["shard"])
         opt = FlexDeMo(model.parameters(), mesh, **OPTS)
-        ref = DeMo(full.parameters(), process_group=mesh["replicate"].get_group(), **OPTS)
+        ref = DeMo(full.parameters(), group=mesh["replicate"].get_group(), **OPTS)
         for step in range(STEPS):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 * rank + step))
             for m, o in ((model, opt), (full, ref)):
@@ -472,7 +472,7 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
             "plain tensor": lambda: FlexDeMo(plain.parameters(), mesh),
             "1-D mesh": lambda: FlexDeMo(plain.parameters(), init_device_mesh("cpu", (4,))),
             "dim name": lambda: FlexDeMo(plain.parameters(), mesh, replicate_dim="dp"),
-            "process_group": lambda: FlexDeMo(plain.parameters(), mesh, process_group=None),
+            "group": lambda: FlexDeMo(plain.parameters(), mesh, group=None),
         })  # fmt: skip
 
     return {"run": guard(run), "aligned": guard(aligned), "refusals": guard(refusals)}
@@ -501,4 +501,4 @@ def test_flexdemo_2x2_mesh_matches_demo_on_shards():
     assert "fully_shard(module, mesh=mesh['shard'])" in msgs["plain tensor"]
     assert "2-D DeviceMesh" in msgs["1-D mesh"]
     assert "Invalid replicate_dim='dp'" in msgs["dim name"]
-    assert "takes no process_group" in msgs["process_group"]
+    assert "takes no group" in msgs["group"]

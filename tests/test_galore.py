@@ -434,7 +434,7 @@ def _distributed(rank: int, model: nn.Module, steps: range = range(STEPS), opt: 
                 saved = buf.getvalue()
     messages = [str(w.message) for w in caught if "projected on its columns" in str(w.message)]
     bases = [st[k].reshape(-1) for st in opt.state.values() for k in ("proj_left", "proj_right") if k in st]
-    return {"params": _params(model), "bases": torch.cat(bases), "bytes": opt.comm_stats.bytes_sent,
+    return {"params": _params(model), "bases": torch.cat(bases), "bytes": opt.comm.stats.bytes_sent,
             "warnings": len(messages), "saved": saved, "state_bytes": opt.state_bytes()}  # fmt: skip
 
 

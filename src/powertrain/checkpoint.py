@@ -239,12 +239,12 @@ def read_metadata(path: str | Path, manifest: Mapping[str, Any] | None = None) -
 
 
 def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | None = None,
-         process_group: dist.ProcessGroup | None = None,
+         group: dist.ProcessGroup | None = None,
          manifest: Mapping[str, Any] | None = None) -> None:  # fmt: skip
     """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
 
     Verifies the checkpoint first (:func:`verify`; skipped when its ``manifest`` is passed), then loads through
-    :class:`SafeLoadPlanner`. Every rank of ``process_group`` must call it. Any failure is a
+    :class:`SafeLoadPlanner`. Every rank of ``group`` must call it. Any failure is a
     :class:`CheckpointError` with a one-line reason.
     """
     manifest = verify(path) if manifest is None else manifest
@@ -254,7 +254,7 @@ def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | N
         state_dict[k] = {_rank_key(): torch.empty(0, dtype=torch.uint8)}
     try:
         dcp.load(state_dict, storage_reader=_reader(path, manifest), planner=SafeLoadPlanner(optional=optional),
-                 process_group=process_group)  # fmt: skip
+                 process_group=group)  # fmt: skip
         for k, v in wrapped.items():
             v.load_state_dict(state_dict[k])
     except CheckpointException as e:  # DCP gathers every rank's traceback into one message: keep the cause
@@ -278,15 +278,15 @@ def _digest(path: Path) -> str:
 
 
 def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, Any] | None = None,
-         process_group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+         group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
     """``dcp.save`` to ``path``, then rank 0 writes ``manifest.json``: the format, the world size, each file's
-    size and SHA-256, and ``extra`` (JSON values). Every rank of ``process_group`` must call it; it returns once
+    size and SHA-256, and ``extra`` (JSON values). Every rank of ``group`` must call it; it returns once
     the manifest exists."""
-    dcp.save(state_dict, checkpoint_id=str(path), process_group=process_group)
+    dcp.save(state_dict, checkpoint_id=str(path), process_group=group)
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
-        dist.barrier(group=process_group)
-    comm = Communicator(process_group)
+        dist.barrier(group=group)
+    comm = Communicator(group)
     if comm.rank == 0:
         root = Path(path)
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
@@ -296,7 +296,7 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
         tmp.write_text(json.dumps(manifest, indent=1) + "\n")
         tmp.replace(root / MANIFEST)
     if initialized:
-        dist.barrier(group=process_group)
+        dist.barrier(group=group)
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 
 from powertrain._checks import check_int
 from powertrain._compat import all_gather_single, fsdp_managed_params, fsdp_param_group_count
+from powertrain.comm import Communicator
 from powertrain.compress import (
     AllReduceCompressor,
     Compressor,
@@ -213,7 +214,7 @@ class QuantizedAllGather(AllGather):
             raise ValueError(f"Invalid bits={bits!r}: must be 4 or 8")
         check_int("chunk", chunk, 8)
         self.bits, self.chunk = bits, chunk
-        self.bytes_sent = 0
+        self.comm = Communicator()  # FSDP2 passes the group with each call; this counts what they send
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
@@ -231,7 +232,7 @@ class QuantizedAllGather(AllGather):
         packed = codes.view(torch.uint8) if self.bits == 8 else pack_int4(codes)
         payload = pack_payload([scales, packed])
         gathered = torch.empty((world, payload.numel()), dtype=torch.uint8, device=payload.device)
-        self.bytes_sent += payload.numel()
+        self.comm.stats.record(payload, "all_gather")
         all_gather_single(gathered.view(-1), payload, group=group)
         out_rows = output_tensor.view(world, n)
         for r in range(world):

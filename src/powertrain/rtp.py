@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from powertrain.comm import CommStats, Communicator
 from powertrain.ops.flat import flat_views, pack
-from powertrain.simple_fsdp import data_parallel
+from powertrain.simple_fsdp import _data_parallel
 
 __all__ = ["comm_stats", "is_rtp", "rotated_tensor_parallel"]
 
@@ -373,7 +373,8 @@ def rotated_tensor_parallel(
             )
     for name, module in rotated:
         _check(name, module, world)
-    data_parallel(model, mesh, mode="replicate")  # every parameter a Replicate DTensor, averaged in backward
+    # every parameter a Replicate DTensor, averaged in backward
+    _data_parallel(model, mesh, mode="replicate", allow_meta=True)
     for _, module in rotated:
         original = type(module).__mro__[1]  # data_parallel's subclass sits on top of the module's own class
         dim, forward = _ROTATED[original]

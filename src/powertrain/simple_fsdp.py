@@ -39,6 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
+from powertrain.compress import Compressor
+from powertrain.fsdp import CompressedReduceScatter, QuantizedAllGather, check_supported
 
 __all__ = [
     "MixedPrecision",
@@ -104,8 +106,8 @@ class _Bucket:
         self.world = mesh.size()
         self.chunk_rows = [-(-p.shape[0] // self.world) for p in params]
         self.cached: dict[int, torch.Tensor] = {}
-        self.reduce_scatter: Any = None  # powertrain.fsdp.CompressedReduceScatter (register_compressor)
-        self.all_gather: Any = None  # powertrain.fsdp.QuantizedAllGather (quantize_all_gather)
+        self.reduce_scatter: CompressedReduceScatter | None = None  # register_compressor
+        self.all_gather: QuantizedAllGather | None = None  # quantize_all_gather
 
     def get(self, stored: torch.Tensor) -> torch.Tensor:
         if not self.cached:  # first read in this forward: gather the whole bucket
@@ -189,29 +191,45 @@ def _buckets(model: nn.Module) -> list[_Bucket]:
     return list(found.values())
 
 
-def register_compressor(model: nn.Module, compressor: Any) -> None:
+def register_compressor(model: nn.Module, compressor: Compressor) -> list[CompressedReduceScatter]:
     """Reduce the gradients of ``model``'s SimpleFSDP buckets through ``compressor`` (built from
     ``model.named_parameters()`` after :func:`data_parallel`): the same compressed reduce-scatter as
     :func:`powertrain.fsdp.register_compressor` (exact, powersgd, int8, int4), with error feedback on each
-    rank's full local gradient. Parameters outside buckets keep DTensor's exact reduction."""
-    from powertrain.fsdp import CompressedReduceScatter, check_supported
+    rank's full local gradient. Every trainable parameter must be in a bucket (``buckets=[*blocks, model]``).
 
+    Returns:
+        The installed reduce-scatters, one per bucket; the compressor holds all state
+        (``compressor.state_dict()``).
+    """
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"register_compressor needs a powertrain Compressor, got {type(compressor).__name__}")
     check_supported(compressor, "SimpleFSDP")
+    comms = []
     for bucket in _buckets(model):
         trainable = [p for p in bucket.params if p.requires_grad]
-        bucket.reduce_scatter = CompressedReduceScatter(compressor, trainable, [p.shape for p in trainable])
+        comms.append(CompressedReduceScatter(compressor, trainable, [p.shape for p in trainable]))
+    covered = sorted(i for rs in comms for i in rs.indices)
+    if covered != list(range(len(compressor.params))):
+        raise ValueError(
+            f"The compressor has {len(compressor.params)} parameters, the SimpleFSDP buckets hold {len(covered)} "
+            "trainable ones: put every module's parameters in a bucket (buckets=[*model.blocks, model]) and build "
+            "the compressor from model.named_parameters() after data_parallel"
+        )
+    for bucket, rs in zip(_buckets(model), comms, strict=True):
+        bucket.reduce_scatter = rs
+    return comms
 
 
-def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) -> None:
+def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) -> QuantizedAllGather:
     """All-gather the weights of ``model``'s SimpleFSDP buckets as ``bits``-bit integers with per-chunk
-    scales (QSDP), as :func:`powertrain.fsdp.quantize_all_gather` does for FSDP2; master weights stay exact."""
-    from powertrain.fsdp import QuantizedAllGather
-
+    scales (QSDP), as :func:`powertrain.fsdp.quantize_all_gather` does for FSDP2; master weights stay exact.
+    Returns the shared all-gather (its ``comm.stats`` count what it sent)."""
     gather = QuantizedAllGather(bits, chunk)
     for bucket in _buckets(model):
         if bucket.policy.param_dtype not in (None, torch.float32):
             raise ValueError("quantize_all_gather needs fp32 gathered weights (no param_dtype)")
         bucket.all_gather = gather
+    return gather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,6 +310,22 @@ def data_parallel(
 
     The optimizer must be created afterwards, on ``model.parameters()`` (the DTensors).
     """
+    return _data_parallel(model, mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                          buckets=buckets)  # fmt: skip
+
+
+def _data_parallel(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    mode: Mode = "fully_shard",
+    mp_policy: MixedPrecision | None = None,
+    reshard_after_forward: bool = True,
+    buckets: Sequence[nn.Module] = (),
+    allow_meta: bool = False,
+) -> nn.Module:
+    """:func:`data_parallel`; ``allow_meta``: parameters on the meta device become DTensors on meta (RTP builds
+    on them; the caller allocates with ``to_empty``)."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"Invalid mesh={mesh!r}: pass a DeviceMesh (torch.distributed.device_mesh.init_device_mesh)")
     placements = _placements(mode, mesh)
@@ -315,7 +349,7 @@ def data_parallel(
             if isinstance(p, DTensor):
                 raise ValueError(f"Parameter {mod_name}.{n} is already a DTensor (fully_shard or tensor parallel?): "
                                  "SimpleFSDP takes plain parameters")  # fmt: skip
-            if p.device.type != mesh.device_type and not p.is_meta:
+            if p.device.type != mesh.device_type and not (allow_meta and p.is_meta):
                 raise ValueError(f"Parameter {mod_name}.{n} is on {p.device}, the mesh on {mesh.device_type}: "
                                  "move the model to the mesh's device first")  # fmt: skip
             if id(p) not in done:

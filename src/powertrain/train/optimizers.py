@@ -105,7 +105,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
                 {"params": rest},
             ]  # fmt: skip
             galore = GaLoreAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-            return Built(galore, per_rank=True, stats=galore.comm_stats)
+            return Built(galore, per_rank=True, stats=galore.comm.stats)
         case "demo":
             from powertrain.optim import DeMo
 

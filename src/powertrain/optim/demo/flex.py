@@ -48,7 +48,7 @@ class FlexDeMo(DeMo):
         replicate_dim: the dimension DeMo communicates over (across node groups).
         shard_dim: the dimension FSDP2 shards and synchronises over (inside a node group).
         **demo_options: :class:`.DeMo`'s options (``lr``, ``compression_decay``, ``compression_topk``,
-            ``compression_chunk``, ``weight_decay``, ``comm_dtype``); not ``process_group``.
+            ``compression_chunk``, ``weight_decay``, ``comm_dtype``); not ``group``.
     """
 
     def __init__(
@@ -68,10 +68,10 @@ class FlexDeMo(DeMo):
                 raise ValueError(f"Invalid {name}={dim!r}: the mesh's dimensions are named {names}")
         if replicate_dim == shard_dim:
             raise ValueError(f"Invalid shard_dim={shard_dim!r}: must differ from replicate_dim")
-        if "process_group" in demo_options:
-            raise ValueError("FlexDeMo takes no process_group: it communicates over mesh[replicate_dim]")
+        if "group" in demo_options:
+            raise ValueError("FlexDeMo takes no group: it communicates over mesh[replicate_dim]")
         params = list(params)
-        super().__init__(params, process_group=mesh[replicate_dim].get_group(), **demo_options)
+        super().__init__(params, group=mesh[replicate_dim].get_group(), **demo_options)
         shard_mesh = mesh[shard_dim]
         for group in self.param_groups:
             for p in group["params"]:

@@ -74,7 +74,7 @@ class DeMo(torch.optim.Optimizer):
         compression_chunk: target chunk size per dimension: each dimension uses its largest divisor at most
             this (default 64, so a 2-D chunk has up to 4096 coefficients).
         weight_decay: decoupled weight decay (default 0).
-        process_group: the ranks exchanging components (default: the world when initialised, else none).
+        group: the ranks exchanging components (default: the world when initialised, else none).
         comm_dtype: dtype of the values sent (default float32; bfloat16 or float16 halve them).
     """
 
@@ -86,7 +86,7 @@ class DeMo(torch.optim.Optimizer):
         compression_topk: int = 32,
         compression_chunk: int = 64,
         weight_decay: float = 0.0,
-        process_group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
     ) -> None:
         checks = [
@@ -106,7 +106,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk
         self.comm_dtype = comm_dtype
-        self.comm = Communicator(process_group)
+        self.comm = Communicator(group)
         self._bases: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def _basis(self, dtype: torch.dtype, device: torch.device) -> Any:
@@ -148,7 +148,7 @@ class DeMo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        """One DeMo step (see the module docstring); issues one all-gather on ``process_group``."""
+        """One DeMo step (see the module docstring); issues one all-gather on ``group``."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -182,7 +182,7 @@ class DeMo(torch.optim.Optimizer):
         if not bool((gathered[:, -1] == payload[-1]).all()):
             raise RuntimeError(
                 "DeMo: ranks disagree on the parameters being updated (which have gradients, or their shapes): "
-                "every rank of process_group must step the same parameters"
+                "every rank of the group must step the same parameters"
             )
         total = sum(v.numel() for v in values)
         rows = [unpack_payload(row, [(self.comm_dtype, total), (itype, total)]) for row in gathered]

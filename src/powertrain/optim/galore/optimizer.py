@@ -64,7 +64,7 @@ from typing import Any, Literal
 import torch
 
 from powertrain._checks import check_int
-from powertrain.comm import CommStats, Communicator
+from powertrain.comm import Communicator
 from powertrain.ops.flat import local_tensor
 from powertrain.optim.galore import projector as proj
 from powertrain.optim.galore.distributed import RowShard, gather_rows, row_shard, sum_shards
@@ -202,8 +202,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
                         moments_on_refresh=moments_on_refresh)  # fmt: skip
         super().__init__(params, defaults)
         self.seed = seed
-        #: bytes and collectives of the sharded refreshes (all groups' communicators share it)
-        self.comm_stats = CommStats()
+        #: the world's communicator; the communicators of sharded parameters' meshes count into its ``stats``
+        #: (bytes and collectives of the sharded refreshes)
+        self.comm = Communicator()
         self._comms: dict[int, Communicator] = {}
         self._layouts: dict[int, _Layout] = {}
         if all(g["rank"] is None for g in self.param_groups):
@@ -219,7 +220,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
         lay = self._layouts.get(id(p))
         if lay is not None:
             return lay
-        shard = row_shard(p, self._comms, self.comm_stats)
+        shard = row_shard(p, self._comms, self.comm.stats)
         projected = group["rank"] is not None and p.dim() >= 2
         if not projected:
             lay = _Layout(index, False, "right", 0, (0, 0), shard)
