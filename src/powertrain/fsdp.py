@@ -51,8 +51,8 @@ from powertrain.compress import (
     make_compressor,
 )
 from powertrain.compress.base import placeholder
-from powertrain.ops.flat import pack_payload, unpack_payload
-from powertrain.ops.quantize import dequantize, pack_int4, quantize, unpack_int4
+from powertrain.ops.flat import shard_rows
+from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
 __all__ = [
     "CompressedReduceScatter",
@@ -73,11 +73,6 @@ def _trainable_shard0(module: FSDPModule, what: str) -> list[tuple[torch.nn.Para
         if dim != 0:
             raise ValueError(f"{what} supports Shard(0) parameters only, got Shard({dim})")
     return [(p, size) for p, size, _ in managed]
-
-
-def _chunk_rows(rows: int, world: int) -> int:
-    """Dim-0 rows of each rank's padded chunk of a parameter with ``rows`` rows (FSDP2's layout)."""
-    return -(-rows // world)
 
 
 def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -120,7 +115,7 @@ class CompressedReduceScatter(ReduceScatter):
         if isinstance(comp, AllReduceCompressor):
             return self._exact(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), group.rank()
-        padded = [(_chunk_rows(s[0], world) * world, s) for s in self.sizes]
+        padded = [(shard_rows(s[0], world) * world, s) for s in self.sizes]
         chunk_numels = [p0 // world * s[1:].numel() for p0, s in padded]
         if sum(chunk_numels) * world != input_tensor.numel():
             raise RuntimeError(
@@ -229,15 +224,13 @@ class QuantizedAllGather(AllGather):
             )
         world, n = group.size(), input_tensor.numel()
         codes, scales = quantize(input_tensor.view(-1), self.bits, self.chunk)  # nearest: weights get no feedback
-        packed = codes.view(torch.uint8) if self.bits == 8 else pack_int4(codes)
-        payload = pack_payload([scales, packed])
+        payload = pack_codes(codes, scales, self.bits)
         gathered = torch.empty((world, payload.numel()), dtype=torch.uint8, device=payload.device)
         self.comm.stats.record(payload, "all_gather")
         all_gather_single(gathered.view(-1), payload, group=group)
         out_rows = output_tensor.view(world, n)
         for r in range(world):
-            s, c = unpack_payload(gathered[r], [(torch.float32, scales.numel()), (torch.uint8, packed.numel())])
-            c = c.view(torch.int8) if self.bits == 8 else unpack_int4(c, n)
+            c, s = unpack_codes(gathered[r], n, scales.numel(), self.bits)
             out_rows[r].copy_(dequantize(c, s, self.chunk))
         return None
 
@@ -291,7 +284,7 @@ def compress_replicas(
             if p.device_mesh.ndim != 1:  # type: ignore[attr-defined]
                 raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
                                  "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
-            shape = torch.Size([_chunk_rows(size[0], p.device_mesh.size()), *size[1:]])  # type: ignore[attr-defined]
+            shape = torch.Size([shard_rows(size[0], p.device_mesh.size()), *size[1:]])  # type: ignore[attr-defined]
             shapes.append(shape)
             shards.append((names.get(id(p), f"param[{len(shards)}]"), placeholder(shape, p)))
         hooks.append((module, len(shards) - len(shapes), shapes))

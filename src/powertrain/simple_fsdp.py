@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
 from powertrain.compress import Compressor
 from powertrain.fsdp import CompressedReduceScatter, QuantizedAllGather, check_supported
+from powertrain.ops.flat import shard_rows
 
 __all__ = [
     "MixedPrecision",
@@ -104,7 +105,7 @@ class _Bucket:
     def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, policy: MixedPrecision) -> None:
         self.params, self.mesh, self.policy = params, mesh, policy
         self.world = mesh.size()
-        self.chunk_rows = [-(-p.shape[0] // self.world) for p in params]
+        self.chunk_rows = [shard_rows(p.shape[0], self.world) for p in params]
         self.cached: dict[int, torch.Tensor] = {}
         self.reduce_scatter: CompressedReduceScatter | None = None  # register_compressor
         self.all_gather: QuantizedAllGather | None = None  # quantize_all_gather

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from powertrain.ops.flat import shard_rows
 from powertrain.train.model import GPT, Block, GPTConfig
 
 __all__ = ["local_numel", "tensor_parallel", "traffic"]
@@ -118,9 +119,10 @@ def local_numel(cfg: GPTConfig, tp: int) -> int:
     d, layers = cfg.d_model, cfg.n_layer
     replicated = layers * 6 * d + 2 * d  # ln1, ln2 (gain, bias), proj's and fc_out's biases; ln_f
     rows = [(cfg.vocab_size, d), (cfg.block_size, d), (cfg.vocab_size, d)]  # tok, pos, head: split by rows
-    local = sum(-(-n // tp) * w for n, w in rows)
+    local = sum(shard_rows(n, tp) * w for n, w in rows)
     # per block: q, k, v (weight rows and bias), proj (weight columns), fc (rows and bias), fc_out (columns)
-    local += layers * (3 * -(-d // tp) * (d + 1) + d * -(-d // tp) + -(-4 * d // tp) * (d + 1) + d * -(-4 * d // tp))
+    d_tp, ff_tp = shard_rows(d, tp), shard_rows(4 * d, tp)
+    local += layers * (3 * d_tp * (d + 1) + d * d_tp + ff_tp * (d + 1) + d * ff_tp)
     return local + replicated
 
 
@@ -144,7 +146,7 @@ def traffic(
     out: dict[str, tuple[int, int]] = {}
     if tp > 1:
         d, layers = cfg.d_model, cfg.n_layer
-        s, v = -(-seq // tp), -(-cfg.vocab_size // tp)  # a rank's positions and vocabulary rows
+        s, v = shard_rows(seq, tp), shard_rows(cfg.vocab_size, tp)  # a rank's positions and vocabulary rows
         wide = 4 * layers + 2  # (b, t, d) activations per direction: the blocks' sublayers, the embedding, the head
         out["reduce_scatter"] = (itemsize * (wide * batch + 1) * tp * s * d, 4 * layers + 3)
         logits = 0 if loss_parallel else batch * seq * v

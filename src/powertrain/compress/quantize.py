@@ -10,8 +10,7 @@ import torch.distributed as dist
 from powertrain._checks import check_int
 from powertrain.compress.base import GatherRequest
 from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
-from powertrain.ops.flat import pack_payload, unpack_payload
-from powertrain.ops.quantize import dequantize, pack_int4, quantize, unpack_int4
+from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
 
 class QuantizedCompressor(ErrorFeedbackCompressor):
@@ -72,14 +71,11 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
                 view[: p.numel()] = torch.rand(p.numel(), generator=self._rng(i))
         codes, scales = quantize(x, self.bits, self.chunk, noise)
         real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
-        packed = real.view(torch.uint8) if self.bits == 8 else pack_int4(real)
-        gathered = yield GatherRequest(pack_payload([scales, packed]))
+        gathered = yield GatherRequest(pack_codes(real, scales, self.bits))
         assert gathered is not None, "a gather returns the gathered payloads"
-        specs = [(torch.float32, scales.numel()), (torch.uint8, packed.numel())]
         mean = torch.zeros_like(x)
         for row in gathered:  # same order on every rank: identical results everywhere
-            s, c = unpack_payload(row, specs)
-            c = c.view(torch.int8) if self.bits == 8 else unpack_int4(c, real.numel())
+            c, s = unpack_codes(row, real.numel(), scales.numel(), self.bits)
             mean.add_(dequantize(repad(c, parts, lengths), s, self.chunk))
         mean.div_(gathered.shape[0])
         return unpad(dequantize(codes, scales, self.chunk), parts, lengths), unpad(mean, parts, lengths)

@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flat_views", "index_dtype", "local_tensor", "pack", "pack_payload", "unpack_payload"]
+__all__ = ["flat_views", "index_dtype", "local_tensor", "pack", "pack_payload", "shard_rows", "unpack_payload"]
+
+
+def shard_rows(rows: int, world: int) -> int:
+    """Rows of each rank's dim-0 shard when ``rows`` are split over ``world`` ranks the way ``torch.chunk``, FSDP2
+    and DTensor's ``Shard(0)`` split them: ``ceil(rows / world)`` each, the last ranks' shards short or empty
+    (padded to that size where a collective needs equal parts)."""
+    return -(-rows // world)
 
 
 def index_dtype(numel: int) -> torch.dtype:

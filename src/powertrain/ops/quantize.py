@@ -9,7 +9,18 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["dequantize", "pack_bits", "pack_int4", "quantize", "unpack_bits", "unpack_int4"]
+from powertrain.ops.flat import pack_payload, unpack_payload
+
+__all__ = [
+    "dequantize",
+    "pack_bits",
+    "pack_codes",
+    "pack_int4",
+    "quantize",
+    "unpack_bits",
+    "unpack_codes",
+    "unpack_int4",
+]
 
 
 def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -51,6 +62,19 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
     lo, hi = packed & 0x0F, packed >> 4
     return (torch.stack([lo, hi], dim=1).view(-1)[:n].to(torch.int16) - 8).to(torch.int8)
+
+
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """One uint8 message of :func:`quantize`'s output: the float32 scales, then the codes (int8 as bytes, int4
+    two to a byte)."""
+    packed = codes.view(torch.uint8) if bits == 8 else pack_int4(codes)
+    return pack_payload([scales, packed])
+
+
+def unpack_codes(message: torch.Tensor, n: int, n_scales: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of a :func:`pack_codes` message holding ``n`` codes and ``n_scales`` scales."""
+    scales, packed = unpack_payload(message, [(torch.float32, n_scales), (torch.uint8, n if bits == 8 else -(-n // 2))])
+    return (packed.view(torch.int8) if bits == 8 else unpack_int4(packed, n)), scales
 
 
 _WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)

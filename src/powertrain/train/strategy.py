@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from powertrain.comm import CommStats
 from powertrain.compress import Compressor, Config, make_compressor
+from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
 from powertrain.train.config import Parallel
 
@@ -174,7 +175,7 @@ class _SimpleFSDP(Strategy):
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         world = mesh.size()
         shard_bytes = sum(
-            (-(-p.shape[0] // world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
+            (shard_rows(p.shape[0], world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
             for p in model.parameters()
         )  # this rank's padded dim-0 shard of every parameter
         reduce_dtype = _REDUCE_DTYPES.get(name)

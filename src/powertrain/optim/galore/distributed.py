@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from powertrain.comm import CommStats, Communicator
-from powertrain.ops.flat import flat_views, pack
+from powertrain.ops.flat import flat_views, pack, shard_rows
 
 __all__ = ["RowShard", "gather_rows", "row_shard", "sum_shards"]
 
@@ -67,7 +67,7 @@ def row_shard(param: torch.Tensor, comms: dict[int, Communicator], stats: CommSt
         comms[id(group)] = Communicator(group, stats=stats)
     world, coord = mesh.size(dim), mesh.get_local_rank(dim)
     total = param.shape[0]
-    chunk = -(-total // world)
+    chunk = shard_rows(total, world)
     offset = min(coord * chunk, total)
     rows = max(0, min(chunk, total - offset))
     local = param.to_local().shape[0]
