@@ -17,6 +17,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from powertrain.comm import Communicator, ReduceKind
 from powertrain.ops.finite import all_finite
@@ -73,11 +74,9 @@ Rows = Sequence[tuple[int, int]] | None
 
 
 def slice_rows(tensors: list[torch.Tensor], rows: Rows) -> list[torch.Tensor]:
-    """Rows ``lo:hi`` of each tensor (all of them when ``rows`` is None)."""
+    """Rows ``lo:hi`` of each tensor (all of them when ``rows`` is None; its length checked by the program)."""
     if rows is None:
         return tensors
-    if len(rows) != len(tensors):
-        raise ValueError(f"rows= has {len(rows)} ranges for {len(tensors)} gradients")
     return [t[lo:hi] for t, (lo, hi) in zip(tensors, rows, strict=True)]
 
 
@@ -201,7 +200,8 @@ class Compressor(abc.ABC):
     subset of its parameters can be aggregated in one call (a DDP bucket, an FSDP group). Each
     compressor reports the bytes it sends through ``self.comm.stats``.
 
-    Subclasses implement :meth:`program`, :meth:`state_dict` and :meth:`load_state_dict`.
+    Subclasses call ``super().__init__(params, group=group)`` first and implement :meth:`program`,
+    :meth:`state_dict` and :meth:`load_state_dict`.
     """
 
     comm: Communicator
@@ -210,7 +210,14 @@ class Compressor(abc.ABC):
     #: False where a step can be exact (lossless fp32): then nothing is owed between steps.
     lossy: bool = True
 
-    def _init_params(self, params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], group: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """``params``: the trainable parameters (or ``named_parameters()``) whose gradients it will average, in
+        the order calls refer to them; ``group``: the ranks it averages over (default: the world)."""
         self.comm = Communicator(group)
         self.names, self.params = named_trainable(params)
         devices = {p.device for p in self.params}
@@ -218,6 +225,7 @@ class Compressor(abc.ABC):
             raise ValueError(f"All parameters must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self._shapes = [p.shape for p in self.params]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
 
     @abc.abstractmethod
     def program(
@@ -268,8 +276,6 @@ class Compressor(abc.ABC):
 
     def indices_of(self, params: Iterable[torch.Tensor]) -> list[int]:
         """Positions of ``params`` in ``self.params`` (by identity); ValueError for unknown ones."""
-        if not hasattr(self, "_index"):
-            self._index = {id(p): i for i, p in enumerate(self.params)}
         out = []
         for p in params:
             if id(p) not in self._index:
@@ -310,8 +316,9 @@ class Compressor(abc.ABC):
 
     # ------------------------------------------------------------------ helpers for subclasses
 
-    def _resolve(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None) -> list[int]:
-        """Validate a call's gradients against the parameters they belong to; return the positions."""
+    def _resolve(self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None, rows: Rows = None) -> list[int]:
+        """Validate a call's gradients (and ``rows``) against the parameters they belong to; return the
+        positions."""
         idx = list(range(len(self.params))) if indices is None else list(indices)
         if len(grads) != len(idx):
             raise ValueError(
@@ -324,6 +331,8 @@ class Compressor(abc.ABC):
             if g is None or g.shape != self._shapes[i]:
                 got = None if g is None else tuple(g.shape)
                 raise ValueError(f"Gradient for {self.names[i]} has shape {got}, expected {tuple(self._shapes[i])}")
+        if rows is not None and len(rows) != len(idx):
+            raise ValueError(f"rows= has {len(rows)} ranges for {len(idx)} gradients")
         return idx
 
     def _nonfinite_error(

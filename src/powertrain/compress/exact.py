@@ -34,7 +34,7 @@ class AllReduceCompressor(Compressor):
     ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"Invalid dtype={dtype}: AllReduceCompressor supports {', '.join(map(str, _DTYPES))}")
-        self._init_params(params, group)
+        super().__init__(params, group=group)
         self.dtype = dtype
         self.lossy = dtype != torch.float32
 
@@ -42,7 +42,7 @@ class AllReduceCompressor(Compressor):
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
-        idx = self._resolve(grads, indices)
+        idx = self._resolve(grads, indices, rows)
         buf = pack(grads, self.dtype, self.device)
         names = [self.names[i] for i in idx]
 

@@ -62,7 +62,7 @@ class ErrorFeedbackCompressor(Compressor):
         error_dtype: torch.dtype = torch.float32,
     ) -> None:
         check_int("seed", seed, 0)
-        self._init_params(params, group)
+        super().__init__(params, group=group)
         self.seed = seed
         self.error_dtype = error_dtype
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
@@ -87,7 +87,7 @@ class ErrorFeedbackCompressor(Compressor):
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
-        idx = self._resolve(grads, indices)
+        idx = self._resolve(grads, indices, rows)
         x = pack(grads, torch.float32, self.device)
         old = torch.zeros_like(x)
         pairs = [(v, e) for v, i in zip(flat_views(old, [self._shapes[i] for i in idx]), idx, strict=True)

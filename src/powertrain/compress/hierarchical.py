@@ -119,7 +119,7 @@ class HierarchicalCompressor(Compressor):
         if inner == "hierarchical":
             raise ValueError("inner='hierarchical' would nest: choose a flat compressor for the inter-node stage")
         self.nodes, self.local_world = node_layout(local_world, group)
-        self._init_params(params, group)
+        super().__init__(params, group=group)
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.local_rank = dist.get_rank() % self.local_world if distributed else 0
         self.owner = _assign([s.numel() for s in self._shapes], self.local_world)

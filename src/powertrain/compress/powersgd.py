@@ -209,7 +209,7 @@ class PowerSGDCompressor(Compressor):
         if not isinstance(config, Config):
             raise ValueError(f"config must be a powertrain Config, got {type(config).__name__}")
         self.config = config
-        self._init_params(params, group)
+        super().__init__(params, group=group)
         # Arithmetic and error-buffer dtype: at least float32, float64 when the model is float64. Factors travel
         # in it too unless config.factor_dtype says bf16.
         self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
@@ -329,9 +329,7 @@ class PowerSGDCompressor(Compressor):
         tensors travel in the step's last factor buffer instead of a collective of their own. With ``rows``
         only those rows of each approximation are computed (``P[lo:hi] Q^T``: a rank's FSDP shard).
         """
-        idx = self._resolve(grads, indices)
-        if rows is not None and len(rows) != len(idx):
-            raise ValueError(f"rows= has {len(rows)} ranges for {len(idx)} gradients")
+        idx = self._resolve(grads, indices, rows)
         start = self.config.start_compressing_after_num_steps
         exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
         batches = self._batches(grads, idx, residual_in_grads, rows)
