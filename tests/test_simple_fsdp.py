@@ -25,7 +25,7 @@ from dist_utils import case, guard, run_ranks, value_errors
 from models import Adversarial, batch, loss_fn
 from powertrain.bench.memory import available as heap_available
 from powertrain.bench.memory import heap_in_use
-from powertrain.simple_fsdp import MixedPrecision, data_parallel
+from powertrain.simple_fsdp import data_parallel
 
 STEPS = 6
 EPS32 = torch.finfo(torch.float32).eps
@@ -114,7 +114,7 @@ def _hsdp(rank: int, world: int) -> dict[str, Any]:
 
 
 def _mixed(rank: int, world: int) -> dict[str, Any]:
-    simple = _simple(world, mp_policy=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    simple = _simple(world, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     out = {"simple": _train(simple, rank, steps=4)}
     out["master_dtypes"] = sorted({str(p.dtype) for p in simple.parameters()})
     out["fsdp2"] = _train(_fsdp2(world, mp=MixedPrecisionPolicy(torch.bfloat16, torch.float32)), rank, steps=4)
@@ -277,12 +277,13 @@ def _bad(rank: int, world: int) -> dict[str, str]:
         "mode": lambda: data_parallel(_model(), mesh, mode="zero3"),  # type: ignore[arg-type]
         "hybrid_1d": lambda: data_parallel(_model(), mesh, mode="hybrid_shard"),
         "mesh": lambda: data_parallel(_model(), "cpu"),  # type: ignore[arg-type]
-        "mp": lambda: data_parallel(_model(), mesh, mp_policy=MixedPrecisionPolicy()),  # type: ignore[arg-type]
+        "mp": lambda: data_parallel(_model(), mesh, mp_policy="bf16"),  # type: ignore[arg-type]
         "reshard": lambda: data_parallel(_model(), mesh, reshard_after_forward="yes"),  # type: ignore[arg-type]
         "twice": lambda: data_parallel(data_parallel(_model(), mesh), mesh),
         "dtensor": lambda: data_parallel(_fsdp2(world), mesh),
         "device": lambda: data_parallel(Scaled().to("meta"), mesh),
-        "dtype": lambda: MixedPrecision(param_dtype=torch.int8),
+        "dtype": lambda: data_parallel(_model(), mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int8)),
+        "output": lambda: data_parallel(_model(), mesh, mp_policy=MixedPrecisionPolicy(output_dtype=torch.bfloat16)),
         "bucket_mode": lambda: data_parallel(_model(), mesh, mode="replicate", buckets=[Scaled()]),
         "bucket_foreign": lambda: data_parallel(_model(), mesh, buckets=[nn.Linear(2, 2)]),
     }
@@ -435,7 +436,8 @@ def test_bad_input_refused_with_clear_errors(results):
         "mode": "Invalid mode='zero3'",
         "hybrid_1d": "needs a 2-D mesh",
         "mesh": "pass a DeviceMesh",
-        "mp": "powertrain.simple_fsdp.MixedPrecision",
+        "mp": "use torch.distributed.fsdp.MixedPrecisionPolicy",
+        "output": "SimpleFSDP does not cast outputs",
         "reshard": "reshard_after_forward='yes'",
         "twice": "already applied",
         "dtensor": "already a DTensor",

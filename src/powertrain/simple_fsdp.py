@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
@@ -44,7 +45,6 @@ from powertrain.fsdp import CompressedReduceScatter, QuantizedAllGather, check_s
 from powertrain.ops.flat import shard_rows
 
 __all__ = [
-    "MixedPrecision",
     "checkpoint_gathers",
     "compile_model",
     "data_parallel",
@@ -55,27 +55,6 @@ __all__ = [
 
 Mode = Literal["replicate", "fully_shard", "hybrid_shard"]
 _MODES = ("replicate", "fully_shard", "hybrid_shard")
-
-
-@dataclasses.dataclass(frozen=True)
-class MixedPrecision:
-    """Dtypes of SimpleFSDP's communication and compute; master weights stay in their own dtype.
-
-    Attributes:
-        param_dtype: dtype parameters are gathered in and forward/backward compute in (None: unchanged).
-        reduce_dtype: dtype gradients are reduced in (None: the compute dtype).
-        cast_forward_inputs: cast the floating-point inputs of the model's forward to ``param_dtype``.
-    """
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-                raise ValueError(f"Invalid {name}={value!r}: must be a floating torch.dtype or None")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +81,7 @@ class _Bucket:
     bucketing). Layout as FSDP2's: row ``r`` of the ``(W, S)`` buffer holds rank ``r``'s dim-0 chunk of every
     parameter, each padded to ``ceil(rows / W)`` rows, in parameter order."""
 
-    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, policy: MixedPrecision) -> None:
+    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
         self.params, self.mesh, self.policy = params, mesh, policy
         self.world = mesh.size()
         self.chunk_rows = [shard_rows(p.shape[0], self.world) for p in params]
@@ -282,7 +261,7 @@ def data_parallel(
     mesh: DeviceMesh,
     *,
     mode: Mode = "fully_shard",
-    mp_policy: MixedPrecision | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     buckets: Sequence[nn.Module] = (),
 ) -> nn.Module:
@@ -320,7 +299,7 @@ def _data_parallel(
     mesh: DeviceMesh,
     *,
     mode: Mode = "fully_shard",
-    mp_policy: MixedPrecision | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     buckets: Sequence[nn.Module] = (),
     allow_meta: bool = False,
@@ -330,13 +309,12 @@ def _data_parallel(
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"Invalid mesh={mesh!r}: pass a DeviceMesh (torch.distributed.device_mesh.init_device_mesh)")
     placements = _placements(mode, mesh)
-    if mp_policy is not None and not isinstance(mp_policy, MixedPrecision):
-        raise ValueError(f"Invalid mp_policy={mp_policy!r}: use powertrain.simple_fsdp.MixedPrecision")
+    _check_policy(mp_policy)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"Invalid reshard_after_forward={reshard_after_forward!r}: must be True or False")
     if is_simple_fsdp(model):
         raise ValueError("data_parallel() was already applied to this model (or one of its submodules)")
-    policy = mp_policy or MixedPrecision()
+    policy = mp_policy or MixedPrecisionPolicy()
     gather = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
     owners = _bucket_owners(model, buckets, mode)
     done: dict[int, nn.Parameter] = {}
@@ -367,6 +345,22 @@ def _data_parallel(
     if policy.param_dtype is not None and policy.cast_forward_inputs:
         model.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
     return model
+
+
+def _check_policy(policy: object) -> None:
+    """FSDP2's own :class:`MixedPrecisionPolicy`, with floating dtypes, and no ``output_dtype`` (SimpleFSDP does
+    not cast outputs)."""
+    if policy is None:
+        return
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise ValueError(f"Invalid mp_policy={policy!r}: use torch.distributed.fsdp.MixedPrecisionPolicy")
+    for name in ("param_dtype", "reduce_dtype"):
+        value = getattr(policy, name)
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(f"Invalid mp_policy {name}={value!r}: must be a floating torch.dtype or None")
+    if policy.output_dtype is not None:
+        raise ValueError(f"Invalid mp_policy output_dtype={policy.output_dtype!r}: SimpleFSDP does not cast outputs; "
+                         "leave it None")  # fmt: skip
 
 
 def _bucket_owners(model: nn.Module, buckets: Sequence[nn.Module], mode: Mode) -> dict[int, nn.Module]:
@@ -404,7 +398,7 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def _make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecision,
+def _make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy,
                  reshard: bool) -> None:  # fmt: skip
     members = [m for m in _post_order(owner) if owners.get(id(m)) is owner]
     params: list[nn.Parameter] = []

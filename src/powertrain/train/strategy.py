@@ -164,9 +164,10 @@ class _FSDP(Strategy):
 class _SimpleFSDP(Strategy):
     def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], compiled: bool) -> None:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         from powertrain import simple_fsdp
-        from powertrain.simple_fsdp import MixedPrecision, data_parallel
+        from powertrain.simple_fsdp import data_parallel
 
         exact = name in _REDUCE_DTYPES
         if exact and options:
@@ -190,7 +191,8 @@ class _SimpleFSDP(Strategy):
             buckets = [model]
         if not exact and not buckets:
             raise ValueError(f"compressor={name!r} with simple_fsdp needs eager buckets: not with compile=True")
-        self.model = data_parallel(model, mesh, mp_policy=MixedPrecision(reduce_dtype=reduce_dtype), buckets=buckets)
+        policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+        self.model = data_parallel(model, mesh, mp_policy=policy, buckets=buckets)
         self.stats = CommStats()
         self.state: Any = _NoState()
         if not exact:  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
