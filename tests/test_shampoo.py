@@ -53,7 +53,7 @@ def test_single_process_matches_dense_float64_reference():
     w0 = w.detach().clone()
     # max_preconditioner_dim=9: the 6x9 matrix is one block with two factors (so it is with any larger limit: a
     # matrix is never merged into a vector, unlike in the reference implementation's default)
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 1.0), epsilon=1e-4, precondition_frequency=1,
+    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 1.0), eps=1e-4, precondition_frequency=1,
                              start_preconditioning_step=1, grafting="none", max_preconditioner_dim=9)  # fmt: skip
     g_ = torch.Generator().manual_seed(1)
     grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
@@ -73,7 +73,7 @@ def test_single_process_matches_dense_float64_reference():
 def _dense_grafted(grads: list[torch.Tensor], w0: torch.Tensor, *, graft: str, soap: bool = False) -> torch.Tensor:
     """Shampoo (or SOAP) with every scalar factor in the tensors, float64: filtered gradient
     F = beta1-EMA / (1 - beta1^t); factors beta2-EMA, bias-corrected before their -1/4 roots (spectrum shifted
-    to >= 0, plus epsilon); the graft F / (sqrt(V / c) + eps_g) with V the squared gradient's EMA (adam: c =
+    to >= 0, plus eps); the graft F / (sqrt(V / c) + eps_g) with V the squared gradient's EMA (adam: c =
     1 - beta2_g^t, rmsprop: c = 1) or sum (adagrad), or F (none); from step 3 on (roots every step) the
     direction R_L F R_R (SOAP: Q_L [Q_L^T F Q_R / (sqrt(D / (1 - beta2^t)) + eps)] Q_R^T, in the identity basis
     before) rescaled to the graft's norm unless ``graft == "none"``; W <- (1 - lr wd) W - lr direction."""
@@ -119,8 +119,8 @@ def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 9))
     w0 = w.detach().clone()
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.9, 0.95), epsilon=1e-4, weight_decay=0.01, grafting=graft,
-                             grafting_beta2=0.9, grafting_epsilon=1e-3, precondition_frequency=1,
+    opt = DistributedShampoo([w], lr=0.05, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.01, grafting=graft,
+                             grafting_beta2=0.9, grafting_eps=1e-3, precondition_frequency=1,
                              start_preconditioning_step=3, max_preconditioner_dim=9,
                              preconditioner="eigenvalue_corrected" if soap else "shampoo")  # fmt: skip
     g_ = torch.Generator().manual_seed(1)
@@ -133,7 +133,7 @@ def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference
     ref = _dense_grafted(grads, w0, graft=graft, soap=soap)
     err = (w.detach().double() - ref).norm().item()
     # two roundings of W per step (decay, update), plus twice the reference's divergence under the float32
-    # backward error (see the test above); measured at most 1/3 of the bound (SOAP's epsilon-sized second
+    # backward error (see the test above); measured at most 1/3 of the bound (SOAP's eps-sized second
     # moments amplify most); a bias correction off by 1e-3 relative fails
     diverged = (_dense_grafted(_perturbed(grads), w0, graft=graft, soap=soap) - ref).norm().item()
     bound = EPS32 * sum(norms) + 2 * diverged
@@ -142,7 +142,7 @@ def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference
 
 def _options() -> dict[str, Any]:
     # small blocks so that every parameter has several and ranks share the work; every feature on
-    return dict(lr=1e-2, betas=(0.9, 0.999), epsilon=1e-8, momentum=0.9, nesterov=True, weight_decay=0.01,
+    return dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, momentum=0.9, nesterov=True, weight_decay=0.01,
                 max_preconditioner_dim=8, precondition_frequency=2, start_preconditioning_step=2,
                 grafting="adam")  # fmt: skip
 
@@ -274,7 +274,7 @@ def test_vectors_without_preconditioning_are_adam():
     bias, weight = torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(6, 5))
     twin = torch.nn.Parameter(bias.detach().clone())
     opt = DistributedShampoo([bias, weight], lr=1e-2, betas=(0.9, 0.95), grafting="adam", grafting_beta2=0.95,
-                             grafting_epsilon=1e-8, precondition_frequency=2, max_preconditioner_dim=8,
+                             grafting_eps=1e-8, precondition_frequency=2, max_preconditioner_dim=8,
                              precondition_1d=False)  # fmt: skip
     adam = torch.optim.Adam([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     m_abs, v = torch.zeros(37, dtype=torch.float64), torch.zeros(37, dtype=torch.float64)
@@ -302,7 +302,7 @@ def test_vectors_without_preconditioning_are_adam():
      ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
      ({"preconditioner": "kfac"}, "preconditioner='kfac'"), ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
      ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only"),
-     ({"rel_epsilon": 1.0}, "rel_epsilon=1.0"), ({"rel_epsilon": -1e-7}, "rel_epsilon=-1e-07")],
+     ({"rel_eps": 1.0}, "rel_eps=1.0"), ({"rel_eps": -1e-7}, "rel_eps=-1e-07")],
 )  # fmt: skip
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
@@ -322,6 +322,28 @@ def test_state_of_an_older_layout_refused():
     with pytest.raises(ValueError, match="Not a DistributedShampoo state dict"):
         DistributedShampoo([w]).load_state_dict(torch.optim.AdamW([w]).state_dict())
     DistributedShampoo([w], precondition_frequency=1).load_state_dict(state)  # the current layout loads
+
+
+def test_state_with_the_old_option_names_resumes_bitwise():
+    """State saved while the options were named epsilon / grafting_epsilon (before they followed torch's eps)
+    loads under the new names and the next step is the same bits."""
+    w = torch.nn.Parameter(torch.randn(4, 5))
+    opt = DistributedShampoo([w], precondition_frequency=1, eps=1e-6, grafting_eps=1e-7)
+    for step in range(2):
+        w.grad = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    for group in state["param_groups"]:
+        group["epsilon"], group["grafting_epsilon"] = group.pop("eps"), group.pop("grafting_eps")
+    w2 = torch.nn.Parameter(w.detach().clone())
+    fresh = DistributedShampoo([w2], precondition_frequency=1)  # the defaults: the state's values must win
+    fresh.load_state_dict(state)
+    assert fresh.param_groups[0]["eps"] == 1e-6 and fresh.param_groups[0]["grafting_eps"] == 1e-7
+    for p in (w, w2):
+        p.grad = torch.randn(4, 5, generator=torch.Generator().manual_seed(2))
+    opt.step()
+    fresh.step()
+    assert torch.equal(w, w2)
 
 
 def test_root_failures_are_counted_warned_once_and_survive_state_dict(monkeypatch):
@@ -415,7 +437,7 @@ def test_eigenvalue_corrected_matches_dense_float64_reference():
     w0 = w.detach().clone()
     # start at step 3: by then both factors have full rank. Earlier, SOAP's first (sign-like, Adam's first
     # step) update would amplify float32 round-off in the right factor's null space into O(1) steps.
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 0.95), epsilon=1e-8, precondition_frequency=1,
+    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 0.95), eps=1e-8, precondition_frequency=1,
                              start_preconditioning_step=3, grafting="none", max_preconditioner_dim=9,
                              preconditioner="eigenvalue_corrected")  # fmt: skip
     g_ = torch.Generator().manual_seed(1)
@@ -442,7 +464,7 @@ def test_exponent_multiplier_changes_the_root():
     outs = {}
     for mult in (1.0, 2.0):
         w = torch.nn.Parameter(torch.zeros(4, 5))
-        opt = DistributedShampoo([w], lr=1.0, betas=(0.0, 1.0), epsilon=1e-6, precondition_frequency=1,
+        opt = DistributedShampoo([w], lr=1.0, betas=(0.0, 1.0), eps=1e-6, precondition_frequency=1,
                                  start_preconditioning_step=1, grafting="none", max_preconditioner_dim=5,
                                  exponent_multiplier=mult)  # fmt: skip
         w.grad = g.clone()
@@ -465,7 +487,7 @@ def test_exponent_multiplier_changes_the_root():
         left, right = gd @ gd.T, gd.T @ gd
         ref = power(left, e) @ gd @ power(right, e)
         # R = G^T G (5 x 5) has rank 4: eigh's error leaves G a component along R's computed null vector, which
-        # the root scales by epsilon^e (1e3 for e = -1/2). Bound: 4x the largest change that 4 random backward
+        # the root scales by eps^e (1e3 for e = -1/2). Bound: 4x the largest change that 4 random backward
         # errors cause in the float64 formula (their spread is ~4x), plus the products' rounding; measured at
         # most 0.81 of the largest change (1/5 of the bound)
         diverged = max((power(nudged(left), e) @ gd @ power(nudged(right), e) - ref).norm().item() for _ in range(4))
@@ -478,7 +500,7 @@ def test_exponent_multiplier_changes_the_root():
 
 
 def _sharded_options(preconditioner: str) -> dict[str, Any]:
-    return {**_options(), "preconditioner": preconditioner, "epsilon": 1e-8}
+    return {**_options(), "preconditioner": preconditioner, "eps": 1e-8}
 
 
 def sharded_cases(rank: int, world: int) -> dict[str, Any]:

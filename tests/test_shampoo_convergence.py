@@ -103,7 +103,7 @@ def test_mlp_with_correlated_inputs_beats_adamw():
 def test_rank_deficient_vector_factor_is_not_round_off(root_method):
     """One step after a few gradients in a 2-D subspace of a 256-vector: the 256 x 256 factor has rank 2 and 254
     round-off eigenvalues. The preconditioned direction must stay in that subspace (full-matrix AdaGrad on the seen
-    directions), not be the round-off amplified by epsilon^(-1/2) that the reference implementation's rule gives
+    directions), not be the round-off amplified by eps^(-1/2) that the reference implementation's rule gives
     (the cause of issue 19)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)

@@ -30,15 +30,15 @@ def _backward_error(a: torch.Tensor, unit: float = EPS32) -> float:
     return math.sqrt(a.shape[0]) * unit * torch.linalg.matrix_norm(a.double()).item()
 
 
-def _root_error(a: torch.Tensor, root: int, epsilon: float, backward: float) -> float:
-    """First-order bound on the relative Frobenius error of a computed ``(a + epsilon I)^(-1/root)`` whose
-    decomposition is exact for ``a + E``, ``||E||_F <= backward``: ``f(l) = (l + epsilon)^(-1/root)`` moves by at
+def _root_error(a: torch.Tensor, root: int, eps: float, backward: float) -> float:
+    """First-order bound on the relative Frobenius error of a computed ``(a + eps I)^(-1/root)`` whose
+    decomposition is exact for ``a + E``, ``||E||_F <= backward``: ``f(l) = (l + eps)^(-1/root)`` moves by at
     most ``|f'(l_min)| ||E||_F`` (Daleckii-Krein, symmetric matrices), twice that when round-off can make the
     smallest eigenvalue negative (``l_min <= ||E||``): the spectrum is then shifted by up to ``||E||`` as well."""
     vals = torch.linalg.eigvalsh(a.double()).clamp_min(0)
     shifted = 2.0 if vals.min().item() <= backward else 1.0
-    lam = vals.min().item() + epsilon
-    f_norm = ((vals + epsilon) ** (-1.0 / root)).norm().item()
+    lam = vals.min().item() + eps
+    f_norm = ((vals + eps) ** (-1.0 / root)).norm().item()
     return shifted * lam ** (-1.0 / root - 1) / root * backward / f_norm
 
 
@@ -53,10 +53,10 @@ def _gram_bound(grams_abs: torch.Tensor, terms: int) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["eigh", "newton"])
 def test_inverse_root_matches_float64_reference(root, method):
     a = _psd(24)
-    x = inverse_root(a.float(), root, epsilon=1e-3, method=method)
+    x = inverse_root(a.float(), root, eps=1e-3, method=method)
     ref = _reference(a.float(), root, 1e-3)
     assert x.dtype == torch.float32
-    # relative Frobenius error: first-order perturbation of the root (condition number 2.3e3 with epsilon) under
+    # relative Frobenius error: first-order perturbation of the root (condition number 2.3e3 with eps) under
     # float32 eigh's backward error (Newton's stable coupled products round no worse, and its stopping rule
     # ||M - I||_inf < 1e-6 is below that); measured at most 1/16 of the bound over 7 CPU code paths
     err = (torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)).item()
@@ -71,9 +71,9 @@ def test_inverse_root_matches_float64_reference(root, method):
 
 def test_rank_deficient_matrix_uses_epsilon_and_stays_finite():
     """A rank-3 16x16 factor: 13 zero eigenvalues, which float32 eigh returns as +-1e-7 noise (the spectrum is
-    shifted so the smallest is 0); epsilon 1e-4 dominates that noise, so the root is accurate to ~1e-3 relative."""
+    shifted so the smallest is 0); eps 1e-4 dominates that noise, so the root is accurate to ~1e-3 relative."""
     a = _psd(16, rank=3)
-    x = inverse_root(a.float(), 4, epsilon=1e-4)
+    x = inverse_root(a.float(), 4, eps=1e-4)
     assert torch.isfinite(x).all()
     ref = _reference(a.float(), 4, 1e-4)
     err = (torch.linalg.matrix_norm(x.double() - ref) / torch.linalg.matrix_norm(ref)).item()
@@ -97,7 +97,7 @@ def test_newton_without_convergence_raises():
     ("kwargs", "message"),
     [
         ({"root": 0}, "root=0"),
-        ({"root": 2, "epsilon": -1.0}, "epsilon=-1.0"),
+        ({"root": 2, "eps": -1.0}, "eps=-1.0"),
         ({"root": 2, "method": "svd"}, "method='svd'"),
     ],
 )
@@ -161,7 +161,7 @@ def test_preconditioner_matches_dense_float64_shampoo_on_a_matrix():
     right_abs = sum(g.double().abs().T @ g.double().abs() for g in grads)
     assert ((factors[0].double() - left).abs() <= _gram_bound(left_abs, 9 + 5)).all()
     assert ((factors[1].double() - right).abs() <= _gram_bound(right_abs, 6 + 5)).all()
-    roots = inverse_roots(factors, epsilon=1e-6)
+    roots = inverse_roots(factors, eps=1e-6)
     out = precondition(grads[-1], roots).double()
     ref_roots = [_reference(left, 4, 1e-6), _reference(right, 4, 1e-6)]
     ref = ref_roots[0] @ grads[-1].double() @ ref_roots[1]
@@ -220,7 +220,7 @@ def test_preconditioner_order3_and_ema():
         # a u.shape[1]-term product and 2 roundings (scale, sum) per update, as in the matrix test above
         ref_abs = (0.1 * 0.9 + 0.1) * (u.abs() @ u.abs().T)
         assert ((f.double() - (0.1 * 0.9 + 0.1) * (u @ u.T)).abs() <= _gram_bound(ref_abs, u.shape[1] + 4)).all()
-    roots = inverse_roots(factors, epsilon=1e-6)
+    roots = inverse_roots(factors, eps=1e-6)
     out = precondition(g, roots).double()
     r = [_reference(f.double(), 6, 1e-6) for f in factors]
     ref = torch.einsum("abc,ai,bj,ck->ijk", gd, r[0], r[1], r[2])
@@ -237,13 +237,13 @@ def test_preconditioner_order3_and_ema():
 def test_round_off_negative_eigenvalues_shift_the_spectrum():
     """A rank-deficient factor whose round-off makes an eigenvalue negative: the spectrum is shifted so the
     smallest is 0 (the reference implementation's rule), so that direction is treated like the other null
-    direction instead of being amplified to epsilon^(-1/p) while its twin stays at ~|round-off|^(-1/p)."""
+    direction instead of being amplified to eps^(-1/p) while its twin stays at ~|round-off|^(-1/p)."""
     from powertrain.optim.shampoo.matrix import inverse_root
 
     q, _ = torch.linalg.qr(torch.randn(4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
     vals = torch.tensor([-1e-9, 1e-9, 2.0, 5.0], dtype=torch.float64)
     a = q @ torch.diag(vals) @ q.T
-    out = inverse_root(a, 4, epsilon=1e-6)
+    out = inverse_root(a, 4, eps=1e-6)
     shifted = vals + 1e-9 + 1e-6
     expect = q @ torch.diag(shifted**-0.25) @ q.T
     # float64: eigh's backward error and a's own 4-term rounding, through the first-order bound at l_min = 0
@@ -254,26 +254,26 @@ def test_round_off_negative_eigenvalues_shift_the_spectrum():
 
 
 @pytest.mark.parametrize(
-    ("epsilon", "rel_epsilon", "damping"),
+    ("eps", "rel_eps", "damping"),
     [(1e-12, None, 2.0 * 2.0**-23), (1e-3, None, 1e-3), (1e-12, 0.0, 1e-12), (1e-12, 1e-4, 2e-4)],
 )
-def test_damping_is_epsilon_or_the_round_off_floor(epsilon, rel_epsilon, damping):
-    """Eigenvalues get max(epsilon, rel_epsilon * lambda_max) after the round-off shift; by default rel_epsilon is the
+def test_damping_is_epsilon_or_the_round_off_floor(eps, rel_eps, damping):
+    """Eigenvalues get max(eps, rel_eps * lambda_max) after the round-off shift; by default rel_eps is the
     dtype's unit round-off (float32: 2^-23), below which a float32 factor's eigenvalues are round-off. A diagonal
     factor (exact eigendecomposition) checks the rule itself; the spectrum's -1e-10 shifts it by 1e-10."""
     vals = torch.tensor([2.0, 1e-3, 1e-9, 0.0, -1e-10])
-    out = inverse_root(torch.diag(vals), 2, epsilon=epsilon, rel_epsilon=rel_epsilon)
+    out = inverse_root(torch.diag(vals), 2, eps=eps, rel_eps=rel_eps)
     expect = (vals.double() + 1e-10 + damping) ** -0.5
     torch.testing.assert_close(out.diagonal().double(), expect, rtol=1e-6, atol=0.0)
-    if rel_epsilon != 0.0:  # newton damps by the Frobenius norm, here lambda_max (one dominant eigenvalue) to 1e-6
-        newton = inverse_root(torch.diag(vals.clamp(min=0)), 2, epsilon=epsilon, rel_epsilon=rel_epsilon,
+    if rel_eps != 0.0:  # newton damps by the Frobenius norm, here lambda_max (one dominant eigenvalue) to 1e-6
+        newton = inverse_root(torch.diag(vals.clamp(min=0)), 2, eps=eps, rel_eps=rel_eps,
                               method="newton")  # fmt: skip
         torch.testing.assert_close(newton.diagonal().double(), (vals.double().clamp(min=0) + damping) ** -0.5,
                                    rtol=1e-3, atol=0.0)  # fmt: skip
 
 
 def test_newton_takes_a_rank_deficient_factor_with_round_off_negative_eigenvalues():
-    """The coupled Newton iteration diverges on a negative eigenvalue: with epsilon alone (1e-12) a float32 factor
+    """The coupled Newton iteration diverges on a negative eigenvalue: with eps alone (1e-12) a float32 factor
     of 3 gradients (rank 3, round-off eigenvalues of either sign) fails, also in float64; the round-off floor makes
     it positive definite, and the iteration converges in float32 to the root on the factor's range (measured
     relative error 5e-3: float32 at a condition number of ~1e7; eigh: 6e-4)."""
@@ -284,8 +284,8 @@ def test_newton_takes_a_rank_deficient_factor_with_round_off_negative_eigenvalue
     vals, vecs = torch.linalg.eigh(a.double())
     ref = vecs[:, -3:] @ torch.diag(vals[-3:] ** -0.5) @ vecs[:, -3:].T @ u.double()  # the root on the range
     assert torch.linalg.matrix_norm(out.double() - ref) < 5e-2 * torch.linalg.matrix_norm(ref)
-    with pytest.raises(ValueError, match=r"rel_epsilon=-1\.0"):
-        inverse_root(a, 2, rel_epsilon=-1.0)
+    with pytest.raises(ValueError, match=r"rel_eps=-1\.0"):
+        inverse_root(a, 2, rel_eps=-1.0)
 
 
 def test_float64_parameters_are_optimised_in_float64():

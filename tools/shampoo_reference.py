@@ -60,11 +60,11 @@ __all__ = ["Case", "compare", "default_cases", "load_reference", "markdown", "re
 #: Found by reading both implementations (as of the recorded reference commit); each is visible in a row of the
 #: agreement table or set equal in its runs. powertrain's side of each is a test (tests/test_shampoo_math.py).
 DESIGN_DIFFERENCES: list[str] = [
-    "Damping of the factors' eigenvalues: powertrain adds max(epsilon, rel_epsilon * lambda_max) with rel_epsilon "
+    "Damping of the factors' eigenvalues: powertrain adds max(eps, rel_eps * lambda_max) with rel_eps "
     "defaulting to the factor dtype's unit round-off (float32: 1.2e-7); the reference damps by epsilon alone unless "
     "told otherwise. With float32 factors and epsilon 1e-12, a rank-deficient factor's round-off eigenvalues weigh up "
     "to epsilon^(-1/2k) in the root, and the preconditioned direction can be mostly round-off (issue 19). The "
-    "agreement runs set powertrain's rel_epsilon=0.",
+    "agreement runs set powertrain's rel_eps=0.",
     "Factor bias correction: both divide the factors by 1 - beta2^t before the root (powertrain's "
     "bias_correction=True, the reference's use_bias_correction=True); the reference flag also switches the bias "
     "correction of the filtered gradient, which powertrain always applies (equal with beta1 = 0 or the flag on).",
@@ -170,15 +170,14 @@ def reference_version(ref: Any, commit: str | None = None) -> dict[str, str]:
 
 
 def powertrain_optimizer(params: Any, case: Case) -> DistributedShampoo:
-    # only passed when not the default, so this also runs against a DistributedShampoo without the option
-    extra: dict[str, Any] = {} if case.preconditioner == "shampoo" else {"preconditioner": case.preconditioner}
-    if case.preconditioner == "shampoo" and "rel_epsilon" in inspect.signature(DistributedShampoo).parameters:
-        extra["rel_epsilon"] = 0.0  # the reference damps by epsilon alone
+    extra: dict[str, Any] = {"preconditioner": case.preconditioner}
+    if case.preconditioner == "shampoo":
+        extra["rel_eps"] = 0.0  # the reference damps by epsilon alone
     return DistributedShampoo(
-        params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, momentum=case.momentum,
+        params, lr=case.lr, betas=case.betas, eps=case.epsilon, momentum=case.momentum,
         weight_decay=case.weight_decay, max_preconditioner_dim=case.max_preconditioner_dim,
         precondition_frequency=case.precondition_frequency, start_preconditioning_step=case.precondition_frequency,
-        grafting=case.grafting, grafting_beta2=case.grafting_beta2, grafting_epsilon=case.grafting_epsilon,
+        grafting=case.grafting, grafting_beta2=case.grafting_beta2, grafting_eps=case.grafting_epsilon,
         **extra,
     )  # fmt: skip
 

@@ -1,15 +1,9 @@
-"""powertrain: communication- and memory-efficient distributed training for PyTorch."""
+"""powertrain: communication- and memory-efficient distributed training for PyTorch.
 
-from powertrain.comm import CommStats, Communicator
-from powertrain.compress import Compressor, NonFiniteGradientError, PowerSGDCompressor
-from powertrain.compress.powersgd import Config
+Each concept has one home (README, "Public API"): ``powertrain.compress`` (compressors, ``make_compressor``),
+``powertrain.powersgd`` (the reference-compatible PowerSGD API and its ``Config``), ``powertrain.ddp`` /
+``powertrain.fsdp`` / ``powertrain.simple_fsdp`` (where compressors plug in), ``powertrain.rtp`` and
+``powertrain.tp`` (tensor parallelism), ``powertrain.optim`` (optimizers), ``powertrain.checkpoint``.
+"""
 
-__all__ = [
-    "CommStats",
-    "Communicator",
-    "Compressor",
-    "Config",
-    "NonFiniteGradientError",
-    "PowerSGDCompressor",
-]
 __version__ = "0.1.0"

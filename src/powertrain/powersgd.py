@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator
-from powertrain.compress.base import NonFiniteGradientError, check_state_tensors, run_program
+from powertrain.compress.base import check_state_tensors, run_program
 from powertrain.compress.powersgd import Config, PowerSGDCompressor
 from powertrain.ops.flat import flat_views, pack
 
-__all__ = ["Aggregator", "AllReduce", "Config", "NonFiniteGradientError", "PowerSGD", "optimizer_step"]
+__all__ = ["Aggregator", "AllReduce", "Config", "PowerSGD", "optimizer_step"]
 
 
 class Aggregator(abc.ABC):

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from powertrain.bench import sidebyside
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
-from powertrain.compress import Config, PowerSGDCompressor
+from powertrain.compress import PowerSGDCompressor
+from powertrain.compress.powersgd import Config
 from powertrain.train.launch import launch, leave_world
 from powertrain.train.model import GPT, GPTConfig
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from powertrain.compress.base import Compressor, NonFiniteGradientError
 from powertrain.compress.exact import AllReduceCompressor
 from powertrain.compress.hierarchical import HierarchicalCompressor
-from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_config
+from powertrain.compress.powersgd import PowerSGDCompressor, recommended_config
 from powertrain.compress.quantize import QuantizedCompressor
 from powertrain.compress.sign import SignCompressor
 from powertrain.compress.sparse import RandomKCompressor, TopKCompressor
@@ -23,7 +23,6 @@ __all__ = [
     "COMPRESSORS",
     "AllReduceCompressor",
     "Compressor",
-    "Config",
     "HierarchicalCompressor",
     "NonFiniteGradientError",
     "PowerSGDCompressor",

@@ -86,7 +86,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             # (beta2 0.95, DistributedShampoo's default): on runs this short a 0.999 average still mostly holds
             # the first steps' gradients
             shampoo = DistributedShampoo(
-                params, lr=cfg.lr, betas=(0.9, 0.95), epsilon=eps, weight_decay=cfg.weight_decay,
+                params, lr=cfg.lr, betas=(0.9, 0.95), eps=eps, weight_decay=cfg.weight_decay,
                 max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency,
                 grafting="adam", grafting_beta2=0.95, preconditioner=cfg.shampoo_preconditioner,
                 comm_dtype=torch.bfloat16 if cfg.shampoo_comm_dtype == "bf16" else torch.float32,

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import CommStats
-from powertrain.compress import Compressor, Config, make_compressor
+from powertrain.compress import Compressor, make_compressor
+from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
 from powertrain.train.config import Parallel

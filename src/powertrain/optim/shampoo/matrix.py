@@ -1,12 +1,12 @@
 """Matrix functions of Shampoo's factor statistics: pure functions on tensors, no process group.
 
 ``inverse_root(A, p)`` computes ``(A + d I)^(-1/p)`` for a symmetric positive semi-definite ``A`` (n x n), with the
-damping ``d = max(epsilon, rel_epsilon * lambda_max(A))``: ``epsilon`` in ``A``'s units, ``rel_epsilon`` relative to
-its largest eigenvalue. By default ``rel_epsilon`` is a round-off floor, ``FLOOR * u`` with ``u`` the unit round-off
+damping ``d = max(eps, rel_eps * lambda_max(A))``: ``eps`` in ``A``'s units, ``rel_eps`` relative to
+its largest eigenvalue. By default ``rel_eps`` is a round-off floor, ``FLOOR * u`` with ``u`` the unit round-off
 of ``A``'s dtype (float32: 1.2e-7): accumulating ``A`` and decomposing it each leave errors of about
 ``u lambda_max``, of either sign, so eigenvalues below that are not resolved and their eigenvectors are round-off.
-An absolute epsilon far below it (Shampoo's customary 1e-12 is, for any factor whose eigenvalues exceed 1e-5)
-would weight those directions by up to ``epsilon^(-1/p)`` against ``lambda_max^(-1/p)`` for the informative
+An absolute eps far below it (Shampoo's customary 1e-12 is, for any factor whose eigenvalues exceed 1e-5)
+would weight those directions by up to ``eps^(-1/p)`` against ``lambda_max^(-1/p)`` for the informative
 ones, and the preconditioned direction of a rank-deficient factor (fewer gradients seen than its dimension:
 every factor early on, a vector's full-matrix factor for ``n`` steps) would be mostly round-off.
 
@@ -34,7 +34,7 @@ __all__ = ["FLOOR", "RootFailure", "eigenvectors", "inverse_root"]
 
 Method = Literal["eigh", "newton"]
 
-#: The default ``rel_epsilon`` in units of the factor dtype's unit round-off (see the module docstring).
+#: The default ``rel_eps`` in units of the factor dtype's unit round-off (see the module docstring).
 FLOOR = 1.0
 
 
@@ -49,24 +49,24 @@ def _finite(a: torch.Tensor) -> bool:
     return bool(torch.isfinite(a.sum(dtype=torch.float64)))
 
 
-def _eigh_root(a: torch.Tensor, root: float, epsilon: float, rel_epsilon: float) -> torch.Tensor:
+def _eigh_root(a: torch.Tensor, root: float, eps: float, rel_eps: float) -> torch.Tensor:
     vals, vecs = torch.linalg.eigh(a)
     # A is PSD in exact arithmetic. Round-off can make its smallest eigenvalues negative: shift the whole
     # spectrum so the smallest is 0 (as the reference implementation does) rather than clipping each to 0,
     # which would leave round-off-negative directions apart from their round-off-positive twins; the floor then
     # lifts every round-off eigenvalue to the same order (see the module docstring)
-    damping = (rel_epsilon * vals[-1]).clamp(min=epsilon)
+    damping = (rel_eps * vals[-1]).clamp(min=eps)
     vals = vals - vals[0].clamp(max=0.0) + damping
     return (vecs * vals.pow(-1.0 / root).unsqueeze(-2)) @ vecs.mT
 
 
-def _newton_root(a: torch.Tensor, root: int, epsilon: float, rel_epsilon: float, max_iters: int,
+def _newton_root(a: torch.Tensor, root: int, eps: float, rel_eps: float, max_iters: int,
                  tol: float) -> torch.Tensor:  # fmt: skip
     n = a.shape[-1]
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
     # ||A||_F bounds lambda_max from above; the floor also makes a factor with round-off-negative eigenvalues
     # (which the iteration cannot take) positive definite
-    a = a + (rel_epsilon * torch.linalg.matrix_norm(a)).clamp(min=epsilon) * eye
+    a = a + (rel_eps * torch.linalg.matrix_norm(a)).clamp(min=eps) * eye
     z = (1 + root) / (2 * torch.linalg.matrix_norm(a))  # scales the spectrum into the iteration's basin
     x = eye * z.pow(1.0 / root)
     m = a * z
@@ -83,34 +83,34 @@ def inverse_root(
     a: torch.Tensor,
     root: int,
     *,
-    epsilon: float = 1e-12,
-    rel_epsilon: float | None = None,
+    eps: float = 1e-12,
+    rel_eps: float | None = None,
     method: Method = "eigh",
     retry_float64: bool = True,
     max_iters: int = 100,
     tol: float = 1e-6,
 ) -> torch.Tensor:
-    """``(a + max(epsilon, rel_epsilon lambda_max(a)) I)^(-1/root)`` of a symmetric PSD matrix ``a`` (n x n), in
+    """``(a + max(eps, rel_eps lambda_max(a)) I)^(-1/root)`` of a symmetric PSD matrix ``a`` (n x n), in
     ``a``'s dtype.
 
     Args:
-        epsilon: absolute damping, in ``a``'s units.
-        rel_epsilon: damping relative to ``a``'s largest eigenvalue (``newton``: to ``||a||_F``, an upper bound);
+        eps: absolute damping, in ``a``'s units.
+        rel_eps: damping relative to ``a``'s largest eigenvalue (``newton``: to ``||a||_F``, an upper bound);
             None: :data:`FLOOR` times the unit round-off of ``a``'s dtype (see the module docstring); 0: none.
 
     Raises:
-        ValueError: bad arguments (not square, root < 1, epsilon < 0, rel_epsilon < 0, unknown method).
+        ValueError: bad arguments (not square, root < 1, eps < 0, rel_eps < 0, unknown method).
         RootFailure: non-finite input, or the computation failed (also after the float64 retry).
     """
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(f"inverse_root needs a square matrix, got shape {tuple(a.shape)}")
     check_int("root", root, 1)
-    if not epsilon >= 0:
-        raise ValueError(f"Invalid epsilon={epsilon!r}: must be >= 0")
-    if rel_epsilon is None:
-        rel_epsilon = FLOOR * torch.finfo(a.dtype).eps
-    elif not rel_epsilon >= 0:
-        raise ValueError(f"Invalid rel_epsilon={rel_epsilon!r}: must be >= 0 (None: the dtype's round-off floor)")
+    if not eps >= 0:
+        raise ValueError(f"Invalid eps={eps!r}: must be >= 0")
+    if rel_eps is None:
+        rel_eps = FLOOR * torch.finfo(a.dtype).eps
+    elif not rel_eps >= 0:
+        raise ValueError(f"Invalid rel_eps={rel_eps!r}: must be >= 0 (None: the dtype's round-off floor)")
     if method not in ("eigh", "newton"):
         raise ValueError(f"Invalid method={method!r}: choose eigh or newton")
     if not _finite(a):
@@ -120,9 +120,9 @@ def inverse_root(
         x = a.to(dtype)
         try:
             if method == "eigh":
-                out = _eigh_root(x, root, epsilon, rel_epsilon)
+                out = _eigh_root(x, root, eps, rel_eps)
             else:
-                out = _newton_root(x, root, epsilon, rel_epsilon, max_iters, tol)
+                out = _newton_root(x, root, eps, rel_eps, max_iters, tol)
         except (torch.linalg.LinAlgError, RootFailure):
             continue
         if _finite(out):

@@ -132,14 +132,14 @@ class DistributedShampoo(torch.optim.Optimizer):
             default beta2 0.95 (and ``grafting_beta2``'s) averages over the horizon of ``powertrain train``'s AdamW:
             on the default GPT it trained to a clearly lower loss than 0.999, and so it did on issue 19's
             ill-conditioned least squares and MLP under a cosine schedule (``tests/test_shampoo_convergence.py``).
-        epsilon: Shampoo: the smallest damping added to every eigenvalue of a (bias-corrected) factor before its
+        eps: Shampoo: the smallest damping added to every eigenvalue of a (bias-corrected) factor before its
             inverse root, in the factor's units: squared gradient entries summed over the other dimensions
-            (``(L + delta I)^(-1/2k)``, ``delta = max(epsilon, rel_epsilon * lambda_max(L))``). It bounds the
+            (``(L + delta I)^(-1/2k)``, ``delta = max(eps, rel_eps * lambda_max(L))``). It bounds the
             weight of a direction the statistics have (almost) not seen to ``delta^(-1/2k)``. Eigenvalue-corrected:
-            added to the root of the corrected eigenvalues, like Adam's epsilon (use e.g. 1e-8 there).
-        rel_epsilon: Shampoo: damping relative to each factor's largest eigenvalue (see ``epsilon``); None (the
+            added to the root of the corrected eigenvalues, like Adam's eps (use e.g. 1e-8 there).
+        rel_eps: Shampoo: damping relative to each factor's largest eigenvalue (see ``eps``); None (the
             default): the unit round-off of the factors' dtype (float32: 1.2e-7), below which eigenvalues are
-            round-off (:mod:`.matrix`); 0: epsilon alone (the reference implementation's rule, whose
+            round-off (:mod:`.matrix`); 0: eps alone (the reference implementation's rule, whose
             preconditioned direction can then be mostly round-off on a rank-deficient factor). Not used by the
             eigenvalue-corrected preconditioner.
         momentum, nesterov: heavy-ball momentum on the final direction.
@@ -148,14 +148,14 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_frequency: steps between inverse-root computations.
         start_preconditioning_step: first step that uses Shampoo's direction (default: the frequency).
         grafting: step-size source: ``adam``, ``rmsprop``, ``adagrad`` or ``none``.
-        grafting_beta2, grafting_epsilon: the grafting method's second-moment EMA and epsilon.
+        grafting_beta2, grafting_eps: the grafting method's second-moment EMA and eps.
         root_method: ``eigh`` (float64 retry) or ``newton`` (coupled Newton iteration).
         exponent_multiplier: scales the inverse root's exponent ``-1/(2k)`` (the reference implementation's
             option; e.g. 2 with a matrix gives ``-1/2``); must give an integer root. Shampoo preconditioner only.
         preconditioner: ``shampoo`` (inverse roots of the factors) or ``eigenvalue_corrected`` (SOAP: Adam in
             the factors' eigenbasis; in the identity basis until the first eigenbasis).
         bias_correction: with ``betas[1] < 1``, divide the factors by ``1 - betas[1]^t`` before their roots (the
-            reference implementation's default); grafting removes the scale, but not epsilon's relative weight.
+            reference implementation's default); grafting removes the scale, but not eps's relative weight.
         max_root_failures: failed root computations tolerated per block before it uses the graft for good.
             Failures are counted (:meth:`root_stats`) and the first one, and the first block given up, warn.
         precondition_1d: precondition vector blocks (1-D parameters such as biases and norm gains, and parameters
@@ -173,7 +173,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         params: Iterable[Any],
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.95),
-        epsilon: float = 1e-12,
+        eps: float = 1e-12,
         momentum: float = 0.0,
         nesterov: bool = False,
         weight_decay: float = 0.0,
@@ -182,7 +182,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         start_preconditioning_step: int | None = None,
         grafting: Grafting = "adam",
         grafting_beta2: float = 0.95,
-        grafting_epsilon: float = 1e-8,
+        grafting_eps: float = 1e-8,
         root_method: Method = "eigh",
         exponent_multiplier: float = 1.0,
         preconditioner: Preconditioner = "shampoo",
@@ -191,15 +191,15 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_1d: bool = True,
         group: dist.ProcessGroup | None = None,
         comm_dtype: torch.dtype = torch.float32,
-        rel_epsilon: float | None = None,
+        rel_eps: float | None = None,
     ) -> None:
         checks = [
             ("lr", lr, lr > 0, "> 0"), ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
-            ("betas[1]", betas[1], 0 < betas[1] <= 1, "in (0, 1]"), ("epsilon", epsilon, epsilon > 0, "> 0"),
+            ("betas[1]", betas[1], 0 < betas[1] <= 1, "in (0, 1]"), ("eps", eps, eps > 0, "> 0"),
             ("momentum", momentum, 0 <= momentum < 1, "in [0, 1)"),
             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
             ("grafting_beta2", grafting_beta2, 0 < grafting_beta2 <= 1, "in (0, 1]"),
-            ("grafting_epsilon", grafting_epsilon, grafting_epsilon > 0, "> 0"),
+            ("grafting_eps", grafting_eps, grafting_eps > 0, "> 0"),
             ("max_root_failures", max_root_failures, max_root_failures >= 0, ">= 0"),
         ]  # fmt: skip
         for name, value, ok, want in checks:
@@ -222,30 +222,30 @@ class DistributedShampoo(torch.optim.Optimizer):
                 f"exponent_multiplier={exponent_multiplier!r} applies to preconditioner='shampoo' only (the "
                 "eigenvalue-corrected preconditioner always takes the square root of its second moment)"
             )
-        if rel_epsilon is not None and not (isinstance(rel_epsilon, int | float) and 0 <= rel_epsilon < 1):
+        if rel_eps is not None and not (isinstance(rel_eps, int | float) and 0 <= rel_eps < 1):
             raise ValueError(
-                f"Invalid rel_epsilon={rel_epsilon!r}: must be in [0, 1) (a fraction of the largest eigenvalue), or "
+                f"Invalid rel_eps={rel_eps!r}: must be in [0, 1) (a fraction of the largest eigenvalue), or "
                 "None for the factors' round-off floor"
             )
-        if rel_epsilon is not None and preconditioner != "shampoo":
+        if rel_eps is not None and preconditioner != "shampoo":
             warnings.warn(
-                f"rel_epsilon={rel_epsilon!r} has no effect with preconditioner={preconditioner!r} (it damps "
-                "Shampoo's inverse roots; the eigenvalue-corrected preconditioner uses epsilon alone)",
+                f"rel_eps={rel_eps!r} has no effect with preconditioner={preconditioner!r} (it damps "
+                "Shampoo's inverse roots; the eigenvalue-corrected preconditioner uses eps alone)",
                 stacklevel=2,
             )
         if nesterov and momentum == 0:
             raise ValueError("nesterov=True needs momentum > 0")
         if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"Invalid comm_dtype={comm_dtype!r}: a floating dtype")
-        defaults = dict(lr=lr, betas=betas, epsilon=epsilon, momentum=momentum, nesterov=nesterov,
+        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov,
                         weight_decay=weight_decay, grafting=grafting, grafting_beta2=grafting_beta2,
-                        grafting_epsilon=grafting_epsilon)  # fmt: skip
+                        grafting_eps=grafting_eps)  # fmt: skip
         super().__init__(params, defaults)
         self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
-        self.rel_epsilon = None if rel_epsilon is None else float(rel_epsilon)
+        self.rel_eps = None if rel_eps is None else float(rel_eps)
         what = "eigenbasis" if preconditioner == "eigenvalue_corrected" else "inverse roots"
         self._root_counter = RootCounter(what, max_root_failures)
         self._params = [p for g in self.param_groups for p in g["params"]]
@@ -292,8 +292,8 @@ class DistributedShampoo(torch.optim.Optimizer):
     def _graft(self, st: dict[str, Any], g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any],
                step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
         """The grafting direction as ``(t, c)`` with direction ``= c * t``, given the filtered gradient as
-        ``scale * numer``: ``numer`` over the root of the raw gradient's second moment (plus epsilon)."""
-        grafting, eps = group["grafting"], group["grafting_epsilon"]
+        ``scale * numer``: ``numer`` over the root of the raw gradient's second moment (plus eps)."""
+        grafting, eps = group["grafting"], group["grafting_eps"]
         if grafting == "none":
             return numer, scale
         if "graft" not in st:
@@ -345,9 +345,9 @@ class DistributedShampoo(torch.optim.Optimizer):
                 else:
                     factors = st["factors"]
                     if self.bias_correction and beta2 < 1.0:
-                        # the EMA's bias correction: it sets epsilon's weight against the statistics early on
+                        # the EMA's bias correction: it sets eps's weight against the statistics early on
                         factors = [f / (1.0 - beta2**step) for f in factors]
-                    st["roots"] = inverse_roots(factors, epsilon=group["epsilon"], rel_epsilon=self.rel_epsilon,
+                    st["roots"] = inverse_roots(factors, eps=group["eps"], rel_eps=self.rel_eps,
                                                 method=self.root_method,
                                                 exponent_multiplier=self.exponent_multiplier)  # fmt: skip
             except RootFailure as e:
@@ -374,9 +374,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             return _scaled(graft, graft_scale, out)
         if corrected:
             bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
-            # the epsilon compares with the scaled gradient's root second moment, so the filter's scale stays in
+            # the eps compares with the scaled gradient's root second moment, so the filter's scale stays in
             rotated = rotate(filtered, st["bases"]).mul_(scale)
-            direction = rotate(rotated / (st["corrected"] / bias).sqrt_().add_(group["epsilon"]), st["bases"],
+            direction = rotate(rotated / (st["corrected"] / bias).sqrt_().add_(group["eps"]), st["bases"],
                                back=True).to(work)  # fmt: skip
             scale = 1.0
         else:
@@ -429,6 +429,10 @@ class DistributedShampoo(torch.optim.Optimizer):
             )
         self._check_factors(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
+        for group in state_dict.get("param_groups", []):  # the options' names before they followed torch's (eps)
+            for old, new in (("epsilon", "eps"), ("grafting_epsilon", "grafting_eps")):
+                if old in group:
+                    group[new] = group.pop(old)
         super().load_state_dict(state_dict)
         self.steps = int(meta["steps"])
         self._root_counter.load_state_dict(meta.get("root_stats"))  # absent from states written before the counters

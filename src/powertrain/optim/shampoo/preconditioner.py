@@ -3,14 +3,14 @@
 For a block ``G`` of order ``k`` (a matrix: k = 2) there is one factor per dimension ``i``:
 ``L_i <- beta2 L_i + (1 - beta2) G_(i) G_(i)^T`` (``beta2 = 1``: AdaGrad's running sum), where ``G_(i)`` is
 ``G`` unfolded along dimension ``i`` (that dimension's rows, all others flattened). Every
-``precondition_frequency`` steps ``R_i = (L_i + delta_i I)^(-1/(2k))`` is recomputed (``delta_i``: epsilon, or the
+``precondition_frequency`` steps ``R_i = (L_i + delta_i I)^(-1/(2k))`` is recomputed (``delta_i``: eps, or the
 round-off floor relative to ``L_i``'s largest eigenvalue where that is larger, see :mod:`.matrix`), and the
 direction is ``G x_1 R_1 x_2 ... x_k R_k`` (mode-i products; for a matrix ``R_1 G R_2``).
 
 Eigenvalue-corrected Shampoo (SOAP; George et al. 2018, Vyas et al. 2024) keeps the same factors but uses only
 their eigenvectors ``Q_i``: the gradient is rotated into that basis, ``G' = G x_1 Q_1^T ... x_k Q_k^T``, an
 Adam-style second moment ``D <- beta2 D + (1 - beta2) G'^2`` is kept *in the rotated basis* (every step), and
-the direction is ``(G' / (sqrt(D / (1 - beta2^t)) + epsilon))`` rotated back. The bases start as identities
+the direction is ``(G' / (sqrt(D / (1 - beta2^t)) + eps))`` rotated back. The bases start as identities
 and are recomputed every ``precondition_frequency`` steps.
 
 Pure functions on tensors; the optimizer owns state and decides when to recompute.
@@ -63,9 +63,9 @@ def update_factors(factors: list[torch.Tensor], g: torch.Tensor, beta2: float) -
             _add_gram(f, u, beta2, 1.0 - beta2)
 
 
-def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, rel_epsilon: float | None = None,
+def inverse_roots(factors: list[torch.Tensor], *, eps: float, rel_eps: float | None = None,
                   method: Method = "eigh", exponent_multiplier: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
-    """``(L_i + delta_i I)^(-1/(2k))`` for each of the ``k`` factors, with ``delta_i = max(epsilon, rel_epsilon
+    """``(L_i + delta_i I)^(-1/(2k))`` for each of the ``k`` factors, with ``delta_i = max(eps, rel_eps
     lambda_max(L_i))`` (:func:`.matrix.inverse_root`; ``exponent_multiplier`` scales the root's exponent, as in the
     reference implementation; 1: Shampoo's own). May raise RootFailure."""
     k = len(factors)
@@ -76,7 +76,7 @@ def inverse_roots(factors: list[torch.Tensor], *, epsilon: float, rel_epsilon: f
         if abs(scaled - round(scaled)) > 1e-9:
             raise ValueError(f"exponent_multiplier={exponent_multiplier} gives a non-integer root {scaled}")
         root = round(scaled)
-    return [inverse_root(f, root, epsilon=epsilon, rel_epsilon=rel_epsilon, method=method) for f in factors]
+    return [inverse_root(f, root, eps=eps, rel_eps=rel_eps, method=method) for f in factors]
 
 
 def _mode_products(g: torch.Tensor, mats: list[torch.Tensor], *, transpose: bool) -> torch.Tensor:
