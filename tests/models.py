@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from powertrain.train.model import GPT, GPTConfig
+from powertrain.models import GPT, GPTConfig
 
 #: The GPT of the tensor-parallel parity tests (test_rtp, test_tp): every Linear and Embedding width (32, 96, 128,
 #: 64) and the heads (2) divide by 2 and 4 ranks.

@@ -11,8 +11,8 @@ import pytest
 from cli_utils import run_cli
 from powertrain.bench.netem import EmulatedCluster, unavailable
 from powertrain.compress.auto import RANKS, Link, choose
+from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import parse_compressor
-from powertrain.train.model import GPT, GPTConfig
 
 BACKWARD_S = 0.35  # the default GPT's backward pass on this machine (2 threads) is about this long
 

@@ -34,7 +34,7 @@ def test_spec_steps_refused_without_an_optimizer():
 
 def _scheduled_lrs(rank: int, world: int) -> list[float]:
     from powertrain.bench.sidebyside import _Run
-    from powertrain.train.model import GPT, GPTConfig
+    from powertrain.models import GPT, GPTConfig
 
     spec = Spec("AdamW", "none", optimizer="adamw", steps=5,
                 optimizer_options={"lr": 1e-2, "warmup_steps": 2, "min_lr_ratio": 0.1})  # fmt: skip

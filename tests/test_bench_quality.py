@@ -11,9 +11,9 @@ import pytest
 from powertrain.bench import network, quality
 from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, seconds_to, select_rows
 from powertrain.bench.sidebyside import Spec
+from powertrain.models import GPT
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import load_data
-from powertrain.train.model import GPT
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cli_utils import run_cli
-from powertrain.train.cli import main
+from powertrain.cli import main
 from powertrain.train.config import parse_compressor
 
 METRIC_KEYS = {"step", "loss", "lr", "step_time_s", "compute_s", "comm_s", "compress_s", "bytes_sent",

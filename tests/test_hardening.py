@@ -26,9 +26,9 @@ import torch.distributed.checkpoint as dcp
 from cli_utils import run_cli
 from powertrain import checkpoint
 from powertrain.checkpoint import CheckpointError, CompressorState
+from powertrain.cli import main
 from powertrain.compress import make_compressor
 from powertrain.train.checkpoint import load_checkpoint, save_checkpoint
-from powertrain.train.cli import main
 from powertrain.train.config import resolve
 from powertrain.train.data import load_data
 

@@ -118,7 +118,7 @@ def test_break_even_solves_the_serial_model():
 
 def test_fsdp_weight_gathers_counted_per_block_twice():
     from powertrain.bench.network import fsdp2_weight_bytes
-    from powertrain.train.model import GPT, GPTConfig
+    from powertrain.models import GPT, GPTConfig
 
     m = GPT(GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8))
     blocks = sum(p.numel() for p in m.blocks.parameters())
@@ -138,9 +138,9 @@ def _val_loss_per_ulp() -> tuple[float, float]:
     import torch
 
     from powertrain.bench.network import PRESETS
+    from powertrain.models import GPT
     from powertrain.train.config import TrainConfig
     from powertrain.train.data import load_data
-    from powertrain.train.model import GPT
 
     p = PRESETS["tiny"]
     torch.manual_seed(0)  # the sweep's initial model
@@ -167,7 +167,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     emulation is checked, results.json and the Markdown section are written."""
     import json
 
-    from powertrain.train.cli import main
+    from powertrain.cli import main
 
     target = tmp_path / "B.md"
     before = _ours()

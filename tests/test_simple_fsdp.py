@@ -158,7 +158,7 @@ def _held(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
 
 
 def _memory(rank: int, world: int, compiled: bool, bucketed: bool = False) -> dict[str, Any]:
-    from powertrain.train.model import GPT, GPTConfig
+    from powertrain.models import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=128, block_size=16)
     g = torch.Generator().manual_seed(rank)
@@ -191,7 +191,7 @@ def _compiled_parity(rank: int, world: int) -> dict[str, Any]:
     lr * min(2, 2 delta / (sqrt(v) + eps)) per step, plus two roundings of W; 2x for what the changed weights do
     to later gradients. A loss may differ by the forward's rounding (4 sqrt(256) ulps) plus sum |g| times the
     weights' bound."""
-    from powertrain.train.model import GPT, GPTConfig
+    from powertrain.models import GPT, GPTConfig
 
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=64, block_size=16)
     res: dict[str, Any] = {}

@@ -32,8 +32,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import case, guard, run_ranks, value_errors, within
 from models import PARITY_GPT, parity_gpt, token_batch
+from powertrain.models import GPT, GPTConfig
 from powertrain.tp import tensor_parallel, traffic
-from powertrain.train.model import GPT, GPTConfig
 
 REL = 1e-10
 STEPS, LR, ADAM_EPS = 3, 1e-3, 1e-8

@@ -49,10 +49,10 @@ import torch
 from torch import nn
 
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.models import GPT, GPTConfig
 from powertrain.optim.shampoo.optimizer import DistributedShampoo, Grafting, Preconditioner
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
-from powertrain.train.model import GPT, GPTConfig
 
 __all__ = ["Case", "compare", "default_cases", "load_reference", "markdown", "reference_optimizer"]
 

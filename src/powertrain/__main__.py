@@ -1,7 +1,7 @@
 import sys
 
 try:
-    from powertrain.train.cli import main  # imports torch: seconds, during which Ctrl-C must not print a traceback
+    from powertrain.cli import main  # imports torch: seconds, during which Ctrl-C must not print a traceback
 
     sys.exit(main())
 except KeyboardInterrupt:

@@ -32,8 +32,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from powertrain.models import GPT, Block, GPTConfig
 from powertrain.ops.flat import shard_rows
-from powertrain.train.model import GPT, Block, GPTConfig
 
 __all__ = ["local_numel", "tensor_parallel", "traffic"]
 
@@ -58,7 +58,7 @@ class _QKV(nn.Module):
 
 
 def tensor_parallel(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool = False) -> GPT:
-    """Make ``model`` (powertrain's :class:`~powertrain.train.model.GPT`) 2-D parallel over ``mesh`` in place.
+    """Make ``model`` (powertrain's :class:`~powertrain.models.GPT`) 2-D parallel over ``mesh`` in place.
 
     ``mesh``: a 2-D device mesh with dimension names ``("dp", "tp")``
     (``init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))``). The ranks of one ``tp`` group must be

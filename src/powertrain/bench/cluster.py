@@ -132,7 +132,7 @@ def _payloads(n_layer: int, n_head: int, d_model: int, block: int) -> dict[str, 
     import torch
 
     from powertrain.compress.powersgd import PowerSGDCompressor, recommended_config
-    from powertrain.train.model import GPT, GPTConfig
+    from powertrain.models import GPT, GPTConfig
 
     with torch.device("meta"):
         model = GPT(GPTConfig(256 if d_model < 1024 else 50304, block, n_layer, n_head, d_model))

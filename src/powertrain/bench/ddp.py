@@ -24,8 +24,8 @@ from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
 from powertrain.compress import PowerSGDCompressor
 from powertrain.compress.powersgd import Config
+from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch, leave_world
-from powertrain.train.model import GPT, GPTConfig
 
 START = 10  # PowerSGD warm-up steps (exact all-reduce), for torch's hook and ours alike
 

@@ -43,7 +43,7 @@ from powertrain.bench.ddp import computed_bytes
 from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable, validate
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
-from powertrain.train.model import GPT, GPTConfig
+from powertrain.models import GPT, GPTConfig
 
 START = 2  # PowerSGD's exact warm-up steps (both implementations): expensive on slow links
 BUCKET_MB = 2.0  # several buckets: DDP hands each to the hook as backward produces it (overlap)

@@ -37,8 +37,8 @@ from powertrain.bench import network
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
+from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
-from powertrain.train.model import GPT, GPTConfig
 from powertrain.train.optimizers import galore_split
 
 __all__ = ["load_galore_torch", "run_optimizers_bench"]

@@ -15,9 +15,9 @@ import torch
 
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
+from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
-from powertrain.train.model import GPT, GPTConfig
 
 
 @dataclasses.dataclass(frozen=True)

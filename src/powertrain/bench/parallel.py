@@ -35,11 +35,11 @@ import torch.distributed as dist
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.network import fsdp2_weight_bytes
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.models import GPT, GPTConfig
 from powertrain.tp import local_numel, traffic
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
-from powertrain.train.model import GPT, GPTConfig
 
 KINDS = ("ddp", "fsdp2", "simple_fsdp", "rtp", "rtp (no overlap)", "tp 2 x fsdp2")
 

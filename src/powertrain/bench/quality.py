@@ -37,9 +37,9 @@ from typing import Any
 from powertrain.bench import network
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec
+from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import DEFAULT_START, POWERSGD_ADAM_FREEZE
 from powertrain.train.launch import launch
-from powertrain.train.model import GPT, GPTConfig, ResNet1d
 
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s

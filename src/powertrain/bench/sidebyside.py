@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
+from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world
-from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
 

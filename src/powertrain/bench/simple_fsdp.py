@@ -21,10 +21,10 @@ import torch.distributed as dist
 from powertrain.bench.ddp import Preset
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
-from powertrain.train.model import GPT, GPTConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``powertrain`` command line: ``powertrain train`` and ``powertrain bench``."""
+"""``powertrain train``: its flags (:func:`add_arguments`) and what it does (:func:`run`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import importlib.util
 import os
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -79,9 +79,6 @@ _DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} (n
                  "out": "runs/<timestamp>"}  # fmt: skip
 
 
-QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
-
-
 def _help(f: dataclasses.Field[Any]) -> str:
     """The flag's help with the default the command uses when neither the flag nor a config file sets it (the
     default preset's value)."""
@@ -107,48 +104,11 @@ def _add_train_flags(p: argparse.ArgumentParser) -> None:
             p.add_argument(flag, type=base, default=None, help=_help(f))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="powertrain", description="Communication-efficient distributed training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model (default: byte-level GPT on Python's own sources)")
+def add_arguments(train: argparse.ArgumentParser) -> None:
+    """``powertrain train``'s flags: a preset, a TOML file, and one flag per TrainConfig field."""
     train.add_argument("--preset", choices=sorted(PRESETS), default="default", help="base settings (tiny: seconds)")
     train.add_argument("--config", help="TOML file with any of the keys below (flags override it)")
     _add_train_flags(train)
-    bench = sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md")
-    bench.add_argument(
-        "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster"],
-        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
-        "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
-        "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
-        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
-        "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
-        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
-        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper",
-    )
-    bench.add_argument(
-        "--out",
-        default=None,
-        help="directory for results.json and table.md (network); quality: kept "
-        "results, reused by later calls (default runs/bench-quality)",
-    )
-    bench.add_argument("--preset", choices=["default", "tiny", *QUALITY_ONLY], default="default",
-                       help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-                       "shallower GPT: 2 layers x d_model 384)")  # fmt: skip
-    bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
-    bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
-    bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
-    bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
-    args = parser.parse_args(argv)
-    try:
-        return _train(args) if args.command == "train" else _bench(args)
-    except ValueError as e:
-        parser.exit(2, f"powertrain {args.command}: error: {e}\n")
-    except KeyboardInterrupt:  # before any worker started (workers' interrupts are handled in _launch)
-        print(f"powertrain {args.command}: interrupted", file=sys.stderr)
-        return 130
 
 
 def _default_out() -> str:
@@ -222,7 +182,7 @@ def _config_path(out: Path, resumed: bool) -> Path:
     return out / f"config.resume{n}.toml"
 
 
-def _train(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from powertrain.train.data import check_source
     from powertrain.train.launch import torchrun_shared_store, under_torchrun
     from powertrain.train.metrics import supersede
@@ -320,58 +280,3 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
         print(f"powertrain train: interrupted ({how}), every worker stopped{hint}", file=sys.stderr)
         return 130
     return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    if args.preset in QUALITY_ONLY and args.suite != "quality":
-        raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
-                         "default or tiny")  # fmt: skip
-    if args.suite == "network":
-        from powertrain.bench.network import run_network_bench
-
-        run_network_bench(preset=args.preset, out=args.out, write=args.write or None)
-        return 0
-    if args.suite == "simple_fsdp":
-        from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
-
-        run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "cluster":
-        from powertrain.bench.cluster import run_cluster_bench
-
-        run_cluster_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "parallel":
-        from powertrain.bench.parallel import run_parallel_bench
-
-        run_parallel_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "quality":
-        from powertrain.bench.quality import run_quality_bench
-
-        rows = args.rows.split(",") if args.rows else None
-        try:
-            horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
-        except ValueError:
-            raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
-        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
-                          write=args.write or None)  # fmt: skip
-        return 0
-    if args.suite == "optimizers":
-        from powertrain.bench.optimizers import run_optimizers_bench
-
-        run_optimizers_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "ddp":
-        from powertrain.bench.ddp import run_ddp_bench
-
-        run_ddp_bench(preset=args.preset, write=args.write or None)
-        return 0
-    from powertrain.bench.overhead import run_overhead
-
-    run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=args.write or None)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,6 +18,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
+from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import (
     POWERSGD_ADAM_FREEZE,
     RECOMMENDED_COST,
@@ -30,7 +31,6 @@ from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.liveness import Heartbeat
 from powertrain.train.metrics import Progress, RunWriter
-from powertrain.train.model import GPT, GPTConfig, ResNet1d
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import build_strategy
 

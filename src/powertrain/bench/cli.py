@@ -1,0 +1,87 @@
+"""``powertrain bench``: its arguments (:func:`add_arguments`) and the suites (:func:`run`)."""
+
+from __future__ import annotations
+
+import argparse
+
+QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument(
+        "suite",
+        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster"],
+        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
+        "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
+        "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
+        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
+        "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
+        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
+        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper",
+    )
+    bench.add_argument(
+        "--out",
+        default=None,
+        help="directory for results.json and table.md (network); quality: kept "
+        "results, reused by later calls (default runs/bench-quality)",
+    )
+    bench.add_argument("--preset", choices=["default", "tiny", *QUALITY_ONLY], default="default",
+                       help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
+                       "shallower GPT: 2 layers x d_model 384)")  # fmt: skip
+    bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
+    bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
+    bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
+    bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.preset in QUALITY_ONLY and args.suite != "quality":
+        raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
+                         "default or tiny")  # fmt: skip
+    if args.suite == "network":
+        from powertrain.bench.network import run_network_bench
+
+        run_network_bench(preset=args.preset, out=args.out, write=args.write or None)
+        return 0
+    if args.suite == "simple_fsdp":
+        from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
+
+        run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "cluster":
+        from powertrain.bench.cluster import run_cluster_bench
+
+        run_cluster_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "parallel":
+        from powertrain.bench.parallel import run_parallel_bench
+
+        run_parallel_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "quality":
+        from powertrain.bench.quality import run_quality_bench
+
+        rows = args.rows.split(",") if args.rows else None
+        try:
+            horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
+        except ValueError:
+            raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
+        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
+                          write=args.write or None)  # fmt: skip
+        return 0
+    if args.suite == "optimizers":
+        from powertrain.bench.optimizers import run_optimizers_bench
+
+        run_optimizers_bench(preset=args.preset, write=args.write or None)
+        return 0
+    if args.suite == "ddp":
+        from powertrain.bench.ddp import run_ddp_bench
+
+        run_ddp_bench(preset=args.preset, write=args.write or None)
+        return 0
+    from powertrain.bench.overhead import run_overhead
+
+    run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=args.write or None)
+    return 0

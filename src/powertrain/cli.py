@@ -1,0 +1,32 @@
+"""The ``powertrain`` command: ``powertrain train`` (:mod:`powertrain.train.cli`) and ``powertrain bench``
+(:mod:`powertrain.bench.cli`). It sits above both, so that neither imports the other's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from powertrain.bench import cli as bench_cli
+from powertrain.train import cli as train_cli
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="powertrain", description="Communication-efficient distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train_cli.add_arguments(
+        sub.add_parser("train", help="train a model (default: byte-level GPT on Python's own sources)")
+    )
+    bench_cli.add_arguments(sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    try:
+        return train_cli.run(args) if args.command == "train" else bench_cli.run(args)
+    except ValueError as e:
+        parser.exit(2, f"powertrain {args.command}: error: {e}\n")
+    except KeyboardInterrupt:  # before any worker started (workers' interrupts are handled in the launcher)
+        print(f"powertrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
