@@ -235,7 +235,8 @@ def test_help_shows_each_default(capsys):
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     for expect in ("--steps STEPS default: 300", "--lr LR default: 0.001", "(default: adamw)",
-                   f"(default: {RECOMMENDED_POWERSGD},start={DEFAULT_START} (none with simple_fsdp",
+                   f"(default: {RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
+                   "model's width / 8 (none with simple_fsdp",
                    "(ignored under torchrun, which sets the world) (default: 2)"):  # fmt: skip
         assert expect in text, expect
 
@@ -293,6 +294,9 @@ def test_the_default_compressor_compresses_even_a_short_run():
     assert TrainConfig(steps=1000).compressor == f"{RECOMMENDED_POWERSGD},start={DEFAULT_START}"
     assert TrainConfig(steps=5).compressor == f"{RECOMMENDED_POWERSGD},start=2"  # half the run, not all of it
     assert TrainConfig(steps=1).compressor == f"{RECOMMENDED_POWERSGD},start=0"
+    # the rank is the width / 8: the same compression ratio on every model (bench quality, BENCHMARKS.md)
+    assert TrainConfig(gpt_size="medium").compressor.startswith("powersgd:rank=48,")  # d_model 384
+    assert TrainConfig(model="resnet", data="mnist1d").compressor.startswith("powersgd:rank=8,")  # 64 channels
     assert parse_compressor(RECOMMENDED_POWERSGD)[1] == {"rank": 32, "variant": "paper", "factor_dtype": "bf16",
                                                         "start_compressing_after_num_steps": DEFAULT_START}  # fmt: skip
 

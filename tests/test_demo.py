@@ -17,8 +17,9 @@ from torch.distributed.tensor import DTensor
 
 from dist_utils import case, guard, run_ranks, value_errors
 from models import batch, loss_fn, make_model
+from powertrain.ddp import local_gradients
 from powertrain.ops.flat import local_tensor
-from powertrain.optim.demo import DeMo, FlexDeMo, local_gradients
+from powertrain.optim.demo import DeMo, FlexDeMo
 from powertrain.optim.demo.dct import (
     chunk_layout,
     chunk_size,

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor, GatherRequest, Program, Request
 
-__all__ = ["DDPCompressionHook", "register_compressor"]
+__all__ = ["DDPCompressionHook", "local_gradients", "register_compressor"]
 
 
 class _Sequencer:
@@ -223,16 +223,48 @@ class DDPCompressionHook:
         self.compressor.load_state_dict(state)
 
 
+def _comm_hook(fn: Callable[[Any, dist.GradBucket], torch.futures.Future]) -> Callable[..., Any]:
+    """``fn`` with its annotations as objects: DDP checks a hook's, and this module's postponed (string)
+    annotations would fail that check."""
+    fn.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+    return fn
+
+
+@_comm_hook
 def _hook(state: DDPCompressionHook, bucket: dist.GradBucket) -> torch.futures.Future:
     return state(bucket)
 
 
-# DDP checks the hook's annotations as objects; this module's postponed (string) annotations would fail it.
-_hook.__annotations__ = {
-    "state": DDPCompressionHook,
-    "bucket": dist.GradBucket,
-    "return": torch.futures.Future[torch.Tensor],
-}
+@_comm_hook
+def _keep_local(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def local_gradients(ddp_model: DistributedDataParallel) -> DistributedDataParallel:
+    """Make ``ddp_model``'s backward leave every rank's own gradient in ``.grad``: no gradient communication
+    (for optimizers that exchange something of their own, such as :class:`powertrain.optim.DeMo`).
+
+    Registers a DDP comm hook that returns each bucket unchanged (DDP does not divide a hooked bucket by the
+    world size, so ``.grad`` is exactly the local gradient). DDP still broadcasts parameters at construction
+    and buffers before forward (``broadcast_buffers``), and with ``find_unused_parameters=True`` it still
+    all-reduces its small bitmap of used parameters. A model without DDP, or ``ddp_model.no_sync()`` around
+    every forward and backward (the reference DeMo's advice), has the same effect.
+
+    Args:
+        ddp_model: a DistributedDataParallel model without a comm hook yet (DDP allows only one).
+
+    Returns:
+        ``ddp_model``, for chaining.
+    """
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise ValueError(
+            f"Invalid ddp_model of type {type(ddp_model).__name__}: local_gradients needs a "
+            "DistributedDataParallel model (a plain model already keeps local gradients)"
+        )
+    ddp_model.register_comm_hook(None, _keep_local)
+    return ddp_model
 
 
 def register_compressor(ddp_model: DistributedDataParallel, compressor: Compressor) -> DDPCompressionHook:

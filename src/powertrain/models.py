@@ -96,11 +96,15 @@ class _ResBlock1d(nn.Module):
         return F.relu(x + self.norm2(self.conv2(h)))
 
 
+#: The 1-D ResNet's channels (its convolutions' smaller side), as ``powertrain train`` builds it.
+RESNET_WIDTH = 64
+
+
 class ResNet1d(nn.Module):
     """A small ResNet for 1-D signals (mnist1d: 1 channel, length 40, 10 classes). GroupNorm, not BatchNorm:
     no running statistics that ranks would have to keep in sync."""
 
-    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = 64, blocks: int = 3) -> None:
+    def __init__(self, in_channels: int = 1, num_classes: int = 10, width: int = RESNET_WIDTH, blocks: int = 3) -> None:
         super().__init__()
         self.stem = nn.Conv1d(in_channels, width, 5, padding=2)
         self.blocks = nn.Sequential(*(_ResBlock1d(width) for _ in range(blocks)))

@@ -86,14 +86,14 @@ ROWS = [
     Row("r32", "powertrain powersgd r32 paper, bf16 factors, torch's AdamW", "powersgd", _R32),
     Row(
         "r48-frozen",
-        f"powertrain powersgd r48 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
+        f"powertrain powersgd r48 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default at d_model 384)",
         "powersgd",
         {**_R32, "rank": 48},
         optimizer_options=_FROZEN,
     ),
     Row(
         "r32-frozen",
-        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default)",
+        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default at d_model 256)",
         "powersgd",
         _R32,
         optimizer_options=_FROZEN,
@@ -134,9 +134,7 @@ PRESETS = {
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
     # a second text shape (issue 18): wider and shallower than the default, about as many parameters and FLOPs
-    "wide": Preset(
-        GPTConfig(256, 128, 2, 6, 384), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
-    ),
+    "wide": Preset(GPTConfig(256, 128, 2, 6, 384), 16, (300,), 3, 25, 32.0, DEFAULT_START),
 }
 
 

@@ -20,6 +20,7 @@ from powertrain.train.config import (
     POWERSGD_ADAM_FREEZE,
     PRESETS,
     RECOMMENDED_POWERSGD,
+    WIDTH_PER_RANK,
     TrainConfig,
     load_toml,
     resolve,
@@ -73,8 +74,8 @@ _HELP = {
 
 
 #: What an empty or None default means, for --help.
-_DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} (none with simple_fsdp, rtp, tp and "
-                               "optimizer demo)",
+_DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
+                               f"model's width / {WIDTH_PER_RANK} (none with simple_fsdp, rtp, tp and optimizer demo)",
                  "adam_freeze": f"{POWERSGD_ADAM_FREEZE} with compressor powersgd and optimizer adamw, else 0",
                  "out": "runs/<timestamp>"}  # fmt: skip
 

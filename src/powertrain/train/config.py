@@ -20,6 +20,7 @@ import torch
 
 from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
+from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.optimizer import Preconditioner
 
@@ -78,10 +79,18 @@ def default_adam_freeze(compressor: str, optimizer: str, steps: int) -> float:
     return POWERSGD_ADAM_FREEZE
 
 
-def default_compressor(steps: int) -> str:
-    """The command's compressor when none is asked for: :data:`RECOMMENDED_POWERSGD` after DEFAULT_START exact
-    steps, or after half the run when the run is shorter than twice that (so that a short run still compresses)."""
-    return f"{RECOMMENDED_POWERSGD},start={min(DEFAULT_START, steps // 2)}"
+#: The command's PowerSGD rank is the model's width (d_model, the ResNet's channels: its matrices' smaller side)
+#: over this, so that the compression ratio stays put as the model widens: 32 on the default GPT, as in
+#: :data:`RECOMMENDED_POWERSGD`. bench quality chose it (BENCHMARKS.md: the default and the wide GPT, mnist1d).
+WIDTH_PER_RANK = 8
+
+
+def default_compressor(steps: int, width: int) -> str:
+    """The command's compressor when none is asked for: :data:`RECOMMENDED_POWERSGD` at rank ``width`` /
+    :data:`WIDTH_PER_RANK`, after DEFAULT_START exact steps, or after half the run when the run is shorter than
+    twice that (so that a short run still compresses)."""
+    spec = RECOMMENDED_POWERSGD.replace(f"rank={RECOMMENDED['rank']},", f"rank={max(1, width // WIDTH_PER_RANK)},")
+    return f"{spec},start={min(DEFAULT_START, steps // 2)}"
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -238,7 +247,8 @@ class TrainConfig:
                 )
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
-            object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps))
+            width = self.gpt_shape[2] if self.model == "gpt" else RESNET_WIDTH
+            object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps, width))
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.adam_freeze is None:
             object.__setattr__(self, "adam_freeze", default_adam_freeze(name, self.optimizer, self.steps))

@@ -17,7 +17,7 @@
 
 With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
 ``reference`` leaves every rank's local gradient in place and ``ddp`` registers
-:func:`powertrain.optim.demo.local_gradients` as DDP's comm hook.
+:func:`powertrain.ddp.local_gradients` as DDP's comm hook.
 
 Shared by the training loop and the side-by-side benchmark, so both measure the same code.
 """
@@ -102,7 +102,7 @@ class _Local(Strategy):
         if ddp:
             from torch.nn.parallel import DistributedDataParallel
 
-            from powertrain.optim.demo import local_gradients
+            from powertrain.ddp import local_gradients
 
             self.model = local_gradients(DistributedDataParallel(model))
         self.state, self.stats = _NoState(), CommStats()
