@@ -596,7 +596,7 @@ def test_reference_powersgd_refuses_misfit_residuals_before_changing_anything():
     for bad, match in (([torch.full((32, 24), float("nan"))], "NaN or Inf"), ([torch.zeros(3, 3)], r"\[3, 3\]")):
         with pytest.raises(ValueError, match=match):
             ps.load_state_dict(dict(state, residuals=bad))
-        assert ps.compressor.state_dict()["num_steps"] == before["num_steps"]
+        assert ps.compressor.state_dict()["steps"] == before["steps"]
     with pytest.raises(ValueError, match="missing"):
         ps.load_state_dict({"compressor": state["compressor"]})
 

@@ -241,8 +241,6 @@ class PowerSGDCompressor(Compressor):
                     side[i] = batch[j].to(self.device, self.dtype, copy=True)
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
         self._steps = [0] * len(self.params)  # aggregations of each parameter (warm-up counts)
-        self._compressed_steps = [0] * len(self.params)  # compressed aggregations (alternation phase)
-        self.num_steps = 0  # calls to aggregate() over all parameters
 
     # ------------------------------------------------------------------ introspection
 
@@ -252,8 +250,19 @@ class PowerSGDCompressor(Compressor):
         return [name for name, mat in zip(self.names, self._mat, strict=True) if mat is not None]
 
     @property
+    def num_steps(self) -> int:
+        """Steps every parameter has been averaged in (a whole-model call is one; DDP's buckets count once all of
+        them have been through)."""
+        return min(self._steps, default=0)
+
+    def _compressed_steps(self, i: int) -> int:
+        """Compressed aggregations of parameter ``i`` so far (its alternation phase): every one after the exact
+        warm-up, for a compressed matrix."""
+        return 0 if self._mat[i] is None else max(0, self._steps[i] - self.config.start_compressing_after_num_steps)
+
+    @property
     def num_compressed_steps(self) -> int:
-        return max(self._compressed_steps, default=0)
+        return max((self._compressed_steps(i) for i in range(len(self.params))), default=0)
 
     @property
     def dense_bytes_per_step(self) -> int:
@@ -277,25 +286,24 @@ class PowerSGDCompressor(Compressor):
         """Payload bytes one step over all parameters sends (exact all-reduce during warm-up).
 
         Args:
-            compressed_step_index: which compressed step (0-based) to count, for the alternating
-                variant whose message size alternates; ``None`` means the next step.
+            compressed_step_index: which compressed step (0-based) of every matrix to count, for the alternating
+                variant whose message size alternates; ``None`` means each parameter's next step (its own count,
+                so that DDP's per-bucket calls advance it too): exact while it warms up.
         """
-        if compressed_step_index is None:
-            if self.num_steps < self.config.start_compressing_after_num_steps:
-                return self.dense_bytes_per_step
-            compressed_step_index = self.num_compressed_steps
         k = self.config.num_iters_per_step
+        start = self.config.start_compressing_after_num_steps
         exact = factors = 0
-        for shape, mat in zip(self._shapes, self._mat, strict=True):
-            if mat is None:
+        for i, (shape, mat) in enumerate(zip(self._shapes, self._mat, strict=True)):
+            if mat is None or (compressed_step_index is None and self._steps[i] < start):
                 exact += shape.numel()
                 continue
+            index = self._compressed_steps(i) if compressed_step_index is None else compressed_step_index
             n, m, r = mat
             for it in range(k):
                 if self.config.variant == "paper":
                     factors += r * (n + m)
                 else:
-                    factors += r * (m if (compressed_step_index * k + it) % 2 == 0 else n)
+                    factors += r * (m if (index * k + it) % 2 == 0 else n)
         return exact * self._itemsize + factors * self._wire.itemsize
 
     def max_collectives_per_call(self) -> int:
@@ -343,7 +351,7 @@ class PowerSGDCompressor(Compressor):
                 yield from algorithm(batches, fused)
             if fused is None and ubuf.numel():
                 yield ReduceRequest(ubuf, "mean")
-            out = self._commit(grads, idx, exact, batches, ubuf, residual_in_grads, indices is None)
+            out = self._commit(grads, idx, exact, batches, ubuf, residual_in_grads)
             if rows is not None:  # compressed outputs already hold just their rows
                 for j in exact:
                     out[j] = out[j][rows[j][0] : rows[j][1]]
@@ -363,7 +371,6 @@ class PowerSGDCompressor(Compressor):
         batches: list[_Batch],
         ubuf: torch.Tensor,
         residual_in_grads: bool,
-        full: bool,
     ) -> list[torch.Tensor]:
         """Every collective came back finite: store the new state and return the averages."""
         out: list[torch.Tensor | None] = [None] * len(idx)
@@ -371,7 +378,6 @@ class PowerSGDCompressor(Compressor):
             assert b.approx_bnm is not None, "every batch must have an approximation"
             for j, (call_j, i) in enumerate(zip(b.idx, b.params, strict=True)):
                 self._p[i], self._q[i] = b.p_bnr[j].clone(), b.q_bmr[j].clone()
-                self._compressed_steps[i] += 1
                 shape = self._shapes[i] if b.rows is None else (b.rows[1] - b.rows[0], *self._shapes[i][1:])
                 out[call_j] = b.approx_bnm[j].view(shape).to(grads[call_j].dtype)
                 if residual_in_grads:
@@ -384,8 +390,6 @@ class PowerSGDCompressor(Compressor):
                 grads[j].zero_()
         for i in idx:
             self._steps[i] += 1
-        if full:
-            self.num_steps += 1
         assert all(o is not None for o in out), "every gradient must get an output"
         return [o for o in out if o is not None]
 
@@ -399,7 +403,7 @@ class PowerSGDCompressor(Compressor):
             mat = self._mat[i]
             if mat is not None and self._steps[i] >= start:
                 row = None if rows is None else (int(rows[j][0]), int(rows[j][1]))
-                call_js, params = keys.setdefault((*mat, self._compressed_steps[i] % 2, row), ([], []))
+                call_js, params = keys.setdefault((*mat, self._compressed_steps(i) % 2, row), ([], []))
                 call_js.append(j)
                 params.append(i)
         batches = []
@@ -507,9 +511,7 @@ class PowerSGDCompressor(Compressor):
         return {
             "variant": self.config.variant,
             "layout": [None if mat is None else list(mat) for mat in self._mat],
-            "num_steps": self.num_steps,
             "steps": list(self._steps),
-            "compressed_steps": list(self._compressed_steps),
             "p": list(self._p),
             "q": list(self._q),
             "errors": list(self._errors),
@@ -517,7 +519,8 @@ class PowerSGDCompressor(Compressor):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        keys = {"variant", "layout", "num_steps", "steps", "compressed_steps", "p", "q", "errors", "generator"}
+        # "num_steps" and "compressed_steps", in states written before they were derived from "steps", are ignored
+        keys = {"variant", "layout", "steps", "p", "q", "errors", "generator"}
         missing = keys - set(state)
         if missing:
             raise ValueError(f"PowerSGD state_dict is missing {sorted(missing)}")
@@ -535,9 +538,7 @@ class PowerSGDCompressor(Compressor):
         check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", "errors", state["errors"], [None if m is None else m[:2] for m in self._mat])
         copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
-        self.num_steps = int(state["num_steps"])
         self._steps = [int(x) for x in state["steps"]]
-        self._compressed_steps = [int(x) for x in state["compressed_steps"]]
         self._p = [copy(t) for t in state["p"]]
         self._q = [copy(t) for t in state["q"]]
         self._errors = [copy(t) for t in state["errors"]]
