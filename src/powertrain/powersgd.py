@@ -90,8 +90,9 @@ class PowerSGD(Aggregator):
         self.params = list(params)
         self.config = config
         self._trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
+        # the exactly averaged tensors get their own all-reduce, as in the reference
         self.compressor = PowerSGDCompressor(
-            [(f"param[{i}]", p) for i, p in enumerate(self.params)], config=config, group=group
+            [(f"param[{i}]", p) for i, p in enumerate(self.params)], config=config, group=group, fuse_exact=False
         )
 
     @property
@@ -121,9 +122,14 @@ class PowerSGD(Aggregator):
                     "unused parameters, or use optimizer_step, which does"
                 )
             grads.append(g)
-        # Not fused: the exactly averaged tensors get their own all-reduce, as in the reference.
-        program = self.compressor._program(grads, None, residual_in_grads=True, fuse=False)
-        averaged = run_program(program, self.compressor.comm)
+        # The gradients already hold last step's residual (p.grad accumulates into it) and the compressor owes
+        # nothing of its own; its new residual goes back into them (zero where a tensor was averaged exactly).
+        averaged = run_program(self.compressor.program(grads), self.compressor.comm)
+        for g, r in zip(grads, self.compressor.pop_residuals(), strict=True):
+            if r is None:
+                g.zero_()
+            else:
+                g.copy_(r.view(g.shape))
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, a in zip(self._trainable, averaged, strict=True):
             out[i] = a

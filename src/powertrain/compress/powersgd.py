@@ -194,6 +194,8 @@ class PowerSGDCompressor(Compressor):
         config: see :class:`Config`.
         group: process group to average over; ``None`` is the default group. Works without an
             initialised process group too (world size 1: no communication).
+        fuse_exact: send the exactly averaged tensors (vectors, small matrices, the warm-up) in the step's last
+            factor buffer (True) or in an all-reduce of their own (False: the reference implementation's way).
 
     Error buffers are kept in float32 (float64 if any parameter is float64), also for bf16/fp16
     parameters, and allocated at a parameter's first compressed step.
@@ -205,10 +207,13 @@ class PowerSGDCompressor(Compressor):
         *,
         config: Config,
         group: dist.ProcessGroup | None = None,
+        fuse_exact: bool = True,
     ) -> None:
         if not isinstance(config, Config):
             raise ValueError(f"config must be a powertrain Config, got {type(config).__name__}")
-        self.config = config
+        if not isinstance(fuse_exact, bool):
+            raise ValueError(f"Invalid fuse_exact={fuse_exact!r}: must be True or False")
+        self.config, self.fuse_exact = config, fuse_exact
         super().__init__(params, group=group)
         # Arithmetic and error-buffer dtype: at least float32, float64 when the model is float64. Factors travel
         # in it too unless config.factor_dtype says bf16.
@@ -273,6 +278,13 @@ class PowerSGDCompressor(Compressor):
     def _itemsize(self) -> int:
         return self.dtype.itemsize
 
+    def pop_residuals(self) -> list[torch.Tensor | None]:
+        """The error buffers (None where nothing is owed), aligned with ``self.params``, and forget them: for a
+        caller that carries the residual itself (the reference API keeps it in ``p.grad`` and hands it back in
+        the next step's gradient)."""
+        out, self._errors = self._errors, [None] * len(self.params)
+        return out
+
     def residuals(self) -> list[torch.Tensor]:
         """What the compressor still owes for each parameter (its error buffer), aligned with
         ``self.params``; zeros for tensors that are averaged exactly and before the first compressed step.
@@ -310,40 +322,26 @@ class PowerSGDCompressor(Compressor):
         # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one. Factors
         # sent in 16 bits leave the exactly averaged tensors a collective of their own.
         k = self.config.num_iters_per_step
-        return k if self.config.variant == "alternating" else 2 * k + (self._wire != self.dtype)
+        own = self._wire != self.dtype or not self.fuse_exact  # the exact tensors' own all-reduce
+        return (k if self.config.variant == "alternating" else 2 * k) + own
 
     # ------------------------------------------------------------------ aggregation
 
+    @torch.no_grad()
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
-        return self._program(grads, indices, residual_in_grads=False, fuse=True, rows=rows)
-
-    @torch.no_grad()
-    def _program(
-        self,
-        grads: Sequence[torch.Tensor],
-        indices: Sequence[int] | None,
-        *,
-        residual_in_grads: bool,
-        fuse: bool,
-        rows: Rows = None,
-    ) -> Program:
-        """Average ``grads`` (+ the owned error buffers unless ``residual_in_grads``) over ranks.
-
-        With ``residual_in_grads`` (the reference API) the inputs already hold last step's residual and
-        are overwritten with the new one (zero for exactly averaged tensors); otherwise they are left
-        alone and the residual goes to the owned error buffers. With ``fuse`` the exactly averaged
-        tensors travel in the step's last factor buffer instead of a collective of their own. With ``rows``
-        only those rows of each approximation are computed (``P[lo:hi] Q^T``: a rank's FSDP shard).
-        """
+        """Average ``grads`` + the owned error buffers over ranks; ``grads`` are left alone and the residual goes
+        to the error buffers. With ``rows`` only those rows of each approximation are computed (``P[lo:hi]
+        Q^T``: a rank's FSDP shard)."""
         idx = self._resolve(grads, indices, rows)
         start = self.config.start_compressing_after_num_steps
         exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
-        batches = self._batches(grads, idx, residual_in_grads, rows)
+        batches = self._batches(grads, idx, rows)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
         local_ok = all_finite([*(b.m_bnm for b in batches), ubuf])
-        fused = ubuf if fuse and batches and self._wire == self.dtype else None  # exact tensors stay exact
+        fuse = self.fuse_exact and batches and self._wire == self.dtype  # 16-bit factors: exact tensors stay exact
+        fused = ubuf if fuse else None
         algorithm = self._alternating if self.config.variant == "alternating" else self._paper
 
         def collectives() -> Program:
@@ -351,7 +349,7 @@ class PowerSGDCompressor(Compressor):
                 yield from algorithm(batches, fused)
             if fused is None and ubuf.numel():
                 yield ReduceRequest(ubuf, "mean")
-            out = self._commit(grads, idx, exact, batches, ubuf, residual_in_grads)
+            out = self._commit(grads, idx, exact, batches, ubuf)
             if rows is not None:  # compressed outputs already hold just their rows
                 for j in exact:
                     out[j] = out[j][rows[j][0] : rows[j][1]]
@@ -370,7 +368,6 @@ class PowerSGDCompressor(Compressor):
         exact: list[int],
         batches: list[_Batch],
         ubuf: torch.Tensor,
-        residual_in_grads: bool,
     ) -> list[torch.Tensor]:
         """Every collective came back finite: store the new state and return the averages."""
         out: list[torch.Tensor | None] = [None] * len(idx)
@@ -380,22 +377,15 @@ class PowerSGDCompressor(Compressor):
                 self._p[i], self._q[i] = b.p_bnr[j].clone(), b.q_bmr[j].clone()
                 shape = self._shapes[i] if b.rows is None else (b.rows[1] - b.rows[0], *self._shapes[i][1:])
                 out[call_j] = b.approx_bnm[j].view(shape).to(grads[call_j].dtype)
-                if residual_in_grads:
-                    grads[call_j].copy_(b.m_bnm[j].view(self._shapes[i]))
-                else:
-                    self._errors[i] = b.m_bnm[j]
+                self._errors[i] = b.m_bnm[j]
         for j, u in zip(exact, flat_views(ubuf, [grads[j].shape for j in exact]), strict=True):
             out[j] = u.to(grads[j].dtype)
-            if residual_in_grads:
-                grads[j].zero_()
         for i in idx:
             self._steps[i] += 1
         assert all(o is not None for o in out), "every gradient must get an output"
         return [o for o in out if o is not None]
 
-    def _batches(
-        self, grads: Sequence[torch.Tensor], idx: list[int], residual_in_grads: bool, rows: Rows = None
-    ) -> list[_Batch]:
+    def _batches(self, grads: Sequence[torch.Tensor], idx: list[int], rows: Rows = None) -> list[_Batch]:
         """Group the compressed gradients of this call by (matrix shape, phase, rows) and stack them."""
         start = self.config.start_compressing_after_num_steps
         keys: dict[tuple[int, int, int, int, tuple[int, int] | None], tuple[list[int], list[int]]] = {}
@@ -409,14 +399,10 @@ class PowerSGDCompressor(Compressor):
         batches = []
         for (n, m, r, phase, row), (call_js, params) in keys.items():
             m_bnm = torch.stack([grads[j].reshape(n, m) for j in call_js]).to(self.dtype)
-            if not residual_in_grads:
-                pairs = [
-                    (row, e)
-                    for row, i in zip(m_bnm.unbind(0), params, strict=True)
-                    if (e := self._errors[i]) is not None
-                ]
-                if pairs:
-                    foreach_add_([row for row, _ in pairs], [e for _, e in pairs])
+            rows_owed = zip(m_bnm.unbind(0), params, strict=True)
+            pairs = [(row, e) for row, i in rows_owed if (e := self._errors[i]) is not None]
+            if pairs:
+                foreach_add_([row for row, _ in pairs], [e for _, e in pairs])
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))
