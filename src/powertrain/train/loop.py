@@ -32,7 +32,7 @@ from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.liveness import Heartbeat
 from powertrain.train.metrics import Progress, RunWriter
 from powertrain.train.optimizers import build_optimizer, build_scheduler
-from powertrain.train.strategy import build_strategy
+from powertrain.train.strategy import Strategy, build_strategy
 
 MB = 1e6
 
@@ -111,8 +111,43 @@ def _heartbeat(cfg: TrainConfig) -> Heartbeat | None:
         return None
 
 
-def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
-    metrics = Communicator()  # loss averaging; kept apart from the gradient byte counts
+@dataclasses.dataclass
+class _Run:
+    """What a worker trains with, built once by :func:`_setup`."""
+
+    cfg: TrainConfig
+    device: torch.device
+    out: Path
+    metrics: Communicator  # loss averaging; kept apart from the gradient byte counts
+    data: TokenData | ClassData
+    model: torch.nn.Module
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    per_rank: dict[str, Any]  # each rank's own state in a checkpoint
+    dcp_optimizer: torch.optim.Optimizer | None  # the optimizer, where DCP saves it (its state is not per rank)
+    # what this rank sends and the time it spends on it: the gradients' communication and the optimizer's own
+    # (Shampoo's all-gather, DeMo's all-gather and compression, GaLore's refresh)
+    sources: list[CommStats]
+    n_params: int
+    dense_bytes: int  # a plain fp32 all-reduce of the trainable gradients
+    autocast: Any
+
+    @property
+    def rank(self) -> int:
+        return self.metrics.rank
+
+    @property
+    def world(self) -> int:
+        return self.metrics.world_size
+
+    @property
+    def data_group(self) -> tuple[int, int]:
+        return self.strategy.data_group or (self.rank, self.world)  # a tp group reads one batch
+
+
+def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
+    metrics = Communicator()
     rank, world = metrics.rank, metrics.world_size
     torch.set_num_threads(cfg.threads)
     out = Path(str(cfg.out))
@@ -124,8 +159,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     data.check(rank, world, cfg.block_size)  # a split too small fails now, not at the first validation
     torch.manual_seed(cfg.seed)  # identical initial model on every rank
     model = build_model(cfg, data).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    dense_bytes = sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
     name, options = parse_compressor(cfg.compressor)
     if is_auto(name, options):  # the link chooses; the run (its checkpoints and summary) records the choice
         choice = _auto_compressor(cfg, model, data, metrics, device, options)
@@ -136,7 +169,6 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
                               gradient_sync=cfg.optimizer != "demo", tp=cfg.tp,
                               batch=cfg.batch_size, hierarchical=cfg.hierarchy == "node")  # fmt: skip
-    data_rank, data_world = strategy.data_group or (rank, world)  # a tp group reads one batch
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 
@@ -144,30 +176,86 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     elif cfg.compile:
         strategy.model = torch.compile(strategy.model)  # type: ignore[assignment]
     built = build_optimizer(cfg, model)
-    optimizer = built.optimizer
-    scheduler = build_scheduler(cfg, optimizer)
+    scheduler = build_scheduler(cfg, built.optimizer)
     per_rank = {"compressor": strategy.state, "scheduler": scheduler}
     if built.per_rank:
-        per_rank["optimizer"] = optimizer
-    dcp_optimizer = None if built.per_rank else optimizer
-    # what this rank sends and the time it spends on it: the gradients' communication and the optimizer's own
-    # (Shampoo's all-gather, DeMo's all-gather and compression, GaLore's refresh)
-    sources = [strategy.stats] + ([built.stats] if built.stats is not None else [])
+        per_rank["optimizer"] = built.optimizer
+    return _Run(
+        cfg, device, out, metrics, data, model, strategy, built.optimizer, scheduler, per_rank,
+        None if built.per_rank else built.optimizer,
+        [strategy.stats] + ([built.stats] if built.stats is not None else []),
+        sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.parameters() if p.requires_grad) * 4,
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"),
+    )  # fmt: skip
 
-    start, counters = 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
-    if cfg.resume:  # DCP (and DTensor with it) is imported by runs that resume or save only: ~1 s per worker
-        from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, set_latest
 
-        ckpt = find_checkpoint(cfg.resume)
-        start, counters = load_checkpoint(ckpt, model, dcp_optimizer, per_rank)
-        if rank == 0 and ckpt.parent.resolve() == (out / "checkpoints").resolve():
-            set_latest(out, ckpt)  # it loaded: this run continues from here, later checkpoints in out are superseded
-        if start >= cfg.steps:
-            if rank == 0:
-                print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
-                      "train further.", flush=True)  # fmt: skip
-            leave_world()
-            return {"steps": start}
+def _resume(run: _Run) -> tuple[int, dict[str, float]]:
+    """The step to start from and the run's counters: from ``--resume``'s checkpoint, or a fresh start."""
+    cfg = run.cfg
+    if not cfg.resume:
+        return 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
+    # DCP (and DTensor with it) is imported by runs that resume or save only: ~1 s per worker
+    from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, set_latest
+
+    ckpt = find_checkpoint(cfg.resume)
+    start, counters = load_checkpoint(ckpt, run.model, run.dcp_optimizer, run.per_rank)
+    if run.rank == 0 and ckpt.parent.resolve() == (run.out / "checkpoints").resolve():
+        set_latest(run.out, ckpt)  # it loaded: this run continues from here, later checkpoints in out are superseded
+    return start, counters
+
+
+def _step(run: _Run, step: int) -> tuple[float, float, float]:
+    """One optimizer step (its micro-steps, backward's communication, the update): the loss averaged over the
+    ranks, the seconds its forward and backward took and the seconds the whole step took (before the loss's
+    averaging, which is the log's, not training's)."""
+    cfg, data, strategy, out = run.cfg, run.data, run.strategy, run.out
+    data_rank, data_world = run.data_group
+    t0 = time.perf_counter()
+    loss_sum = 0.0
+    for micro in range(cfg.grad_accum):
+        x, y = data.batch("train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size,
+                          cfg.block_size)  # fmt: skip
+        with strategy.sync(micro == cfg.grad_accum - 1), run.autocast:
+            loss = strategy.model(x.to(run.device), y.to(run.device)) / cfg.grad_accum
+        try:
+            loss.backward()
+        except NonFiniteGradientError as e:
+            raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
+        except RuntimeError:  # DDP reports a failed comm hook as a RuntimeError: what did the hook raise?
+            cause = strategy.take_error()
+            if isinstance(cause, NonFiniteGradientError):
+                raise FloatingPointError(_nonfinite_message(step, cause, out, cfg)) from None
+            if cause is not None:  # a lost peer (gloo names its address when the connection was reset)
+                raise RuntimeError(f"gradient communication failed at step {step + 1}: {cause}") from None
+            raise
+        loss_sum += loss.item()
+    compute_s = time.perf_counter() - t0
+    try:
+        strategy.step(run.optimizer)
+    except NonFiniteGradientError as e:
+        raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
+    run.scheduler.step()
+    step_s = time.perf_counter() - t0
+    mean = torch.tensor([loss_sum], dtype=torch.float64)
+    run.metrics.all_reduce_mean_(mean)
+    if not math.isfinite(mean.item()):
+        raise FloatingPointError(_nonfinite_message(step, f"loss {mean.item()}", out, cfg))
+    return mean.item(), compute_s, step_s
+
+
+def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
+    run = _setup(cfg, device)
+    cfg, rank, world = run.cfg, run.rank, run.world  # cfg: with rank=auto's choice
+    data, out = run.data, run.out
+    data_rank, data_world = run.data_group
+    start, counters = _resume(run)
+    if start >= cfg.steps:
+        if rank == 0:
+            print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
+                  "train further.", flush=True)  # fmt: skip
+        leave_world()
+        return {"steps": start}
     writer = (
         RunWriter(out, resume_step=start if cfg.resume else None, tensorboard=cfg.tensorboard) if rank == 0 else None
     )
@@ -176,7 +264,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     unit, per_step = ("tok", cfg.batch_size * cfg.block_size) if is_text else ("samples", cfg.batch_size)
     if rank == 0 and not cfg.quiet:
         print(
-            f"powertrain train: {world} worker(s), {type(model).__name__} ({n_params / 1e6:.2f}M params), "
+            f"powertrain train: {world} worker(s), {type(run.model).__name__} ({run.n_params / 1e6:.2f}M params), "
             f"{data.description}, --parallel {cfg.parallel}, --compressor {cfg.compressor}, steps {start}..{cfg.steps} "
             f"of {cfg.grad_accum}x{cfg.batch_size}{'x' + str(cfg.block_size) if is_text else ''} per worker",
             flush=True,
@@ -186,87 +274,57 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     prev_wall = wall = counters["wall_s"]
     total_sent, first_loss = int(counters["bytes_total"]), counters["first_loss"]
     last_loss, val = math.nan, math.nan
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    dense_bytes = run.dense_bytes if world > 1 else 0
     for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        before = CommStats.combined(sources)
-        loss_sum = 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = data.batch("train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size,
-                              cfg.block_size)  # fmt: skip
-            with strategy.sync(micro == cfg.grad_accum - 1), autocast:
-                loss = strategy.model(x.to(device), y.to(device)) / cfg.grad_accum
-            try:
-                loss.backward()
-            except NonFiniteGradientError as e:
-                raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
-            except RuntimeError:  # DDP reports a failed comm hook as a RuntimeError: what did the hook raise?
-                cause = strategy.take_error()
-                if isinstance(cause, NonFiniteGradientError):
-                    raise FloatingPointError(_nonfinite_message(step, cause, out, cfg)) from None
-                if cause is not None:  # a lost peer (gloo names its address when the connection was reset)
-                    raise RuntimeError(f"gradient communication failed at step {step + 1}: {cause}") from None
-                raise
-            loss_sum += loss.item()
-        t1 = time.perf_counter()
-        try:
-            strategy.step(optimizer)
-        except NonFiniteGradientError as e:
-            raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
-        scheduler.step()
-        step_time = time.perf_counter() - t0
-        mean = torch.tensor([loss_sum], dtype=torch.float64)
-        metrics.all_reduce_mean_(mean)
-        last_loss = mean.item()
-        if not math.isfinite(last_loss):
-            raise FloatingPointError(_nonfinite_message(step, f"loss {last_loss}", out, cfg))
+        before = CommStats.combined(run.sources)
+        last_loss, compute_s, step_time = _step(run, step)
         if math.isnan(first_loss):
             first_loss = last_loss
-        after = CommStats.combined(sources)
+        after = CommStats.combined(run.sources)
         sent = after.bytes_sent - before.bytes_sent
         wall += step_time
         total_sent += sent
         done = step + 1
         if writer:
             writer.every_step(done, last_loss, wall, total_sent)
-        if cfg.eval_every and done % cfg.eval_every == 0 and done != cfg.steps:
-            val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
-        logged = done % cfg.log_every == 0 or done == cfg.steps or bool(cfg.eval_every and done % cfg.eval_every == 0)
+        evaluated = bool(cfg.eval_every and done % cfg.eval_every == 0)
+        if evaluated and done != cfg.steps:
+            val = _evaluate(run.strategy.model, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
+        logged = done % cfg.log_every == 0 or done == cfg.steps or evaluated
         if logged:
             if done == cfg.steps:
-                val = _evaluate(strategy.model, data, cfg, data_rank, data_world, metrics, device, autocast)
+                val = _evaluate(run.strategy.model, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
             row = {
-                "step": done, "loss": last_loss, "lr": scheduler.get_last_lr()[0], "step_time_s": step_time,
-                "compute_s": t1 - t0, "comm_s": after.comm_s - before.comm_s,
+                "step": done, "loss": last_loss, "lr": run.scheduler.get_last_lr()[0], "step_time_s": step_time,
+                "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
                 "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
-                "bytes_uncompressed": dense_bytes if world > 1 else 0, "wall_s": wall, "bytes_total": total_sent,
+                "bytes_uncompressed": dense_bytes, "wall_s": wall, "bytes_total": total_sent,
             }  # fmt: skip
-            if not math.isnan(val) and (done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)):
+            if not math.isnan(val) and (done == cfg.steps or evaluated):
                 row["val_loss"] = val
             if writer:
                 writer.log(row)
-        dense_mb = dense_bytes / MB if world > 1 else 0.0
         rate = per_step * cfg.grad_accum * data_world / step_time
-        progress.update(done, last_loss, rate, unit, sent / MB, dense_mb, logged=logged)
+        progress.update(done, last_loss, rate, unit, sent / MB, dense_bytes / MB, logged=logged)
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
             from powertrain.train.checkpoint import save_checkpoint
 
-            run = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
-            save_checkpoint(out, done, model, dcp_optimizer, per_rank, run, dataclasses.asdict(cfg))
+            counts = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
+            save_checkpoint(out, done, run.model, run.dcp_optimizer, run.per_rank, counts, dataclasses.asdict(cfg))
 
-    roots = _root_stats(optimizer)
+    roots = _root_stats(run.optimizer)
     summary = {
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
         "steps": cfg.steps,
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
-        "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps if world > 1 else 0,
+        "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps,
         f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
-        "params": n_params,
+        "params": run.n_params,
         **({"shampoo_roots": roots} if roots is not None else {}),
     }  # fmt: skip
     if writer:
         writer.finish(summary)
-        progress.message(_summary_text(summary, cfg, data, world, n_params, out))
+        progress.message(_summary_text(summary, cfg, data, world, run.n_params, out))
     leave_world()
     return summary
 
