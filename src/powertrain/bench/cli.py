@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 
 QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
 
@@ -40,27 +41,12 @@ def run(args: argparse.Namespace) -> int:
     if args.preset in QUALITY_ONLY and args.suite != "quality":
         raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
                          "default or tiny")  # fmt: skip
+    write = args.write or None
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
 
-        run_network_bench(preset=args.preset, out=args.out, write=args.write or None)
-        return 0
-    if args.suite == "simple_fsdp":
-        from powertrain.bench.simple_fsdp import run_simple_fsdp_bench
-
-        run_simple_fsdp_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "cluster":
-        from powertrain.bench.cluster import run_cluster_bench
-
-        run_cluster_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "parallel":
-        from powertrain.bench.parallel import run_parallel_bench
-
-        run_parallel_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "quality":
+        run_network_bench(preset=args.preset, out=args.out, write=write)
+    elif args.suite == "quality":
         from powertrain.bench.quality import run_quality_bench
 
         rows = args.rows.split(",") if args.rows else None
@@ -69,19 +55,12 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
         run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
-                          write=args.write or None)  # fmt: skip
-        return 0
-    if args.suite == "optimizers":
-        from powertrain.bench.optimizers import run_optimizers_bench
+                          write=write)  # fmt: skip
+    elif args.suite == "overhead":
+        from powertrain.bench.overhead import run_overhead
 
-        run_optimizers_bench(preset=args.preset, write=args.write or None)
-        return 0
-    if args.suite == "ddp":
-        from powertrain.bench.ddp import run_ddp_bench
-
-        run_ddp_bench(preset=args.preset, write=args.write or None)
-        return 0
-    from powertrain.bench.overhead import run_overhead
-
-    run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=args.write or None)
+        run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=write)
+    else:  # the suites that take only a preset: module powertrain.bench.<suite>, function run_<suite>_bench
+        module = importlib.import_module(f"powertrain.bench.{args.suite}")
+        getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write)
     return 0
