@@ -46,10 +46,15 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 
 DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps first, when a spec does not say
-#: The command's PowerSGD when no compressor is named, spelled out: powertrain.compress.powersgd.RECOMMENDED.
-RECOMMENDED_POWERSGD = (
-    f"powersgd:rank={RECOMMENDED['rank']},variant={RECOMMENDED['variant']},factors={RECOMMENDED['factor_dtype']}"
-)
+
+
+def _recommended_spec(rank: int) -> str:
+    """powertrain.compress.powersgd.RECOMMENDED spelled out as a compressor spec, at ``rank``."""
+    return f"powersgd:rank={rank},variant={RECOMMENDED['variant']},factors={RECOMMENDED['factor_dtype']}"
+
+
+#: The command's PowerSGD on the default GPT when no compressor is named: RECOMMENDED, spelled out.
+RECOMMENDED_POWERSGD = _recommended_spec(RECOMMENDED["rank"])
 #: What the command's default (RECOMMENDED_POWERSGD with AdamW frozen at POWERSGD_ADAM_FREEZE) costs on the default
 #: GPT: bench quality's 300-step section (BENCHMARKS.md, README "What it costs, measured"); the run's summary says it.
 RECOMMENDED_COST = (
@@ -89,8 +94,7 @@ def default_compressor(steps: int, width: int) -> str:
     """The command's compressor when none is asked for: :data:`RECOMMENDED_POWERSGD` at rank ``width`` /
     :data:`WIDTH_PER_RANK`, after DEFAULT_START exact steps, or after half the run when the run is shorter than
     twice that (so that a short run still compresses)."""
-    spec = RECOMMENDED_POWERSGD.replace(f"rank={RECOMMENDED['rank']},", f"rank={max(1, width // WIDTH_PER_RANK)},")
-    return f"{spec},start={min(DEFAULT_START, steps // 2)}"
+    return f"{_recommended_spec(max(1, width // WIDTH_PER_RANK))},start={min(DEFAULT_START, steps // 2)}"
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
