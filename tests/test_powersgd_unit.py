@@ -250,6 +250,8 @@ def test_bad_inputs_raise_value_error():
         PowerSGDCompressor([torch.zeros(3, 3, dtype=torch.complex64, requires_grad=True)], config=Config(rank=1))
     with pytest.raises(ValueError, match="powertrain Config"):
         PowerSGDCompressor(params, config={"rank": 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Invalid fuse_exact=1: must be True or False"):
+        PowerSGDCompressor(params, config=Config(rank=1), fuse_exact=1)  # type: ignore[arg-type]
 
 
 def test_conv_and_odd_shapes_are_compressed():
