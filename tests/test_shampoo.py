@@ -254,17 +254,17 @@ def test_blocks_are_balanced_by_their_estimated_time(precondition_1d):
     """The default GPT's blocks (max_preconditioner_dim 256) over 2 and 4 ranks: every rank's estimated time per
     step is within 2% of the mean, and a vector the graft alone updates costs a small part of a matrix block."""
     from powertrain.models import GPT, GPTConfig
-    from powertrain.optim.shampoo.optimizer import _assign, _cost
+    from powertrain.optim.shampoo.distributor import assign, block_cost
 
     model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=128))
     opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=256, precondition_frequency=50,
                              precondition_1d=precondition_1d)  # fmt: skip
-    costs = [_cost(b.shape, opt._preconditioned(b.shape), 2, 50) for b in opt.blocks]
+    costs = [block_cost(b.shape, precondition_1d or len(b.shape) > 1, 2, 50) for b in opt.blocks]
     for world in (2, 4):
-        blocks = _assign([(b.param, b.index, b.shape, c) for b, c in zip(opt.blocks, costs, strict=True)], world)
+        blocks = assign([(b.param, b.index, b.shape, c) for b, c in zip(opt.blocks, costs, strict=True)], world)
         load = [sum(c for b, c in zip(blocks, costs, strict=True) if b.owner == r) for r in range(world)]
         assert max(load) < 1.02 * sum(load) / world, load
-    assert _cost((256,), False, 2, 50) < 0.1 * _cost((256, 256), True, 2, 50)
+    assert block_cost((256,), False, 2, 50) < 0.1 * block_cost((256, 256), True, 2, 50)
 
 
 def test_vectors_without_preconditioning_are_adam():

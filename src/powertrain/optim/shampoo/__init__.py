@@ -3,7 +3,8 @@
 - :mod:`.matrix`: inverse matrix roots and eigenbases (eigh with a float64 retry, coupled Newton).
 - :mod:`.blocks`: how a parameter is cut into blocks of at most ``max_preconditioner_dim``.
 - :mod:`.preconditioner`: per-block factor statistics, roots, eigenvalue-corrected (SOAP) rotation.
-- :mod:`.optimizer`: :class:`DistributedShampoo`, blocks spread over ranks with one all-gather.
+- :mod:`.distributor`: which rank computes each block, and the all-gather that shares the directions.
+- :mod:`.optimizer`: :class:`DistributedShampoo`: filtering, grafting, the two preconditioners, the update.
 - :mod:`.stats`: :class:`RootStats`, the counts of root computations, failures and fallbacks to the graft.
 """
 

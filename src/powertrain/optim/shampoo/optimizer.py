@@ -11,11 +11,9 @@ for each of its blocks (:mod:`.blocks`) that this rank owns:
    ``rmsprop``, ``adagrad``; ``none``: unscaled), or the grafting direction alone before the first roots,
    after ``max_root_failures`` failed root computations, or for good for a vector with ``precondition_1d=False``.
    Failed computations and the steps they send to the graft are counted (:meth:`DistributedShampoo.root_stats`).
-3. With a process group of ``W > 1`` ranks, blocks are assigned to ranks by their estimated time per step
-   (products, amortised roots, elementwise and fixed work; greedy, deterministic), each rank writes its
-   blocks' directions into its part of one all-gather (``comm_dtype``), and updates its own blocks while the
-   all-gather is in flight, the others' once it has arrived. With fp32 communication the result is bitwise the
-   single-process optimizer's.
+3. With a process group of ``W > 1`` ranks the blocks are spread over the ranks and their directions shared by
+   one all-gather (:mod:`.distributor`). With fp32 communication the result is bitwise the single-process
+   optimizer's.
 4. Decoupled weight decay, momentum (optionally Nesterov) on the direction, ``p -= lr * direction``, block by
    block on views of the parameter.
 
@@ -36,10 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import warnings
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -49,6 +46,7 @@ from powertrain._checks import check_int
 from powertrain.comm import Communicator
 from powertrain.ops.flat import local_tensor
 from powertrain.optim.shampoo import blocks as blocking
+from powertrain.optim.shampoo.distributor import Block, Gather, Local, block_cost
 from powertrain.optim.shampoo.matrix import Method, RootFailure
 from powertrain.optim.shampoo.preconditioner import (
     eigenbases,
@@ -60,12 +58,10 @@ from powertrain.optim.shampoo.preconditioner import (
 )
 from powertrain.optim.shampoo.stats import RootCounter, RootStats
 
-__all__ = ["DistributedShampoo", "RootStats"]
+__all__ = ["BlockState", "DistributedShampoo", "RootStats"]
 
 Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
-# version of state_dict()'s layout: 3 records the blocks the rank owns (2: the filtered gradient per block, blocks
-# assigned by d^3; 1: the filtered gradient per parameter, on every rank)
-_LAYOUT = 3
+_LAYOUT = 3  # of state_dict(): the version this one reads and writes
 Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
 
 
@@ -75,51 +71,93 @@ def _work(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Block:
-    param: int  # index in the flat parameter list
-    index: int  # block index within the parameter
-    shape: tuple[int, ...]
-    owner: int
-
-
-# Balancing model: a block's time per step in multiply-adds of a large matrix product: an eigendecomposition of a
-# d x d factor costs about 10 d^3, the step's elementwise passes about 140 per entry (about 15 passes), and each
-# block a fixed cost of dispatch and Python worth about 5e6. The ratios were timed on one CPU thread with float32
-# 256 x 256 blocks. Only the balance depends on them: any deterministic assignment keeps the distributed optimizer
-# bitwise the single-process one.
-_ROOT_COST, _PASS_COST, _BLOCK_COST = 10, 140, 5e6
-
-
-def _cost(shape: tuple[int, ...], preconditioned: bool, products: int, frequency: int) -> float:
-    """Estimated time of one step of a block: fixed and elementwise work, plus for a preconditioned block its
-    ``products`` mode products per step (each ``numel * d_i`` multiply-adds per dimension ``i``; 2 for Shampoo:
-    the factor update and the preconditioning; 4 eigenvalue-corrected: the factor update and three rotations) and
-    its eigendecompositions amortised over ``frequency`` steps."""
-    n = math.prod(shape)
-    cost = _BLOCK_COST + _PASS_COST * n
-    if preconditioned:
-        cost += products * n * sum(shape) + _ROOT_COST * sum(d**3 for d in shape) / frequency
-    return cost
-
-
-def _assign(blocks: list[tuple[int, int, tuple[int, ...], float]], world: int) -> list[_Block]:
-    """Greedy longest-processing-time assignment of ``(param, index, shape, cost)`` blocks to ranks: the most
-    costly first, each to the least loaded rank (ties: the lowest rank), deterministic."""
-    load = [0.0] * world
-    owner = [0] * len(blocks)
-    for i in sorted(range(len(blocks)), key=lambda i: (-blocks[i][3], i)):
-        r = min(range(world), key=lambda j: (load[j], j))
-        owner[i] = r
-        load[r] += blocks[i][3]
-    return [_Block(p, b, s, owner[i]) for i, (p, b, s, _) in enumerate(blocks)]
-
-
 def _scaled(t: torch.Tensor, c: float, out: torch.Tensor | None) -> torch.Tensor:
     """``c * t``, or written into the flat slice ``out``."""
     if out is None:
         return t * c if c != 1.0 else t  # t may be state (the filtered gradient): never scaled in place
     return torch.mul(t.reshape(out.shape), c, out=out)
+
+
+class BlockState(TypedDict, total=False):
+    """One block's statistics, as ``state[p]["blocks"][index]`` (plain tensors: a checkpoint holds no objects)."""
+
+    filtered: torch.Tensor  # the EMA of the gradient (betas[0] > 0)
+    graft: torch.Tensor  # the grafting method's second moment
+    factors: list[torch.Tensor]  # one d_i x d_i statistic per dimension
+    failures: torch.Tensor  # failed root or eigenbasis computations (int64 scalar)
+    roots: list[torch.Tensor]  # Shampoo: the factors' inverse roots
+    bases: list[torch.Tensor]  # eigenvalue-corrected: the factors' eigenvectors
+    corrected: torch.Tensor  # eigenvalue-corrected: the second moment in that basis
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shampoo:
+    """Inverse roots of the factors; the graft is the direction until the first roots."""
+
+    bias_correction: bool
+    rel_eps: float | None
+    method: Method
+    exponent_multiplier: float
+    what = "inverse roots"
+    products = 2  # mode products per step, for the balance: the factor update and the preconditioning
+
+    def setup(self, st: BlockState, raw: torch.Tensor) -> None:
+        pass
+
+    def refresh(self, st: BlockState, eps: float, beta2: float, step: int) -> None:
+        factors = st["factors"]
+        if self.bias_correction and beta2 < 1.0:
+            # the EMA's bias correction: it sets eps's weight against the statistics early on
+            factors = [f / (1.0 - beta2**step) for f in factors]
+        st["roots"] = inverse_roots(factors, eps=eps, rel_eps=self.rel_eps, method=self.method,
+                                    exponent_multiplier=self.exponent_multiplier)  # fmt: skip
+
+    def observe(self, st: BlockState, raw: torch.Tensor, beta2: float) -> None:
+        pass
+
+    def ready(self, st: BlockState, started: bool) -> bool:
+        return started and "roots" in st
+
+    def direction(self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float,
+                  step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+        """The preconditioned filtered gradient as ``(t, c)``, direction ``= c * t``."""
+        return precondition(filtered, st["roots"]), scale
+
+
+@dataclasses.dataclass(frozen=True)
+class _EigenvalueCorrected:
+    """SOAP: Adam in the factors' eigenbasis, in the identity basis until the first eigenbasis (as the reference
+    implementation and SOAP itself)."""
+
+    what = "eigenbasis"
+    products = 4  # the factor update and three rotations
+
+    def setup(self, st: BlockState, raw: torch.Tensor) -> None:
+        if "bases" not in st:
+            st["bases"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in st["factors"]]
+            st["corrected"] = torch.zeros_like(raw, dtype=st["factors"][0].dtype)
+
+    def refresh(self, st: BlockState, eps: float, beta2: float, step: int) -> None:
+        st["bases"] = eigenbases(st["factors"])
+
+    def observe(self, st: BlockState, raw: torch.Tensor, beta2: float) -> None:
+        """The second moment follows the current basis every step, also before preconditioning starts."""
+        r = rotate(raw, st["bases"])
+        d2 = st["corrected"]
+        if beta2 == 1.0:
+            d2.addcmul_(r, r)
+        else:
+            d2.mul_(beta2).addcmul_(r, r, value=1.0 - beta2)
+
+    def ready(self, st: BlockState, started: bool) -> bool:
+        return True
+
+    def direction(self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float,
+                  step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+        bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
+        # the eps compares with the scaled gradient's root second moment, so the filter's scale stays in
+        rotated = rotate(filtered, st["bases"]).mul_(scale)
+        return rotate(rotated / (st["corrected"] / bias).sqrt_().add_(eps), st["bases"], back=True), 1.0
 
 
 class DistributedShampoo(torch.optim.Optimizer):
@@ -246,8 +284,12 @@ class DistributedShampoo(torch.optim.Optimizer):
         self.exponent_multiplier, self.preconditioner = float(exponent_multiplier), preconditioner
         self.bias_correction, self.precondition_1d = bool(bias_correction), bool(precondition_1d)
         self.rel_eps = None if rel_eps is None else float(rel_eps)
-        what = "eigenbasis" if preconditioner == "eigenvalue_corrected" else "inverse roots"
-        self._root_counter = RootCounter(what, max_root_failures)
+        self._kind: _Shampoo | _EigenvalueCorrected = (
+            _EigenvalueCorrected()
+            if preconditioner == "eigenvalue_corrected"
+            else _Shampoo(self.bias_correction, self.rel_eps, root_method, self.exponent_multiplier)
+        )
+        self._root_counter = RootCounter(self._kind.what, max_root_failures)
         self._params = [p for g in self.param_groups for p in g["params"]]
         sharded = [isinstance(p, DTensor) for p in self._params]
         self.sharded = any(sharded)
@@ -262,21 +304,25 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "without communication, so leave group=None"
             )
         # rank and world of the group that shares the work (the world size's record in state_dict); sharded
-        # parameters are preconditioned locally, so blocks are assigned as if alone
+        # parameters are preconditioned locally
         self.comm = Communicator(group)
         self.world, self.rank = self.comm.world_size, self.comm.rank
-        shapes = []
-        products = 4 if preconditioner == "eigenvalue_corrected" else 2
+        costs = []
         for i, p in enumerate(self._params):
             local = local_tensor(p)
             if local.numel() == 0:
                 continue  # an FSDP2 shard with no rows on this rank
             for b, blk in enumerate(blocking.split(torch.empty(local.shape, device="meta"), self.max_dim)):
                 shape = tuple(blk.shape)
-                shapes.append((i, b, shape, _cost(shape, self._preconditioned(shape), products, self.frequency)))
-        self.blocks = _assign(shapes, 1) if self.sharded else _assign(shapes, self.world)
-        self._owner = 0 if self.sharded else self.rank
+                cost = block_cost(shape, self._preconditioned(shape), self._kind.products, self.frequency)
+                costs.append((i, b, shape, cost))
+        self._dist = Local(costs) if self.sharded or self.world == 1 else Gather(costs, self.comm, comm_dtype)
         self.steps = 0
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Every block of every parameter, with the rank that computes its direction."""
+        return self._dist.blocks
 
     def _preconditioned(self, shape: tuple[int, ...]) -> bool:
         """Whether a block of this shape is preconditioned (else its direction is the graft's alone)."""
@@ -289,7 +335,7 @@ class DistributedShampoo(torch.optim.Optimizer):
     # enters a tensor pass unless the graft itself is the direction (each pass over a block costs about as much
     # as the arithmetic it carries on a CPU, where these steps are memory-bound).
 
-    def _graft(self, st: dict[str, Any], g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any],
+    def _graft(self, st: BlockState, g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any],
                step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
         """The grafting direction as ``(t, c)`` with direction ``= c * t``, given the filtered gradient as
         ``scale * numer``: ``numer`` over the root of the raw gradient's second moment (plus eps)."""
@@ -310,81 +356,63 @@ class DistributedShampoo(torch.optim.Optimizer):
         denom = v.sqrt().add_(eps * root_corr)
         return torch.div(numer.to(v.dtype), denom, out=denom), scale * root_corr
 
-    def _direction(self, blk: _Block, raw: torch.Tensor, group: dict[str, Any],
+    def _direction(self, blk: Block, raw: torch.Tensor, group: dict[str, Any],
                    out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """This block's direction, written into ``out`` (a flat slice of the all-gather's buffer) when given."""
-        st = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
-        step = self.steps
+        st: BlockState = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
+        step, kind = self.steps, self._kind
         preconditioned = self._preconditioned(blk.shape)
         if preconditioned and "factors" not in st:
             st["factors"] = init_factors(raw)
             st["failures"] = torch.zeros((), dtype=torch.int64)
         beta1, beta2 = group["betas"]
-        # the filtered gradient is scale * filtered
-        if beta1 > 0:
-            if "filtered" not in st:
-                st["filtered"] = torch.zeros_like(raw, dtype=_work(raw))
-            filtered = st["filtered"]
-            filtered.mul_(beta1).add_(raw.to(filtered.dtype), alpha=1 - beta1)
-            scale = 1.0 / (1 - beta1**step)
-        else:
-            filtered, scale = raw, 1.0
+        filtered, scale = self._filter(st, raw, beta1, step)  # the filtered gradient is scale * filtered
         graft, graft_scale = self._graft(st, raw, filtered, scale, group, step)
         if not preconditioned:
             return _scaled(graft, graft_scale, out)
         update_factors(st["factors"], raw, beta2)
-        corrected = self.preconditioner == "eigenvalue_corrected"
-        if corrected and "bases" not in st:
-            st["bases"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in st["factors"]]
-            st["corrected"] = torch.zeros_like(raw, dtype=st["factors"][0].dtype)
-        failures = int(st["failures"])
-        if step >= self.start and (step - self.start) % self.frequency == 0 and failures <= self.max_root_failures:
-            try:
-                if corrected:
-                    st["bases"] = eigenbases(st["factors"])
-                else:
-                    factors = st["factors"]
-                    if self.bias_correction and beta2 < 1.0:
-                        # the EMA's bias correction: it sets eps's weight against the statistics early on
-                        factors = [f / (1.0 - beta2**step) for f in factors]
-                    st["roots"] = inverse_roots(factors, eps=group["eps"], rel_eps=self.rel_eps,
-                                                method=self.root_method,
-                                                exponent_multiplier=self.exponent_multiplier)  # fmt: skip
-            except RootFailure as e:
-                st["failures"] += 1
-                failures += 1
-                where = f"block {blk.index} {blk.shape} of parameter {blk.param} (rank {self.rank})"
-                self._root_counter.failed(where, e, failures)
-            else:
-                self._root_counter.computed()
-        if corrected:
-            # the second moment follows the current basis every step (also before preconditioning starts)
-            r = rotate(raw, st["bases"])
-            d2 = st["corrected"]
-            if beta2 == 1.0:
-                d2.addcmul_(r, r)
-            else:
-                d2.mul_(beta2).addcmul_(r, r, value=1.0 - beta2)
-        # SOAP is Adam in the identity basis until its first eigenbasis (as the reference and SOAP itself);
-        # Shampoo uses the graft until its first roots
-        work = _work(raw)
-        if failures > self.max_root_failures or not (corrected or (step >= self.start and "roots" in st)):
+        kind.setup(st, raw)
+        failures = self._refresh(st, blk, group, step)
+        kind.observe(st, raw, beta2)
+        if failures > self.max_root_failures or not kind.ready(st, step >= self.start):
             if failures > 0:  # before the first roots the graft is the plan; after a failure it is a fallback
                 self._root_counter.graft_step()
             return _scaled(graft, graft_scale, out)
-        if corrected:
-            bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
-            # the eps compares with the scaled gradient's root second moment, so the filter's scale stays in
-            rotated = rotate(filtered, st["bases"]).mul_(scale)
-            direction = rotate(rotated / (st["corrected"] / bias).sqrt_().add_(group["eps"]), st["bases"],
-                               back=True).to(work)  # fmt: skip
-            scale = 1.0
-        else:
-            direction = precondition(filtered, st["roots"]).to(work)
+        direction, scale = kind.direction(st, filtered, scale, group["eps"], beta2, step)
+        direction = direction.to(_work(raw))
         if group["grafting"] == "none":
             return _scaled(direction, scale, out)
         norm = direction.norm()
         return _scaled(direction, float(graft.norm() * graft_scale / norm) if norm > 0 else 0.0, out)
+
+    @staticmethod
+    def _filter(st: BlockState, raw: torch.Tensor, beta1: float, step: int) -> tuple[torch.Tensor, float]:
+        """The filtered gradient as ``(t, c)``, filtered ``= c * t`` (the EMA's bias correction kept out of ``t``);
+        the raw gradient itself when ``beta1`` is 0."""
+        if beta1 == 0:
+            return raw, 1.0
+        if "filtered" not in st:
+            st["filtered"] = torch.zeros_like(raw, dtype=_work(raw))
+        filtered = st["filtered"]
+        filtered.mul_(beta1).add_(raw.to(filtered.dtype), alpha=1 - beta1)
+        return filtered, 1.0 / (1 - beta1**step)
+
+    def _refresh(self, st: BlockState, blk: Block, group: dict[str, Any], step: int) -> int:
+        """Every ``precondition_frequency`` steps from the start, recompute the block's roots or eigenbasis unless
+        it has failed too often; counts failures. Returns the block's failures so far."""
+        failures = int(st["failures"])
+        if step < self.start or (step - self.start) % self.frequency or failures > self.max_root_failures:
+            return failures
+        try:
+            self._kind.refresh(st, group["eps"], group["betas"][1], step)
+        except RootFailure as e:
+            st["failures"] += 1
+            failures += 1
+            where = f"block {blk.index} {blk.shape} of parameter {blk.param} (rank {self.rank})"
+            self._root_counter.failed(where, e, failures)
+        else:
+            self._root_counter.computed()
+        return failures
 
     def root_stats(self) -> RootStats:
         """This rank's counts of root computations, failures and fallbacks to the graft (see :class:`RootStats`).
@@ -402,7 +430,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _owned(self) -> list[list[int]]:
         """``[param, block]`` of every block this rank keeps statistics for."""
-        return [[b.param, b.index] for b in self.blocks if b.owner == self._owner]
+        return [[b.param, b.index] for b in self._dist.owned(self.blocks)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         meta = state_dict.get("shampoo")
@@ -442,9 +470,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         single full-matrix factor, written by a version that merged small matrices into vectors (see :mod:`.blocks`).
         ``state_dict()`` numbers parameters in the order of :attr:`_params`."""
         state = state_dict.get("state", {})
-        for blk in self.blocks:
-            if blk.owner != self._owner:
-                continue
+        for blk in self._dist.owned(self.blocks):
             factors = state.get(blk.param, {}).get("blocks", {}).get(blk.index, {}).get("factors", [])
             shapes = [tuple(f.shape) for f in factors]
             if shapes and shapes != [(d, d) for d in blk.shape]:
@@ -474,67 +500,28 @@ class DistributedShampoo(torch.optim.Optimizer):
             # round differently on differently aligned memory: a fresh copy makes a shard's result bitwise the
             # single-process optimizer's on the same rows
             grads[i] = g.clone() if self.sharded else g.contiguous()
-        # Which blocks have gradients is the same on every rank (gradients are averaged), so every rank knows
-        # the layout of every other rank's part of the all-gather. Only this rank's blocks are filtered and
-        # preconditioned, their directions written straight into its part; the others' arrive with the all-gather.
+        # Which blocks have gradients is the same on every rank (gradients are averaged). Only this rank's blocks
+        # are filtered and preconditioned, their directions written into the slots the distributor gives.
         active = [b for b in self.blocks if b.param in grads]
-        distributed = not self.sharded and self.world > 1
-        sizes = [0] * self.world
-        for b in active:
-            sizes[b.owner] += math.prod(b.shape)
-        send = torch.empty(max(sizes), dtype=self.comm_dtype, device=self._params[0].device) if distributed else None
+        owned = self._dist.owned(active)
+        slots = self._dist.slots(active, self._params[0].device)
         split: dict[int, list[torch.Tensor]] = {}
         mine: list[torch.Tensor] = []
-        offset = 0
-        for blk in active:
-            if blk.owner == self._owner:
-                if blk.param not in split:
-                    split[blk.param] = blocking.split(grads[blk.param], self.max_dim)
-                n = math.prod(blk.shape)
-                out = None if send is None else send[offset : offset + n]
-                offset += n
-                grp = group_of[id(self._params[blk.param])]
-                mine.append(self._direction(blk, split[blk.param][blk.index], grp, out))
-        if send is None:
-            self._update(grads, group_of, active, mine)
-            return loss
-        send[offset:].zero_()
-        rows, pending = self.comm.all_gather(send, async_op=True)  # (world, width)
-        assert pending is not None, "a distributed all-gather returns a future"
-        self._update(grads, group_of, active, mine, (rows, pending, sizes))
-        return loss
-
-    def _update(
-        self,
-        grads: dict[int, torch.Tensor],
-        group_of: dict[int, dict[str, Any]],
-        active: list[_Block],
-        mine: list[torch.Tensor],
-        gather: tuple[torch.Tensor, torch.futures.Future, list[int]] | None = None,
-    ) -> None:
-        """Weight decay, momentum and ``p -= lr * direction``, block by block on views of the parameters (no
-        reassembled copy of a direction). With ``gather`` (the all-gather's rows, its future and every rank's
-        part size), this rank's own blocks are updated while the all-gather is in flight (their directions are
-        the rows it sends, so every rank applies the same values) and the others' once it has arrived."""
-        targets = {i: _Target(self, self._params[i], group_of[id(self._params[i])]) for i in grads}
-        own = iter(mine)
-        for blk in active:
-            if gather is None or blk.owner == self._owner:
-                targets[blk.param].add(blk.index, next(own))
-        if gather is not None:
-            rows, pending, sizes = gather
-            t0 = time.perf_counter()
-            pending.wait()
-            self.comm.stats.add_time(comm_s=time.perf_counter() - t0)
-            offsets = [0] * self.world
-            for blk in active:
-                k = math.prod(blk.shape)
-                if blk.owner != self._owner:
-                    targets[blk.param].add(blk.index, rows[blk.owner, offsets[blk.owner] : offsets[blk.owner] + k])
-                offsets[blk.owner] += k
-            assert offsets == sizes, f"all-gather layout {offsets} does not match the sizes sent {sizes}"
+        for blk, out in zip(owned, slots, strict=True):
+            if blk.param not in split:
+                split[blk.param] = blocking.split(grads[blk.param], self.max_dim)
+            grp = group_of[id(self._params[blk.param])]
+            mine.append(self._direction(blk, split[blk.param][blk.index], grp, out))
+        # weight decay, momentum and p -= lr * direction, block by block on views of the parameters (no
+        # reassembled copy of a direction), as each block's direction becomes available here
+        targets: dict[int, _Target] = {}
+        for blk, d in self._dist.exchange(active, mine):
+            if blk.param not in targets:
+                targets[blk.param] = _Target(self, self._params[blk.param], group_of[id(self._params[blk.param])])
+            targets[blk.param].add(blk.index, d)
         for t in targets.values():
             t.finish()
+        return loss
 
 
 class _Target:
