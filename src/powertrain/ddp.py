@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor, GatherRequest, Program, Request
 
-__all__ = ["DDPCompressionHook", "local_gradients", "register_compressor"]
+__all__ = ["DDPCompressionHook", "Rewrapped", "local_gradients", "register_compressor"]
 
 
 class _Sequencer:
@@ -307,3 +307,35 @@ def register_compressor(ddp_model: DistributedDataParallel, compressor: Compress
     state = DDPCompressionHook(compressor, _Sequencer(comms))
     ddp_model.register_comm_hook(state, _hook)
     return state
+
+
+class Rewrapped:
+    """One compressor for a model that a framework wraps in a new ``DistributedDataParallel`` now and then
+    (Lightning on each fit, Hugging Face's ``Trainer`` on each ``train()`` and retry): built on the first
+    wrapper's process group from the model's parameters, registered again on every new wrapper, its state
+    (error feedback, step counter) kept.
+
+    Args:
+        name, options: the compressor, as :func:`powertrain.compress.make_compressor` takes them.
+    """
+
+    def __init__(self, name: str, options: Mapping[str, Any]) -> None:
+        self.name, self.options = name, dict(options)
+        self.compressor: Compressor | None = None  # built on the first wrapper; .comm.stats counts what it sent
+        self.hook: DDPCompressionHook | None = None
+        self._ddp: DistributedDataParallel | None = None
+
+    def registered_on(self, ddp_model: DistributedDataParallel) -> bool:
+        return ddp_model is self._ddp
+
+    def register(self, ddp_model: DistributedDataParallel, params: Iterable[Any]) -> tuple[Compressor, bool]:
+        """Register on ``ddp_model`` (a new wrapper of the model whose ``named_parameters()`` are ``params``);
+        returns the compressor and whether this call built it (its state is fresh)."""
+        from powertrain.compress import make_compressor  # the registry imports every compressor
+
+        built = self.compressor is None
+        if self.compressor is None:
+            self.compressor = make_compressor(self.name, params, group=ddp_model.process_group, **self.options)
+        self.hook = register_compressor(ddp_model, self.compressor)
+        self._ddp = ddp_model
+        return self.compressor, built

@@ -16,7 +16,6 @@ under ``hyperparameter_search``, whose trials save elsewhere). With ``accelerate
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from powertrain import serialize
-from powertrain.compress import Compressor, make_compressor
-from powertrain.ddp import DDPCompressionHook, register_compressor
+from powertrain._files import write_atomic
+from powertrain.compress import Compressor
+from powertrain.ddp import DDPCompressionHook, Rewrapped
 
 __all__ = ["GradientCompression", "compress_gradients"]
 
@@ -44,10 +44,17 @@ class GradientCompression(TrainerCallback):
     """See the module; added by :func:`compress_gradients`."""
 
     def __init__(self, trainer: Trainer, name: str = "powersgd", **options: Any) -> None:
-        self.trainer, self.name, self.options = trainer, name, options
-        self.compressor: Compressor | None = None
-        self.hook: DDPCompressionHook | None = None
-        self._ddp: DistributedDataParallel | None = None
+        self.trainer = trainer
+        self._wrapped = Rewrapped(name, options)
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """Built when training begins; ``.comm.stats`` counts what it sent."""
+        return self._wrapped.compressor
+
+    @property
+    def hook(self) -> DDPCompressionHook | None:
+        return self._wrapped.hook
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:  # fmt: skip
@@ -57,15 +64,10 @@ class GradientCompression(TrainerCallback):
                 f"compress_gradients needs the Trainer's model in DistributedDataParallel, got {type(ddp).__name__}: "
                 "launch with torchrun --nproc-per-node N (compression replaces DDP's all-reduce)"
             )
-        if ddp is self._ddp:
-            return  # registered on this wrapper already
-        fresh = self.compressor is None
-        if self.compressor is None:
-            self.compressor = make_compressor(self.name, ddp.module.named_parameters(), group=ddp.process_group,
-                                              **self.options)  # fmt: skip
+        if self._wrapped.registered_on(ddp):
+            return
         # a later train() (or auto_find_batch_size's retry) wraps the model again: the same compressor, state kept
-        self.hook = register_compressor(ddp, self.compressor)
-        self._ddp = ddp
+        compressor, fresh = self._wrapped.register(ddp, ddp.module.named_parameters())
         if fresh and state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
             path = self._path(args, state)
             if not path.is_file():
@@ -73,7 +75,7 @@ class GradientCompression(TrainerCallback):
                     f"Training resumed at step {state.global_step} but {path} is missing: resume from a checkpoint "
                     "in this output_dir that was saved with compress_gradients (each worker's error feedback)"
                 )
-            self.compressor.load_state_dict(serialize.loads(path.read_bytes()))
+            compressor.load_state_dict(serialize.loads(path.read_bytes()))
 
     # Written when the Trainer decides to save, before it writes its own files and rotates old checkpoints: a crash
     # in between leaves a folder without trainer_state.json, which a resume does not pick.
@@ -90,9 +92,7 @@ class GradientCompression(TrainerCallback):
             return
         path = self._path(args, state)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(serialize.dumps(self.compressor.state_dict()))
-        tmp.replace(path)  # whole or not at all
+        write_atomic(path, serialize.dumps(self.compressor.state_dict()))
 
     def _path(self, args: TrainingArguments, state: TrainerState) -> Path:
         group = self.compressor.comm.group if self.compressor is not None else None

@@ -31,8 +31,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from powertrain import serialize
-from powertrain.compress import Compressor, make_compressor
-from powertrain.ddp import DDPCompressionHook, register_compressor
+from powertrain.compress import Compressor
+from powertrain.ddp import DDPCompressionHook, Rewrapped
 
 __all__ = ["GradientCompression"]
 
@@ -42,12 +42,19 @@ class GradientCompression(Callback):
     ``powersgd`` gets the measured recommended config for every option not given) under ``strategy="ddp"``."""
 
     def __init__(self, name: str = "powersgd", **options: Any) -> None:
-        self.name, self.options = name, options
-        self.compressor: Compressor | None = None  # built when the fit starts; .comm.stats counts what it sent
-        self.hook: DDPCompressionHook | None = None
+        self.name = name
+        self._wrapped = Rewrapped(name, options)  # a later fit of the same Trainer wraps the module again
         self._pending: dict[str, Any] | None = None  # a checkpoint's state, loaded before the compressor exists
-        self._ddp: DistributedDataParallel | None = None
         self._cpu_group: dist.ProcessGroup | None = None  # the state's gather, on the CPU whatever the backend
+
+    @property
+    def compressor(self) -> Compressor | None:
+        """Built when the fit starts; ``.comm.stats`` counts what it sent."""
+        return self._wrapped.compressor
+
+    @property
+    def hook(self) -> DDPCompressionHook | None:
+        return self._wrapped.hook
 
     @property
     def state_key(self) -> str:
@@ -61,16 +68,13 @@ class GradientCompression(Callback):
                 f"GradientCompression needs Trainer(strategy='ddp'), got {type(trainer.strategy).__name__} wrapping "
                 f"{type(ddp).__name__}: compression replaces DDP's all-reduce"
             )
-        if ddp is self._ddp:
-            return  # registered on this wrapper already
-        if self.compressor is None:
-            self.compressor = make_compressor(self.name, pl_module.named_parameters(), group=ddp.process_group,
-                                              **self.options)  # fmt: skip
-            group = self.compressor.comm.group
+        if self._wrapped.registered_on(ddp):
+            return
+        compressor, built = self._wrapped.register(ddp, pl_module.named_parameters())
+        if built:
+            group = compressor.comm.group
             on_cpu = dist.get_backend(group) == "gloo"
             self._cpu_group = group if on_cpu else dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
-        self.hook = register_compressor(ddp, self.compressor)  # a later fit: a new wrapper, the same state
-        self._ddp = ddp
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None

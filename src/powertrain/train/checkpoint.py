@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from powertrain import checkpoint
+from powertrain._files import write_atomic
 from powertrain.checkpoint import CheckpointError, CompressorState
 
 __all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -121,10 +122,7 @@ def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: tor
 
 def set_latest(out: Path, ckpt: Path) -> None:
     """Point ``out/checkpoints/latest`` at ``ckpt`` (a directory in it), atomically."""
-    root = out / "checkpoints"
-    tmp = root / "latest.tmp"
-    tmp.write_text(ckpt.name + "\n")
-    os.replace(tmp, root / "latest")
+    write_atomic(out / "checkpoints" / "latest", ckpt.name + "\n")
 
 
 def find_checkpoint(path: str | Path) -> Path:

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from powertrain._files import write_atomic
+
 
 class Progress:
     """Training progress. On a terminal: one line rewritten in place at every step, at most ``REFRESH_S`` apart
@@ -89,9 +91,7 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
     if later:
         with (out / "metrics.superseded.jsonl").open("a") as f:
             f.write("".join(line + "\n" for line in later))
-        tmp = out / "metrics.jsonl.tmp"
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        tmp.replace(path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return kept
 
 
