@@ -39,11 +39,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from powertrain.comm import CommStats, Communicator
 from powertrain.ops.flat import flat_views, pack
-from powertrain.simple_fsdp import _data_parallel
+from powertrain.simple_fsdp import _parametrize
 
 __all__ = ["comm_stats", "is_rtp", "rotated_tensor_parallel"]
 
@@ -374,7 +374,7 @@ def rotated_tensor_parallel(
     for name, module in rotated:
         _check(name, module, world)
     # every parameter a Replicate DTensor, averaged in backward
-    _data_parallel(model, mesh, mode="replicate", allow_meta=True)
+    _parametrize(model, mesh, (Replicate(),), allow_meta=True)
     for _, module in rotated:
         original = type(module).__mro__[1]  # data_parallel's subclass sits on top of the module's own class
         dim, forward = _ROTATED[original]

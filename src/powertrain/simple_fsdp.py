@@ -9,13 +9,10 @@ reduction in backward (reduce-scatter for Shard, all-reduce for Replicate, in th
 this is ordinary PyTorch, ``torch.compile`` traces compute and communication in one graph.
 
 Reshard after forward (``reshard_after_forward=True``, the default: gathered parameters are freed after
-forward and gathered again in backward) is one mechanism for eager and compiled runs: each module that
-owns parameters runs its forward under a selective activation checkpoint whose policy recomputes the
-collectives (and views of them) and saves every other op's output, so no compute is repeated. Eagerly,
-autograd then holds no gathered weight; under ``torch.compile`` the same policy becomes recompute tags on
-the joint graph, which the min-cut partitioner honours. What each mode holds between forward and backward is
-measured by ``powertrain bench simple_fsdp`` (BENCHMARKS.md). Because the tags are part of the traced graph, an
-AOTAutograd cache hit cannot drop them (a separate joint-graph pass could be skipped).
+forward and gathered again in backward, eager and compiled) and eager bucketing (``buckets=[...]``: one
+all-gather and one reduce-scatter per listed module, where compressors plug in) both wrap module forwards. They
+live in ``powertrain._simple_fsdp_buckets``, below this module (it does not import it); import
+:func:`checkpoint_gathers`, :func:`register_compressor` and :func:`quantize_all_gather` from here.
 
 Design note: the parametrization is installed by giving each module a subclass with one property per
 parameter (as in the paper's implementation) rather than ``torch.nn.utils.parametrize``, which renames
@@ -29,20 +26,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from powertrain._compat import funcol_all_gather, funcol_reduce_scatter_avg, inductor_has_configs, redistribute
-from powertrain.compress import Compressor
-from powertrain.fsdp import CompressedReduceScatter, QuantizedAllGather, check_supported
-from powertrain.ops.flat import shard_rows
+from powertrain._compat import inductor_has_configs, redistribute
+from powertrain._simple_fsdp_buckets import (
+    bucket_owners,
+    checkpoint_gathers,
+    make_bucket,
+    quantize_all_gather,
+    register_compressor,
+)
 
 __all__ = [
     "checkpoint_gathers",
@@ -76,152 +76,6 @@ class _Gather:
         return full.to_local(grad_placements=[Partial("avg")] * ndim)
 
 
-class _Bucket:
-    """Several fully sharded parameters gathered by one all-gather and reduced by one reduce-scatter (eager
-    bucketing). Layout as FSDP2's: row ``r`` of the ``(W, S)`` buffer holds rank ``r``'s dim-0 chunk of every
-    parameter, each padded to ``ceil(rows / W)`` rows, in parameter order."""
-
-    def __init__(self, params: list[nn.Parameter], mesh: DeviceMesh, policy: MixedPrecisionPolicy) -> None:
-        self.params, self.mesh, self.policy = params, mesh, policy
-        self.world = mesh.size()
-        self.chunk_rows = [shard_rows(p.shape[0], self.world) for p in params]
-        self.cached: dict[int, torch.Tensor] = {}
-        self.reduce_scatter: CompressedReduceScatter | None = None  # register_compressor
-        self.all_gather: QuantizedAllGather | None = None  # quantize_all_gather
-
-    def get(self, stored: torch.Tensor) -> torch.Tensor:
-        if not self.cached:  # first read in this forward: gather the whole bucket
-            shards = [p.to_local() for p in self.params]  # type: ignore[attr-defined]
-            full = _BucketGather.apply(self, *shards)
-            self.cached = {id(p): t for p, t in zip(self.params, full, strict=True)}
-        return self.cached[id(stored)]
-
-    def clear(self) -> None:
-        self.cached = {}
-
-
-class _BucketGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, bucket: _Bucket, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.bucket = bucket
-        ctx.set_materialize_grads(False)  # an unused output's gradient stays None (see backward)
-        ctx.local_rows = [t.shape[0] for t in shards]
-        dtype = bucket.policy.param_dtype or shards[0].dtype
-        padded = [_pad_rows(t.to(dtype), c).reshape(-1) for t, c in zip(shards, bucket.chunk_rows, strict=True)]
-        flat = torch.cat(padded)
-        if bucket.all_gather is not None:
-            rows = flat.new_empty(bucket.world, flat.numel())
-            bucket.all_gather(rows.view(-1), flat, bucket.mesh.get_group())
-        else:
-            rows = funcol_all_gather(flat, bucket.mesh).view(bucket.world, -1)
-        out, offset = [], 0
-        for p, c in zip(bucket.params, bucket.chunk_rows, strict=True):
-            inner = p.shape[1:]
-            n = c * inner.numel()
-            full = rows[:, offset : offset + n].reshape(bucket.world * c, *inner)[: p.shape[0]]
-            out.append(full.contiguous())
-            offset += n
-        return tuple(out)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        bucket: _Bucket = ctx.bucket
-        dtype = bucket.policy.reduce_dtype or bucket.policy.param_dtype or bucket.params[0].dtype
-        per_rank = []
-        # Frozen parameters are gathered with the others but have no gradient to reduce (FSDP2's layout).
-        reduced = [
-            (p, c, g) for p, c, g in zip(bucket.params, bucket.chunk_rows, grads, strict=True) if p.requires_grad
-        ]
-        for p, c, g in reduced:
-            g = torch.zeros(p.shape, dtype=dtype) if g is None else g.to(dtype)
-            per_rank.append(_pad_rows(g, bucket.world * c).reshape(bucket.world, -1))
-        buf = torch.cat(per_rank, dim=1).reshape(-1)
-        if bucket.reduce_scatter is not None:
-            mine = buf.new_empty(buf.numel() // bucket.world)
-            bucket.reduce_scatter(mine, buf, bucket.mesh.get_group(), dist.ReduceOp.AVG)
-        else:
-            mine = funcol_reduce_scatter_avg(buf, bucket.mesh)
-        out: list[torch.Tensor | None] = []
-        offset = 0
-        for p, c, local, g in zip(bucket.params, bucket.chunk_rows, ctx.local_rows, grads, strict=True):
-            if not p.requires_grad:
-                out.append(None)
-                continue
-            n = c * p.shape[1:].numel()
-            # A parameter this rank did not use keeps grad None (as in FSDP2), so the optimizer skips it.
-            out.append(None if g is None else mine[offset : offset + n].view(c, *p.shape[1:])[:local].to(p.dtype))
-            offset += n
-        return (None, *out)
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
-
-
-def _buckets(model: nn.Module) -> list[_Bucket]:
-    found: dict[int, _Bucket] = {}
-    for m in model.modules():
-        member = getattr(m, "_simple_fsdp_gather", None)
-        if isinstance(member, _BucketMember):
-            found[id(member.bucket)] = member.bucket
-    if not found:
-        raise ValueError("No SimpleFSDP buckets in this model: call data_parallel(..., buckets=[...]) first")
-    return list(found.values())
-
-
-def register_compressor(model: nn.Module, compressor: Compressor) -> list[CompressedReduceScatter]:
-    """Reduce the gradients of ``model``'s SimpleFSDP buckets through ``compressor`` (built from
-    ``model.named_parameters()`` after :func:`data_parallel`): the same compressed reduce-scatter as
-    :func:`powertrain.fsdp.register_compressor` (exact, powersgd, int8, int4), with error feedback on each
-    rank's full local gradient. Every trainable parameter must be in a bucket (``buckets=[*blocks, model]``).
-
-    Returns:
-        The installed reduce-scatters, one per bucket; the compressor holds all state
-        (``compressor.state_dict()``).
-    """
-    if not isinstance(compressor, Compressor):
-        raise ValueError(f"register_compressor needs a powertrain Compressor, got {type(compressor).__name__}")
-    check_supported(compressor, "SimpleFSDP")
-    comms = []
-    for bucket in _buckets(model):
-        trainable = [p for p in bucket.params if p.requires_grad]
-        comms.append(CompressedReduceScatter(compressor, trainable, [p.shape for p in trainable]))
-    covered = sorted(i for rs in comms for i in rs.indices)
-    if covered != list(range(len(compressor.params))):
-        raise ValueError(
-            f"The compressor has {len(compressor.params)} parameters, the SimpleFSDP buckets hold {len(covered)} "
-            "trainable ones: put every module's parameters in a bucket (buckets=[*model.blocks, model]) and build "
-            "the compressor from model.named_parameters() after data_parallel"
-        )
-    for bucket, rs in zip(_buckets(model), comms, strict=True):
-        bucket.reduce_scatter = rs
-    return comms
-
-
-def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) -> QuantizedAllGather:
-    """All-gather the weights of ``model``'s SimpleFSDP buckets as ``bits``-bit integers with per-chunk
-    scales (QSDP), as :func:`powertrain.fsdp.quantize_all_gather` does for FSDP2; master weights stay exact.
-    Returns the shared all-gather (its ``comm.stats`` count what it sent)."""
-    gather = QuantizedAllGather(bits, chunk)
-    for bucket in _buckets(model):
-        if bucket.policy.param_dtype not in (None, torch.float32):
-            raise ValueError("quantize_all_gather needs fp32 gathered weights (no param_dtype)")
-        bucket.all_gather = gather
-    return gather
-
-
-@dataclasses.dataclass(frozen=True)
-class _BucketMember:
-    """The parametrization of a module whose parameters belong to a bucket."""
-
-    bucket: _Bucket
-
-    def __call__(self, stored: torch.Tensor) -> torch.Tensor:
-        return self.bucket.get(stored)
-
-
 def _placements(mode: Mode, mesh: DeviceMesh) -> tuple[Replicate | Shard, ...]:
     match mode:
         case "replicate" if mesh.ndim == 1:
@@ -239,7 +93,13 @@ def _placements(mode: Mode, mesh: DeviceMesh) -> tuple[Replicate | Shard, ...]:
 _CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
 
-def _swap_class(module: nn.Module, names: tuple[str, ...], gather: _Gather | _BucketMember) -> None:
+def _param_names(module: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in module.named_parameters(recurse=False) if p is not None)
+
+
+def _swap_class(module: nn.Module, names: tuple[str, ...], gather: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Give ``module`` a subclass whose attribute ``name``, for each of ``names``, returns ``gather`` of the stored
+    parameter; ``gather`` stays on the module as ``_simple_fsdp_gather`` (how buckets and RTP find it)."""
     module._simple_fsdp_gather = gather  # type: ignore[assignment]
     key = (type(module), names)
     if key not in _CLASSES:
@@ -290,36 +150,42 @@ def data_parallel(
 
     The optimizer must be created afterwards, on ``model.parameters()`` (the DTensors).
     """
-    return _data_parallel(model, mesh, mode=mode, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                          buckets=buckets)  # fmt: skip
-
-
-def _data_parallel(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    mode: Mode = "fully_shard",
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
-    buckets: Sequence[nn.Module] = (),
-    allow_meta: bool = False,
-) -> nn.Module:
-    """:func:`data_parallel`; ``allow_meta``: parameters on the meta device become DTensors on meta (RTP builds
-    on them; the caller allocates with ``to_empty``)."""
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"Invalid mesh={mesh!r}: pass a DeviceMesh (torch.distributed.device_mesh.init_device_mesh)")
     placements = _placements(mode, mesh)
     _check_policy(mp_policy)
     if not isinstance(reshard_after_forward, bool):
         raise ValueError(f"Invalid reshard_after_forward={reshard_after_forward!r}: must be True or False")
+    policy = mp_policy or MixedPrecisionPolicy()
+    owners = bucket_owners(model, buckets, mode)
+    plain = _parametrize(model, mesh, placements, policy, bucketed=owners)
+    if reshard_after_forward and mode != "replicate":
+        for module in plain:
+            checkpoint_gathers(module)
+    for owner in buckets:
+        bucket = make_bucket(owner, owners, mesh, policy, reshard_after_forward)
+        for member in bucket.members:
+            if names := _param_names(member):
+                _swap_class(member, names, bucket)
+    if policy.param_dtype is not None and policy.cast_forward_inputs:
+        model.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
+    return model
+
+
+def _parametrize(model: nn.Module, mesh: DeviceMesh, placements: Sequence[Replicate | Shard],
+                 policy: MixedPrecisionPolicy | None = None, *, bucketed: Container[int] = (),
+                 allow_meta: bool = False) -> list[nn.Module]:  # fmt: skip
+    """Steps 1 and 2 of :func:`data_parallel`, except the class swap of the modules whose ids are in ``bucketed``
+    (their bucket is their parametrization); returns the modules it swapped. ``allow_meta``: parameters on the
+    meta device become DTensors on meta (RTP builds on them; the caller allocates with ``to_empty``)."""
     if is_simple_fsdp(model):
         raise ValueError("data_parallel() was already applied to this model (or one of its submodules)")
-    policy = mp_policy or MixedPrecisionPolicy()
+    policy = policy or MixedPrecisionPolicy()
     gather = _Gather(mesh, policy.param_dtype, policy.reduce_dtype)
-    owners = _bucket_owners(model, buckets, mode)
     done: dict[int, nn.Parameter] = {}
+    swapped = []
     for mod_name, module in model.named_modules():
-        names = tuple(n for n, p in module.named_parameters(recurse=False) if p is not None)
+        names = _param_names(module)
         if not names:
             continue
         for n in names:
@@ -335,16 +201,10 @@ def _data_parallel(
                 dt = distribute_tensor(p.detach(), mesh, placements)
                 done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
             module._parameters[n] = done[id(p)]
-        if id(module) in owners:
-            continue  # parametrized with its bucket, below
-        _swap_class(module, names, gather)
-        if reshard_after_forward and mode != "replicate":
-            checkpoint_gathers(module)
-    for owner in buckets:
-        _make_bucket(owner, owners, mesh, policy, reshard_after_forward)
-    if policy.param_dtype is not None and policy.cast_forward_inputs:
-        model.register_forward_pre_hook(functools.partial(_cast_inputs, policy.param_dtype), with_kwargs=True)
-    return model
+        if id(module) not in bucketed:
+            _swap_class(module, names, gather)
+            swapped.append(module)
+    return swapped
 
 
 def _check_policy(policy: object) -> None:
@@ -363,124 +223,11 @@ def _check_policy(policy: object) -> None:
                          "leave it None")  # fmt: skip
 
 
-def _bucket_owners(model: nn.Module, buckets: Sequence[nn.Module], mode: Mode) -> dict[int, nn.Module]:
-    """Map every module whose parameters go into a bucket to its bucket's module (validating ``buckets``)."""
-    buckets = list(buckets)
-    if not buckets:
-        return {}
-    if mode != "fully_shard":
-        raise ValueError(f"buckets need mode='fully_shard', got mode={mode!r}")
-    inside = {id(m) for m in model.modules()}
-    for b in buckets:
-        if not isinstance(b, nn.Module) or id(b) not in inside:
-            raise ValueError(f"Invalid bucket {type(b).__name__}: buckets must be submodules of the model")
-    if len({id(b) for b in buckets}) != len(buckets):
-        raise ValueError("A module is listed twice in buckets")
-    listed = {id(b) for b in buckets}
-    owners: dict[int, nn.Module] = {}
-
-    def visit(module: nn.Module, owner: nn.Module | None) -> None:
-        owner = module if id(module) in listed else owner
-        if owner is not None:
-            owners[id(module)] = owner
-        for child in module.children():
-            visit(child, owner)
-
-    visit(model, None)
-    return owners
-
-
-def _post_order(module: nn.Module) -> list[nn.Module]:
-    out: list[nn.Module] = []
-    for child in module.children():
-        out.extend(_post_order(child))
-    out.append(module)
-    return out
-
-
-def _make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy,
-                 reshard: bool) -> None:  # fmt: skip
-    members = [m for m in _post_order(owner) if owners.get(id(m)) is owner]
-    params: list[nn.Parameter] = []
-    for m in members:  # children before their parent: FSDP2's order, so buffers match it element for element
-        for p in m.parameters(recurse=False):
-            if all(p is not q for q in params):
-                params.append(p)
-    if not any(p.requires_grad for p in params):
-        raise ValueError(f"Bucket {type(owner).__name__} has no trainable parameters of its own")
-    bucket = _Bucket(params, mesh, policy)
-    member = _BucketMember(bucket)
-    for m in members:
-        names = tuple(n for n, p in m.named_parameters(recurse=False) if p is not None)
-        if names:
-            _swap_class(m, names, member)
-    nested = any(owners.get(id(m)) is not owner for m in owner.modules())
-    inner = owner.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        bucket.clear()  # gather afresh in every forward (and in its recomputation)
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            bucket.clear()  # the cache must not keep the gathered weights alive
-
-    owner.forward = forward
-    if reshard and not nested:
-        checkpoint_gathers(owner)
-
-
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
     def cast(x: Any) -> Any:
         return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     return torch.utils._pytree.tree_map(cast, (args, kwargs))
-
-
-# -- reshard after forward ---------------------------------------------------------------------------------
-
-_COLLECTIVES = ("_c10d_functional.", "c10d_functional.")
-
-
-def _is_collective(op: Any) -> bool:
-    name = str(op)
-    return any(name.startswith(c) for c in _COLLECTIVES)
-
-
-_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._scaled_dot_product",
-         "aten.native_layer_norm", "aten.embedding")  # fmt: skip
-
-
-def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    """Selective-checkpoint policy: save the outputs of expensive ops (matmuls, convolutions, attention,
-    norms), recompute the rest, collectives included. Saving everything would also keep intermediates that
-    autograd frees (a linear's product before its bias), which costs more memory than the gathers save."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    if _is_collective(op):
-        return CheckpointPolicy.MUST_RECOMPUTE
-    name = str(op)
-    if any(name.startswith(s) for s in _SAVE):
-        return CheckpointPolicy.PREFER_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def checkpoint_gathers(module: nn.Module) -> nn.Module:
-    """Eager reshard-after-forward for ``module``, in place: its forward runs under a selective activation
-    checkpoint that keeps every op's output for backward except the collectives' (and views of them), so
-    gathered parameters are freed after forward and gathered again in backward. Compute is not repeated.
-    Returns ``module``."""
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-    inner = module.forward
-    context = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context, **kwargs)
-
-    module.forward = forward
-    return module
 
 
 def compile_model(model: nn.Module, *, bucket: bool = True, **kwargs: Any) -> Any:
