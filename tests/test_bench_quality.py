@@ -54,9 +54,10 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
             for k in ("fp32", "alt-r4", "torch-r4")}  # fmt: skip
     # torch's hook counts nothing: its exact warm-up, then P and Q of its rank (computed)
     hook = kept["torch-r4"]
-    assert hook["warm"] == p.start and hook["low"] == network._model_bytes(Spec("h", "torch_psgd", {"rank": 4}), model)
+    hook_low = network.modelled_bytes(Spec("h", "torch_psgd", {"rank": 4}), model)
+    assert hook["warm"] == p.start and hook["low"] == hook_low
     m = kept["alt-r4"]
-    low = network._model_bytes(Spec("r4", "powersgd", {"rank": 4, "variant": "alternating"}), model)["all_reduce"]
+    low = network.modelled_bytes(Spec("r4", "powersgd", {"rank": 4, "variant": "alternating"}), model)["all_reduce"]
     assert m["warm"] == p.start and m["dense"] == {"all_reduce": 4.0 * model.num_params()}
     assert m["low"]["all_reduce"] == pytest.approx(low, rel=1e-9)
     assert kept["fp32"]["steps_run"] == 8 and kept["fp32"]["warm"] == 0  # fp32 runs its horizon only

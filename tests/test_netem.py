@@ -96,15 +96,18 @@ def test_sigterm_removes_namespaces():
 def test_break_even_solves_the_serial_model():
     """16-bit sends 8 MB at 1.0 s unthrottled, a compressor 1 MB at 1.1 s: with k = seconds per Mbit/s,
     1.1 + k_c / B = 1.0 + k_16 / B at B = (k_16 - k_c) / 0.1."""
-    from powertrain.bench.network import SIXTEEN, _break_even, _comm_seconds
+    from powertrain.bench.netem import comm_seconds
+    from powertrain.bench.network import SIXTEEN, Row, _break_even
+    from powertrain.bench.sidebyside import Spec
 
-    rows = [{"label": label, "kind": "torch_fp16", "median_s": 1.0 + i, "by_op": {"all_reduce": 8e6}}
-            for i, label in enumerate(SIXTEEN)]  # fmt: skip
-    rows.append({"label": "c", "kind": "powersgd", "median_s": 1.1, "by_op": {"all_reduce": 1e6}})
-    rows.append({"label": "free", "kind": "powersgd", "median_s": 0.9, "by_op": {"all_reduce": 1e6}})
-    rows.append({"label": "bigger", "kind": "int8", "median_s": 1.2, "by_op": {"all_reduce": 9e6}})
+    def row(kind: str, median_s: float, sent: float) -> Row:  # not run: its step time is its model's
+        return Row(Spec(kind, kind), {"all_reduce": sent}, 1.0, None, median_s, median_s, None)
+
+    rows = {key: row("torch_fp16", 1.0 + i, 8e6) for i, key in enumerate(SIXTEEN)}
+    rows |= {"c": row("powersgd", 1.1, 1e6), "free": row("powersgd", 0.9, 1e6), "bigger": row("int8", 1.2, 9e6)}
     be = _break_even(rows)
-    k16, kc = _comm_seconds({"all_reduce": 8e6}, 1.0), _comm_seconds({"all_reduce": 1e6}, 1.0)
+    assert set(be) == {"c", "free", "bigger"}  # by key: the 16-bit rows are the baseline
+    k16, kc = comm_seconds({"all_reduce": 8e6}, 1.0), comm_seconds({"all_reduce": 1e6}, 1.0)
     # The code divides by 1.1 - 1.0, which is off from the literal 0.1 by <= 1.1 u + 0.1 u absolute (12 u
     # relative), plus one division per side: 14 u; 2x safety.
     assert be["c"] == pytest.approx((k16 - kc) / 0.1, rel=14 * EPS, abs=0)
@@ -178,7 +181,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     from powertrain.bench.network import QUALITY, SPECS
 
     for rate in report["rates"]:
-        assert [row["label"] for row in rate["rows"]] == [s.label for s in SPECS]
+        assert [row["label"] for row in rate["rows"]] == [s.label for s in SPECS.values()]
         for row in rate["rows"]:
             assert row["median_s"] > 0 and row["ideal_s"] <= row["model_s"], row
         if rate["check"] is not None:
@@ -193,14 +196,12 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     coherent, noise = _val_loss_per_ulp()
     steps = PRESETS["tiny"].warmup + PRESETS["tiny"].timed
     bound = 4 * (2 * steps * coherent + 2 * noise)
-    rows = {r["label"]: r for r in report["rates"][0]["rows"]}
-    psgd = [rows[label]["val_loss"] for label in ("powertrain powersgd r4", "powertrain powersgd r4, 2 MB buckets",
-                                                  "powertrain powersgd r4, reference optimizer_step",
-                                                  "FSDP2 powertrain powersgd r4")]  # fmt: skip
+    rows = dict(zip(SPECS, report["rates"][0]["rows"], strict=True))  # in SPECS' order (checked above)
+    psgd = [rows[key]["val_loss"] for key in ("r4", "r4-2mb", "r4-reference", "fsdp-r4")]
     within(max(psgd) - min(psgd), bound, f"PowerSGD rows' validation losses {psgd}")
-    within(abs(rows["FSDP2 fp32"]["val_loss"] - rows["DDP fp32"]["val_loss"]), bound, "FSDP2 fp32 vs DDP fp32")
+    within(abs(rows["fsdp-fp32"]["val_loss"] - rows["fp32"]["val_loss"]), bound, "FSDP2 fp32 vs DDP fp32")
     quality = report["quality"]
-    assert [q["label"] for q in quality["rows"]] == list(QUALITY)
+    assert [q["label"] for q in quality["rows"]] == [SPECS[key].label for key in QUALITY]
     assert all(len(q["val_curve"]) == 2 for q in quality["rows"])  # tiny: 4 steps, every 2
     assert "time to target" in text and "Where compression stops paying off" in text
     assert (tmp_path / "out" / "speedup_vs_bandwidth.png").stat().st_size > 1000

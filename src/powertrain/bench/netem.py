@@ -8,8 +8,9 @@ bandwidth only: this kernel has no netem, so latency, where wanted, must be adde
 Everything created is removed on exit, also on errors and Ctrl-C (namespaces, and with them the links;
 processes started here are killed by PID). Needs root and iproute2; :func:`unavailable` says why not.
 
-The alpha-beta cost model (:func:`collective_seconds`) is what the benchmark compares measured step times
-with; :func:`validate` checks the emulation itself: a measured all-reduce against bytes / bandwidth.
+The alpha-beta cost model (:func:`collective_seconds`, and :func:`comm_seconds` for a whole step's collectives) is
+what the benchmarks compare measured step times with; :func:`validate` checks the emulation itself: a measured
+all-reduce against bytes / bandwidth.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["EmulatedCluster", "collective_seconds", "unavailable", "validate"]
+__all__ = ["EmulatedCluster", "collective_seconds", "comm_seconds", "unavailable", "validate"]
 
 #: TCP/IPv4/Ethernet framing: 1448 payload bytes cost 1514 on the wire (measured here: theory x1.046
 #: matched a 16 MiB all-reduce at 1 Gbit/s within 0.3%).
@@ -49,6 +50,19 @@ def collective_seconds(
     if world < 2 or payload_bytes <= 0:
         return 0.0
     return factor[op] * payload_bytes * framing * 8 / (rate_mbit * 1e6)
+
+
+#: What the benchmarks' per-step byte counts are costed as: gloo runs a reduce-scatter as a full all-reduce, and
+#: FSDP2's weight all-gathers (counted apart from the gradients' collectives) are all-gathers.
+_COST_AS = {"reduce_scatter": "all_reduce", "all_gather_weights": "all_gather"}
+
+
+def comm_seconds(by_op: dict[str, float], rate_mbit: float | None, world: int = 2) -> float:
+    """Bandwidth time of one step's collectives on gloo: ``by_op`` maps a collective (as :func:`collective_seconds`
+    names them, or ``all_gather_weights``) to its payload bytes per step. 0 for ``rate_mbit`` None (unthrottled)."""
+    if rate_mbit is None:
+        return 0.0
+    return float(sum(collective_seconds(_COST_AS.get(op, op), n, world, rate_mbit) for op, n in by_op.items()))
 
 
 def unavailable() -> str | None:

@@ -24,6 +24,9 @@ FSDP2) can hide communication behind backward, taken as 2/3 of the compute-only 
 Configurations whose modelled communication exceeds ``max_comm_s`` per step at a rate are not run there
 (fp32 at 10 Mbit/s would take ~11 s a step); their modelled time is shown instead, marked as such. Without
 root or iproute2 the sweep falls back to loopback, labelled so.
+
+The other benchmarks use :func:`run_rate` (configurations side by side at a link rate, emulated or on loopback),
+:func:`modelled_bytes` and :func:`fsdp2_weight_bytes`; :func:`run_network_bench` returns a typed :class:`Report`.
 """
 
 from __future__ import annotations
@@ -34,65 +37,57 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from powertrain.bench import ddp, plots
 from powertrain.bench.ddp import computed_bytes
-from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable, validate
-from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.sidebyside import Spec
+from powertrain.bench.netem import EmulatedCluster, comm_seconds, unavailable, validate
+from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig
+from powertrain.train.launch import launch
+
+__all__ = ["PRESETS", "START", "Preset", "RateRun", "Report", "fsdp2_weight_bytes", "modelled_bytes",
+           "run_network_bench", "run_rate"]  # fmt: skip
 
 START = 2  # PowerSGD's exact warm-up steps (both implementations): expensive on slow links
 BUCKET_MB = 2.0  # several buckets: DDP hands each to the hook as backward produces it (overlap)
 BACKWARD_SHARE = 2 / 3  # of the compute-only step: what several buckets can hide communication behind
 
-SPECS = [
-    Spec("compute only (no communication)", "noop"),
-    Spec("DDP fp32", "plain"),
-    Spec("DDP fp32, 2 MB buckets", "plain", bucket_cap_mb=BUCKET_MB),
-    Spec("torch fp16_compress_hook", "torch_fp16"),
-    Spec("torch fp16_compress_hook, 2 MB buckets", "torch_fp16", bucket_cap_mb=BUCKET_MB),
+#: The sweep's configurations in table order, by a stable key: the groups below and the results name them by it.
+SPECS: dict[str, Spec] = {
+    "compute": Spec("compute only (no communication)", "noop"),
+    "fp32": Spec("DDP fp32", "plain"),
+    "fp32-2mb": Spec("DDP fp32, 2 MB buckets", "plain", bucket_cap_mb=BUCKET_MB),
+    "fp16": Spec("torch fp16_compress_hook", "torch_fp16"),
+    "fp16-2mb": Spec("torch fp16_compress_hook, 2 MB buckets", "torch_fp16", bucket_cap_mb=BUCKET_MB),
     # torch's PowerSGD hook only runs with one bucket on gloo (several abort with a collective mismatch).
-    Spec("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
-    Spec("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
-    Spec("powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}),
-    Spec("powertrain powersgd r1, 2 MB buckets", "powersgd", {"rank": 1, "variant": "alternating"}, BUCKET_MB),
-    Spec("powertrain powersgd r4, 2 MB buckets", "powersgd", {"rank": 4, "variant": "alternating"}, BUCKET_MB),
+    "torch-r1": Spec("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
+    "torch-r4": Spec("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
+    "r4": Spec("powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}),
+    "r1-2mb": Spec("powertrain powersgd r1, 2 MB buckets", "powersgd", {"rank": 1, "variant": "alternating"},
+                   BUCKET_MB),
+    "r4-2mb": Spec("powertrain powersgd r4, 2 MB buckets", "powersgd", {"rank": 4, "variant": "alternating"},
+                   BUCKET_MB),
     # Algorithm 1 of the paper (P and Q every step, torch's hook's algorithm): the variant whose quality holds with
     # AdamW (bench quality compares it with the alternating, reference, variant).
-    Spec(
-        "powertrain powersgd r4 paper, 2 MB buckets",
-        "powersgd",
-        {"rank": 4, "variant": "paper", "factor_dtype": "fp32"},
-        BUCKET_MB,
-    ),
-    Spec("powertrain int8, 2 MB buckets", "int8", bucket_cap_mb=BUCKET_MB),
-    Spec(
-        "powertrain powersgd r4, reference optimizer_step",
-        "powersgd",
-        {"rank": 4, "variant": "alternating"},
-        parallel="reference",
-    ),
-    Spec("FSDP2 fp32", "none", parallel="fsdp"),
-    Spec("FSDP2 powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}, parallel="fsdp"),
-]
-FP32 = ("DDP fp32", "DDP fp32, 2 MB buckets")
-SIXTEEN = ("torch fp16_compress_hook", "torch fp16_compress_hook, 2 MB buckets")
-#: The quality run: one row per distinct update rule (bucketing does not change any of these results).
-QUALITY = (
-    "DDP fp32, 2 MB buckets",
-    "torch fp16_compress_hook, 2 MB buckets",
-    "torch powerSGD_hook r1",
-    "torch powerSGD_hook r4",
-    "powertrain powersgd r1, 2 MB buckets",
-    "powertrain powersgd r4, 2 MB buckets",
-    "powertrain powersgd r4 paper, 2 MB buckets",
-    "powertrain int8, 2 MB buckets",
-)
+    "r4-paper-2mb": Spec("powertrain powersgd r4 paper, 2 MB buckets", "powersgd",
+                         {"rank": 4, "variant": "paper", "factor_dtype": "fp32"}, BUCKET_MB),
+    "int8-2mb": Spec("powertrain int8, 2 MB buckets", "int8", bucket_cap_mb=BUCKET_MB),
+    "r4-reference": Spec("powertrain powersgd r4, reference optimizer_step", "powersgd",
+                         {"rank": 4, "variant": "alternating"}, parallel="reference"),
+    "fsdp-fp32": Spec("FSDP2 fp32", "none", parallel="fsdp"),
+    "fsdp-r4": Spec("FSDP2 powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}, parallel="fsdp"),
+}  # fmt: skip
+COMPUTE = "compute"  # the compute-only row: every row's compute time
+FP32 = ("fp32", "fp32-2mb")
+SIXTEEN = ("fp16", "fp16-2mb")
+#: The quality run: one row per distinct update rule (bucketing does not change any of these results); fp32 first.
+QUALITY = ("fp32-2mb", "fp16-2mb", "torch-r1", "torch-r4", "r1-2mb", "r4-2mb", "r4-paper-2mb", "int8-2mb")
 TARGET = 1.01  # time to target: the first evaluation within 1% of fp32's final validation loss
+_TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count nothing they send
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +109,6 @@ PRESETS = {
 }  # fmt: skip
 
 
-def _spec(label: str) -> Spec:
-    return next(s for s in SPECS if s.label == label)
-
-
 def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
     """Payload (in :func:`powertrain.bench.netem.collective_seconds`' sense: each rank's own part) of FSDP2's
     weight all-gathers per step and rank, with each of ``model.blocks`` and the root wrapped: each block twice
@@ -129,8 +120,9 @@ def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
     return 4.0 * (2 * in_blocks + rest) / world
 
 
-def _model_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str, float]:
-    """Payload bytes per step by collective, before running (to decide what is affordable)."""
+def modelled_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str, float]:
+    """Payload bytes per step of ``spec`` by collective, computed before running: to decide what is affordable at a
+    rate, and for torch's hooks, which count nothing."""
     if spec.kind in ("plain", "noop", "torch_fp16", "torch_psgd"):
         return computed_bytes(spec, model)
     from powertrain.compress import make_compressor
@@ -149,14 +141,6 @@ def _model_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str
     return out
 
 
-def _comm_seconds(by_op: dict[str, float], rate: float | None, world: int = 2) -> float:
-    """Bandwidth time of one step's collectives. gloo runs a reduce-scatter as a full all-reduce."""
-    if rate is None:
-        return 0.0
-    cost_op = {"reduce_scatter": "all_reduce", "all_gather_weights": "all_gather"}
-    return float(sum(collective_seconds(cost_op.get(op, op), n, world, rate) for op, n in by_op.items()))
-
-
 def _torch_collectives(spec: Spec, model: GPT) -> float:
     """Collectives per step of torch's hooks (they are not counted): one per bucket; PowerSGD's hook sends
     the uncompressed tensors, P and Q: three."""
@@ -172,49 +156,23 @@ def _overlaps(spec: Spec) -> bool:
     return spec.parallel == "fsdp" or (spec.parallel == "ddp" and spec.bucket_cap_mb is not None)
 
 
-def _launch_args(p: Preset, specs: list[Spec], steps: int | None = None) -> dict[str, Any]:
+class RateRun(NamedTuple):
+    """What :func:`run_rate` measured."""
+
+    results: list[SpecResult]  # one per spec, in their order
+    check: dict[str, float] | None  # the emulation's validation (netem.validate); None unthrottled or on loopback
+
+
+def run_rate(p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None) -> RateRun:
+    """Run ``specs`` side by side on 2 workers at ``rate`` (Mbit/s; None: unthrottled): the sweep's timed rounds, or
+    ``steps`` steps with validation every ``p.eval_every``. ``emulate``: on an emulated cluster
+    (:mod:`powertrain.bench.netem`, validated first at a finite rate); else on loopback, whatever ``rate``."""
     quality = steps is not None
-    return {
-        "specs": [dataclasses.asdict(s) for s in specs],
-        "model": dataclasses.asdict(p.model),
-        "batch": p.batch,
-        "warmup": 0 if quality else p.warmup,
-        "timed": steps if quality else p.timed,
-        "start": START,
-        "eval_every": p.eval_every if quality else 0,
-    }
-
-
-def _loopback_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """One rank under :func:`powertrain.train.launch.launch`; a single worker (run in this process, without
-    the launcher's environment) gets a one-process group of its own."""
-    import os
-
-    import torch.distributed as dist
-
-    from powertrain.bench import sidebyside
-    from powertrain.train.launch import leave_world
-
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    args = dict(args)
-    specs = [Spec(**s) for s in args.pop("specs")]
-    out = sidebyside.run(specs, model=sidebyside.model_config(args.pop("model")), **args)
-    leave_world()
-    return out
-
-
-def _run_rate(
-    p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None
-) -> tuple[dict[int, Any], dict[str, float] | None]:
-    """Run ``specs`` side by side at ``rate``: the sweep's timed rounds, or ``steps`` steps with validation."""
-    args = _launch_args(p, specs, steps)
+    args = launch_args(specs, model=p.model, batch=p.batch, warmup=0 if quality else p.warmup,
+                       timed=steps if quality else p.timed, start=START,
+                       eval_every=p.eval_every if quality else 0)  # fmt: skip
     if not emulate:
-        from powertrain.train.launch import launch
-
-        return launch(_loopback_worker, 2, args), None
+        return RateRun(by_spec(launch(worker, 2, args)), None)
     cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
     with EmulatedCluster(2, rate) as cluster:
         check = validate(cluster, megabytes=4.0) if rate is not None else None
@@ -225,187 +183,273 @@ def _run_rate(
             if proc.returncode != 0:
                 raise RuntimeError(f"benchmark worker {r} at {rate} Mbit/s failed: {err.strip()[-1500:]}")
             results[r] = json.loads(out.strip().splitlines()[-1])
-    return results, check
+    return RateRun(by_spec(results), check)
 
 
-def _rows(rate: float | None, results: dict[int, Any], runnable: list[Spec], model: GPT,
-          latency: float) -> list[dict[str, Any]]:  # fmt: skip
-    """One dict per configuration at this rate: measured (or modelled, for rows not run) and the model."""
-    ranks = sorted(results)
-    rows: dict[str, dict[str, Any]] = {}
-    for i, spec in enumerate(runnable):
-        per_round = [max(results[r]["times"][i][j] for r in ranks) for j in range(len(results[ranks[0]]["times"][i]))]
-        ts = sorted(per_round)
-        r0 = results[ranks[0]]
-        measured_stats = r0["measured_stats"][i]
-        by_op = dict(r0["sent_per_step"][i]) if measured_stats else _model_bytes(spec, model)
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """A configuration's step as the sweep measured it at one rate, over the timed rounds (each the slower rank's)."""
+
+    median_s: float
+    q1: float
+    q3: float
+    val_loss: float  # final, mean over ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """A configuration at one rate: its payload, collectives and alpha-beta model, and its step as measured (None:
+    not run there, its modelled communication too long; its step time is then the model's)."""
+
+    spec: Spec
+    by_op: dict[str, float]  # payload bytes per step by collective
+    collectives: float  # per step
+    compress_s: float | None  # powertrain's measurement; None: torch's hooks, or not run
+    model_s: float  # serial: compute + compress + latency x collectives + bytes / bandwidth
+    ideal_s: float  # the same, less what several buckets (or FSDP2) can hide behind backward
+    measured: Measured | None
+
+    @property
+    def median_s(self) -> float:
+        return self.model_s if self.measured is None else self.measured.median_s
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(self.by_op.values())
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.measured
+        timing = {} if m is None else {"q1": m.q1, "q3": m.q3, "val_loss": m.val_loss}
+        return {"label": self.spec.label, "kind": self.spec.kind, "measured": m is not None, "median_s": self.median_s,
+                **timing, "by_op": self.by_op, "bytes": self.total_bytes, "compress_s": self.compress_s,
+                "collectives": self.collectives, "model_s": self.model_s, "ideal_s": self.ideal_s}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RateResult:
+    """The sweep at one link rate."""
+
+    rate_mbit: float | None  # None: unthrottled
+    check: dict[str, float] | None  # the emulation's validation; None unthrottled or on loopback
+    rows: dict[str, Row]  # every configuration of SPECS, by key, in its order
+
+    def best_s(self, keys: tuple[str, ...]) -> float:
+        """The fastest step time of the rows ``keys``: the best fp32 (FP32) or 16-bit (SIXTEEN) baseline."""
+        return min(self.rows[key].median_s for key in keys)
+
+    def to_json(self) -> dict[str, Any]:
+        """As in ``results.json``, and as :mod:`powertrain.bench.plots` reads it (step times by label)."""
+        return {"rate_mbit": self.rate_mbit, "check": self.check, "rows": [r.to_json() for r in self.rows.values()],
+                "best_fp32_s": self.best_s(FP32), "best_16_s": self.best_s(SIXTEEN),
+                "step_s": {r.spec.label: r.median_s for r in self.rows.values()}}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class QualityRow:
+    """A configuration's quality run."""
+
+    spec: Spec
+    val_curve: list[tuple[int, float]]  # (step, validation loss)
+    val_loss: float  # final
+    train_loss: float  # mean of the last 10 steps' (each the mean over ranks)
+    bytes_per_step: float
+    vs_fp32: float  # final validation loss relative to fp32's, minus 1
+    steps_to_target: int | None  # the first evaluation at or below the target; None: not reached
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.spec.label, "val_curve": self.val_curve, "val_loss": self.val_loss,
+                "train_loss": self.train_loss, "bytes_per_step": self.bytes_per_step, "vs_fp32": self.vs_fp32,
+                "steps_to_target": self.steps_to_target}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Quality:
+    """The quality run of the QUALITY configurations (loopback)."""
+
+    steps: int
+    eval_every: int
+    target: float  # validation loss: fp32's final one x TARGET
+    rows: dict[str, QualityRow]  # by key of SPECS, in QUALITY's order
+
+    def to_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "eval_every": self.eval_every, "target": self.target,
+                "rows": [r.to_json() for r in self.rows.values()]}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """What :func:`run_network_bench` measured; ``to_json()`` is what it writes to ``results.json``."""
+
+    preset: str
+    emulated: bool  # False: loopback only
+    rates: list[RateResult]
+    break_even_mbit: dict[str, float | None]  # by key of SPECS, the compressing rows (see _break_even)
+    quality: Quality | None  # None: the preset has no quality run
+
+    def to_json(self) -> dict[str, Any]:
+        return {"preset": self.preset, "emulated": self.emulated, "rates": [e.to_json() for e in self.rates],
+                "break_even_mbit": {SPECS[key].label: b for key, b in self.break_even_mbit.items()},
+                "quality": None if self.quality is None else self.quality.to_json()}  # fmt: skip
+
+
+def _measured(res: SpecResult) -> Measured:
+    ts = sorted(res.step_times())
+    val_loss = sum(r.val_loss for r in res.ranks) / len(res.ranks)
+    return Measured(statistics.median(ts), ts[len(ts) // 4], ts[(3 * len(ts)) // 4], val_loss)
+
+
+def _row(spec: Spec, res: SpecResult | None, model: GPT, rate: float | None, compute: float, latency: float) -> Row:
+    """``spec`` at ``rate``: as it ran there (``res``), or modelled where it was not run. ``compute``: the compute-only
+    row's median step time; ``latency``: seconds per collective."""
+    compress: float | None = None
+    measured: Measured | None = None
+    if res is None:
+        by_op = modelled_bytes(spec, model)
+        collectives = _torch_collectives(spec, model) if spec.kind in _TORCH_HOOKS else 2.0
+    else:
+        counted = res.first.measured_stats  # powertrain counted its bytes, collectives and compression time
+        by_op = dict(res.first.sent_per_step) if counted else modelled_bytes(spec, model)
         if spec.parallel == "fsdp":  # FSDP2's weight all-gathers are not ours to count: computed
             by_op["all_gather_weights"] = fsdp2_weight_bytes(model, 2)
-        compress = max(results[r]["compress_s"][i] for r in ranks) if measured_stats else None
-        rows[spec.label] = {
-            "label": spec.label, "kind": spec.kind, "measured": True, "median_s": statistics.median(ts),
-            "q1": ts[len(ts) // 4], "q3": ts[(3 * len(ts)) // 4], "by_op": by_op, "bytes": sum(by_op.values()),
-            "compress_s": compress,
-            "collectives": r0["collectives"][i] if measured_stats else _torch_collectives(spec, model),
-            "val_loss": sum(results[r]["val_loss"][i] for r in ranks) / len(ranks),
-        }  # fmt: skip
-    compute = rows[SPECS[0].label]["median_s"]
-    for spec in SPECS:
-        if spec.label not in rows:
-            b = _model_bytes(spec, model)
-            n = _torch_collectives(spec, model) if spec.kind in ("plain", "torch_fp16", "torch_psgd") else 2.0
-            rows[spec.label] = {"label": spec.label, "kind": spec.kind, "measured": False, "by_op": b,
-                                "bytes": sum(b.values()), "compress_s": None, "collectives": n}  # fmt: skip
-    for spec in SPECS:
-        row = rows[spec.label]
-        comm = _comm_seconds(row["by_op"], rate) + latency * row["collectives"]
-        work = compute + (row["compress_s"] or 0.0)
-        row["model_s"] = work + comm
-        row["ideal_s"] = work + max(0.0, comm - (BACKWARD_SHARE * compute if _overlaps(spec) else 0.0))
-        if not row["measured"]:
-            row["median_s"] = row["model_s"]
-    return [rows[s.label] for s in SPECS]
+        collectives = res.first.collectives if counted else _torch_collectives(spec, model)
+        compress = max(r.compress_s for r in res.ranks) if counted else None
+        measured = _measured(res)
+    comm = comm_seconds(by_op, rate) + latency * collectives
+    work = compute + (compress or 0.0)
+    hidden = BACKWARD_SHARE * compute if _overlaps(spec) else 0.0
+    return Row(spec, by_op, collectives, compress, work + comm, work + max(0.0, comm - hidden), measured)
 
 
-def _break_even(unthrottled: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Per compressing row, the link rate (Mbit/s) above which the best 16-bit all-reduce row is faster in the
-    serial alpha-beta model built on the unthrottled step times: T_c + k_c / B = T_16 + k_16 / B. None when
+def _rows(rate: float | None, results: dict[str, SpecResult], model: GPT, latency: float) -> dict[str, Row]:
+    """Every configuration of SPECS at ``rate``: as it ran (``results``, by key), or modelled where it was not run."""
+    compute = _measured(results[COMPUTE]).median_s
+    return {key: _row(spec, results.get(key), model, rate, compute, latency) for key, spec in SPECS.items()}
+
+
+def _break_even(unthrottled: dict[str, Row]) -> dict[str, float | None]:
+    """Per compressing row (by key), the link rate (Mbit/s) above which the best 16-bit all-reduce row is faster in
+    the serial alpha-beta model built on the unthrottled step times: T_c + k_c / B = T_16 + k_16 / B. None when
     compression is not slower even without a network (it then pays at every bandwidth)."""
-    rows = {r["label"]: r for r in unthrottled}
-    base = min((rows[label] for label in SIXTEEN), key=lambda r: r["median_s"])
-    k16 = _comm_seconds(base["by_op"], 1.0)
+    base = min((unthrottled[key] for key in SIXTEEN), key=lambda r: r.median_s)
+    k16 = comm_seconds(base.by_op, 1.0)
     out: dict[str, float | None] = {}
-    for r in unthrottled:
-        if r["kind"] in ("noop", "plain", "torch_fp16", "none"):
+    for key, r in unthrottled.items():
+        if r.spec.kind in ("noop", "plain", "torch_fp16", "none"):
             continue
-        extra = r["median_s"] - base["median_s"]
-        saved = k16 - _comm_seconds(r["by_op"], 1.0)
-        out[r["label"]] = saved / extra if extra > 0 and saved > 0 else (None if saved > 0 else 0.0)
+        extra = r.median_s - base.median_s
+        saved = k16 - comm_seconds(r.by_op, 1.0)
+        out[key] = saved / extra if extra > 0 and saved > 0 else (None if saved > 0 else 0.0)
     return out
 
 
-def _quality(p: Preset) -> dict[str, Any] | None:
+def _sweep(p: Preset, model: GPT, emulate: bool) -> list[RateResult]:
+    """Every rate of the preset (only unthrottled without ``emulate``): the affordable rows run, the others are
+    modelled."""
+    out = []
+    latency = 0.0  # alpha, from the latest emulation check (an unthrottled run has none)
+    for rate in p.rates if emulate else (None,):
+        runnable = {k: s for k, s in SPECS.items() if comm_seconds(modelled_bytes(s, model), rate) <= p.max_comm_s}
+        print(f"[bench network] {rate_name(rate)}: {len(runnable)} configurations", file=sys.stderr)
+        run = run_rate(p, rate, list(runnable.values()), emulate=emulate)
+        latency = run.check["latency_s"] if run.check else latency
+        results = dict(zip(runnable, run.results, strict=True))
+        out.append(RateResult(rate, run.check, _rows(rate, results, model, latency)))
+    return out
+
+
+def _quality(p: Preset) -> Quality | None:
     if not p.quality_steps:
         return None
-    from powertrain.train.launch import launch
-
-    specs = [_spec(label) for label in QUALITY]
+    specs = [SPECS[key] for key in QUALITY]
     print(f"[bench network] quality: {len(specs)} configurations x {p.quality_steps} steps (loopback)", file=sys.stderr)
-    results = launch(_loopback_worker, 2, _launch_args(p, specs, p.quality_steps))
-    ranks = sorted(results)
+    results = run_rate(p, None, specs, emulate=False, steps=p.quality_steps).results
     model = GPT(p.model)
-    rows = []
-    for i, spec in enumerate(specs):
-        losses = [sum(results[r]["losses"][i][j] for r in ranks) / len(ranks) for j in range(p.quality_steps)]
-        r0 = results[ranks[0]]
-        by_op = r0["sent_per_step"][i] if r0["measured_stats"][i] else _model_bytes(spec, model)
-        rows.append({"label": spec.label, "val_curve": r0["val_curve"][i], "val_loss": r0["val_loss"][i],
-                     "train_loss": sum(losses[-10:]) / min(10, len(losses)),
-                     "bytes_per_step": sum(by_op.values())})  # fmt: skip
-    fp32 = rows[0]["val_loss"]
-    for row in rows:
-        row["vs_fp32"] = row["val_loss"] / fp32 - 1
-        hit = [step for step, v in row["val_curve"] if v <= TARGET * fp32]
-        row["steps_to_target"] = hit[0] if hit else None
-    return {"steps": p.quality_steps, "eval_every": p.eval_every, "target": TARGET * fp32, "rows": rows}
+    fp32 = results[0].first.val_loss  # QUALITY starts with fp32
+    rows = {key: _quality_row(SPECS[key], res, p.quality_steps, model, fp32)
+            for key, res in zip(QUALITY, results, strict=True)}  # fmt: skip
+    return Quality(p.quality_steps, p.eval_every, TARGET * fp32, rows)
+
+
+def _quality_row(spec: Spec, res: SpecResult, steps: int, model: GPT, fp32: float) -> QualityRow:
+    losses = [sum(r.losses[j] for r in res.ranks) / len(res.ranks) for j in range(steps)]
+    r0 = res.first
+    by_op = r0.sent_per_step if r0.measured_stats else modelled_bytes(spec, model)
+    hit = [step for step, v in r0.val_curve if v <= TARGET * fp32]
+    return QualityRow(spec, r0.val_curve, r0.val_loss, train_loss=sum(losses[-10:]) / min(10, len(losses)),
+                      bytes_per_step=sum(by_op.values()), vs_fp32=r0.val_loss / fp32 - 1,
+                      steps_to_target=hit[0] if hit else None)  # fmt: skip
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def _rate_name(rate: float | None) -> str:
-    return "unthrottled" if rate is None else f"{rate:g} Mbit/s"
-
-
-def _rate_section(entry: dict[str, Any]) -> str:
-    rows, check = entry["rows"], entry["check"]
-    compute = rows[0]["median_s"]
+def _rate_section(e: RateResult) -> str:
+    compute = e.rows[COMPUTE].median_s
+    best_fp32, best_16 = e.best_s(FP32), e.best_s(SIXTEEN)
     cells = []
-    for r in rows:
-        m = r["measured"]
-        exposed = r["median_s"] - compute - (r["compress_s"] or 0.0) if m and r["kind"] != "noop" else None
+    for r in e.rows.values():
+        m = r.measured
+        communicates = m is not None and r.spec.kind != "noop"  # measured, with communication to expose
+        exposed = r.median_s - compute - (r.compress_s or 0.0) if communicates else None
         cells.append([
-            r["label"] + ("" if m else " (model, not run)"), f"{r['median_s']:.3f}",
-            f"{r['q1']:.3f}-{r['q3']:.3f}" if m else "-", f"{compute:.3f}", _fmt(r["compress_s"]), _fmt(exposed),
-            f"{r['bytes'] / 1e6:.3f}", f"{r['model_s']:.3f}", f"{r['ideal_s']:.3f}",
-            f"{r['median_s'] / r['ideal_s']:.2f}" if m and r["kind"] != "noop" else "-",
-            f"{entry['best_fp32_s'] / r['median_s']:.2f}x", f"{entry['best_16_s'] / r['median_s']:.2f}x",
-            _fmt(r.get("val_loss"), ".4f") if m else "-",
+            r.spec.label + ("" if m else " (model, not run)"), f"{r.median_s:.3f}",
+            f"{m.q1:.3f}-{m.q3:.3f}" if m else "-", f"{compute:.3f}", _fmt(r.compress_s), _fmt(exposed),
+            f"{r.total_bytes / 1e6:.3f}", f"{r.model_s:.3f}", f"{r.ideal_s:.3f}",
+            f"{r.median_s / r.ideal_s:.2f}" if communicates else "-",
+            f"{best_fp32 / r.median_s:.2f}x", f"{best_16 / r.median_s:.2f}x", f"{m.val_loss:.4f}" if m else "-",
         ])  # fmt: skip
-    head = f"### {_rate_name(entry['rate_mbit'])}"
-    if check:
+    head = f"### {rate_name(e.rate_mbit)}"
+    if e.check:
         head += (
-            f"\n\nEmulation check: a {check['bytes'] / 1e6:.0f} MB all-reduce took {check['measured_s']:.3f} s, "
-            f"the model says {check['expected_s']:.3f} s (ratio {check['ratio']:.2f}); "
-            f"latency (4-byte all-reduce) {1e3 * check['latency_s']:.2f} ms."
+            f"\n\nEmulation check: a {e.check['bytes'] / 1e6:.0f} MB all-reduce took {e.check['measured_s']:.3f} s, "
+            f"the model says {e.check['expected_s']:.3f} s (ratio {e.check['ratio']:.2f}); "
+            f"latency (4-byte all-reduce) {1e3 * e.check['latency_s']:.2f} ms."
         )
     headers = ["configuration", "s/step", "IQR", "compute", "compress", "exposed comm", "MB/step", "model (serial)",
                "ideal (overlap)", "measured/ideal", "vs fp32", "vs 16-bit", "val loss"]  # fmt: skip
     return f"{head}\n\n{table(headers, cells)}"
 
 
-def _quality_section(quality: dict[str, Any], rates: list[dict[str, Any]]) -> str:
-    headers = ["configuration", "train loss", "val loss", "val vs fp32", "steps to target"]
-    headers += [f"time to target @ {_rate_name(e['rate_mbit'])}" for e in rates]
+def _break_even_section(report: Report) -> str:
+    throttled = [e for e in report.rates if e.rate_mbit is not None]
     cells = []
-    for q in quality["rows"]:
-        n = q["steps_to_target"]
-        times = [f"{n * e['step_s'][q['label']]:.3g} s" if n else "not reached" for e in rates]
-        cells.append([q["label"], f"{q['train_loss']:.4f}", f"{q['val_loss']:.4f}", f"{100 * q['vs_fp32']:+.2f}%",
+    for key, b in report.break_even_mbit.items():
+        wins = [rate_name(e.rate_mbit) for e in throttled if e.rows[key].median_s < e.best_s(SIXTEEN)]
+        model_says = "every rate" if b is None else ("none" if b == 0 else f"{b:,.0f} Mbit/s")
+        cells.append([SPECS[key].label, model_says, ", ".join(wins) or "none"])
+    return (
+        "### Where compression stops paying off\n\nBreak-even link rate against the best 16-bit all-reduce row, "
+        "from the serial alpha-beta model on the unthrottled step times (above it, 16-bit all-reduce is faster), "
+        "and the swept rates at which the row was measured faster than the best 16-bit row.\n\n"
+        + table(["configuration", "break-even (model)", "measured faster than 16-bit at"], cells)
+    )
+
+
+def _quality_section(quality: Quality, rates: list[RateResult]) -> str:
+    headers = ["configuration", "train loss", "val loss", "val vs fp32", "steps to target"]
+    headers += [f"time to target @ {rate_name(e.rate_mbit)}" for e in rates]
+    cells = []
+    for key, q in quality.rows.items():
+        n = q.steps_to_target
+        times = [f"{n * e.rows[key].median_s:.3g} s" if n else "not reached" for e in rates]
+        cells.append([q.spec.label, f"{q.train_loss:.4f}", f"{q.val_loss:.4f}", f"{100 * q.vs_fp32:+.2f}%",
                       n or "not reached", *times])  # fmt: skip
     return (
-        f"### Quality: {quality['steps']} steps, validation every {quality['eval_every']}\n\n"
+        f"### Quality: {quality.steps} steps, validation every {quality.eval_every}\n\n"
         f"Same model, data order and seed for every row; train loss is the mean of the last 10 steps. Target: "
-        f"validation loss {quality['target']:.4f} (fp32's final value + {100 * (TARGET - 1):g}%). Time to target is "
+        f"validation loss {quality.target:.4f} (fp32's final value + {100 * (TARGET - 1):g}%). Time to target is "
         "the steps to reach it times the median step time measured at that rate in the sweep (evaluation "
         "excluded; rows not run at a rate use their model).\n\n" + table(headers, cells)
     )
 
 
-def run_network_bench(*, preset: str = "default", out: str | None = None, write: str | None = "BENCHMARKS.md") -> dict:
-    p = PRESETS[preset]
-    reason = unavailable()
-    emulate = reason is None
-    if not emulate:
-        print(f"No emulated network ({reason}): running unthrottled on loopback only.", file=sys.stderr)
-    model = GPT(p.model)
-    rates = p.rates if emulate else (None,)
-    report: dict[str, Any] = {"preset": preset, "emulated": emulate, "rates": []}
-    latency = 0.0
-    for rate in rates:
-        runnable = [s for s in SPECS if _comm_seconds(_model_bytes(s, model), rate) <= p.max_comm_s]
-        print(f"[bench network] {_rate_name(rate)}: {len(runnable)} configurations", file=sys.stderr)
-        results, check = _run_rate(p, rate, runnable, emulate=emulate)
-        latency = check["latency_s"] if check else latency
-        rows = _rows(rate, results, runnable, model, latency)
-        by = {r["label"]: r for r in rows}
-        report["rates"].append({
-            "rate_mbit": rate, "check": check, "rows": rows,
-            "best_fp32_s": min(by[label]["median_s"] for label in FP32),
-            "best_16_s": min(by[label]["median_s"] for label in SIXTEEN),
-            "step_s": {r["label"]: r["median_s"] for r in rows},
-        })  # fmt: skip
-    unthrottled = next(e for e in report["rates"] if e["rate_mbit"] is None)
-    report["break_even_mbit"] = _break_even(unthrottled["rows"])
-    report["quality"] = _quality(p)
-
-    sections = [_rate_section(e) for e in report["rates"]]
-    throttled = [e for e in report["rates"] if e["rate_mbit"] is not None]
-    be_cells = []
-    for label, b in report["break_even_mbit"].items():
-        wins = [_rate_name(e["rate_mbit"]) for e in throttled if e["step_s"][label] < e["best_16_s"]]
-        model_says = "every rate" if b is None else ("none" if b == 0 else f"{b:,.0f} Mbit/s")
-        be_cells.append([label, model_says, ", ".join(wins) or "none"])
-    sections.append(
-        "### Where compression stops paying off\n\nBreak-even link rate against the best 16-bit all-reduce row, "
-        "from the serial alpha-beta model on the unthrottled step times (above it, 16-bit all-reduce is faster), "
-        "and the swept rates at which the row was measured faster than the best 16-bit row.\n\n"
-        + table(["configuration", "break-even (model)", "measured faster than 16-bit at"], be_cells)
-    )
-    if report["quality"]:
-        sections.append(_quality_section(report["quality"], report["rates"]))
-    text = (
+def _markdown(report: Report, model: GPT, out: str | None) -> str:
+    p = PRESETS[report.preset]
+    sections = [_rate_section(e) for e in report.rates] + [_break_even_section(report)]
+    if report.quality:
+        sections.append(_quality_section(report.quality, report.rates))
+    return (
         "## Side by side on an emulated network (2 workers in network namespaces, tc tbf on every link)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({model.num_params() / 1e6:.2f}M parameters), "
         f"{p.batch}x{p.model.block_size} tokens per worker, AdamW lr 1e-3, one torch thread per worker; DDP with "
@@ -419,18 +463,40 @@ def run_network_bench(*, preset: str = "default", out: str | None = None, write:
         f"same with up to {BACKWARD_SHARE:.2f} x compute of communication hidden behind backward for rows with "
         "several buckets or FSDP2. vs fp32 / vs 16-bit: speed against the fastest fp32 / 16-bit row at that rate. "
         f"Rows whose modelled communication exceeds {p.max_comm_s:g} s a step are not run at that rate. "
-        + ("" if emulate else "**No emulated network was available: loopback only.** ")
+        + ("" if report.emulated else "**No emulated network was available: loopback only.** ")
         + "\n\n" + "\n\n".join(sections)
         + f"\n\nMachine: {machine_info()}.\n\nCommand: `powertrain bench network"
-        + ("" if preset == "default" else f" --preset {preset}") + (f" --out {out}" if out else "") + "`\n"
+        + ("" if report.preset == "default" else f" --preset {report.preset}") + (f" --out {out}" if out else "")
+        + "`\n"
     )  # fmt: skip
+
+
+def _write_out(d: Path, report: Report, text: str) -> None:
+    """results.json, table.md and the plots (which read the JSON form) in ``d``."""
+    d.mkdir(parents=True, exist_ok=True)
+    data = report.to_json()
+    (d / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+    (d / "table.md").write_text(text)
+    plots.speedup_vs_bandwidth(data, d / "speedup_vs_bandwidth.png")
+    if data["quality"]:
+        plots.val_loss_curves(data["quality"], data["rates"], d / "val_loss.png")
+
+
+def run_network_bench(*, preset: str = "default", out: str | None = None,
+                      write: str | None = "BENCHMARKS.md") -> Report:  # fmt: skip
+    """Run ``preset``'s sweep and quality run; write results.json, table.md and the plots to ``out`` (if given)
+    and publish the Markdown section to ``write`` (if given)."""
+    p = PRESETS[preset]
+    reason = unavailable()
+    emulate = reason is None
+    if not emulate:
+        print(f"No emulated network ({reason}): running unthrottled on loopback only.", file=sys.stderr)
+    model = GPT(p.model)
+    rates = _sweep(p, model, emulate)
+    unthrottled = next(e for e in rates if e.rate_mbit is None)
+    report = Report(preset, emulate, rates, _break_even(unthrottled.rows), _quality(p))
+    text = _markdown(report, model, out)
     if out:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-        (d / "table.md").write_text(text)
-        plots.speedup_vs_bandwidth(report, d / "speedup_vs_bandwidth.png")
-        if report["quality"]:
-            plots.val_loss_curves(report["quality"], report["rates"], d / "val_loss.png")
+        _write_out(Path(out), report, text)
     publish(text, write, "network" if preset == "default" else f"network-{preset}")
     return report

@@ -35,8 +35,8 @@ import torch
 
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
-from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.sidebyside import Spec
+from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
 from powertrain.train.optimizers import galore_split
@@ -122,26 +122,19 @@ def at_equal_wall_clock(times: list[list[float]], curves: list[list[tuple[int, f
     return {"budget_s": budget, "reached": reached}
 
 
-def _slowest(results: dict[int, Any], key: str, i: int) -> list[float]:
-    """Per round, the slower rank's value (a step is over when both ranks are done)."""
-    ranks = sorted(results)
-    return [max(results[r][key][i][j] for r in ranks) for j in range(len(results[ranks[0]][key][i]))]
-
-
-def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> dict[str, Any]:
+def _rows(results: list[SpecResult], specs: list[Spec], skip: int) -> dict[str, Any]:
     """Per optimizer: step times, bytes and losses; ``budget_s``: the equal-wall-clock budget."""
-    r0 = results[sorted(results)[0]]
-    times = [_slowest(results, "times", i) for i in range(len(specs))]
-    equal = at_equal_wall_clock(times, [r0["val_curve"][i] for i in range(len(specs))])
-    rows = []
-    for i, spec in enumerate(specs):
+    times = [res.step_times() for res in results]
+    equal = at_equal_wall_clock(times, [res.first.val_curve for res in results])
+    rows: list[dict[str, Any]] = []
+    for i, (spec, res) in enumerate(zip(specs, results, strict=True)):
         t = times[i][skip:]
         reached = equal["reached"][i]
         rows.append({
             "label": spec.label, "steps": len(times[i]), "mean_s": statistics.fmean(t),
             "median_s": statistics.median(t),
-            "bytes": sum(r0["sent_per_step"][i].values()), "val_loss": r0["val_loss"][i],
-            "val_curve": r0["val_curve"][i], "total_s": sum(times[i]),
+            "bytes": sum(res.first.sent_per_step.values()), "val_loss": res.first.val_loss,
+            "val_curve": res.first.val_curve, "total_s": sum(times[i]),
             "wall_step": reached[0] if reached else None, "wall_loss": reached[1] if reached else None,
         })  # fmt: skip
     base = rows[0]
@@ -154,11 +147,11 @@ def _rows(results: dict[int, Any], specs: list[Spec], skip: int) -> dict[str, An
 # ---------------------------------------------------------------- the parts
 
 
-def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> dict[int, Any]:
+def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> list[SpecResult]:
     """``specs`` side by side on loopback, compared on their final validation only (no evaluations along the
-    way: only the slow-link part, through :func:`network._run_rate`, reads validation curves)."""
-    args = network._launch_args(dataclasses.replace(p, eval_every=0), specs, steps)
-    return launch(network._loopback_worker, nproc, args)
+    way: only the slow-link part, through :func:`network.run_rate`, reads validation curves)."""
+    args = launch_args(specs, model=p.model, batch=p.batch, warmup=0, timed=steps, start=network.START, eval_every=0)
+    return by_spec(launch(worker, nproc, args))
 
 
 def best_lr(rows: list[dict[str, Any]]) -> float:
@@ -208,7 +201,7 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
         # timing from 5 steps past that start, the timed steps span whole precondition periods (one root each)
         warmup = p.frequency + 5
         results = _side_by_side(p, specs, warmup + p.scaling_steps, world)
-        t = [statistics.fmean(_slowest(results, "times", i)[warmup:]) for i in range(len(specs))]
+        t = [statistics.fmean(res.step_times()[warmup:]) for res in results]
         out.append({"world": world, "adamw_s": t[0], "shampoo_s": t[1], "ratio": t[1] / t[0],
                     "vectors_s": t[2], "vectors_ratio": t[2] / t[0]})  # fmt: skip
     return out
@@ -218,8 +211,8 @@ def _slow_link(p: Preset, lr: float) -> dict[str, Any]:
     specs = [_specs(p, lr=lr)[i] for i in (0, 4)]  # AdamW (fp32 all-reduce), DeMo
     reason = unavailable()
     rate = p.link_rate if reason is None else None
-    print(f"[bench optimizers] DeMo vs AdamW at {network._rate_name(rate)}", file=sys.stderr)
-    results, check = network._run_rate(p, rate, specs, emulate=reason is None, steps=p.link_steps)
+    print(f"[bench optimizers] DeMo vs AdamW at {rate_name(rate)}", file=sys.stderr)
+    results, check = network.run_rate(p, rate, specs, emulate=reason is None, steps=p.link_steps)
     result = _rows(results, specs, skip=min(2, p.link_steps - 1))
     rows = result["rows"]
     return {"rate_mbit": rate, "unavailable": reason, "check": check, "steps": p.link_steps, **result,

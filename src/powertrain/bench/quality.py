@@ -34,9 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from powertrain.bench import network
+from powertrain.bench.netem import comm_seconds
+from powertrain.bench.network import modelled_bytes
 from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.sidebyside import Spec
+from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import DEFAULT_START, POWERSGD_ADAM_FREEZE
 from powertrain.train.launch import launch
@@ -158,16 +159,14 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
                 optimizer_options=dict(row.optimizer_options), stop_below=target)  # fmt: skip
 
 
-def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> dict[int, Any]:
+def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> list[SpecResult]:
     """``specs`` side by side on 2 loopback workers with the preset's model and data."""
-    model = None if p.model is None else dataclasses.asdict(p.model)
-    args = {"specs": [dataclasses.asdict(s) for s in specs], "model": model, "batch": p.batch,
-            "warmup": warmup, "timed": timed, "start": p.start, "eval_every": eval_every, "data_mb": p.data_mb,
-            "seed": seed}  # fmt: skip
-    return launch(network._loopback_worker, 2, args)
+    args = launch_args(specs, model=p.model, batch=p.batch, warmup=warmup, timed=timed, start=p.start,
+                       eval_every=eval_every, data_mb=p.data_mb, seed=seed)  # fmt: skip
+    return by_spec(launch(worker, 2, args))
 
 
-def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> dict[int, Any]:
+def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> list[SpecResult]:
     """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
     specs = [_spec(r, steps, p.start, target) for r in rows]
     print(f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
@@ -182,29 +181,28 @@ def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
     specs = [_spec(r, sum(TIMING_ROUNDS), p.start, None) for r in rows] + [Spec("", "noop", optimizer="adamw")]
     warmup, timed = TIMING_ROUNDS
     print(f"[bench quality] timing {', '.join(r.key for r in rows)} and compute only", file=sys.stderr)
-    res = _run(p, specs, warmup=warmup, timed=timed, eval_every=0, seed=0)
-    return {s.label: statistics.median(max(res[r]["times"][i][j] for r in res) for j in range(timed))
-            for i, s in enumerate(specs)}  # fmt: skip
+    results = _run(p, specs, warmup=warmup, timed=timed, eval_every=0, seed=0)
+    return {s.label: statistics.median(res.step_times()) for s, res in zip(specs, results, strict=True)}
 
 
-def _measured(row: Row, i: int, results: dict[int, Any], p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
-    """What the launch measured of row ``i``: validation curve, steps taken, bytes per exact and compressed step
-    (by collective)."""
-    r0 = results[0]
-    n = len(r0["losses"][i])
+def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
+    """What the launch measured of ``row`` (``res``): validation curve, steps taken, bytes per exact and compressed
+    step (by collective)."""
+    r0 = res.first
+    n = len(r0.losses)
     warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
             else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
     warm = min(warm, n)
     dense = {"all_reduce": 4.0 * model.num_params()}
     if row.kind == "torch_psgd":  # torch's hook counts nothing: its exact warm-up, then the paper variant's P and Q
-        low = network._model_bytes(Spec(row.key, "torch_psgd", row.options), model)
+        low = modelled_bytes(Spec(row.key, "torch_psgd", row.options), model)
     else:  # counted as sent: the warm-up's dense all-reduces, then the compressor's messages
-        total = {op: b * n for op, b in r0["sent_per_step"][i].items()}
+        total = {op: b * n for op, b in r0.sent_per_step.items()}
         low = {op: (b - warm * dense.get(op, 0.0)) / max(1, n - warm) for op, b in total.items()}
         low = {op: b for op, b in low.items() if b > 0.5}
-    out = {"curve": r0["val_curve"][i], "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low}
-    if r0["acc_curve"] is not None:  # a classifier
-        out["acc_curve"] = r0["acc_curve"][i]
+    out = {"curve": r0.val_curve, "steps_run": n, "warm": warm, "dense": dense if warm else {}, "low": low}
+    if r0.acc_curve is not None:  # a classifier
+        out["acc_curve"] = r0.acc_curve
     return out
 
 
@@ -298,15 +296,15 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         for seed in range(n_seeds):
             if kept.get(steps, seed, FP32, None) is None:
                 res = _launch(p, [FP32], steps, seed, None)
-                kept.put(steps, seed, FP32, _measured(FP32, 0, res, p, model))
+                kept.put(steps, seed, FP32, _measured(FP32, res[0], p, model))
         fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
         target = TARGET * statistics.mean(fp32)
         for seed in range(n_seeds):
             todo = [r for r in here[1:] if kept.get(steps, seed, r, target) is None]
             if todo:
                 res = _launch(p, todo, steps, seed, target)
-                for i, r in enumerate(todo):
-                    kept.put(steps, seed, r, _measured(r, i, res, p, model))
+                for r, measured in zip(todo, res, strict=True):
+                    kept.put(steps, seed, r, _measured(r, measured, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
         runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in here}
         report["horizons"].append(_summarise(here, runs, steps, target, step_s))
@@ -331,7 +329,7 @@ def seconds_to(k: float, m: dict[str, Any], step_s: float, rate: float) -> float
     compression, loopback communication) plus its exact warm-up steps' and compressed steps' collectives over the
     link."""
     warm = min(k, m["warm"])
-    link = warm * network._comm_seconds(m["dense"], rate) + (k - warm) * network._comm_seconds(m["low"], rate)
+    link = warm * comm_seconds(m["dense"], rate) + (k - warm) * comm_seconds(m["low"], rate)
     return k * step_s + link
 
 

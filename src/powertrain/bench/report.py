@@ -29,6 +29,11 @@ def machine_info() -> str:
     )
 
 
+def rate_name(rate_mbit: float | None) -> str:
+    """A link rate as the benchmarks' tables name it (None: unthrottled)."""
+    return "unthrottled" if rate_mbit is None else f"{rate_mbit:g} Mbit/s"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

@@ -2,8 +2,10 @@
 
 Every configuration has its own model (same initial weights), optimizer and DDP instance; each round runs
 one step of every configuration on the same batch, so load from other processes hits them alike. Run
-inside an initialised process group (``run``), or as ``python -m powertrain.bench.sidebyside JSON`` in a
-worker that reads RANK/WORLD_SIZE/MASTER_* from the environment and prints its results as JSON.
+inside an initialised process group (``run``), on local workers of :func:`powertrain.train.launch.launch`
+(:func:`worker`), or as ``python -m powertrain.bench.sidebyside JSON`` in a worker that reads
+RANK/WORLD_SIZE/MASTER_* from the environment and prints its results as JSON. The last two take
+:func:`launch_args`; :func:`by_spec` turns what the ranks return into one :class:`SpecResult` per configuration.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +35,8 @@ from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
+
+__all__ = ["RankResult", "Spec", "SpecResult", "by_spec", "launch_args", "main", "run", "worker"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,19 +237,93 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
             "params": runs[0].model.num_params()}  # fmt: skip
 
 
-def model_config(model: dict[str, Any] | None) -> GPTConfig | None:
-    """A launch argument (a GPTConfig as a dict, or None for the ResNet) back to :func:`run`'s ``model``."""
-    return None if model is None else GPTConfig(**model)
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """One configuration as one rank measured it in :func:`run` (the rank's entry of each of its lists)."""
+
+    times: list[float]  # seconds of each timed step
+    losses: list[float]  # training loss of every step taken
+    sent_per_step: dict[str, float]  # payload bytes per timed step by collective, as powertrain counted them
+    compress_s: float  # compression seconds per timed step
+    comm_s: float  # blocked-communication seconds per timed step
+    collectives: float  # per timed step
+    measured_stats: bool  # powertrain counted the communication (False: torch's hooks, which count nothing)
+    val_loss: float  # the final validation loss (mean over ranks)
+    val_curve: list[tuple[int, float]]  # (step, validation loss) every ``eval_every`` steps
+    acc_curve: list[tuple[int, float]] | None  # (step, accuracy) likewise, for a classifier; else None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecResult:
+    """One configuration on every rank of a launch."""
+
+    ranks: list[RankResult]  # in rank order
+
+    @property
+    def first(self) -> RankResult:
+        """Rank 0's result: where to read what every rank has alike (validation losses, which are averaged over
+        the ranks; payload bytes)."""
+        return self.ranks[0]
+
+    def step_times(self) -> list[float]:
+        """Per timed round, the slower rank's step time: a step is over when every rank is done."""
+        return [max(round_s) for round_s in zip(*(r.times for r in self.ranks), strict=True)]
+
+
+def by_spec(results: Mapping[int, dict[str, Any]]) -> list[SpecResult]:
+    """The ranks' :func:`run` results (rank -> result, as :func:`powertrain.train.launch.launch` returns them or
+    as read from :func:`main`'s JSON) as one :class:`SpecResult` per configuration, in the order of the specs."""
+    ranks = [results[r] for r in sorted(results)]
+    return [SpecResult([_rank_result(res, i) for res in ranks]) for i in range(len(ranks[0]["times"]))]
+
+
+def _rank_result(res: dict[str, Any], i: int) -> RankResult:
+    acc = res["acc_curve"]
+    return RankResult(
+        times=res["times"][i], losses=res["losses"][i], sent_per_step=res["sent_per_step"][i],
+        compress_s=res["compress_s"][i], comm_s=res["comm_s"][i], collectives=res["collectives"][i],
+        measured_stats=res["measured_stats"][i], val_loss=res["val_loss"][i],
+        val_curve=[(step, v) for step, v in res["val_curve"][i]],  # JSON has made the pairs lists
+        acc_curve=None if acc is None else [(step, a) for step, a in acc[i]],
+    )  # fmt: skip
+
+
+def launch_args(specs: Sequence[Spec], *, model: GPTConfig | None, **options: Any) -> dict[str, Any]:
+    """:func:`run`'s arguments as plain data (JSON, picklable) for :func:`worker` or :func:`main`: ``options`` are
+    its keyword arguments other than ``model``."""
+    config = None if model is None else dataclasses.asdict(model)
+    return {"specs": [dataclasses.asdict(s) for s in specs], "model": config, **options}
+
+
+def _run_args(args: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run` on :func:`launch_args`' output."""
+    args = dict(args)
+    specs = [Spec(**s) for s in args.pop("specs")]
+    model = args.pop("model")
+    return run(specs, model=None if model is None else GPTConfig(**model), **args)
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    """One rank of :func:`powertrain.train.launch.launch` running :func:`run` on ``args`` (:func:`launch_args`);
+    a single worker (run in the calling process, without the launcher's environment) gets a one-process group of
+    its own."""
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    out = _run_args(args)
+    leave_world()
+    return out
 
 
 def main() -> None:
-    """Worker entry point: JSON arguments in argv[1], JSON results on stdout (rank 0 and others)."""
+    """Worker entry point: JSON arguments in argv[1] (:func:`launch_args`, optionally with ``timeout_s``), JSON
+    results on stdout (rank 0 and others)."""
     import datetime
 
     args = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pop("timeout_s", 300)))
-    specs = [Spec(**s) for s in args.pop("specs")]
-    result = run(specs, model=model_config(args.pop("model")), **args)
+    result = _run_args(args)
     print(json.dumps(result), flush=True)
     leave_world()
     # Skip interpreter finalisation: the results are out, and gloo's threads have been seen to abort the
