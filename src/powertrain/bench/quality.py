@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from powertrain._files import write_atomic
 from powertrain.bench.netem import comm_seconds
 from powertrain.bench.network import modelled_bytes
 from powertrain.bench.report import machine_info, publish, table
@@ -263,9 +264,7 @@ class _Kept:
 def _write(path: Path, obj: Any) -> None:
     """JSON to ``path`` whole or not at all (a stopped run leaves no half-written result)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(obj) + "\n")
 
 
 def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
