@@ -1,9 +1,27 @@
 """Optimizers: Distributed Shampoo (and its eigenvalue-corrected form), GaLore, DeMo / FlexDeMo, and AdamW with a
-frozen second moment (the optimizer side of error feedback)."""
+frozen second moment (the optimizer side of error feedback).
 
-from powertrain.optim.demo import DeMo, FlexDeMo
-from powertrain.optim.frozen_adamw import FrozenVarianceAdamW
-from powertrain.optim.galore import GaLoreAdamW
-from powertrain.optim.shampoo import DistributedShampoo
+Each is imported on first use: the command's launcher reads the optimizers' option types without loading
+DTensor."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from powertrain._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from powertrain.optim.demo import DeMo, FlexDeMo
+    from powertrain.optim.frozen_adamw import FrozenVarianceAdamW
+    from powertrain.optim.galore import GaLoreAdamW
+    from powertrain.optim.shampoo import DistributedShampoo
 
 __all__ = ["DeMo", "DistributedShampoo", "FlexDeMo", "FrozenVarianceAdamW", "GaLoreAdamW"]
+
+__getattr__ = lazy_exports(__name__, {
+    "DeMo": "powertrain.optim.demo",
+    "FlexDeMo": "powertrain.optim.demo",
+    "FrozenVarianceAdamW": "powertrain.optim.frozen_adamw",
+    "GaLoreAdamW": "powertrain.optim.galore",
+    "DistributedShampoo": "powertrain.optim.shampoo",
+})  # fmt: skip

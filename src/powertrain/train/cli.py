@@ -126,12 +126,12 @@ def _continues_in_place(cfg: TrainConfig) -> Literal["checkpoint", "start over",
     complete checkpoint (``"checkpoint"``: the same command again, or torchrun restarting the workers after one
     died), or from the start (``"start over"``: torchrun restarting a run that died before its first checkpoint,
     whose saved config.toml has the same settings). Other settings are refused with a one-line error."""
-    from powertrain.train.checkpoint import config_changes
-
     out = Path(str(cfg.out))
     if (out / "checkpoints" / "latest").is_file():
         return "checkpoint"
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and (out / "config.toml").is_file():
+        from powertrain.train.checkpoint import config_changes  # DCP: imported where a run continues only
+
         diffs = config_changes(load_toml(out / "config.toml"), dataclasses.asdict(cfg))
         if diffs:
             raise ValueError(f"out={cfg.out!r} holds a run with other settings ({diffs}): choose another --out")

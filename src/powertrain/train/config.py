@@ -22,7 +22,7 @@ from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
-from powertrain.optim.shampoo.optimizer import Preconditioner
+from powertrain.optim.shampoo.preconditioner import Preconditioner
 
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]

@@ -8,7 +8,19 @@
 - :mod:`.stats`: :class:`RootStats`, the counts of root computations, failures and fallbacks to the graft.
 """
 
-from powertrain.optim.shampoo.optimizer import DistributedShampoo
-from powertrain.optim.shampoo.stats import RootStats
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from powertrain._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from powertrain.optim.shampoo.optimizer import DistributedShampoo
+    from powertrain.optim.shampoo.stats import RootStats
 
 __all__ = ["DistributedShampoo", "RootStats"]
+
+__getattr__ = lazy_exports(__name__, {
+    "DistributedShampoo": "powertrain.optim.shampoo.optimizer",
+    "RootStats": "powertrain.optim.shampoo.stats",
+})  # fmt: skip

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Iterable
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,8 @@ from powertrain.optim.shampoo import blocks as blocking
 from powertrain.optim.shampoo.distributor import Block, Gather, Local, block_cost
 from powertrain.optim.shampoo.matrix import Method, RootFailure
 from powertrain.optim.shampoo.preconditioner import (
+    Grafting,
+    Preconditioner,
     eigenbases,
     init_factors,
     inverse_roots,
@@ -60,9 +62,7 @@ from powertrain.optim.shampoo.stats import RootCounter, RootStats
 
 __all__ = ["BlockState", "DistributedShampoo", "RootStats"]
 
-Grafting = Literal["adam", "rmsprop", "adagrad", "none"]
 _LAYOUT = 3  # of state_dict(): the version this one reads and writes
-Preconditioner = Literal["shampoo", "eigenvalue_corrected"]
 
 
 def _work(t: torch.Tensor) -> torch.dtype:

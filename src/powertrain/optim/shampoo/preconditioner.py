@@ -18,11 +18,25 @@ Pure functions on tensors; the optimizer owns state and decides when to recomput
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from powertrain.optim.shampoo.matrix import Method, eigenvectors, inverse_root
 
-__all__ = ["eigenbases", "init_factors", "inverse_roots", "precondition", "rotate", "update_factors"]
+Preconditioner = Literal["shampoo", "eigenvalue_corrected"]  # the optimizer's two kinds
+Grafting = Literal["adam", "rmsprop", "adagrad", "none"]  # where the step size comes from
+
+__all__ = [
+    "Grafting",
+    "Preconditioner",
+    "eigenbases",
+    "init_factors",
+    "inverse_roots",
+    "precondition",
+    "rotate",
+    "update_factors",
+]
 
 
 def init_factors(block: torch.Tensor) -> list[torch.Tensor]:
