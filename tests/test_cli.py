@@ -150,6 +150,16 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert 0 < sent[0] < sent[1], sent
     if mode[:2] in (["simple_fsdp", "none"], ["tp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
+    if mode[0] == "tp":  # loss parallelism: the cross-entropy's all-reduces, not a gather of the logits
+        from powertrain.models import GPTConfig
+        from powertrain.tp import traffic
+        from powertrain.train.config import resolve
+
+        cfg = resolve("tiny", None, {})
+        gpt = GPTConfig(256, cfg.block_size, *cfg.gpt_shape)
+        sent = {lp: sum(b for b, _ in traffic(gpt, 2, 1, cfg.batch_size, cfg.block_size, loss_parallel=lp).values())
+                for lp in (True, False)}  # fmt: skip
+        assert sent[True] != sent[False] and {row["bytes_sent"] for row in rows} == {sent[True]}, (sent, rows)
 
 
 def test_shampoo_fallbacks_are_reported_once():

@@ -216,10 +216,11 @@ def _step(run: _Run, step: int) -> tuple[float, float, float]:
     for micro in range(cfg.grad_accum):
         x, y = data.batch("train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size,
                           cfg.block_size)  # fmt: skip
-        with strategy.sync(micro == cfg.grad_accum - 1), run.autocast:
-            loss = strategy.model(x.to(run.device), y.to(run.device)) / cfg.grad_accum
         try:
-            loss.backward()
+            with strategy.loss_scope():  # forward's loss and its backward
+                with strategy.sync(micro == cfg.grad_accum - 1), run.autocast:
+                    loss = strategy.model(x.to(run.device), y.to(run.device)) / cfg.grad_accum
+                loss.backward()
         except NonFiniteGradientError as e:
             raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
         except RuntimeError:  # DDP reports a failed comm hook as a RuntimeError: what did the hook raise?
@@ -289,11 +290,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             writer.every_step(done, last_loss, wall, total_sent)
         evaluated = bool(cfg.eval_every and done % cfg.eval_every == 0)
         if evaluated and done != cfg.steps:
-            val = _evaluate(run.strategy.model, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
+            val = _evaluate(run.strategy, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
         logged = done % cfg.log_every == 0 or done == cfg.steps or evaluated
         if logged:
             if done == cfg.steps:
-                val = _evaluate(run.strategy.model, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
+                val = _evaluate(run.strategy, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
             row = {
                 "step": done, "loss": last_loss, "lr": run.scheduler.get_last_lr()[0], "step_time_s": step_time,
                 "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
@@ -370,11 +371,12 @@ def _roots_text(roots: dict[str, int] | None) -> str:
     )
 
 
-def _evaluate(model: torch.nn.Module, data: TokenData | ClassData, cfg: TrainConfig, rank: int, world: int,
+def _evaluate(strategy: Strategy, data: TokenData | ClassData, cfg: TrainConfig, rank: int, world: int,
               metrics: Communicator, device: torch.device, autocast: Any) -> float:  # fmt: skip
+    model = strategy.model
     model.eval()
     total = 0.0
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, strategy.loss_scope():
         for i in range(cfg.eval_batches):
             x, y = data.batch("val", rank, world, (cfg.seed, rank, -1, i), cfg.batch_size, cfg.block_size)
             total += model(x.to(device), y.to(device)).item()

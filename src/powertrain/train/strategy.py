@@ -57,6 +57,10 @@ class Strategy:
             self.stats.record_bytes(nbytes, op, collectives=collectives)
         return contextlib.nullcontext()
 
+    def loss_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Around the loss's forward and its backward (and validation's forward)."""
+        return contextlib.nullcontext()
+
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         optimizer.zero_grad()
@@ -237,11 +241,17 @@ class _TP(Strategy):
             raise ValueError(f"tp={tp} does not divide the world size {world}: choose a tp that divides it")
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         cfg: Any = model.cfg
-        self.model = tensor_parallel(model, mesh)  # type: ignore[arg-type]
+        # the logits stay sharded over the vocabulary: the loss is computed on the shards (loss_scope)
+        self.model = tensor_parallel(model, mesh, loss_parallel=True)  # type: ignore[arg-type]
         self.data_group = (mesh["dp"].get_local_rank(), world // tp)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        self.computed = traffic(cfg, tp, world // tp, batch, cfg.block_size)
+        self.computed = traffic(cfg, tp, world // tp, batch, cfg.block_size, loss_parallel=True)
+
+    def loss_scope(self) -> contextlib.AbstractContextManager[None]:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
 
 _REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
