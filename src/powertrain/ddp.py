@@ -313,7 +313,8 @@ class Rewrapped:
     """One compressor for a model that a framework wraps in a new ``DistributedDataParallel`` now and then
     (Lightning on each fit, Hugging Face's ``Trainer`` on each ``train()`` and retry): built on the first
     wrapper's process group from the model's parameters, registered again on every new wrapper, its state
-    (error feedback, step counter) kept.
+    (error feedback, step counter) kept. The integrations' callbacks are ``Rewrapped``: their ``compressor`` and
+    ``hook`` are its attributes.
 
     Args:
         name, options: the compressor, as :func:`powertrain.compress.make_compressor` takes them.

@@ -25,8 +25,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from powertrain import serialize
 from powertrain._files import write_atomic
-from powertrain.compress import Compressor
-from powertrain.ddp import DDPCompressionHook, Rewrapped
+from powertrain.ddp import Rewrapped
 
 __all__ = ["GradientCompression", "compress_gradients"]
 
@@ -40,21 +39,12 @@ def compress_gradients(trainer: Trainer, name: str = "powersgd", **options: Any)
     return callback
 
 
-class GradientCompression(TrainerCallback):
+class GradientCompression(TrainerCallback, Rewrapped):
     """See the module; added by :func:`compress_gradients`."""
 
     def __init__(self, trainer: Trainer, name: str = "powersgd", **options: Any) -> None:
         self.trainer = trainer
-        self._wrapped = Rewrapped(name, options)
-
-    @property
-    def compressor(self) -> Compressor | None:
-        """Built when training begins; ``.comm.stats`` counts what it sent."""
-        return self._wrapped.compressor
-
-    @property
-    def hook(self) -> DDPCompressionHook | None:
-        return self._wrapped.hook
+        Rewrapped.__init__(self, name, options)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:  # fmt: skip
@@ -64,10 +54,10 @@ class GradientCompression(TrainerCallback):
                 f"compress_gradients needs the Trainer's model in DistributedDataParallel, got {type(ddp).__name__}: "
                 "launch with torchrun --nproc-per-node N (compression replaces DDP's all-reduce)"
             )
-        if self._wrapped.registered_on(ddp):
+        if self.registered_on(ddp):
             return
         # a later train() (or auto_find_batch_size's retry) wraps the model again: the same compressor, state kept
-        compressor, fresh = self._wrapped.register(ddp, ddp.module.named_parameters())
+        compressor, fresh = self.register(ddp, ddp.module.named_parameters())
         if fresh and state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
             path = self._path(args, state)
             if not path.is_file():

@@ -31,30 +31,19 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 
 from powertrain import serialize
-from powertrain.compress import Compressor
-from powertrain.ddp import DDPCompressionHook, Rewrapped
+from powertrain.ddp import Rewrapped
 
 __all__ = ["GradientCompression"]
 
 
-class GradientCompression(Callback):
+class GradientCompression(Callback, Rewrapped):
     """Replace DDP's gradient all-reduce with the compressor ``name`` (see :func:`powertrain.compress.make_compressor`:
     ``powersgd`` gets the measured recommended config for every option not given) under ``strategy="ddp"``."""
 
     def __init__(self, name: str = "powersgd", **options: Any) -> None:
-        self.name = name
-        self._wrapped = Rewrapped(name, options)  # a later fit of the same Trainer wraps the module again
+        Rewrapped.__init__(self, name, options)  # a later fit of the same Trainer wraps the module again
         self._pending: dict[str, Any] | None = None  # a checkpoint's state, loaded before the compressor exists
         self._cpu_group: dist.ProcessGroup | None = None  # the state's gather, on the CPU whatever the backend
-
-    @property
-    def compressor(self) -> Compressor | None:
-        """Built when the fit starts; ``.comm.stats`` counts what it sent."""
-        return self._wrapped.compressor
-
-    @property
-    def hook(self) -> DDPCompressionHook | None:
-        return self._wrapped.hook
 
     @property
     def state_key(self) -> str:
@@ -68,9 +57,9 @@ class GradientCompression(Callback):
                 f"GradientCompression needs Trainer(strategy='ddp'), got {type(trainer.strategy).__name__} wrapping "
                 f"{type(ddp).__name__}: compression replaces DDP's all-reduce"
             )
-        if self._wrapped.registered_on(ddp):
+        if self.registered_on(ddp):
             return
-        compressor, built = self._wrapped.register(ddp, pl_module.named_parameters())
+        compressor, built = self.register(ddp, pl_module.named_parameters())
         if built:
             group = compressor.comm.group
             on_cpu = dist.get_backend(group) == "gloo"
