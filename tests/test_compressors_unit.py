@@ -189,3 +189,25 @@ def test_results_do_not_depend_on_grouping(name, opts):
         for x, y in zip(a, [b[1], b[2], b[0]], strict=True):
             assert torch.equal(x, y)
         assert all(torch.equal(x, y) for x, y in zip(whole.residuals(), split.residuals(), strict=True))
+
+
+def test_the_registry_names_each_compressors_class_and_its_reduce_scatter_form():
+    """compressor_class is what make_compressor builds, and its reduce_scatter flag is what FSDP2 accepts: the
+    command's refusals (train/config) and FSDP2's own (fsdp.check_supported) read the same flag."""
+    from powertrain.compress import COMPRESSORS, compressor_class, make_compressor
+    from powertrain.fsdp import check_supported
+
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    sharded = set()
+    for name in COMPRESSORS:
+        comp = make_compressor(name, params)
+        assert type(comp) is compressor_class(name), name
+        try:
+            check_supported(comp, "FSDP2")
+            sharded.add(name)
+        except ValueError as e:
+            assert "no reduce-scatter form" in str(e)
+    assert sharded == {n for n in COMPRESSORS if compressor_class(n).reduce_scatter}
+    assert sharded >= {"none", "powersgd", "int8"} and "topk" not in sharded  # the layouts test_fsdp trains
+    with pytest.raises(ValueError, match="Unknown compressor 'zstd'"):
+        compressor_class("zstd")

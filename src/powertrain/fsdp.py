@@ -46,8 +46,6 @@ from powertrain.comm import Communicator
 from powertrain.compress import (
     AllReduceCompressor,
     Compressor,
-    PowerSGDCompressor,
-    QuantizedCompressor,
     make_compressor,
 )
 from powertrain.compress.base import placeholder
@@ -61,8 +59,6 @@ __all__ = [
     "quantize_all_gather",
     "register_compressor",
 ]
-
-_SUPPORTED = (AllReduceCompressor, PowerSGDCompressor, QuantizedCompressor)
 
 
 def _trainable_shard0(module: FSDPModule, what: str) -> list[tuple[torch.nn.Parameter, torch.Size]]:
@@ -194,7 +190,7 @@ def register_compressor(model: torch.nn.Module, compressor: Compressor) -> list[
 
 def check_supported(compressor: Compressor, where: str) -> None:
     """Raise a clear error for a compressor whose messages have no reduce-scatter form."""
-    if not isinstance(compressor, _SUPPORTED):
+    if not compressor.reduce_scatter:
         raise ValueError(
             f"{type(compressor).__name__} cannot run under {where}: its messages have no reduce-scatter form. "
             "Use PowerSGDCompressor, QuantizedCompressor (int8/int4) or AllReduceCompressor, or DDP for this one"

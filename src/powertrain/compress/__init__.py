@@ -20,6 +20,7 @@ from powertrain.compress.sign import SignCompressor
 from powertrain.compress.sparse import RandomKCompressor, TopKCompressor
 
 __all__ = [
+    "ALL_REDUCE_DTYPES",
     "COMPRESSORS",
     "AllReduceCompressor",
     "Compressor",
@@ -30,10 +31,29 @@ __all__ = [
     "RandomKCompressor",
     "SignCompressor",
     "TopKCompressor",
+    "compressor_class",
     "make_compressor",
 ]
 
-COMPRESSORS = ("none", "fp16", "bf16", "powersgd", "int8", "int4", "topk", "randk", "sign")
+#: The exact all-reduce compressors' names, with the dtype each sums in (None: the gradient's own).
+ALL_REDUCE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_CLASSES: dict[str, type[Compressor]] = {
+    **dict.fromkeys(ALL_REDUCE_DTYPES, AllReduceCompressor),
+    "powersgd": PowerSGDCompressor,
+    "int8": QuantizedCompressor,
+    "int4": QuantizedCompressor,
+    "topk": TopKCompressor,
+    "randk": RandomKCompressor,
+    "sign": SignCompressor,
+}
+COMPRESSORS = tuple(_CLASSES)
+
+
+def compressor_class(name: str) -> type[Compressor]:
+    """The class :func:`make_compressor` builds for ``name`` (what it supports, e.g. ``reduce_scatter``)."""
+    if name not in _CLASSES:
+        raise ValueError(f"Unknown compressor {name!r}: choose one of {', '.join(COMPRESSORS)}")
+    return _CLASSES[name]
 
 
 def make_compressor(
@@ -55,7 +75,8 @@ def make_compressor(
             case "none":
                 return AllReduceCompressor(params, group=group, **options)
             case "fp16" | "bf16":
-                dtype = torch.float16 if name == "fp16" else torch.bfloat16
+                dtype = ALL_REDUCE_DTYPES[name]
+                assert dtype is not None, "fp16 and bf16 name their dtype"
                 return AllReduceCompressor(params, dtype=dtype, group=group, **options)
             case "powersgd":
                 return PowerSGDCompressor(params, config=recommended_config(**options), group=group)

@@ -209,6 +209,9 @@ class Compressor(abc.ABC):
     names: list[str]
     #: False where a step can be exact (lossless fp32): then nothing is owed between steps.
     lossy: bool = True
+    #: Whether its messages have a reduce-scatter form (each rank can be handed only its rows of the average): what
+    #: FSDP2's and SimpleFSDP's sharded gradients need.
+    reduce_scatter: bool = False
 
     def __init__(
         self,

@@ -25,6 +25,8 @@ class AllReduceCompressor(Compressor):
     behind the user's back.
     """
 
+    reduce_scatter = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

@@ -201,6 +201,8 @@ class PowerSGDCompressor(Compressor):
     parameters, and allocated at a parameter's first compressed step.
     """
 
+    reduce_scatter = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

@@ -35,6 +35,8 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         stochastic: unbiased stochastic rounding (each rank its own random stream) instead of nearest.
     """
 
+    reduce_scatter = True
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],

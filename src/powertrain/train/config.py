@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from powertrain.compress import COMPRESSORS
+from powertrain.compress import ALL_REDUCE_DTYPES, COMPRESSORS, compressor_class
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
@@ -270,10 +270,10 @@ class TrainConfig:
                 f"(HSDP), not parallel={self.parallel!r} with optimizer={self.optimizer!r}: use --parallel ddp, or "
                 "hierarchy='flat'"
             )
-        if self.parallel == "simple_fsdp" and self.compile and name not in ("none", "bf16", "fp16"):
+        if self.parallel == "simple_fsdp" and self.compile and name not in ALL_REDUCE_DTYPES:
             raise ValueError(
                 f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
-                "compressor='none' (fp32) or 'bf16'/'fp16' (16-bit reduction) with compile"
+                f"compressor {_names(ALL_REDUCE_DTYPES.__contains__)} (an exact all-reduce) with compile"
             )
         start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
         if start >= self.steps:
@@ -286,11 +286,11 @@ class TrainConfig:
                 f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
                 f"or 'reference', not {self.parallel!r}"
             )
-        if self.parallel in ("fsdp", "simple_fsdp") and name in ("topk", "randk", "sign"):
+        if self.parallel in ("fsdp", "simple_fsdp") and not compressor_class(name).reduce_scatter:
             raise ValueError(
                 f"compressor={name!r} cannot run under parallel={self.parallel!r} (its messages have no "
-                f"reduce-scatter form): use none, fp16, bf16, powersgd, int8 or int4 with {self.parallel}, or "
-                "parallel='ddp'"
+                f"reduce-scatter form): use {_names(lambda n: compressor_class(n).reduce_scatter)} with "
+                f"{self.parallel}, or parallel='ddp'"
             )
 
     @property
@@ -301,6 +301,12 @@ class TrainConfig:
     @property
     def gpt_shape(self) -> tuple[int, int, int]:
         return GPT_SIZES[self.gpt_size]
+
+
+def _names(keep: Any) -> str:
+    """The compressors' names ``keep`` accepts, as ``a, b or c``."""
+    names = [n for n in COMPRESSORS if keep(n)]
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import CommStats
-from powertrain.compress import Compressor, make_compressor
+from powertrain.compress import ALL_REDUCE_DTYPES, Compressor, make_compressor
 from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
@@ -174,7 +174,7 @@ class _SimpleFSDP(Strategy):
         from powertrain import simple_fsdp
         from powertrain.simple_fsdp import data_parallel
 
-        exact = name in _REDUCE_DTYPES
+        exact = name in ALL_REDUCE_DTYPES
         if exact and options:
             raise ValueError(f"Compressor {name!r} takes no options with simple_fsdp, got {options}")
         device = next(model.parameters()).device
@@ -184,7 +184,7 @@ class _SimpleFSDP(Strategy):
             (shard_rows(p.shape[0], world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
             for p in model.parameters()
         )  # this rank's padded dim-0 shard of every parameter
-        reduce_dtype = _REDUCE_DTYPES.get(name)
+        reduce_dtype = ALL_REDUCE_DTYPES.get(name)
         # Eager: one all-gather / reduce-scatter per block and one for the rest, as FSDP2's units; compiled:
         # per parameter, and inductor buckets them (compile_model).
         blocks = getattr(model, "blocks", None)
@@ -252,9 +252,6 @@ class _TP(Strategy):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
-
-
-_REDUCE_DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class _NoState:
