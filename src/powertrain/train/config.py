@@ -18,13 +18,14 @@ from typing import Any, Literal
 
 import torch
 
-from powertrain.compress import ALL_REDUCE_DTYPES, COMPRESSORS, compressor_class
+from powertrain.compress import COMPRESSORS
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.preconditioner import Preconditioner
+from powertrain.train.strategy import Parallel
+from powertrain.train.strategy import check as check_parallel
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
@@ -223,11 +224,6 @@ class TrainConfig:
                     "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
                 )
         if self.parallel in ("rtp", "tp"):
-            if self.compressor not in ("", "none"):
-                raise ValueError(
-                    f"compressor={self.compressor!r} does not apply to parallel={self.parallel!r} (its gradients "
-                    "are reduced inside backward): drop --compressor or use none"
-                )
             if self.optimizer not in ("adamw", "sgd"):
                 raise ValueError(
                     f"parallel={self.parallel!r} trains with optimizer='adamw' or 'sgd', not {self.optimizer!r}"
@@ -264,33 +260,18 @@ class TrainConfig:
                 f"adam_freeze={self.adam_freeze!r} freezes AdamW's second moment; optimizer={self.optimizer!r} has "
                 "none: drop adam_freeze or use optimizer='adamw'"
             )
-        if self.hierarchy == "node" and (self.parallel not in ("reference", "ddp", "fsdp") or self.optimizer == "demo"):
+        if self.hierarchy == "node" and self.optimizer == "demo":
             raise ValueError(
-                f"hierarchy='node' compresses gradients between nodes with parallel='ddp', 'reference' or 'fsdp' "
-                f"(HSDP), not parallel={self.parallel!r} with optimizer={self.optimizer!r}: use --parallel ddp, or "
-                "hierarchy='flat'"
+                "hierarchy='node' compresses gradients between nodes; optimizer='demo' sends its own messages and "
+                "none of the gradients: use hierarchy='flat'"
             )
-        if self.parallel == "simple_fsdp" and self.compile and name not in ALL_REDUCE_DTYPES:
-            raise ValueError(
-                f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
-                f"compressor {_names(ALL_REDUCE_DTYPES.__contains__)} (an exact all-reduce) with compile"
-            )
+        check_parallel(self.parallel, name, options, compiled=self.compile, gradient_sync=self.optimizer != "demo",
+                       hierarchical=self.hierarchy == "node")  # fmt: skip
         start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
         if start >= self.steps:
             raise ValueError(
                 f"compressor={self.compressor!r} starts compressing after {start} steps and the run has {self.steps}: "
                 "it would send full gradients throughout; lower start= (e.g. start=2) or raise steps"
-            )
-        if self.compile and self.parallel in ("ddp", "fsdp"):
-            raise ValueError(
-                f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
-                f"or 'reference', not {self.parallel!r}"
-            )
-        if self.parallel in ("fsdp", "simple_fsdp") and not compressor_class(name).reduce_scatter:
-            raise ValueError(
-                f"compressor={name!r} cannot run under parallel={self.parallel!r} (its messages have no "
-                f"reduce-scatter form): use {_names(lambda n: compressor_class(n).reduce_scatter)} with "
-                f"{self.parallel}, or parallel='ddp'"
             )
 
     @property
@@ -301,12 +282,6 @@ class TrainConfig:
     @property
     def gpt_shape(self) -> tuple[int, int, int]:
         return GPT_SIZES[self.gpt_size]
-
-
-def _names(keep: Any) -> str:
-    """The compressors' names ``keep`` accepts, as ``a, b or c``."""
-    names = [n for n in COMPRESSORS if keep(n)]
-    return ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:

@@ -27,17 +27,18 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from powertrain.comm import CommStats
-from powertrain.compress import ALL_REDUCE_DTYPES, Compressor, make_compressor
+from powertrain.compress import ALL_REDUCE_DTYPES, COMPRESSORS, Compressor, compressor_class, make_compressor
 from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
-from powertrain.train.config import Parallel
+
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
 
 
 class Strategy:
@@ -174,9 +175,6 @@ class _SimpleFSDP(Strategy):
         from powertrain import simple_fsdp
         from powertrain.simple_fsdp import data_parallel
 
-        exact = name in ALL_REDUCE_DTYPES
-        if exact and options:
-            raise ValueError(f"Compressor {name!r} takes no options with simple_fsdp, got {options}")
         device = next(model.parameters()).device
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         world = mesh.size()
@@ -194,13 +192,13 @@ class _SimpleFSDP(Strategy):
             buckets = [*blocks, model]
         else:
             buckets = [model]
-        if not exact and not buckets:
-            raise ValueError(f"compressor={name!r} with simple_fsdp needs eager buckets: not with compile=True")
         policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         self.model = data_parallel(model, mesh, mp_policy=policy, buckets=buckets)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        if not exact:  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
+        if (
+            name not in ALL_REDUCE_DTYPES
+        ):  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
             comp = make_compressor(name, model.named_parameters(), **options)
             simple_fsdp.register_compressor(self.model, comp)
             self.state, self.stats = comp, comp.comm.stats
@@ -217,9 +215,6 @@ class _RTP(Strategy):
 
         from powertrain.rtp import comm_stats, rotated_tensor_parallel
 
-        if name != "none" or options:
-            raise ValueError(f"compressor={name!r} does not apply to parallel='rtp' (its gradients are reduced "
-                             "around the ring inside backward): use compressor='none'")  # fmt: skip
         self.model = rotated_tensor_parallel(model)
         self.stats = comm_stats(self.model)
         self.state: Any = _NoState()
@@ -234,8 +229,6 @@ class _TP(Strategy):
 
         from powertrain.tp import tensor_parallel, traffic
 
-        if name != "none" or options:
-            raise ValueError(f"compressor={name!r} does not apply to parallel='tp': use compressor='none'")
         world = dist.get_world_size()
         if world % tp:
             raise ValueError(f"tp={tp} does not divide the world size {world}: choose a tp that divides it")
@@ -266,6 +259,50 @@ class _NoState:
                              "another --parallel mode or --compressor?")  # fmt: skip
 
 
+def _names(keep: Any) -> str:
+    """The compressors' names ``keep`` accepts, as ``a, b or c``."""
+    names = [n for n in COMPRESSORS if keep(n)]
+    return ", ".join(names[:-1]) + f" or {names[-1]}"
+
+
+def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: bool = False,
+          gradient_sync: bool = True, hierarchical: bool = False) -> None:  # fmt: skip
+    """Refuse, in one line naming the value and the fix, a compressor or option that ``parallel`` cannot run (as
+    :func:`build_strategy` takes them); the command checks its flags with this before it starts any worker."""
+    if parallel not in ("reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"):
+        raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp or tp")
+    if not gradient_sync and parallel not in ("reference", "ddp"):
+        raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
+    if hierarchical and (parallel not in ("reference", "ddp", "fsdp") or not gradient_sync):
+        raise ValueError(
+            f"hierarchy='node' compresses gradients between nodes with parallel='ddp', 'reference' or 'fsdp' "
+            f"(HSDP) and gradient synchronisation on, not parallel={parallel!r}: use --parallel ddp, or "
+            "hierarchy='flat'"
+        )
+    if parallel in ("rtp", "tp") and (name != "none" or options):
+        raise ValueError(
+            f"compressor={name!r} does not apply to parallel={parallel!r} (its gradients are reduced inside "
+            "backward): drop --compressor or use none"
+        )
+    if compiled and parallel in ("ddp", "fsdp"):
+        raise ValueError(
+            f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
+            f"or 'reference', not {parallel!r}"
+        )
+    if parallel in ("fsdp", "simple_fsdp") and not compressor_class(name).reduce_scatter:
+        raise ValueError(
+            f"compressor={name!r} cannot run under parallel={parallel!r} (its messages have no reduce-scatter "
+            f"form): use {_names(lambda n: compressor_class(n).reduce_scatter)} with {parallel}, or parallel='ddp'"
+        )
+    if parallel == "simple_fsdp" and name in ALL_REDUCE_DTYPES and options:
+        raise ValueError(f"compressor={name!r} takes no options with parallel='simple_fsdp', got {dict(options)}")
+    if parallel == "simple_fsdp" and compiled and name not in ALL_REDUCE_DTYPES:
+        raise ValueError(
+            f"compressor={name!r} with parallel='simple_fsdp' runs on eager buckets: drop compile, or use "
+            f"compressor {_names(ALL_REDUCE_DTYPES.__contains__)} (an exact all-reduce) with compile"
+        )
+
+
 def build_strategy(
     parallel: Parallel,
     model: torch.nn.Module,
@@ -284,12 +321,8 @@ def build_strategy(
     tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch; ``hierarchical``:
     exact inside each node, the compressor between nodes (:mod:`powertrain.compress.hierarchical` with reference or
     ddp; HSDP with a compressed replicate dimension with fsdp)."""
-    if hierarchical and (parallel not in ("reference", "ddp", "fsdp") or not gradient_sync):
-        raise ValueError(f"hierarchical compression runs with parallel='reference', 'ddp' or 'fsdp' (HSDP), not "
-                         f"{parallel!r}")  # fmt: skip
+    check(parallel, name, options, compiled=compiled, gradient_sync=gradient_sync, hierarchical=hierarchical)
     if not gradient_sync:
-        if parallel not in ("reference", "ddp"):
-            raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
         return _Local(model, ddp=parallel == "ddp")
     match parallel:
         case "reference":
