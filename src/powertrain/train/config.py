@@ -347,12 +347,11 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
         options = recommended_options(full)
     from powertrain.compress import make_compressor
 
-    try:  # build once on a dummy parameter: unknown options and bad values fail here, with their names
-        import torch
-
-        # rank=auto is chosen by each run at start-up (powertrain.compress.auto); its other options are checked here
-        trial = {**options, "rank": 4} if is_auto(name, options) else options
-        make_compressor(name, [torch.nn.Parameter(torch.zeros(4, 4))], **trial)
+    # The compressor's constructor owns the checks of its options: run for no parameters (nothing is allocated), it
+    # refuses unknown options and bad values here, with their names. rank=auto is chosen by each run at start-up
+    # (powertrain.compress.auto); its other options are checked here.
+    try:
+        make_compressor(name, [], **({**options, "rank": 4} if is_auto(name, options) else options))
     except ValueError as e:
         raise ValueError(f"Bad compressor {spec!r}: {e}") from None
     return name, options
