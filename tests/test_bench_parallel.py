@@ -3,8 +3,10 @@ bytes are counted, each peak lies above its state, and the section lands in the 
 
 from __future__ import annotations
 
+import math
 import re
 
+import pytest
 import torch
 
 from powertrain.bench.memory import peak_allocated
@@ -41,3 +43,19 @@ def test_peak_allocated_sees_the_peak_inside_and_the_frees():
 
     assert peak_allocated(step) == 5_000_000
     assert peak_allocated(keep.clear) == 0  # only frees
+
+
+@pytest.mark.timeout(120)
+def test_the_side_by_side_runner_trains_the_tensor_parallel_modes():
+    """The runner the network and optimizer benchmarks share computes the loss inside the strategy's loss scope:
+    tp keeps its logits vocabulary-sharded (loss parallelism), which a plain cross-entropy cannot take."""
+    from powertrain.bench.sidebyside import Spec, by_spec, launch_args, worker
+    from powertrain.models import GPTConfig
+    from powertrain.train.launch import launch
+
+    model = GPTConfig(vocab_size=256, n_layer=1, n_head=2, d_model=32, block_size=16)
+    specs = [Spec("tp", "none", parallel="tp"), Spec("rtp", "none", parallel="rtp")]
+    args = launch_args(specs, model=model, batch=2, warmup=0, timed=2, start=1, data_mb=0.5)
+    for result in by_spec(launch(worker, 2, args)):
+        losses = result.first.losses
+        assert len(losses) == 2 and all(math.isfinite(v) for v in losses), (result, losses)

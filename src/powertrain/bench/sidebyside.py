@@ -10,6 +10,7 @@ RANK/WORLD_SIZE/MASTER_* from the environment and prints its results as JSON. Th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -108,15 +109,19 @@ class _Run:
             self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             self.scheduler = None
 
+    def _scope(self) -> contextlib.AbstractContextManager[None]:
+        """Where the loss is computed and differentiated (the strategy's: tp's loss parallelism)."""
+        return contextlib.nullcontext() if self.strategy is None else self.strategy.loss_scope()
+
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.strategy is None:
             self.opt.zero_grad()
+        with self._scope():
             loss = self.wrapped(x, y)
             loss.backward()
+        if self.strategy is None:
             self.opt.step()
         else:  # the strategy zeroes gradients after its step (or keeps them: the reference API's residual)
-            loss = self.wrapped(x, y)
-            loss.backward()
             self.strategy.step(self.opt)
         if self.scheduler is not None:
             self.scheduler.step()
@@ -127,7 +132,7 @@ class _Run:
         means, every sample weighing the same (accuracy NaN for a language model)."""
         self.wrapped.eval()
         sums = torch.zeros(3, dtype=torch.float64)  # loss x samples, correct, samples
-        with torch.no_grad():
+        with torch.no_grad(), self._scope():
             for x, y in batches:
                 if classes:
                     logits = self.wrapped(x)
