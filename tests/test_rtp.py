@@ -187,6 +187,106 @@ def _conv_vs_single_process(rank: int, world: int) -> dict[str, Any]:
     return res
 
 
+class _Attention(nn.Module):
+    """nn.MultiheadAttention (sequence-first, its default) in self-attention with a causal and a padding mask
+    (scaled_dot_product_attention), then in cross-attention returning its head-averaged weights (formed
+    explicitly), and a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.mha = nn.MultiheadAttention(8, 2)
+        self.head = nn.Linear(8, 4)
+        self.double()
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        length, batch = x.shape[:2]
+        causal = torch.ones(length, length, dtype=torch.bool).triu(1)
+        pad = torch.zeros(batch, length, dtype=torch.bool)
+        pad[0, -1] = True
+        a, _ = self.mha(x, x, x, attn_mask=causal, key_padding_mask=pad, need_weights=False)
+        c, weights = self.mha(a, memory, memory)
+        assert weights is not None
+        return self.head(c), weights
+
+
+def _attention_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(5, 3, 8, generator=g, dtype=torch.float64), torch.randn(
+        7, 3, 8, generator=g, dtype=torch.float64
+    )
+
+
+def _attention_vs_single_process(rank: int, world: int) -> dict[str, Any]:
+    """As :func:`_grads_vs_single_process`, for nn.MultiheadAttention: its packed in-projection and its output
+    projection rotate; outputs, attention weights and gradients against the module's own forward."""
+    ref = _Attention()
+    model = rotated_tensor_parallel(copy.deepcopy(ref))
+    out, weights = model(*_attention_batch(rank))
+    out.square().sum().backward()
+    (sum(ref(*_attention_batch(r))[0].square().sum() for r in range(world)) / world).backward()
+    ref_out, ref_weights = ref(*_attention_batch(rank))
+    res: dict[str, Any] = {"logits": (out.detach(), ref_out.detach()), "weights": (weights.detach(), ref_weights),
+                           "grads": {}}  # fmt: skip
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        res["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
+    # Per rotation (W - 1 hops each): every call sends its weight and bias shards in forward, its weight shard again
+    # in backward where its input needs a gradient, and its gradient buffers. Calls: the in-projection on x (no
+    # gradient), on the self-attention's output and on the memory (one call: it is both key and value; no
+    # gradient); the out-projection twice; the head once.
+    w_in, b_in = 3 * 8 * 8 // world, 3 * 8 // world
+    w_out, b_out, w_head, b_head = 8 * 8 // world, 8 // world, 4 * 8 // world, 4 // world
+    shards = 3 * (w_in + b_in) + 2 * (w_out + b_out) + (w_head + b_head)
+    res["sent"] = comm_stats(model).by_op.get("send", 0)
+    res["expected_sent"] = 8 * (world - 1) * (2 * shards + w_in + 2 * w_out + w_head)
+    return res
+
+
+def _attention_layouts(rank: int, world: int) -> dict[str, Any]:
+    """batch_first=True with a per-head floating mask and per-head weights, and an unbatched (2-D) call: outputs,
+    weights and gradients against nn.MultiheadAttention's own forward."""
+    torch.manual_seed(6)
+    ref = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    model = rotated_tensor_parallel(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(20 + rank)
+    x, mask = torch.randn(3, 5, 8, generator=g, dtype=torch.float64), torch.randn(6, 5, 5, generator=g).double()
+
+    def run(m: nn.Module) -> tuple[torch.Tensor, ...]:
+        out, w = m(x, x, x, attn_mask=mask, average_attn_weights=False)
+        single, _ = m(x[0], x[1], x[1], need_weights=False)
+        return out, w, single
+
+    got, want = run(model), run(ref)
+    sum(t.square().sum() for t in got[::2]).backward()
+    sum(t.square().sum() for t in want[::2]).backward()  # this rank's batch only: the test averages the ranks'
+    grads = {n: (_full(p.grad), q.grad.clone()) for (n, p), (_, q) in
+             zip(model.named_parameters(), ref.named_parameters(), strict=True)}  # fmt: skip
+    return {"outputs": [(a.detach(), b.detach()) for a, b in zip(got, want, strict=True)], "grads": grads}
+
+
+def _encoder_vs_single_process(rank: int, world: int) -> dict[str, Any]:
+    """nn.TransformerEncoderLayer, as torch builds it: its attention and both feed-forward Linears rotate, its
+    LayerNorms are replicated. Per rotation (W - 1 hops): forward sends each weight and bias shard, backward each
+    weight shard whose input needs a gradient (not the in-projection's: it reads the batch) and each gradient
+    buffer."""
+    torch.manual_seed(5)
+    ref = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0).double()
+    model = rotated_tensor_parallel(copy.deepcopy(ref))
+    out = model(_attention_batch(rank)[0])
+    out.square().sum().backward()
+    (sum(ref(_attention_batch(r)[0]).square().sum() for r in range(world)) / world).backward()
+    res: dict[str, Any] = {"logits": (out.detach(), ref(_attention_batch(rank)[0]).detach()), "grads": {}}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        res["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
+    shapes = {"in": (24, 8, False), "out": (8, 8, True), "linear1": (16, 8, True), "linear2": (8, 16, True)}
+    sent = 0
+    for rows, cols, input_grad in shapes.values():
+        w, b = rows * cols // world, rows // world
+        sent += 2 * (w + b) + (w if input_grad else 0)
+    res["sent"], res["expected_sent"] = comm_stats(model).by_op.get("send", 0), 8 * (world - 1) * sent
+    return res
+
+
 def _built_on_meta(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     """A model built on the meta device (no full weight anywhere), made RTP, allocated with to_empty and filled
     from the checkpoint :func:`_checkpoint` wrote: the same parameters and the same step as the model saved."""
@@ -230,6 +330,8 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "same_even": lambda: rotated_tensor_parallel(nn.Conv1d(4, 4, 2, padding="same")),
         "half_meta": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))),
         "overlap": lambda: rotated_tensor_parallel(parity_gpt(), overlap=1),  # type: ignore[arg-type]
+        "bias_kv": lambda: rotated_tensor_parallel(nn.MultiheadAttention(8, 2, add_bias_kv=True)),
+        "odd_attention": lambda: rotated_tensor_parallel(nn.MultiheadAttention(6 if world == 4 else 3, 1)),
     })  # fmt: skip
     out["is_rtp"] = str((is_rtp(rotated_tensor_parallel(parity_gpt())), is_rtp(parity_gpt())))
     return out
@@ -241,6 +343,9 @@ def rtp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     res["checkpoint"] = guard(_checkpoint, rank, world, ckpt)
     res["meta"] = guard(_built_on_meta, rank, world, ckpt)
     res["conv"] = guard(_conv_vs_single_process, rank, world)
+    res["attention"] = guard(_attention_vs_single_process, rank, world)
+    res["encoder"] = guard(_encoder_vs_single_process, rank, world)
+    res["layouts"] = guard(_attention_layouts, rank, world)
     res["refusals"] = guard(_refusals, rank, world)
     res["overlap"] = guard(_overlap_changes_nothing, rank, world)
     if world == 4:  # two RTP groups of 2 ranks side by side: each must talk within its own group only
@@ -313,6 +418,30 @@ def test_convolutions_rotate_and_equal_single_process(results):
     assert placements["c2.weight"] == placements["c2.bias"] == placements["c1.weight"] == "(Shard(dim=0),)"
 
 
+def test_multihead_attention_rotates_and_equals_single_process(results):
+    world, runs = results
+    attention = case(runs, "attention")
+    _check_grads(attention, f"w{world} attention")
+    for run in attention:
+        got, want = run["weights"]
+        within((got - want).abs().max().item(), REL * want.abs().max().item(), f"w{world} attention weights")
+    placements = {n: v[3] for n, v in attention[0]["grads"].items()}
+    assert placements["mha.in_proj_weight"] == placements["mha.out_proj.weight"] == "(Shard(dim=0),)"
+    layouts = case(runs, "layouts")
+    for rank, run in enumerate(layouts):
+        for got, want in run["outputs"]:
+            within((got - want).abs(), REL * want.abs().max(), f"w{world} attention layouts: rank {rank}")
+        # RTP averages the gradients over the ranks: the single-process reference sums each rank's own loss
+        for name, (got, _) in run["grads"].items():
+            want = sum(r["grads"][name][1] for r in layouts) / world
+            within((got - want).abs(), REL * want.abs().max(), f"w{world} attention layouts: gradient of {name}")
+    encoder = case(runs, "encoder")
+    _check_grads(encoder, f"w{world} TransformerEncoderLayer")
+    placements = {n: v[3] for n, v in encoder[0]["grads"].items()}
+    assert placements["self_attn.in_proj_weight"] == placements["linear1.weight"] == "(Shard(dim=0),)"
+    assert placements["norm1.weight"] == "(Replicate(),)"
+
+
 def test_a_model_built_on_meta_never_holds_a_full_weight_and_loads_a_checkpoint(results):
     _, runs = results
     for meta, ckpt in zip(case(runs, "meta"), case(runs, "checkpoint"), strict=True):
@@ -339,3 +468,5 @@ def test_refusals_name_the_value_and_the_fix(results):
         assert "meta device" in out["half_meta"], out
         assert "overlap=1" in out["overlap"], out
         assert out["is_rtp"] == "(True, False)"
+        assert "add_bias_kv" in out["bias_kv"] and "use the packed in-projection" in out["bias_kv"], out
+        assert "embed_dim=" in out["odd_attention"] and f"divisible by {world}" in out["odd_attention"], out

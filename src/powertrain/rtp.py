@@ -15,15 +15,16 @@ rotated weight (and so of its gradient and optimizer state): no replica of it an
   time, overlapped with compute; the paper's buffer travels with its shard and needs one hop more). Gradients
   are averaged over the ranks, as DDP does.
 
-Which modules rotate: every ``nn.Linear``, ``nn.Embedding`` and ``nn.Conv1d`` / ``2d`` / ``3d`` (exactly those
-classes; convolutions with ``groups=1`` and zero padding). Everything else (LayerNorm, a subclass of Linear such as
-``nn.MultiheadAttention``'s output projection) stays replicated and its gradient is averaged by an all-reduce in
-backward (:func:`powertrain.simple_fsdp.data_parallel`'s ``replicate`` mode). Unlike the reference code, the
-replicated parameters are averaged too and ``group`` is honoured by every collective.
+Which modules rotate: every ``nn.Linear``, ``nn.Embedding``, ``nn.Conv1d`` / ``2d`` / ``3d`` and
+``nn.MultiheadAttention`` (exactly those classes, and the attention's output projection; convolutions with
+``groups=1`` and zero padding, attention with its packed in-projection, whose rows are split like a Linear's).
+Everything else (LayerNorm, other subclasses of Linear) stays replicated and its gradient is averaged by an
+all-reduce in backward (:func:`powertrain.simple_fsdp.data_parallel`'s ``replicate`` mode). Unlike the reference
+code, the replicated parameters are averaged too and ``group`` is honoured by every collective.
 
-Parameters are DTensors on a 1-D mesh over the group: rotated ones ``Shard(0)`` (Linear weight and bias) or
-``Shard(1)`` (Embedding weight), the rest ``Replicate()``. The state dict keys are the model's own, so DCP
-checkpoints load into a DDP, FSDP2 or RTP model alike, and the optimizer holds only the shards.
+Parameters are DTensors on a 1-D mesh over the group: rotated ones ``Shard(0)`` (Linear, convolution and attention
+weights and biases) or ``Shard(1)`` (Embedding weight), the rest ``Replicate()``. The state dict keys are the
+model's own, so DCP checkpoints load into a DDP, FSDP2 or RTP model alike, and the optimizer holds only the shards.
 
 A full weight need never exist on any rank (the paper's "flyweight" construction): build the model on the meta
 device, make it rotated tensor parallel, then ``model.to_empty(device=...)`` allocates each rank's shards only, and
@@ -32,6 +33,7 @@ a checkpoint loaded with DCP fills them, reading only this rank's slices.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -261,6 +263,74 @@ def _conv_forward(self: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor) -> t
     return out
 
 
+def _mha_forward(
+    self: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``nn.MultiheadAttention.forward`` with its in-projection rotated (the packed ``3E x E`` weight split along
+    its rows) and its out-projection a rotated Linear; the attention itself is each rank's own, as the rest of the
+    model's compute. ``is_causal`` is a hint about ``attn_mask``, which must be given, as in torch."""
+    if is_causal and attn_mask is None:
+        raise ValueError("is_causal=True needs attn_mask (nn.MultiheadAttention's hint): pass the causal mask")
+    unbatched = query.dim() == 2
+    # one rotation per distinct input (self-attention: one), told apart before the layout changes below
+    inputs = [query, key, value]
+    first = [next(i for i, u in enumerate(inputs) if u is t) for t in inputs]
+    if unbatched:
+        inputs = [t.unsqueeze(0) for t in inputs]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+    elif not self.batch_first:
+        inputs = [t.transpose(0, 1) for t in inputs]
+    e, h = self.embed_dim, self.num_heads
+    w, b, ring = _local(self, "in_proj_weight"), _local(self, "in_proj_bias"), _ring(self)
+    projected = {j: _RotatedLinear.apply(inputs[j], w, b, ring) for j in dict.fromkeys(first)}
+    q, k, v = (projected[j][..., i * e : (i + 1) * e] for i, j in enumerate(first))
+    batch, length, source = q.shape[0], q.shape[1], k.shape[1]
+    q, k, v = (t.reshape(batch, -1, h, e // h).transpose(1, 2) for t in (q, k, v))
+    mask = _attention_mask(attn_mask, key_padding_mask, q.dtype, batch, h, length, source)
+    dropout = self.dropout if self.training else 0.0
+    weights = None
+    if need_weights:  # the weights are formed: nn.MultiheadAttention's own order (softmax, then dropout)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(e // h)
+        attn = (scores if mask is None else scores + mask).softmax(-1)
+        weights = attn.mean(1) if average_attn_weights else attn
+        out = F.dropout(attn, dropout) @ v if dropout else attn @ v
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+    out = self.out_proj(out.transpose(1, 2).reshape(batch, length, e))
+    if unbatched:
+        return out.squeeze(0), None if weights is None else weights.squeeze(0)
+    return (out if self.batch_first else out.transpose(0, 1)), weights
+
+
+def _attention_mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dtype: torch.dtype,
+                    batch: int, heads: int, length: int, source: int) -> torch.Tensor | None:  # fmt: skip
+    """nn.MultiheadAttention's masks (boolean: True is masked out; floating: added) as one additive mask that
+    broadcasts over ``(batch, heads, length, source)``."""
+
+    def additive(m: torch.Tensor) -> torch.Tensor:
+        if m.dtype == torch.bool:
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(m, float("-inf"))
+        return m.to(dtype)
+
+    mask = None
+    if attn_mask is not None:
+        mask = additive(attn_mask)
+        if mask.dim() == 3:  # (batch * heads, length, source)
+            mask = mask.view(batch, heads, length, source)
+    if key_padding_mask is not None:
+        pad = additive(key_padding_mask).view(batch, 1, 1, source)
+        mask = pad if mask is None else mask + pad
+    return mask
+
+
 def _conv_geometry(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[list[int], list[int], list[int]]:
     """Stride, explicit padding and dilation of ``conv`` (``padding="same"`` as the symmetric padding it is)."""
     k, dilation = conv.kernel_size, list(conv.dilation)
@@ -275,6 +345,8 @@ def _conv_geometry(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d) -> tuple[list[int], 
 
 _ROTATED: dict[type, tuple[int, Any]] = {
     nn.Linear: (0, _linear_forward),
+    nn.modules.linear.NonDynamicallyQuantizableLinear: (0, _linear_forward),  # MultiheadAttention's out_proj
+    nn.MultiheadAttention: (0, _mha_forward),
     nn.Embedding: (1, _embedding_forward),
     nn.Conv1d: (0, _conv_forward),
     nn.Conv2d: (0, _conv_forward),
@@ -298,11 +370,14 @@ def comm_stats(model: nn.Module) -> CommStats:
 
 def _check(name: str, module: nn.Module, world: int) -> None:
     name = name or "the model"
+    if isinstance(module, nn.MultiheadAttention):
+        _check_attention(name, module, world)
+        return
     dim = _ROTATED[type(module)][0]
     weight = module.weight
     assert isinstance(weight, torch.Tensor), "nn.Linear and nn.Embedding have a weight"
     size = weight.shape[dim]
-    what = {nn.Linear: "out_features", nn.Embedding: "embedding_dim"}.get(type(module), "out_channels")
+    what = "out_features" if isinstance(module, nn.Linear) else "embedding_dim" if dim else "out_channels"
     if size % world:
         raise ValueError(
             f"RTP splits {name} ({type(module).__name__}) along {what}={size}, which does not divide over {world} "
@@ -325,6 +400,20 @@ def _check(name: str, module: nn.Module, world: int) -> None:
             )
 
 
+def _check_attention(name: str, module: nn.MultiheadAttention, world: int) -> None:
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+        raise ValueError(
+            f"RTP cannot rotate {name}: nn.MultiheadAttention with kdim/vdim other than embed_dim, add_bias_kv or "
+            "add_zero_attn is not supported; use the packed in-projection (the defaults)"
+        )
+    if module.embed_dim % world:
+        raise ValueError(
+            f"RTP splits {name} (MultiheadAttention) along its in-projection rows (3 x embed_dim) and its output "
+            f"features (embed_dim={module.embed_dim}), which do not divide over {world} ranks: choose an embed_dim "
+            f"divisible by {world}"
+        )
+
+
 def rotated_tensor_parallel(
     model: nn.Module, group: dist.ProcessGroup | None = None, *, overlap: bool = True
 ) -> nn.Module:
@@ -335,9 +424,9 @@ def rotated_tensor_parallel(
     afterwards (it allocates this rank's shards and the replicated parameters, without values) and fill them, by
     loading a checkpoint (:func:`powertrain.checkpoint.load` and ``set_model_state_dict``) or with your own
     initialisation, which must give the replicated parameters the same values on every rank. Every
-    ``nn.Linear``, ``nn.Embedding`` and plain convolution keeps 1/W of its weight and rotates the shards; every
-    other parameter is replicated and averaged. Create the optimizer afterwards, on ``model.parameters()``.
-    Gradient communication is part of backward: do not wrap the model in DDP or FSDP as well.
+    ``nn.Linear``, ``nn.Embedding``, plain convolution and ``nn.MultiheadAttention`` keeps 1/W of its weight and
+    rotates the shards; every other parameter is replicated and averaged. Create the optimizer afterwards, on
+    ``model.parameters()``. Gradient communication is part of backward: do not wrap the model in DDP or FSDP as well.
     ``overlap=False`` waits for every hop before the compute it would hide behind (same results, bitwise; for
     measuring what the overlap saves).
     """
