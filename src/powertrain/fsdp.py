@@ -17,6 +17,10 @@ output. One compressor serves all modules, each call using the module's subset o
 gloo has no native reduce-scatter: it runs one as a full all-reduce, so plain FSDP2 on gloo sends the whole
 ``W * S`` buffer (its byte count here says so), twice what a real reduce-scatter (NCCL) sends.
 
+``compress_gradients(model, name, group=...)`` builds the compressor itself, on what FSDP2 reduces: each
+parameter's unsharded size on this rank, which under tensor parallelism (:mod:`powertrain.tp`) is the rank's
+tensor-parallel block rather than the parameter's global shape.
+
 ``compress_replicas(model, name, group=...)`` is HSDP with a compressed replicate dimension: ``fully_shard`` on the
 node's ranks (the shard dimension of a ``(replicate, shard)`` mesh) reduce-scatters exactly inside the node, and the
 compressor averages each rank's shard over the nodes (``group``: the ranks that hold the same shard), after the
@@ -33,6 +37,7 @@ step (mark unused ones ``requires_grad_(False)``) and raises a clear error other
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +60,7 @@ from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_cod
 __all__ = [
     "CompressedReduceScatter",
     "QuantizedAllGather",
+    "compress_gradients",
     "compress_replicas",
     "quantize_all_gather",
     "register_compressor",
@@ -86,7 +92,7 @@ class CompressedReduceScatter(ReduceScatter):
     chunk ``r`` of every parameter, in order) through a powertrain compressor. Serves one ``fully_shard``
     module (:meth:`for_module`) or one SimpleFSDP bucket."""
 
-    def __init__(self, compressor: Compressor, params: list[torch.nn.Parameter], sizes: list[torch.Size]) -> None:
+    def __init__(self, compressor: Compressor, params: Sequence[torch.Tensor], sizes: list[torch.Size]) -> None:
         self.compressor = compressor
         self.sizes = sizes
         self.indices = compressor.indices_of(params)
@@ -108,6 +114,12 @@ class CompressedReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         comp = self.compressor
+        if group.size() != comp.comm.world_size:
+            raise RuntimeError(
+                f"FSDP2 reduce-scatters over {group.size()} ranks but the compressor averages over "
+                f"{comp.comm.world_size}: build it on the ranks FSDP2 shards over (group=mesh['dp'].get_group() on a "
+                "(dp, tp) mesh)"
+            )
         if isinstance(comp, AllReduceCompressor):
             return self._exact(output_tensor, input_tensor, group, op, async_op)
         world, rank = group.size(), group.rank()
@@ -260,6 +272,47 @@ class _ReplicaAverage:
             v.copy_(a)
 
 
+def _on_placeholders(
+    model: torch.nn.Module, what: str, shape: Callable[[torch.Tensor, torch.Size], torch.Size]
+) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[FSDPModule, int, list[torch.Size]]]]:
+    """Placeholders of ``shape(param, unsharded size)`` for every trainable parameter of every ``fully_shard``
+    module (named as the model names them), and per module its first placeholder's index and their shapes: what a
+    compressor is built on when what FSDP2 hands it is not the parameters' own shape."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    built: list[tuple[str, torch.Tensor]] = []
+    layout = []
+    for module in _fsdp_modules(model):
+        shapes = [shape(p, size) for p, size in _trainable_shard0(module, what)]
+        for (p, _), s in zip(_trainable_shard0(module, what), shapes, strict=True):
+            built.append((names.get(id(p), f"param[{len(built)}]"), placeholder(s, p)))
+        layout.append((module, len(built) - len(shapes), shapes))
+    if len(built) != sum(1 for p in model.parameters() if p.requires_grad):
+        raise ValueError(
+            f"The fully_shard modules manage {len(built)} of the model's trainable parameters, not all: the others "
+            f"would never be averaged; call fully_shard on the root too ({what} after fully_shard)"
+        )
+    return built, layout
+
+
+def compress_gradients(
+    model: torch.nn.Module, name: str = "powersgd", *, group: dist.ProcessGroup | None = None, **options: Any
+) -> Compressor:
+    """Send ``model``'s FSDP2 gradient reduce-scatters through compressor ``name`` (options as for
+    :func:`~powertrain.compress.make_compressor`), built on what FSDP2 reduces: every trainable parameter at its
+    unsharded size on this rank. Without tensor parallelism that is the parameter's shape (as
+    :func:`register_compressor` with a compressor built from ``model.named_parameters()``); under
+    :func:`powertrain.tp.tensor_parallel` it is the rank's tensor-parallel block, which the parameters' global
+    shapes do not describe. ``group``: the ranks FSDP2 shards over (``mesh["dp"].get_group()`` on a ``(dp, tp)``
+    mesh; default the world). Returns the compressor; save its ``state_dict()`` with the model."""
+    grads, layout = _on_placeholders(model, "compress_gradients", lambda p, size: size)
+    compressor = make_compressor(name, grads, group=group, **options)
+    check_supported(compressor, "FSDP2")
+    for module, first, shapes in layout:
+        rs = CompressedReduceScatter(compressor, compressor.params[first : first + len(shapes)], shapes)
+        module.set_custom_reduce_scatter(rs)
+    return compressor
+
+
 def compress_replicas(
     model: torch.nn.Module, name: str = "powersgd", *, group: dist.ProcessGroup, **options: Any
 ) -> Compressor:
@@ -270,26 +323,16 @@ def compress_replicas(
     ``group`` holds the ranks with the same shard: ``mesh["replicate"].get_group()``. The compressor is built on
     each rank's padded shard of every parameter and keeps its state (error buffers) per shard; save its
     ``state_dict()`` with the model. Returns it."""
-    mods = _fsdp_modules(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    shards: list[tuple[str, torch.Tensor]] = []
-    hooks = []
-    for module in mods:
-        shapes = []
-        for p, size in _trainable_shard0(module, "compress_replicas"):
-            if p.device_mesh.ndim != 1:  # type: ignore[attr-defined]
-                raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
-                                 "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
-            shape = torch.Size([shard_rows(size[0], p.device_mesh.size()), *size[1:]])  # type: ignore[attr-defined]
-            shapes.append(shape)
-            shards.append((names.get(id(p), f"param[{len(shards)}]"), placeholder(shape, p)))
-        hooks.append((module, len(shards) - len(shapes), shapes))
-    if len(shards) != sum(1 for p in model.parameters() if p.requires_grad):
-        raise ValueError(
-            f"The fully_shard modules manage {len(shards)} of the model's trainable parameters, not all: the others "
-            "would never be averaged; call fully_shard on the root too (compress_replicas after fully_shard)"
-        )
+
+    def shard(p: torch.Tensor, size: torch.Size) -> torch.Size:
+        mesh: Any = p.device_mesh  # type: ignore[attr-defined]
+        if mesh.ndim != 1:
+            raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
+                             "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
+        return torch.Size([shard_rows(size[0], mesh.size()), *size[1:]])
+
+    shards, layout = _on_placeholders(model, "compress_replicas", shard)
     compressor = make_compressor(name, shards, group=group, **options)
-    for module, first, shapes in hooks:
+    for module, first, shapes in layout:
         module.set_all_reduce_hook(_ReplicaAverage(compressor, list(range(first, first + len(shapes))), shapes))
     return compressor

@@ -286,7 +286,8 @@ class TrainConfig:
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:
     """Whether a run gets no compressor unless it names one: DeMo sends its own messages, SimpleFSDP reduces in
-    fp32 (its compressed path runs on eager buckets only), RTP and TP reduce inside backward."""
+    fp32 (its compressed path runs on eager buckets only), RTP reduces inside backward, and TP's traffic is mostly
+    its activations (a compressor there takes FSDP2's gradient reduce-scatter only)."""
     return optimizer == "demo" or parallel in ("simple_fsdp", "rtp", "tp")
 
 

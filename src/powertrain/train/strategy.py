@@ -13,7 +13,9 @@
   all-reduce is computed (every backward reduces, as with ``simple_fsdp``).
 * ``tp``: :func:`powertrain.tp.tensor_parallel` on a ``(world / tp, tp)`` mesh: torch's tensor parallelism in each
   ``tp`` group (which reads the same batches: ``data_rank`` / ``data_world``), FSDP2 across them. Its traffic is
-  computed (:func:`powertrain.tp.traffic`: sequence parallelism's all-gathers and reduce-scatters, FSDP2's).
+  computed (:func:`powertrain.tp.traffic`: sequence parallelism's all-gathers and reduce-scatters, FSDP2's); with
+  a compressor, FSDP2's reduce-scatter runs through it (:func:`powertrain.fsdp.compress_gradients`, built on each
+  rank's tensor-parallel blocks), which counts its own bytes.
 
 With ``gradient_sync=False`` (optimizers that exchange their own messages instead of gradients: DeMo),
 ``reference`` leaves every rank's local gradient in place and ``ddp`` registers
@@ -239,7 +241,13 @@ class _TP(Strategy):
         self.data_group = (mesh["dp"].get_local_rank(), world // tp)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        self.computed = traffic(cfg, tp, world // tp, batch, cfg.block_size, loss_parallel=True)
+        dp = world // tp
+        if name != "none" or options:  # FSDP2's reduce-scatter over dp through the compressor, on the tp blocks
+            from powertrain.fsdp import compress_gradients
+
+            comp = compress_gradients(self.model, name, group=mesh["dp"].get_group(), **options)
+            self.state, self.stats, dp = comp, comp.comm.stats, 1  # it counts its own bytes
+        self.computed = traffic(cfg, tp, dp, batch, cfg.block_size, loss_parallel=True)
 
     def loss_scope(self) -> contextlib.AbstractContextManager[None]:
         from torch.distributed.tensor.parallel import loss_parallel
@@ -279,7 +287,7 @@ def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: boo
             f"(HSDP) and gradient synchronisation on, not parallel={parallel!r}: use --parallel ddp, or "
             "hierarchy='flat'"
         )
-    if parallel in ("rtp", "tp") and (name != "none" or options):
+    if parallel == "rtp" and (name != "none" or options):
         raise ValueError(
             f"compressor={name!r} does not apply to parallel={parallel!r} (its gradients are reduced inside "
             "backward): drop --compressor or use none"
@@ -289,7 +297,7 @@ def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: boo
             f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
             f"or 'reference', not {parallel!r}"
         )
-    if parallel in ("fsdp", "simple_fsdp") and not compressor_class(name).reduce_scatter:
+    if parallel in ("fsdp", "simple_fsdp", "tp") and not compressor_class(name).reduce_scatter:
         raise ValueError(
             f"compressor={name!r} cannot run under parallel={parallel!r} (its messages have no reduce-scatter "
             f"form): use {_names(lambda n: compressor_class(n).reduce_scatter)} with {parallel}, or parallel='ddp'"
