@@ -282,10 +282,11 @@ def _on_placeholders(
     built: list[tuple[str, torch.Tensor]] = []
     layout = []
     for module in _fsdp_modules(model):
-        shapes = [shape(p, size) for p, size in _trainable_shard0(module, what)]
-        for (p, _), s in zip(_trainable_shard0(module, what), shapes, strict=True):
-            built.append((names.get(id(p), f"param[{len(built)}]"), placeholder(s, p)))
-        layout.append((module, len(built) - len(shapes), shapes))
+        first, shapes = len(built), []
+        for p, size in _trainable_shard0(module, what):
+            shapes.append(shape(p, size))
+            built.append((names.get(id(p), f"param[{len(built)}]"), placeholder(shapes[-1], p)))
+        layout.append((module, first, shapes))
     if len(built) != sum(1 for p in model.parameters() if p.requires_grad):
         raise ValueError(
             f"The fully_shard modules manage {len(built)} of the model's trainable parameters, not all: the others "

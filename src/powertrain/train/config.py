@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from powertrain.compress import COMPRESSORS
+from powertrain.compress import COMPRESSORS, make_compressor
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
@@ -346,8 +346,6 @@ def parse_compressor(spec: str) -> tuple[str, dict[str, Any]]:
         # the measured best for what the spec leaves out, not the reference Config's defaults (its 100 exact
         # steps would leave a short run uncompressed)
         options = recommended_options(full)
-    from powertrain.compress import make_compressor
-
     # The compressor's constructor owns the checks of its options: run for no parameters (nothing is allocated), it
     # refuses unknown options and bad values here, with their names. rank=auto is chosen by each run at start-up
     # (powertrain.compress.auto); its other options are checked here.

@@ -184,6 +184,7 @@ class _SimpleFSDP(Strategy):
             (shard_rows(p.shape[0], world) * (p.numel() // p.shape[0]) if p.ndim else 1) * p.element_size()
             for p in model.parameters()
         )  # this rank's padded dim-0 shard of every parameter
+        exact = name in ALL_REDUCE_DTYPES
         reduce_dtype = ALL_REDUCE_DTYPES.get(name)
         # Eager: one all-gather / reduce-scatter per block and one for the rest, as FSDP2's units; compiled:
         # per parameter, and inductor buckets them (compile_model).
@@ -198,9 +199,7 @@ class _SimpleFSDP(Strategy):
         self.model = data_parallel(model, mesh, mp_policy=policy, buckets=buckets)
         self.stats = CommStats()
         self.state: Any = _NoState()
-        if (
-            name not in ALL_REDUCE_DTYPES
-        ):  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
+        if not exact:  # powertrain's compressed reduce-scatter on the buckets: it counts its own bytes
             comp = make_compressor(name, model.named_parameters(), **options)
             simple_fsdp.register_compressor(self.model, comp)
             self.state, self.stats = comp, comp.comm.stats
@@ -277,8 +276,6 @@ def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: boo
           gradient_sync: bool = True, hierarchical: bool = False) -> None:  # fmt: skip
     """Refuse, in one line naming the value and the fix, a compressor or option that ``parallel`` cannot run (as
     :func:`build_strategy` takes them); the command checks its flags with this before it starts any worker."""
-    if parallel not in ("reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"):
-        raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp or tp")
     if not gradient_sync and parallel not in ("reference", "ddp"):
         raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
     if hierarchical and (parallel not in ("reference", "ddp", "fsdp") or not gradient_sync):
