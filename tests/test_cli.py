@@ -115,9 +115,10 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
-     ["tp", "none", "--tp", "2"], ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"]],
+     ["tp", "none", "--tp", "2"], ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"],
+     ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore", "tp", "tp-powersgd"],
+         "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming"],
 )  # fmt: skip
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
@@ -150,6 +151,12 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert 0 < sent[0] < sent[1], sent
     if mode[:2] in (["simple_fsdp", "none"], ["tp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
+    if mode[0] == "diloco":  # the checkpoint at step 4 caught fragment 0's sync in flight (started at 4, due at 5)
+        # syncs start at 2 (fragment 1), 4, 6 and at 8 (the finish); PowerSGD's second all-reduce is issued when the
+        # first completes, which may fall in the next step
+        assert rows[0]["bytes_sent"] == 0 and rows[1]["bytes_sent"] > 0, rows
+        summary = json.loads((full / "summary.json").read_text())
+        assert summary["syncs"] == 5 and summary["fragments"] == 2, summary  # 2, 4, 6 and the finish's two
     if mode[0] == "tp":  # loss parallelism: the cross-entropy's all-reduces, not a gather of the logits
         from powertrain.models import GPTConfig
         from powertrain.tp import traffic

@@ -385,14 +385,14 @@ def test_a_failed_hook_is_recorded_before_backward_can_see_it():
     type; ``take_error()`` must already hold the original then. (It was once recorded by a done-callback, which
     can run after the waiter wakes: the train command then reported ``Unable to cast ...``.)"""
     from powertrain.compress import NonFiniteGradientError
-    from powertrain.ddp import _Chain, _Sequencer
+    from powertrain.compress.chain import Chain, Sequencer
 
     def program():
         raise NonFiniteGradientError("rank 0: non-finite gradient")
         yield  # a generator, as compressors' programs are
 
     seen: list[tuple[BaseException, bool]] = []
-    chain = _Chain(program(), _Sequencer([]), 0, lambda _: None, lambda e: seen.append((e, chain.future.done())))
+    chain = Chain(program(), Sequencer([]), 0, lambda _: None, lambda e: seen.append((e, chain.future.done())))
     fut = chain.start()
     assert len(seen) == 1 and isinstance(seen[0][0], NonFiniteGradientError), seen
     assert seen[0][1] is False, "the failure was recorded only after the future had completed"
@@ -405,7 +405,7 @@ def test_more_collectives_than_declared_fail_the_call_not_hang_it():
     recorded first), instead of raising in a completion callback where nobody sees it while backward waits."""
     from powertrain.comm import CommStats
     from powertrain.compress.base import ReduceRequest
-    from powertrain.ddp import _Chain, _Sequencer
+    from powertrain.compress.chain import Chain, Sequencer
 
     class Loopback:  # one declared communicator whose all-reduce completes at once
         stats = CommStats()
@@ -420,7 +420,7 @@ def test_more_collectives_than_declared_fail_the_call_not_hang_it():
         yield ReduceRequest(torch.ones(2), "sum")  # a second collective: one was declared
 
     seen: list[BaseException] = []
-    fut = _Chain(program(), _Sequencer([Loopback()]), 0, lambda _: None, seen.append).start()
+    fut = Chain(program(), Sequencer([Loopback()]), 0, lambda _: None, seen.append).start()
     assert len(seen) == 1 and "issued 2 collectives in one call but declared at most 1" in str(seen[0]), seen
     with pytest.raises(RuntimeError, match="max_collectives_per_call"):
         fut.wait()

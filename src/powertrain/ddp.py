@@ -11,7 +11,8 @@ each bucket is issued from the hook, which DDP calls in bucket order. The c-th c
 (c >= 1) is issued from a callback thread, where completion order can differ between ranks: torch's
 PowerSGD hook on gloo deadlocks or mismatches exactly there. Here the c-th collectives use a process
 group of their own, and a sequencer issues them strictly in bucket order (a bucket whose program ends
-early releases its later slots). Compressors with one collective per bucket (all but PowerSGD with
+early releases its later slots): :mod:`powertrain.compress.chain`, which also drives the outer step of
+:mod:`powertrain.diloco`. Compressors with one collective per bucket (all but PowerSGD with
 several iterations or the paper variant) need no extra group.
 
 State lives in the compressor, per parameter, so DDP's bucket rebuild after the first iteration, or a
@@ -20,11 +21,7 @@ different bucketing on resume, loses nothing.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -33,143 +30,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from powertrain.comm import Communicator
-from powertrain.compress.base import Compressor, GatherRequest, Program, Request
+from powertrain.compress.base import Compressor
+from powertrain.compress.chain import Chain, Sequencer
 
 __all__ = ["DDPCompressionHook", "Rewrapped", "local_gradients", "register_compressor"]
-
-
-class _Sequencer:
-    """Issues the collectives of every call on each communicator in call order (a call uses each at most once)."""
-
-    def __init__(self, comms: list[Communicator]) -> None:
-        self.comms = comms
-        self._lock = threading.Lock()
-        self._next = [0] * len(comms)  # next call number allowed to issue on each phase
-        self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
-        self._skipped: list[set[int]] = [set() for _ in comms]
-
-    def key(self, comm: Communicator) -> int:
-        """The position of ``comm`` (a communicator a request named) in this sequencer's list."""
-        for k, c in enumerate(self.comms):
-            if c is comm:
-                return k
-        raise RuntimeError("a compressor's request named a communicator its communicators() does not list")
-
-    def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
-        """``launch()`` issues the collective and returns what to run outside the lock (attach its completion
-        callback); it must not raise. ``phase``: the communicator's position."""
-        with self._lock:
-            self._pending[phase][call] = launch
-            attach = self._drain(phase)
-        for a in attach:  # outside the lock: a completed future runs its callback inline
-            a()
-
-    def finish(self, call: int, used: set[int]) -> None:
-        """Call ``call`` issued collectives on the communicators ``used`` and will issue no more."""
-        attach: list[Callable[[], None]] = []
-        with self._lock:
-            for phase in set(range(len(self.comms))) - used:
-                self._skipped[phase].add(call)
-                attach += self._drain(phase)
-        for a in attach:
-            a()
-
-    def _drain(self, phase: int) -> list[Callable[[], None]]:
-        attach = []
-        pending, skipped = self._pending[phase], self._skipped[phase]
-        while True:
-            n = self._next[phase]
-            if n in skipped:
-                skipped.discard(n)
-            elif n in pending:
-                attach.append(pending.pop(n)())  # issue now, under the lock: this fixes the order
-            else:
-                return attach
-            self._next[phase] = n + 1
-
-
-class _Chain:
-    """Runs one program: each collective's completion advances the program to the next one."""
-
-    def __init__(self, program: Program, seq: _Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
-                 failed: Callable[[BaseException], None]) -> None:  # fmt: skip
-        self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.phase = 0  # collectives issued so far
-        self.used: set[int] = set()  # the communicators they used
-
-    def _fail(self, e: BaseException) -> None:
-        # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
-        self.failed(e)
-        self.future.set_exception(e)
-
-    def _abort(self, e: BaseException) -> None:
-        """Fail mid-program: its later collective slots are released (other calls go on), then the future fails."""
-        with contextlib.suppress(BaseException):  # the program's own clean-up failed too: ``e`` is what to report
-            self.program.close()
-        self.seq.finish(self.call, self.used)
-        self._fail(e)
-
-    def start(self) -> torch.futures.Future:
-        self._advance(None)
-        return self.future
-
-    def _advance(self, value: torch.Tensor | None) -> None:
-        t0 = time.perf_counter()
-        try:
-            request = next(self.program) if self.phase == 0 else self.program.send(value)
-            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
-        except StopIteration as stop:
-            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
-            self.seq.finish(self.call, self.used)
-            try:
-                self.done(stop.value)
-            except BaseException as e:
-                self._fail(e)
-            return
-        except BaseException as e:
-            self.seq.finish(self.call, self.used)
-            self._fail(e)
-            return
-        try:
-            phase = self.phase if request.comm is None else self.seq.key(request.comm)
-            if phase >= len(self.seq.comms) or phase in self.used:
-                raise RuntimeError(
-                    f"a compressor issued {self.phase + 1} collectives in one call but declared at most "
-                    f"{len(self.seq.comms)} (max_collectives_per_call), or named one communicator twice"
-                )
-        except RuntimeError as e:
-            self._abort(e)
-            return
-        self.phase += 1
-        self.used.add(phase)
-        self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
-
-    def _launch(self, phase: int, request: Request) -> Callable[[], None]:
-        """Issue the collective (under the sequencer's lock); what to run outside it: attach the completion
-        callback, or, if issuing failed, fail this call (its slot is used, so the calls after it go on)."""
-        comm = self.seq.comms[phase]
-        try:
-            if isinstance(request, GatherRequest):
-                out, fut = comm.all_gather(request.tensor, async_op=True)
-            else:
-                out, fut = None, comm.all_reduce_(request.tensor, request.op, async_op=True)
-            assert fut is not None, "async collectives return a future"
-        except BaseException as e:
-            return functools.partial(self._abort, e)
-
-        def attach() -> None:
-            fut.then(lambda f: self._completed(f, out))
-
-        return attach
-
-    def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None) -> None:
-        try:
-            fut.value()  # re-raises a failed collective (timeout, lost peer)
-        except BaseException as e:
-            self._abort(e)
-            return
-        self._advance(out)
 
 
 @dataclasses.dataclass
@@ -181,7 +45,7 @@ class DDPCompressionHook:
     """
 
     compressor: Compressor
-    _seq: _Sequencer
+    _seq: Sequencer
     _calls: int = 0
     _error: BaseException | None = None
 
@@ -212,7 +76,7 @@ class DDPCompressionHook:
         def failed(e: BaseException) -> None:
             self._error = self._error or e
 
-        chain = _Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed)
+        chain = Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed)
         self._calls += 1
         return chain.start()
 
@@ -304,7 +168,7 @@ def register_compressor(ddp_model: DistributedDataParallel, compressor: Compress
             Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats)
             for _ in range(compressor.max_collectives_per_call() - 1)
         ]
-    state = DDPCompressionHook(compressor, _Sequencer(comms))
+    state = DDPCompressionHook(compressor, Sequencer(comms))
     ddp_model.register_comm_hook(state, _hook)
     return state
 

@@ -83,31 +83,37 @@ class _Run:
         self.model = model
         stats: CommStats | None
         self.wrapped: torch.nn.Module
+        cfg = None
+        if spec.optimizer:  # TrainConfig checks the values (the diloco fields among them)
+            fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": "none"}
+            if spec.steps:
+                fields["steps"] = spec.steps
+            cfg = TrainConfig(**fields, **spec.optimizer_options)
         if spec.parallel == "ddp" and (spec.kind in _TORCH_KINDS or not spec.optimizer):
             # torch's hooks, or a compressor hook with this run's bucket size
             self.wrapped, stats = _build_ddp(spec, model, start, bucket_cap_mb)
             self.strategy = None
         else:
             opts = dict(spec.options)
-            if spec.kind == "powersgd":
-                opts.setdefault("start_compressing_after_num_steps", start)
+            if spec.kind == "powersgd":  # the outer step of local updates compresses from its first sync
+                opts.setdefault("start_compressing_after_num_steps", 0 if spec.parallel == "diloco" else start)
+            local = None if cfg is None else cfg.local_updates
             self.strategy = build_strategy(spec.parallel, model, spec.kind, opts,
-                                           gradient_sync=spec.optimizer != "demo")  # fmt: skip
+                                           gradient_sync=spec.optimizer != "demo", local=local)  # fmt: skip
             self.wrapped, stats = self.strategy.model, self.strategy.stats
         # After wrapping: fully_shard replaces the parameters with sharded ones.
         self.sources = [stats] if stats is not None else []
-        if spec.optimizer:
-            fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": "none"}
-            if spec.steps:
-                fields["steps"] = spec.steps
-            cfg = TrainConfig(**fields, **spec.optimizer_options)  # TrainConfig checks the values
+        if cfg is not None:
             built = build_optimizer(cfg, model)
             self.opt = built.optimizer
+            if self.strategy is not None:
+                self.strategy.attach(self.opt)
             self.scheduler = build_scheduler(cfg, self.opt) if spec.steps else None
             self.sources += [built.stats] if built.stats is not None else []
         else:
             self.opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             self.scheduler = None
+        self.steps_done, self.last_step = 0, spec.steps  # local updates end their schedule with one last sync
 
     def _scope(self) -> contextlib.AbstractContextManager[None]:
         """Where the loss is computed and differentiated (the strategy's: tp's loss parallelism)."""
@@ -123,6 +129,9 @@ class _Run:
             self.opt.step()
         else:  # the strategy zeroes gradients after its step (or keeps them: the reference API's residual)
             self.strategy.step(self.opt)
+            self.steps_done += 1
+            if self.steps_done == self.last_step:
+                self.strategy.finish()
         if self.scheduler is not None:
             self.scheduler.step()
         return float(loss.item())

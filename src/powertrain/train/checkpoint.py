@@ -189,6 +189,8 @@ def _per_worker(config: Any) -> str:
         kept.append(f"the {compressor} compressor's state of each worker (error-feedback buffers)")
     if config.get("optimizer") in ("shampoo", "galore", "demo"):
         kept.append(f"{config['optimizer']}'s state of each worker")
+    if config.get("parallel") == "diloco":
+        kept.append("each worker's own weights and inner optimizer state (local updates)")
     return ", ".join(kept)
 
 
@@ -231,7 +233,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     missing = sorted(k for k in (f"model.{k}" for k in model_sd) if k not in saved)
     if missing:
         raise CheckpointError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
-    state = _state(model_sd, optim_sd, per_rank, 0, {})
+    ranks = _Deferred()  # the per-rank parts load after the model: a replica's own weights (local updates) win
+    state = _state(model_sd, optim_sd, {}, 0, {})
+    state["rank"] = CompressorState(ranks)
     checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"), manifest=manifest)
     try:
         if optimizer is None:
@@ -240,4 +244,20 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"Checkpoint {str(path)!r} does not fit this model or optimizer: {e}"[:400]) from None
+    try:
+        _RankState(per_rank).load_state_dict(ranks.state)
+    except CheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, RuntimeError, MemoryError) as e:  # a state that does not fit
+        reason = " ".join(str(e).split())[:300]  # one bounded line: a message may quote what a crafted state holds
+        raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {type(e).__name__}: {reason}") from None
     return int(state["step"]), {k: float(v) for k, v in state["progress"].items()}
+
+
+class _Deferred:
+    """Takes a per-rank state when DCP loads it, for :class:`_RankState` to apply later."""
+
+    state: Any = None
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from powertrain.train.config import (
+    DEFAULT_OUTER_COMPRESSOR,
     DEFAULT_START,
     POWERSGD_ADAM_FREEZE,
     PRESETS,
@@ -34,8 +35,10 @@ _HELP = {
     "data_path": "directory of text files (textdir) or .bin file / directory with train.bin, val.bin (bin)",
     "batch_size": "sequences or samples per worker per micro-step",
     "grad_accum": "micro-steps per optimizer step (gradient accumulation)",
-    "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2), simple_fsdp (DTensor parametrization) or rtp "
-    "(rotated tensor parallelism: each rank stores 1/W of every Linear and Embedding weight)",
+    "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2), simple_fsdp (DTensor parametrization), rtp "
+    "(rotated tensor parallelism: each rank stores 1/W of every Linear and Embedding weight), tp (2-D) or diloco "
+    "(local updates: each worker trains alone for --sync-every steps, then the compressor sends the pseudo-gradients "
+    "and an outer Nesterov SGD steps the shared weights; for slow links)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "optimizer": "adamw, sgd, shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
@@ -56,7 +59,14 @@ _HELP = {
     "demo_chunk": "DeMo: chunk size per dimension of the DCT",
     "demo_decay": "DeMo: momentum decay (compression_decay)",
     "compressor": "NAME[:key=value,...] with NAME in none, fp16, bf16, powersgd, int8, int4, topk, randk, sign; "
-    "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01",
+    "e.g. powersgd:rank=4,iters=2  topk:ratio=0.01 (with diloco: what compresses each sync's pseudo-gradients)",
+    "sync_every": "diloco: inner steps between two syncs (H)",
+    "fragments": "diloco: Streaming DiLoCo's fragments (F), consecutive layers of about equal size synced in turn",
+    "sync_delay": "diloco: inner steps a sync overlaps before its outer update is applied (below sync_every / "
+    "fragments)",
+    "sync_mix": "diloco: share of the local weights kept after a delayed outer update (0: take the update as is)",
+    "outer_lr": "diloco: the outer Nesterov SGD's learning rate (1 with --outer-momentum 0: plain averaging)",
+    "outer_momentum": "diloco: the outer SGD's Nesterov momentum (0: plain SGD)",
     "hierarchy": "flat (every rank compresses against every other) or node (exact mean inside each node, the "
     "compressor only between nodes; with fsdp: HSDP, sharded inside a node, the compressor over the nodes' "
     "replicas; nodes from torchrun's LOCAL_WORLD_SIZE)",
@@ -75,7 +85,8 @@ _HELP = {
 
 #: What an empty or None default means, for --help.
 _DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
-                               f"model's width / {WIDTH_PER_RANK} (none with simple_fsdp, rtp, tp and optimizer demo)",
+                               f"model's width / {WIDTH_PER_RANK} (none with simple_fsdp, rtp, tp and optimizer demo; "
+                               f"{DEFAULT_OUTER_COMPRESSOR} with diloco)",
                  "adam_freeze": f"{POWERSGD_ADAM_FREEZE} with compressor powersgd and optimizer adamw, else 0",
                  "out": "runs/<timestamp>"}  # fmt: skip
 

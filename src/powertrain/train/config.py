@@ -23,7 +23,7 @@ from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.preconditioner import Preconditioner
-from powertrain.train.strategy import Parallel
+from powertrain.train.strategy import LocalUpdates, Parallel
 from powertrain.train.strategy import check as check_parallel
 
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
@@ -76,11 +76,14 @@ POWERSGD_ADAM_FREEZE = 0.25
 MIN_FREEZE_STEPS = 20
 
 
-def default_adam_freeze(compressor: str, optimizer: str, steps: int) -> float:
-    """``adam_freeze`` when a run does not set it: :data:`POWERSGD_ADAM_FREEZE` for AdamW with PowerSGD, whose error
-    feedback delivers gradients late (see powertrain.optim.frozen_adamw), when that leaves AdamW at least
-    :data:`MIN_FREEZE_STEPS` steps first; else 0 (torch's AdamW): no other compressor was measured with it."""
-    if compressor != "powersgd" or optimizer != "adamw" or POWERSGD_ADAM_FREEZE * steps < MIN_FREEZE_STEPS:
+def default_adam_freeze(compressor: str, optimizer: str, steps: int, parallel: str = "reference") -> float:
+    """``adam_freeze`` when a run does not set it: :data:`POWERSGD_ADAM_FREEZE` for AdamW with PowerSGD on the
+    gradients, whose error feedback delivers them late (see powertrain.optim.frozen_adamw), when that leaves AdamW at
+    least :data:`MIN_FREEZE_STEPS` steps first; else 0 (torch's AdamW): no other compressor was measured with it, and
+    under local updates (diloco) a compressor sends pseudo-gradients, not gradients."""
+    if compressor != "powersgd" or optimizer != "adamw" or parallel == "diloco":
+        return 0.0
+    if POWERSGD_ADAM_FREEZE * steps < MIN_FREEZE_STEPS:
         return 0.0
     return POWERSGD_ADAM_FREEZE
 
@@ -99,6 +102,15 @@ def default_compressor(steps: int, width: int) -> str:
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+#: Local updates (``--parallel diloco``) when the run does not set them: see :data:`DILOCO_FIELDS`.
+DEFAULT_SYNC_EVERY = 25
+DEFAULT_OUTER_LR = 0.7  # DiLoCo's
+DEFAULT_OUTER_MOMENTUM = 0.9
+#: The outer step's compressor when a diloco run names none.
+DEFAULT_OUTER_COMPRESSOR = "none"
+#: The fields that only ``--parallel diloco`` reads.
+DILOCO_FIELDS = ("sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr", "outer_momentum")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,6 +155,13 @@ class TrainConfig:
     tp: int = 2  # tensor-parallel degree with parallel="tp" (the other nproc / tp ranks are data parallel)
     compressor: str = ""  # "": default_compressor(steps), or none with simple_fsdp, rtp and tp (plain_by_default)
     hierarchy: Hierarchy = "flat"  # node: exact inside a node, the compressor only between nodes
+    # local updates (parallel="diloco"): the compressor sends the pseudo-gradients of each sync
+    sync_every: int = DEFAULT_SYNC_EVERY  # H: inner steps between two syncs of a fragment
+    fragments: int = 1  # F: Streaming DiLoCo's fragments, synced in turn
+    sync_delay: int = 0  # tau: inner steps a sync overlaps before its outer update is applied
+    sync_mix: float = 0.0  # alpha: the local weights' share after a delayed outer update
+    outer_lr: float = DEFAULT_OUTER_LR
+    outer_momentum: float = DEFAULT_OUTER_MOMENTUM  # Nesterov; 0: plain SGD (1 and 0: model averaging)
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -163,11 +182,11 @@ class TrainConfig:
             _check_type(f.name, getattr(self, f.name), hints[f.name])
         positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches",
                     "tp", "shampoo_frequency", "shampoo_max_dim", "galore_rank", "galore_gap", "demo_topk",
-                    "demo_chunk"]  # fmt: skip
+                    "demo_chunk", "sync_every", "fragments"]  # fmt: skip
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
+        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every", "sync_delay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0")
         for f in dataclasses.fields(self):  # no value may overflow what it is handed to (torch, timedelta)
@@ -232,6 +251,7 @@ class TrainConfig:
                 raise ValueError(
                     f"parallel={self.parallel!r} runs in fp32 and eagerly: drop --precision bf16 and --compile"
                 )
+        self._check_local_updates()
         if self.parallel == "tp":
             if self.model != "gpt":
                 raise ValueError("parallel='tp' has a plan for the GPT only: use model='gpt', or parallel='rtp'")
@@ -248,10 +268,17 @@ class TrainConfig:
         if not self.compressor:
             plain = plain_by_default(self.optimizer, self.parallel)
             width = self.gpt_shape[2] if self.model == "gpt" else RESNET_WIDTH
-            object.__setattr__(self, "compressor", "none" if plain else default_compressor(self.steps, width))
+            spec = "none" if plain else default_compressor(self.steps, width)
+            object.__setattr__(self, "compressor", DEFAULT_OUTER_COMPRESSOR if self.parallel == "diloco" else spec)
+        elif self.parallel == "diloco" and _outer_powersgd_without_start(self.compressor):
+            # on the outer step PowerSGD compresses from the first sync on (its exact warm-up would send whole
+            # pseudo-gradients): a spec that does not say otherwise gets start=0, recorded in the run's config
+            spec = self.compressor.rstrip(",") + ("," if ":" in self.compressor else ":") + "start=0"
+            object.__setattr__(self, "compressor", spec)
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
         if self.adam_freeze is None:
-            object.__setattr__(self, "adam_freeze", default_adam_freeze(name, self.optimizer, self.steps))
+            freeze = default_adam_freeze(name, self.optimizer, self.steps, self.parallel)
+            object.__setattr__(self, "adam_freeze", freeze)
         assert self.adam_freeze is not None
         if not 0 <= self.adam_freeze < 1:
             raise ValueError(f"Invalid adam_freeze={self.adam_freeze!r}: must be a fraction of the steps in [0, 1)")
@@ -268,11 +295,46 @@ class TrainConfig:
         check_parallel(self.parallel, name, options, compiled=self.compile, gradient_sync=self.optimizer != "demo",
                        hierarchical=self.hierarchy == "node")  # fmt: skip
         start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
-        if start >= self.steps:
+        if start >= self.steps and self.parallel != "diloco":
             raise ValueError(
                 f"compressor={self.compressor!r} starts compressing after {start} steps and the run has {self.steps}: "
                 "it would send full gradients throughout; lower start= (e.g. start=2) or raise steps"
             )
+
+    def _check_local_updates(self) -> None:
+        """The diloco fields: their ranges, their schedule (powertrain.diloco.schedule), and that only diloco sets
+        them."""
+        if self.parallel != "diloco":
+            changed = [f.name for f in dataclasses.fields(self) if f.name in DILOCO_FIELDS
+                       and getattr(self, f.name) != f.default]  # fmt: skip
+            if changed:
+                raise ValueError(f"{changed[0]}={getattr(self, changed[0])!r} applies to parallel='diloco' (local "
+                                 f"updates), not {self.parallel!r}: drop it or use --parallel diloco")  # fmt: skip
+            return
+        from powertrain.diloco import schedule
+
+        schedule(self.sync_every, self.fragments, self.sync_delay)
+        if not 0 <= self.sync_mix < 1:
+            raise ValueError(f"Invalid sync_mix={self.sync_mix!r}: must be in [0, 1) (0: take the outer update as is)")
+        if not 0 < self.outer_lr <= 10:
+            raise ValueError(f"Invalid outer_lr={self.outer_lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with "
+                             "outer_momentum 0 averages the replicas)")  # fmt: skip
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"Invalid outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"parallel='diloco' trains with optimizer='adamw' or 'sgd' as the inner optimizer, not "
+                             f"{self.optimizer!r}")  # fmt: skip
+        if self.compile and self.hierarchy == "node":
+            raise ValueError("parallel='diloco' with hierarchy='node' runs DDP inside each node, which does not "
+                             "compile here: drop --compile or use hierarchy='flat'")  # fmt: skip
+
+    @property
+    def local_updates(self) -> LocalUpdates | None:
+        """The settings of ``parallel="diloco"`` (None for the other modes)."""
+        if self.parallel != "diloco":
+            return None
+        return LocalUpdates(self.sync_every, self.fragments, self.sync_delay, self.sync_mix, self.outer_lr,
+                            self.outer_momentum)  # fmt: skip
 
     @property
     def freeze_after(self) -> int:
@@ -289,6 +351,13 @@ def plain_by_default(optimizer: str, parallel: str) -> bool:
     fp32 (its compressed path runs on eager buckets only), RTP reduces inside backward, and TP's traffic is mostly
     its activations (a compressor there takes FSDP2's gradient reduce-scatter only)."""
     return optimizer == "demo" or parallel in ("simple_fsdp", "rtp", "tp")
+
+
+def _outer_powersgd_without_start(spec: str) -> bool:
+    """Whether ``spec`` names PowerSGD without giving its exact warm-up (``start`` or its long name)."""
+    name, _, rest = spec.partition(":")
+    keys = {item.partition("=")[0].strip() for item in rest.split(",")}
+    return name.strip().lower() == "powersgd" and not keys & {"start", "start_compressing_after_num_steps"}
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:

@@ -167,8 +167,8 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
         if rank == 0:
             print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
-                              gradient_sync=cfg.optimizer != "demo", tp=cfg.tp,
-                              batch=cfg.batch_size, hierarchical=cfg.hierarchy == "node")  # fmt: skip
+                              gradient_sync=cfg.optimizer != "demo", tp=cfg.tp, batch=cfg.batch_size,
+                              hierarchical=cfg.hierarchy == "node", local=cfg.local_updates)  # fmt: skip
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 
@@ -176,13 +176,15 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
     elif cfg.compile:
         strategy.model = torch.compile(strategy.model)  # type: ignore[assignment]
     built = build_optimizer(cfg, model)
+    strategy.attach(built.optimizer)
     scheduler = build_scheduler(cfg, built.optimizer)
-    per_rank = {"compressor": strategy.state, "scheduler": scheduler}
-    if built.per_rank:
+    per_rank = {"compressor": strategy.state, "scheduler": scheduler, **strategy.own_state}
+    own_optimizer = built.per_rank or strategy.own_optimizer  # its state differs per rank
+    if own_optimizer:
         per_rank["optimizer"] = built.optimizer
     return _Run(
         cfg, device, out, metrics, data, model, strategy, built.optimizer, scheduler, per_rank,
-        None if built.per_rank else built.optimizer,
+        None if own_optimizer else built.optimizer,
         [strategy.stats] + ([built.stats] if built.stats is not None else []),
         sum(p.numel() for p in model.parameters()),
         sum(p.numel() for p in model.parameters() if p.requires_grad) * 4,
@@ -234,6 +236,8 @@ def _step(run: _Run, step: int) -> tuple[float, float, float]:
     compute_s = time.perf_counter() - t0
     try:
         strategy.step(run.optimizer)
+        if step + 1 == cfg.steps:
+            strategy.finish()  # local updates: one last sync, so that the run ends with one model
     except NonFiniteGradientError as e:
         raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
     run.scheduler.step()
@@ -322,6 +326,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
         "params": run.n_params,
         **({"shampoo_roots": roots} if roots is not None else {}),
+        **run.strategy.report(),
     }  # fmt: skip
     if writer:
         writer.finish(summary)
@@ -424,12 +429,27 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip
     if cfg.hierarchy == "node":
         what = f"Gradient communication between nodes ({cfg.compressor}; exact inside each node)"
+    syncs = ""
+    if cfg.parallel == "diloco":
+        between = " between nodes" if cfg.hierarchy == "node" else ""
+        what = (f"Local updates{between} (a sync every {s['sync_every']} steps"
+                + (f" of each of {s['fragments']} fragments" if s["fragments"] > 1 else "")
+                + f", {cfg.compressor} pseudo-gradients)")  # fmt: skip
+        if not s["late_syncs"]:
+            late = "the link kept up: compute never waited for a sync"
+        elif cfg.sync_delay == 0:
+            late = (f"compute waited {s['waited_s']:.1f} s for them in all (--sync-delay lets a sync overlap the next "
+                    "steps)")  # fmt: skip
+        else:
+            late = (f"compute waited {s['waited_s']:.1f} s for {s['late_syncs']} of them: the link did not keep up "
+                    "(raise --sync-every or --sync-delay, or compress more)")  # fmt: skip
+        syncs = f" It ran {s['syncs']} syncs ({sent / max(1, s['syncs']) / MB:.2f} MB each on average); {late}."
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "
         f"for {cfg.steps} steps in {s['wall_s']:.1f} s of training time, with --parallel {cfg.parallel}. The training "
         f"loss went from {s['first_loss']:.3f} to {s['final_loss']:.3f} and the held-out validation loss is "
         f"{s['val_loss']:.3f}{uniform}.{_freeze_text(cfg)} {what} sent {sent / MB:.1f} MB per worker "
-        f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio}){_cost_text(cfg)}."
+        f"where plain fp32 all-reduce would have sent {dense / MB:.1f} MB ({ratio}){_cost_text(cfg)}.{syncs}"
         f"{_roots_text(s.get('shampoo_roots'))} Metrics, plots and the resolved config are in {out}."
     )

@@ -11,6 +11,10 @@
 * ``rtp``: :func:`powertrain.rtp.rotated_tensor_parallel`: Linear and Embedding weights sharded and rotated
   around the ring, the rest replicated. The ring's messages are counted; the replicated parameters'
   all-reduce is computed (every backward reduces, as with ``simple_fsdp``).
+* ``diloco``: local updates (:class:`powertrain.diloco.DiLoCo`): each rank trains alone for ``sync_every`` steps, then
+  the pseudo-gradients are averaged through the compressor (on a process group of its own) and an outer Nesterov SGD
+  steps the shared weights; with ``hierarchical``, DDP inside each node and the compressor between nodes
+  (:class:`~powertrain.compress.hierarchical.HierarchicalCompressor`).
 * ``tp``: :func:`powertrain.tp.tensor_parallel` on a ``(world / tp, tp)`` mesh: torch's tensor parallelism in each
   ``tp`` group (which reads the same batches: ``data_rank`` / ``data_world``), FSDP2 across them. Its traffic is
   computed (:func:`powertrain.tp.traffic`: sequence parallelism's all-gathers and reduce-scatters, FSDP2's); with
@@ -27,6 +31,7 @@ Shared by the training loop and the side-by-side benchmark, so both measure the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, Literal
@@ -40,7 +45,19 @@ from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
 
-Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp"]
+Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp", "diloco"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalUpdates:
+    """The settings of ``parallel="diloco"`` (:class:`powertrain.diloco.DiLoCo`'s)."""
+
+    sync_every: int  # H: inner steps between two syncs of a fragment
+    fragments: int = 1  # F: Streaming DiLoCo's fragments
+    delay: int = 0  # tau: inner steps a sync overlaps before its outer update is applied
+    mix: float = 0.0  # alpha: the local weights' share after a (delayed) outer update
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9  # Nesterov; 0: plain SGD
 
 
 class Strategy:
@@ -50,6 +67,11 @@ class Strategy:
     data_group: tuple[int, int] | None = None  # (rank, world) of the data split; None: the process group's
     stats: CommStats
     state: Any  # per-rank state to checkpoint (state_dict / load_state_dict)
+
+    #: Per-rank state besides ``state`` (checkpointed under each rank's own key), by name.
+    own_state: Mapping[str, Any] = MappingProxyType({})
+    #: Whether the optimizer's state differs per rank in this mode (local updates: each replica's inner optimizer).
+    own_optimizer: bool = False
 
     #: Traffic this mode's collectives do not count themselves: op -> (payload bytes, collectives) per backward,
     #: recorded in ``stats`` by the default :meth:`sync`.
@@ -71,6 +93,16 @@ class Strategy:
     def take_error(self) -> BaseException | None:
         """What the gradient communication failed with, where backward() reports it under another type."""
         return None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once with the optimizer, built after the model was wrapped (local updates wrap it)."""
+
+    def finish(self) -> None:
+        """After the run's last step (local updates end with every replica on the same weights)."""
+
+    def report(self) -> dict[str, Any]:
+        """What this mode adds to the run's summary."""
+        return {}
 
 
 def _compressor(model: torch.nn.Module, name: str, options: dict[str, Any], hierarchical: bool) -> Compressor:
@@ -254,6 +286,82 @@ class _TP(Strategy):
         return loss_parallel()
 
 
+class _DiLoCo(Strategy):
+    """Local updates (:class:`powertrain.diloco.DiLoCo`); ``hierarchical``: DDP inside each node, the compressor
+    between nodes. Each rank's weights and inner optimizer are its own: ``replica`` checkpoints the weights."""
+
+    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], local: LocalUpdates,
+                 hierarchical: bool) -> None:  # fmt: skip
+        self.model, self.local = model, local
+        if hierarchical:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.nn.parallel import DistributedDataParallel
+
+            from powertrain.compress.hierarchical import HierarchicalCompressor, node_layout
+
+            nodes, ranks = node_layout()
+            device = next(model.parameters()).device
+            mesh = init_device_mesh(device.type, (nodes, ranks), mesh_dim_names=("replicate", "shard"))
+            self.model = DistributedDataParallel(model, process_group=mesh["shard"].get_group())
+            self.comp: Compressor = HierarchicalCompressor(model.named_parameters(), name, **options)
+        else:  # on a group of its own: a sync in flight overlaps training's collectives (the loss's average)
+            from powertrain.compress.base import placeholder
+
+            own = dist.new_group(ranks=list(range(dist.get_world_size())))
+            shapes = [(n, placeholder(p.shape, p)) for n, p in model.named_parameters() if p.requires_grad]
+            self.comp = make_compressor(name, shapes, group=own, **options)
+        self.module = model
+        self.stats = self.comp.comm.stats
+        self.state: Any = _NoState()
+        self.own_state = {"replica": _Replica(model)}
+        self.own_optimizer = True
+        self.diloco: Any = None
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        from powertrain.diloco import DiLoCo, nesterov
+
+        lu = self.local
+        self.diloco = DiLoCo(self.module.named_parameters(), optimizer, sync_every=lu.sync_every,
+                             compressor=self.comp, outer_optimizer=nesterov(lu.outer_lr, lu.outer_momentum),
+                             fragments=lu.fragments, delay=lu.delay, mix=lu.mix)  # fmt: skip
+        self.state = self.diloco
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.diloco is not None and self.diloco.inner is optimizer, "attach() the optimizer first"
+        self.diloco.step()
+        optimizer.zero_grad()
+
+    def finish(self) -> None:
+        self.diloco.finish()
+
+    def report(self) -> dict[str, Any]:
+        d = self.diloco
+        return {"syncs": d.syncs, "late_syncs": d.late, "waited_s": d.waited_s, "sync_every": d.sync_every,
+                "fragments": len(d.fragments)}  # fmt: skip
+
+
+class _Replica:
+    """This rank's own weights (local updates: the replicas differ between syncs, and DCP keeps one copy of equally
+    named tensors), as per-rank state."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"weights": [p.detach() for p in self.model.parameters()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from powertrain.compress.base import check_state_tensors
+
+        params = list(self.model.parameters())
+        check_state_tensors("replica", "weights", state.get("weights"), [p.shape for p in params])
+        if any(w is None for w in state["weights"]):
+            raise ValueError("replica state_dict lacks a weight")
+        with torch.no_grad():
+            for p, w in zip(params, state["weights"], strict=True):
+                p.copy_(w)
+
+
 class _NoState:
     """Per-rank state of a strategy that keeps none (checkpoints store an empty dict)."""
 
@@ -278,18 +386,20 @@ def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: boo
     :func:`build_strategy` takes them); the command checks its flags with this before it starts any worker."""
     if not gradient_sync and parallel not in ("reference", "ddp"):
         raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
-    if hierarchical and (parallel not in ("reference", "ddp", "fsdp") or not gradient_sync):
+    if hierarchical and (parallel not in ("reference", "ddp", "fsdp", "diloco") or not gradient_sync):
         raise ValueError(
-            f"hierarchy='node' compresses gradients between nodes with parallel='ddp', 'reference' or 'fsdp' "
-            f"(HSDP) and gradient synchronisation on, not parallel={parallel!r}: use --parallel ddp, or "
+            f"hierarchy='node' compresses between nodes with parallel='ddp', 'reference', 'fsdp' (HSDP) or 'diloco' "
+            f"(DDP inside a node) and gradient synchronisation on, not parallel={parallel!r}: use --parallel ddp, or "
             "hierarchy='flat'"
         )
+    if not gradient_sync and parallel == "diloco":
+        raise ValueError("parallel='diloco' averages what the inner optimizer learned: it needs gradient_sync")
     if parallel == "rtp" and (name != "none" or options):
         raise ValueError(
             f"compressor={name!r} does not apply to parallel={parallel!r} (its gradients are reduced inside "
             "backward): drop --compressor or use none"
         )
-    if compiled and parallel in ("ddp", "fsdp"):
+    if compiled and parallel in ("ddp", "fsdp", "diloco"):
         raise ValueError(
             f"compile=True is supported with parallel='simple_fsdp' (whole graph, communication included) "
             f"or 'reference', not {parallel!r}"
@@ -319,13 +429,15 @@ def build_strategy(
     tp: int = 1,
     batch: int = 0,
     hierarchical: bool = False,
+    local: LocalUpdates | None = None,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
     ``gradient_sync=False``: no gradient communication at all (``reference`` or ``ddp`` only); ``tp``: the
     tensor-parallel degree of ``tp``, whose byte count takes ``batch`` sequences per micro-batch; ``hierarchical``:
     exact inside each node, the compressor between nodes (:mod:`powertrain.compress.hierarchical` with reference or
-    ddp; HSDP with a compressed replicate dimension with fsdp)."""
+    ddp; HSDP with a compressed replicate dimension with fsdp; DDP inside a node with diloco); ``local``: the settings
+    of diloco (required there). A diloco strategy must be given the optimizer (:meth:`Strategy.attach`)."""
     check(parallel, name, options, compiled=compiled, gradient_sync=gradient_sync, hierarchical=hierarchical)
     if not gradient_sync:
         return _Local(model, ddp=parallel == "ddp")
@@ -342,4 +454,8 @@ def build_strategy(
             return _RTP(model, name, options)
         case "tp":
             return _TP(model, name, options, tp, batch)
-    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp or tp")
+        case "diloco":
+            if local is None:
+                raise ValueError("parallel='diloco' needs its settings: local=LocalUpdates(sync_every=...)")
+            return _DiLoCo(model, name, options, local, hierarchical)
+    raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp, tp or diloco")

@@ -1,0 +1,162 @@
+"""Running a compressor's collective program asynchronously: each collective's completion advances the program.
+
+:func:`~powertrain.compress.base.run_program` runs a program's collectives one after the other, blocking. Here a
+program runs as a chain of futures instead (:class:`Chain`): its first collective is issued by the caller, every later
+one from the completion callback of the one before, which never blocks on a future, so the caller goes on computing
+(DDP's backward with the next buckets, the next inner steps of local updates) while the messages travel.
+
+Collectives must be issued in the same order on every rank, and callbacks run on communication threads in whatever
+order the collectives complete. A :class:`Sequencer` therefore gives the c-th collective of every call a communicator
+of its own (a process group) and issues the calls' collectives on each strictly in call order (a call whose program
+ends early releases its later slots). Drivers: :mod:`powertrain.ddp` (one call per gradient bucket) and
+:mod:`powertrain.diloco` (one call per outer synchronisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from powertrain.comm import Communicator
+from powertrain.compress.base import GatherRequest, Program, Request
+
+__all__ = ["Chain", "Sequencer"]
+
+
+class Sequencer:
+    """Issues the collectives of every call on each communicator in call order (a call uses each at most once)."""
+
+    def __init__(self, comms: list[Communicator]) -> None:
+        self.comms = comms
+        self._lock = threading.Lock()
+        self._next = [0] * len(comms)  # next call number allowed to issue on each phase
+        self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
+        self._skipped: list[set[int]] = [set() for _ in comms]
+
+    def key(self, comm: Communicator) -> int:
+        """The position of ``comm`` (a communicator a request named) in this sequencer's list."""
+        for k, c in enumerate(self.comms):
+            if c is comm:
+                return k
+        raise RuntimeError("a compressor's request named a communicator its communicators() does not list")
+
+    def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
+        """``launch()`` issues the collective and returns what to run outside the lock (attach its completion
+        callback); it must not raise. ``phase``: the communicator's position."""
+        with self._lock:
+            self._pending[phase][call] = launch
+            attach = self._drain(phase)
+        for a in attach:  # outside the lock: a completed future runs its callback inline
+            a()
+
+    def finish(self, call: int, used: set[int]) -> None:
+        """Call ``call`` issued collectives on the communicators ``used`` and will issue no more."""
+        attach: list[Callable[[], None]] = []
+        with self._lock:
+            for phase in set(range(len(self.comms))) - used:
+                self._skipped[phase].add(call)
+                attach += self._drain(phase)
+        for a in attach:
+            a()
+
+    def _drain(self, phase: int) -> list[Callable[[], None]]:
+        attach = []
+        pending, skipped = self._pending[phase], self._skipped[phase]
+        while True:
+            n = self._next[phase]
+            if n in skipped:
+                skipped.discard(n)
+            elif n in pending:
+                attach.append(pending.pop(n)())  # issue now, under the lock: this fixes the order
+            else:
+                return attach
+            self._next[phase] = n + 1
+
+
+class Chain:
+    """Runs one program: each collective's completion advances the program to the next one."""
+
+    def __init__(self, program: Program, seq: Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
+                 failed: Callable[[BaseException], None]) -> None:  # fmt: skip
+        self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.phase = 0  # collectives issued so far
+        self.used: set[int] = set()  # the communicators they used
+
+    def _fail(self, e: BaseException) -> None:
+        # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
+        self.failed(e)
+        self.future.set_exception(e)
+
+    def _abort(self, e: BaseException) -> None:
+        """Fail mid-program: its later collective slots are released (other calls go on), then the future fails."""
+        with contextlib.suppress(BaseException):  # the program's own clean-up failed too: ``e`` is what to report
+            self.program.close()
+        self.seq.finish(self.call, self.used)
+        self._fail(e)
+
+    def start(self) -> torch.futures.Future:
+        self._advance(None)
+        return self.future
+
+    def _advance(self, value: torch.Tensor | None) -> None:
+        t0 = time.perf_counter()
+        try:
+            request = next(self.program) if self.phase == 0 else self.program.send(value)
+            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
+        except StopIteration as stop:
+            self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
+            self.seq.finish(self.call, self.used)
+            try:
+                self.done(stop.value)
+            except BaseException as e:
+                self._fail(e)
+            return
+        except BaseException as e:
+            self.seq.finish(self.call, self.used)
+            self._fail(e)
+            return
+        try:
+            phase = self.phase if request.comm is None else self.seq.key(request.comm)
+            if phase >= len(self.seq.comms) or phase in self.used:
+                raise RuntimeError(
+                    f"a compressor issued {self.phase + 1} collectives in one call but declared at most "
+                    f"{len(self.seq.comms)} (max_collectives_per_call), or named one communicator twice"
+                )
+        except RuntimeError as e:
+            self._abort(e)
+            return
+        self.phase += 1
+        self.used.add(phase)
+        self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
+
+    def _launch(self, phase: int, request: Request) -> Callable[[], None]:
+        """Issue the collective (under the sequencer's lock); what to run outside it: attach the completion
+        callback, or, if issuing failed, fail this call (its slot is used, so the calls after it go on)."""
+        comm = self.seq.comms[phase]
+        try:
+            if isinstance(request, GatherRequest):
+                out, fut = comm.all_gather(request.tensor, async_op=True)
+            else:
+                out, fut = None, comm.all_reduce_(request.tensor, request.op, async_op=True)
+            assert fut is not None, "async collectives return a future"
+        except BaseException as e:
+            return functools.partial(self._abort, e)
+
+        def attach() -> None:
+            fut.then(lambda f: self._completed(f, out))
+
+        return attach
+
+    def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None) -> None:
+        try:
+            fut.value()  # re-raises a failed collective (timeout, lost peer)
+        except BaseException as e:
+            self._abort(e)
+            return
+        self._advance(out)

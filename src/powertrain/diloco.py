@@ -1,0 +1,417 @@
+"""Local updates across slow links: DiLoCo and Streaming DiLoCo, with any powertrain compressor on the outer step.
+
+Data parallelism sends a gradient every step. With local updates each replica (a process, or a group of processes
+that train one model copy exactly, e.g. with DDP inside a node) takes ``sync_every`` = H steps of its own *inner*
+optimizer on its own data, then the replicas exchange what they learned and agree on one model again:
+
+1. the pseudo-gradient ``delta = anchor - local`` (the anchor: the weights every replica agreed on at the last
+   synchronisation; ``local``: this replica's weights now);
+2. ``delta`` is averaged over the replicas through a :class:`~powertrain.compress.Compressor` with its error feedback
+   (exact fp32 by default; int8/int4, PowerSGD, top-k to send less: what a message leaves out is sent later);
+3. an *outer* optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default: DiLoCo's) steps the anchor with the average
+   as its gradient, and the replica continues from the new anchor.
+
+This is DiLoCo (Douillard et al., arXiv 2311.08105); with outer SGD at lr 1 and no momentum it is plain model
+averaging (local SGD). Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds, and this class takes:
+
+* ``fragments`` = F: the parameters split into F groups, fragment ``i`` synchronised at inner steps ``i * H / F``
+  (mod H), so a sync carries 1/F of the model and the link's peak load drops F-fold;
+* ``delay`` = tau: a fragment's collectives run in the background (:class:`powertrain.compress.chain.Chain`) while the
+  next tau inner steps compute; its outer update is applied after them, mixed with what the replica learned
+  meanwhile (``mix`` = alpha: ``local <- alpha * local + (1 - alpha) * anchor``; 0 takes the anchor as it is).
+
+Compute waits for the link only when a sync has not arrived when it is due (its wait is counted in
+``stats.comm_s`` and :attr:`DiLoCo.waited_s`).
+
+A SparseLoCo-style outer step (Sarfi et al., arXiv 2508.15706: the compressor's error-feedback accumulator stands in
+for outer momentum) is ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` with a lossy compressor; its error
+decay is the compressor's (``error_decay`` of the error-feedback compressors).
+
+Usage (each process a replica)::
+
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    diloco = DiLoCo(model.named_parameters(), inner, sync_every=25, compressor="int4")
+    for x, y in loader:
+        model(x, y).backward()
+        diloco.step()       # the inner step; every 25 steps also the outer one
+        diloco.zero_grad()
+    diloco.finish()         # one last synchronisation: every replica holds the same model
+
+Replicas' weights differ between synchronisations: checkpoint each rank's model (and the inner optimizer's state,
+which is each replica's own) with :meth:`DiLoCo.state_dict`; DCP keeps one copy of equally named tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from powertrain._checks import check_int
+from powertrain.comm import CommStats
+from powertrain.compress.base import Compressor, check_state_tensors, placeholder
+from powertrain.compress.chain import Chain, Sequencer
+
+__all__ = ["DiLoCo", "OuterOptimizer", "nesterov", "schedule", "split_by_size"]
+
+OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizer:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD when ``momentum`` is 0)."""
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"Invalid outer lr={lr!r}: must be a number > 0 (DiLoCo's is 0.7; 1 with momentum 0 averages)")
+    if not (isinstance(momentum, int | float) and 0 <= momentum < 1):
+        raise ValueError(f"Invalid outer momentum={momentum!r}: must be in [0, 1) (DiLoCo's is 0.9)")
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def schedule(sync_every: int, fragments: int, delay: int) -> list[int]:
+    """Each fragment's first sync step (fragment k at ``k * sync_every // fragments``; later ones every ``sync_every``
+    inner steps, never at step 0). ValueError, naming the value and the fix, unless at most one fragment starts per
+    inner step and ``delay`` is below the gap between two fragments' syncs (one sync in flight at a time)."""
+    check_int("sync_every", sync_every, 1)
+    check_int("fragments", fragments, 1)
+    check_int("delay", delay, 0)
+    if fragments > sync_every:
+        raise ValueError(f"Invalid fragments={fragments} for sync_every={sync_every}: at most one fragment starts its "
+                         "sync per inner step; use fragments <= sync_every")  # fmt: skip
+    offsets = [k * sync_every // fragments for k in range(fragments)]
+    gap = min(b - a for a, b in zip(offsets, [*offsets[1:], sync_every], strict=True))
+    if delay >= gap:
+        raise ValueError(f"Invalid delay={delay}: must be below the {gap} inner steps between two fragments' syncs "
+                         f"(sync_every / fragments = {sync_every}/{fragments}), so that one sync is in flight at a "
+                         "time")  # fmt: skip
+    return offsets
+
+
+def split_by_size(sizes: Sequence[int], fragments: int) -> list[list[int]]:
+    """Consecutive positions ``0..len(sizes) - 1`` in ``fragments`` groups of about equal total size, none empty: group
+    ``k`` ends before the first position at which the running total reaches ``(k + 1) / fragments`` of the whole."""
+    check_int("fragments", fragments, 1)
+    n = len(sizes)
+    if fragments > n:
+        raise ValueError(f"Invalid fragments={fragments}: there are only {n} parameters to split")
+    total = sum(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    cuts = [0]
+    for k in range(1, fragments):
+        end = next((e for e in range(1, n + 1) if prefix[e] * fragments >= k * total), n)
+        cuts.append(min(max(end, cuts[-1] + 1), n - (fragments - k)))  # every group keeps at least one parameter
+    cuts.append(n)
+    return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A fragment's synchronisation: in flight (``future``), or arrived and not yet applied (``average``)."""
+
+    fragment: int
+    due: int  # its outer update is applied after this inner step
+    future: torch.futures.Future | None
+    average: list[torch.Tensor] | None = None
+
+
+class DiLoCo:
+    """Local updates with a compressed, optionally streamed and overlapped, outer step (see the module docstring).
+
+    Args:
+        params: the replica's trainable parameters (``model.named_parameters()`` or ``model.parameters()``), the ones
+            ``inner`` steps; FSDP2's sharded parameters (DTensors) take part with their local shards.
+        inner: the inner optimizer (any ``torch.optim.Optimizer``, powertrain's included). :meth:`step` steps it.
+        sync_every: H, inner steps between two synchronisations of a fragment (>= 1).
+        compressor: how the pseudo-gradients are averaged over the replicas: a name of
+            :func:`~powertrain.compress.make_compressor` (built here, with ``compressor_options``, on a process group of
+            its own with the ranks of ``group``), or a :class:`~powertrain.compress.Compressor` built on the parameters
+            (or placeholders of their local shapes) on a process group that nothing else uses while a sync is in
+            flight. Default ``"none"``: exact fp32 averaging.
+        compressor_options: the named compressor's options.
+        outer_optimizer: builds the outer optimizer on the anchor tensors (default: :func:`nesterov`, DiLoCo's).
+        fragments: F, an int (consecutive parameters in F groups of about equal size, :func:`split_by_size`) or the
+            groups themselves (lists of positions in ``params``, together each position once).
+        delay: tau, inner steps a fragment's sync overlaps before its outer update is applied; less than the gap
+            between two fragments' syncs (H / F), so that one sync is in flight at a time.
+        mix: alpha in [0, 1): after an outer update ``local <- alpha * local + (1 - alpha) * anchor``.
+        group: the process group whose ranks are the replicas (default: the world). Ranks that train one replica
+            together (DDP or FSDP2 inside a node) pass a group of one rank per replica, or a ``HierarchicalCompressor``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        inner: torch.optim.Optimizer,
+        *,
+        sync_every: int,
+        compressor: str | Compressor = "none",
+        compressor_options: Mapping[str, Any] | None = None,
+        outer_optimizer: OuterOptimizer | None = None,
+        fragments: int | Sequence[Sequence[int]] = 1,
+        delay: int = 0,
+        mix: float = 0.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix < 1:
+            raise ValueError(f"Invalid mix={mix!r}: must be in [0, 1) (0: take the outer update as it is)")
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        named = [item if isinstance(item, tuple) else (f"param[{i}]", item) for i, item in enumerate(params)]
+        named = [(n, p) for n, p in named if p.requires_grad]
+        if not named:
+            raise ValueError("DiLoCo got no trainable parameters: pass model.named_parameters()")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        stepped = {id(p) for g in inner.param_groups for p in g["params"]}
+        if missing := [n for n, p in named if id(p) not in stepped]:
+            raise ValueError(f"The inner optimizer does not step {missing[:3]}: build it on the same parameters")
+        self.inner = inner
+        self.sync_every, self.delay, self.mix = sync_every, delay, float(mix)
+        local = self._locals()
+        self.fragments = _fragments(fragments, [t.numel() for t in local])
+        nf = len(self.fragments)
+        #: fragment k starts its syncs at inner steps offsets[k] + j * sync_every (j >= 0; never at step 0)
+        self.offsets = schedule(sync_every, len(self.fragments), delay)
+        self.compressor = self._compressor(compressor, dict(compressor_options or {}), group, local)
+        comms = self.compressor.communicators() or [self.compressor.comm] * self.compressor.max_collectives_per_call()
+        self._seq = Sequencer(comms)
+        self._calls = 0
+        with torch.no_grad():
+            self.anchors = [t.detach().clone() for t in local]
+        self.outer = (outer_optimizer or nesterov())(self.anchors)
+        self.step_count = 0  # inner steps taken
+        self.syncs = 0  # fragment synchronisations applied
+        self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
+        self.late = 0  # how many syncs had not arrived when due
+        self._applied = [0] * nf  # the inner step of each fragment's latest outer update
+        self._pending: _Pending | None = None
+        self._error: BaseException | None = None
+
+    def _locals(self) -> list[torch.Tensor]:
+        """This rank's tensor of every parameter (a DTensor's local shard: FSDP2 keeps its storage, so writes land)."""
+        with torch.no_grad():
+            return [_local(p) for p in self.params]
+
+    def _compressor(self, spec: str | Compressor, options: dict[str, Any], group: dist.ProcessGroup | None,
+                    local: list[torch.Tensor]) -> Compressor:  # fmt: skip
+        if isinstance(spec, Compressor):
+            if options:
+                raise ValueError("compressor_options go with a compressor name; a Compressor instance has its own")
+            shapes = [tuple(p.shape) for p in spec.params]
+            if shapes != [tuple(t.shape) for t in local]:
+                raise ValueError(f"The compressor was built for parameters of shapes {shapes[:3]}..., not this "
+                                 "replica's (local) parameters: build it on the same parameters")  # fmt: skip
+            used = spec.communicators() or [spec.comm]  # the groups its requests go to
+            if self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
+                raise ValueError("With delay > 0 the compressor's collectives overlap training, whose own collectives "
+                                 "use the default group: build the compressor on a group of its own "
+                                 "(dist.new_group(...)), or pass its name")  # fmt: skip
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"compressor must be a name or a powertrain Compressor, got {type(spec).__name__}")
+        from powertrain.compress import make_compressor
+
+        own = None
+        if dist.is_available() and dist.is_initialized():  # a group of its own: training's collectives go on meanwhile
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            own = dist.new_group(ranks=ranks)
+        shaped = [(n, placeholder(t.shape, t)) for n, t in zip(self.names, local, strict=True)]
+        return make_compressor(spec, shaped, group=own, **options)
+
+    # ------------------------------------------------------------------ the optimizer's face
+
+    @property
+    def stats(self) -> CommStats:
+        """What the outer step sent (the compressor's counts) and, as ``comm_s``, the compute time lost waiting."""
+        return self.compressor.comm.stats
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's (learning-rate schedulers attach to the inner optimizer)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One inner step; then the outer update of the fragment whose sync is due, and the start of the syncs that
+        begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
+        loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        self.step_count += 1
+        s = self.step_count
+        if self._pending is not None and self._pending.due == s:
+            self._apply(self._wait(lost=True))
+        for f in self.starting(s):
+            self._start(f, due=s + self.delay)
+            if self.delay == 0:
+                self._apply(self._wait(lost=True))
+        return loss
+
+    def finish(self) -> None:
+        """Bring every replica to the same weights: apply a sync in flight, then synchronise (at once) every fragment
+        that has trained since its latest outer update. Training may go on afterwards as before."""
+        if self._pending is not None:
+            self._apply(self._wait(lost=True))
+        for f in range(len(self.fragments)):
+            if self._applied[f] != self.step_count or self.mix:
+                self._start(f, due=self.step_count)
+                self._apply(self._wait(lost=True))
+
+    def starting(self, step: int) -> list[int]:
+        """The fragments whose sync starts after inner step ``step`` (1-based)."""
+        return [f for f, o in enumerate(self.offsets) if step > 0 and step >= o and (step - o) % self.sync_every == 0]
+
+    # ------------------------------------------------------------------ one synchronisation
+
+    @torch.no_grad()
+    def _start(self, f: int, due: int) -> None:
+        """Launch fragment ``f``'s sync: its first collective is issued now, later ones as earlier ones complete."""
+        assert self._pending is None, "one sync in flight at a time (delay < sync_every / fragments)"
+        idx = self.fragments[f]
+        local = self._locals()
+        delta = [self.anchors[i] - local[i] for i in idx]
+
+        def failed(e: BaseException) -> None:
+            self._error = self._error or e
+
+        def done(average: list[torch.Tensor]) -> None:
+            chain.future.set_result(average)
+
+        chain = Chain(self.compressor.program(delta, idx), self._seq, self._calls, done, failed)
+        self._calls += 1
+        self._pending = _Pending(f, due, chain.start())
+
+    def _wait(self, *, lost: bool) -> _Pending:
+        """The sync in flight, arrived (waiting for it if needed; counted as compute lost to the link if ``lost``)."""
+        pending = self._pending
+        assert pending is not None, "a sync to wait for"
+        if pending.future is not None:
+            arrived = pending.future.done()
+            t0 = time.perf_counter()
+            try:
+                pending.average = pending.future.wait()
+            except BaseException as e:
+                error, self._error = self._error or e, None
+                self._pending = None
+                raise error from None
+            if lost and not arrived:
+                waited = time.perf_counter() - t0
+                self.late += 1
+                self.waited_s += waited
+                self.stats.add_time(comm_s=waited)
+            pending.future = None
+        self._pending = None
+        return pending
+
+    @torch.no_grad()
+    def _apply(self, pending: _Pending) -> None:
+        """The outer step of the fragment's anchors with the averaged pseudo-gradient; the replica takes the result."""
+        assert pending.average is not None, "an arrived sync"
+        idx = self.fragments[pending.fragment]
+        for a in self.anchors:
+            a.grad = None
+        for i, avg in zip(idx, pending.average, strict=True):
+            self.anchors[i].grad = avg.to(self.anchors[i].dtype)
+        self.outer.step()
+        local = self._locals()
+        for i in idx:
+            a, t = self.anchors[i], local[i]
+            a.grad = None
+            if self.mix:
+                t.mul_(self.mix).add_(a, alpha=1 - self.mix)
+            else:
+                t.copy_(a)
+        self._applied[pending.fragment] = self.step_count
+        self.syncs += 1
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
+        rank's own: save them with it). A sync in flight is waited for and saved with its result."""
+        pending = None
+        if self._pending is not None:
+            got = self._wait(lost=False)
+            self._pending = got  # arrived, to be applied when due
+            pending = {"fragment": got.fragment, "due": got.due, "average": list(got.average or [])}
+        return {
+            "kind": "DiLoCo",
+            "sync_every": self.sync_every,
+            "fragments": [list(f) for f in self.fragments],
+            "delay": self.delay,
+            "mix": self.mix,
+            "step": self.step_count,
+            "syncs": self.syncs,
+            "applied": list(self._applied),
+            "anchors": list(self.anchors),
+            "outer": self.outer.state_dict(),
+            "compressor": self.compressor.state_dict(),
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result; ValueError (nothing changed) if it does not fit this DiLoCo."""
+        if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
+            raise ValueError("Not a DiLoCo state_dict")
+        mine = {"sync_every": self.sync_every, "fragments": [list(f) for f in self.fragments], "delay": self.delay,
+                "mix": self.mix}  # fmt: skip
+        saved = {k: state.get(k) for k in mine}
+        if saved != mine:
+            diff = ", ".join(f"{k}={saved[k]!r} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
+            raise ValueError(f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
+                             "fragments, delay and mix")  # fmt: skip
+        step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
+        if not (type(step) is int and type(syncs) is int and syncs >= 0 and step >= 0):
+            raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r}, syncs={syncs!r}")
+        if not (isinstance(applied, list) and len(applied) == len(self.fragments)
+                and all(type(a) is int and 0 <= a <= step for a in applied)):  # fmt: skip
+            raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
+        local = self._locals()
+        check_state_tensors("DiLoCo", "anchors", state.get("anchors"), [t.shape for t in local])
+        if any(a is None for a in state["anchors"]):
+            raise ValueError("DiLoCo state_dict lacks an anchor")
+        pending = state.get("pending")
+        if pending is not None:
+            f, due = (pending.get("fragment"), pending.get("due")) if isinstance(pending, Mapping) else (None, None)
+            if type(f) is not int or not 0 <= f < len(self.fragments) or type(due) is not int or due < step:
+                raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r}, due {due!r})")
+            check_state_tensors("DiLoCo", "pending average", pending.get("average"),
+                                [local[i].shape for i in self.fragments[f]])  # fmt: skip
+        self.compressor.load_state_dict(state["compressor"])
+        self.outer.load_state_dict(state["outer"])
+        with torch.no_grad():
+            for a, saved_anchor in zip(self.anchors, state["anchors"], strict=True):
+                a.copy_(saved_anchor)
+        self.step_count, self.syncs, self._applied = step, syncs, list(applied)
+        self._seq, self._calls = Sequencer(self._seq.comms), 0  # every rank counts its calls afresh
+        self._pending = None
+        if pending is not None:
+            f = pending["fragment"]
+            average = [t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
+                       for i, t in zip(self.fragments[f], pending["average"], strict=True)]  # fmt: skip
+            self._pending = _Pending(f, pending["due"], None, average)
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of parameter ``p``: its local shard for a DTensor (FSDP2), else itself."""
+    to_local = getattr(p, "to_local", None)
+    return p if to_local is None else to_local()
+
+
+def _fragments(spec: int | Sequence[Sequence[int]], sizes: list[int]) -> list[list[int]]:
+    if isinstance(spec, bool):
+        raise ValueError(f"Invalid fragments={spec!r}: an int or groups of parameter positions")
+    if isinstance(spec, int):
+        return split_by_size(sizes, spec)
+    groups = [list(g) for g in spec]
+    flat = sorted(i for g in groups for i in g)
+    if not groups or any(not g for g in groups) or flat != list(range(len(sizes))):
+        raise ValueError(f"fragments must be an int or groups of parameter positions that cover 0..{len(sizes) - 1} "
+                         "once each, none empty")  # fmt: skip
+    return [sorted(g) for g in groups]

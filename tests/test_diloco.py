@@ -1,0 +1,352 @@
+"""Local updates (powertrain.diloco.DiLoCo) on real gloo processes: parity with a plain reference implementation of
+DiLoCo and Streaming DiLoCo, error feedback's conservation on the outer step, bitwise resume with a sync in flight,
+non-finite pseudo-gradients, DDP inside a node with the hierarchical compressor between nodes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, within
+from models import batch, loss_fn, make_model
+from powertrain.checkpoint import from_blob, to_blob
+from powertrain.compress import NonFiniteGradientError
+from powertrain.diloco import DiLoCo, nesterov, split_by_size
+
+LR = 1e-2  # the inner AdamW's
+
+
+def _inner(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+
+
+def _train(model: torch.nn.Module, opt: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        loss_fn(model, *batch(rank, step)).backward()
+        opt.step()
+
+
+def _params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+# ---------------------------------------------------------------- a plain reference, written from the papers
+
+
+class _Reference:
+    """DiLoCo as the papers state it, with blocking collectives: fragment k's pseudo-gradient ``anchor - local`` is
+    averaged in fp32 (divided by W, then summed) after inner steps ``offset_k + j H``, and its Nesterov-SGD outer step
+    is applied after ``delay`` more inner steps, then mixed into the local weights."""
+
+    def __init__(self, model: torch.nn.Module, H: int, groups: list[list[int]], delay: int, mix: float,
+                 lr: float, momentum: float) -> None:  # fmt: skip
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.inner = _inner(model)
+        self.anchors = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.H, self.groups, self.delay, self.mix = H, groups, delay, mix
+        self.offsets = [k * H // len(groups) for k in range(len(groups))]
+        self.step_count, self.pending = 0, None
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.inner.step()
+        self.step_count += 1
+        s = self.step_count
+        if self.pending is not None and self.pending[1] == s:
+            self._apply(*self.pending[::2])
+            self.pending = None
+        for k, o in enumerate(self.offsets):
+            if s >= o and (s - o) % self.H == 0:
+                group = self.groups[k]
+                flat = torch.cat([(self.anchors[i] - self.params[i]).reshape(-1) for i in group])
+                flat.div_(dist.get_world_size())
+                dist.all_reduce(flat)
+                avg = [v.view(self.params[i].shape) for i, v in
+                       zip(group, flat.split([self.params[i].numel() for i in group]), strict=True)]  # fmt: skip
+                self.pending = (k, s + self.delay, avg)
+                if self.delay == 0:
+                    self._apply(k, avg)
+                    self.pending = None
+
+    def _apply(self, k: int, avg: list[torch.Tensor]) -> None:
+        for a in self.anchors:
+            a.grad = None
+        for i, v in zip(self.groups[k], avg, strict=True):
+            self.anchors[i].grad = v
+        self.outer.step()
+        for i in self.groups[k]:
+            if self.mix:
+                self.params[i].mul_(self.mix).add_(self.anchors[i], alpha=1 - self.mix)
+            else:
+                self.params[i].copy_(self.anchors[i])
+
+
+PLAIN = {"H": 3, "fragments": 1, "delay": 0, "mix": 0.0, "lr": 0.7, "momentum": 0.9, "steps": 10}
+STREAMING = {"H": 6, "fragments": 3, "delay": 1, "mix": 0.5, "lr": 0.8, "momentum": 0.5, "steps": 14}
+
+
+def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
+    """DiLoCo and the reference, bitwise: the same operations on the same values in the same order."""
+    model, ref_model = make_model(), make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=setting["H"], fragments=setting["fragments"],
+                    delay=setting["delay"], mix=setting["mix"],
+                    outer_optimizer=nesterov(setting["lr"], setting["momentum"]))  # fmt: skip
+    ref = _Reference(ref_model, setting["H"], diloco.fragments, setting["delay"], setting["mix"], setting["lr"],
+                     setting["momentum"])  # fmt: skip
+    mismatch, trajectory = [], []
+    for step in range(setting["steps"]):
+        _train(model, diloco, rank, range(step, step + 1))
+        _train(ref_model, ref, rank, range(step, step + 1))
+        if any(not torch.equal(a, b) for a, b in zip(_params(model), _params(ref_model), strict=True)):
+            mismatch.append(step + 1)
+        trajectory.append(torch.cat([p.reshape(-1) for p in _params(model)]))
+    sizes = [sum(_params(model)[i].numel() for i in f) for f in diloco.fragments]
+    return {"mismatch": mismatch, "trajectory": trajectory, "syncs": diloco.syncs, "bytes": diloco.stats.bytes_sent,
+            "sizes": sizes}  # fmt: skip
+
+
+def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Per sync: each rank's input (pseudo-gradient + old residual), the average and the new residual."""
+    model = make_model(torch.float64)
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, fragments=2, compressor=name,
+                    compressor_options=options)  # fmt: skip
+    comp = diloco.compressor
+    records = []
+    program = comp.program
+
+    def recorded(grads: list[torch.Tensor], indices: list[int], **kw: Any) -> Any:
+        old = comp.residuals()  # type: ignore[attr-defined]
+        x = [g.clone() + old[i].to(g.dtype) for g, i in zip(grads, indices, strict=True)]
+        untouched = [old[i].clone() for i in range(len(old)) if i not in indices]
+        records.append({"idx": list(indices), "x": x, "untouched": untouched})
+        return program(grads, indices, **kw)
+
+    comp.program = recorded  # type: ignore[method-assign]
+    applied = []
+    apply = diloco._apply
+
+    def recorded_apply(pending: Any) -> None:
+        applied.append([a.clone() for a in pending.average])
+        records[len(applied) - 1]["new"] = [r.clone() for r in comp.residuals()]  # type: ignore[attr-defined]
+        apply(pending)
+
+    diloco._apply = recorded_apply  # type: ignore[method-assign]
+    for step in range(6):
+        diloco.zero_grad()
+        loss_fn(model, *batch(rank, step, torch.float64)).backward()
+        diloco.step()
+    for r, avg in zip(records, applied, strict=True):
+        r["avg"] = avg
+        r["new_untouched"] = [r["new"][i] for i in range(len(r["new"])) if i not in r["idx"]]
+    return {"records": records}
+
+
+def _resume(rank: int) -> dict[str, Any]:
+    """Save after inner step 6 (fragment 0's sync starts there and is due at step 7: in flight), restore into fresh
+    objects, finish the run; the uninterrupted run must end bit-identical."""
+    settings = dict(sync_every=6, fragments=3, delay=1, mix=0.5, compressor="int8")
+
+    def build() -> tuple[torch.nn.Module, DiLoCo]:
+        model = make_model()
+        return model, DiLoCo(model.named_parameters(), _inner(model), **settings)  # type: ignore[arg-type]
+
+    model, diloco = build()
+    _train(model, diloco, rank, range(14))
+    diloco.finish()
+    whole = _params(model)
+
+    model, diloco = build()
+    _train(model, diloco, rank, range(6))
+    in_flight = diloco._pending is not None
+    saved = {"diloco": to_blob(diloco.state_dict()), "inner": to_blob(diloco.inner.state_dict()),
+             "model": to_blob(model.state_dict())}  # fmt: skip
+    _train(model, diloco, rank, range(6, 9))  # the original goes on; the copy must not depend on it
+    model, diloco = build()
+    model.load_state_dict(from_blob(saved["model"]))
+    diloco.inner.load_state_dict(from_blob(saved["inner"]))
+    diloco.load_state_dict(from_blob(saved["diloco"]))
+    _train(model, diloco, rank, range(6, 14))
+    diloco.finish()
+    resumed = _params(model)
+    fresh = make_model()
+    other = DiLoCo(fresh.named_parameters(), _inner(fresh), sync_every=5)
+    try:
+        other.load_state_dict(from_blob(saved["diloco"]))
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"in_flight": in_flight, "same": all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True)),
+            "refused": refused}  # fmt: skip
+
+
+def _nonfinite(rank: int) -> dict[str, Any]:
+    model = make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, delay=1, compressor="int8")
+    _train(model, diloco, rank, range(1))
+    if rank == 1:
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] = float("nan")
+    try:
+        _train(model, diloco, rank, range(1, 3))  # the sync starts at step 2 and is due at step 3
+        return {"raised": ""}
+    except NonFiniteGradientError as e:
+        return {"raised": str(e)}
+
+
+def _cases(rank: int, world: int) -> dict[str, Any]:
+    out = {
+        "plain": guard(_parity, rank, PLAIN),
+        "streaming": guard(_parity, rank, STREAMING),
+        "resume": guard(_resume, rank),
+        "nonfinite": guard(_nonfinite, rank),
+    }
+    if world == 2:
+        out["int8"] = guard(_conservation, rank, "int8", {})
+        exact_factors = {"rank": 2, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0,
+                         "factor_dtype": "fp32"}  # fmt: skip
+        out["powersgd"] = guard(_conservation, rank, "powersgd", exact_factors)
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["w2", "w4"])
+def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return run_ranks(_cases, request.param, timeout=120)
+
+
+def _starts(setting: dict[str, Any]) -> list[tuple[int, int]]:
+    """(inner step, fragment) of every sync a run of ``setting`` starts: fragment k at offset_k + j H, never at 0."""
+    H, F = setting["H"], setting["fragments"]
+    return [(s, k) for s in range(1, setting["steps"] + 1) for k in range(F) if s >= k * H // F
+            and (s - k * H // F) % H == 0]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["plain", "streaming"])
+def test_matches_the_reference_bitwise(results, name):
+    runs = case(results, name)
+    for r in runs:
+        assert r["mismatch"] == [], f"DiLoCo left the reference after inner steps {r['mismatch']}"
+    setting = PLAIN if name == "plain" else STREAMING
+    starts = _starts(setting)
+    assert runs[0]["syncs"] == sum(1 for s, _ in starts if s + setting["delay"] <= setting["steps"])
+    # exact fp32 averaging: 4 bytes per value of the fragment, handed to one all-reduce per started sync
+    assert runs[0]["bytes"] == sum(4 * runs[0]["sizes"][k] for _, k in starts)
+    if name == "plain":  # right after a sync (step 9, no delay, no mix) every replica holds the anchor
+        assert all(torch.equal(r["trajectory"][8], runs[0]["trajectory"][8]) for r in runs)
+        assert not torch.equal(runs[0]["trajectory"][9], runs[1]["trajectory"][9])  # then each trains on its own
+
+
+@pytest.mark.parametrize("name", ["int8", "powersgd"])
+def test_outer_error_feedback_is_conserved(results, name):
+    if len(results) != 2:
+        pytest.skip("run at 2 ranks")
+    runs = case(results, name)
+    n_syncs = len(runs[0]["records"])
+    assert n_syncs == 6  # fragment 1 (offset 1) at steps 1, 3, 5, fragment 0 at 2, 4, 6
+    for s in range(n_syncs):
+        recs = [r["records"][s] for r in runs]
+        assert recs[0]["idx"] == recs[1]["idx"]
+        for j, i in enumerate(recs[0]["idx"]):
+            x = torch.stack([r["x"][j] for r in recs])
+            e1 = torch.stack([r["new"][i].to(torch.float64) for r in recs])
+            avg = recs[0]["avg"][j].to(torch.float64)
+            err = (x.mean(0) - (avg + e1.mean(0))).abs()
+            matrix = name == "powersgd" and x[0].dim() >= 2
+            # int8 works in fp32 (its x is the fp32 sum: one more rounding, inside the bound's 3 W terms), PowerSGD in
+            # the parameters' float64
+            eps = EPS64 if name == "powersgd" else EPS32
+            within(err, feedback_bound(x, e1, eps=eps, iters=1 if matrix else 0, rank=2, matrix=matrix),
+                   f"{name} sync {s} param {i}")  # fmt: skip
+        for r in recs:  # the other fragment's residuals are not touched by this sync
+            for before, after in zip(r["untouched"], r["new_untouched"], strict=True):
+                assert torch.equal(before.to(after.dtype), after)
+
+
+def test_resume_with_a_sync_in_flight_is_bitwise(results):
+    for r in case(results, "resume"):
+        assert r["in_flight"], "the checkpoint was meant to catch a sync in flight"
+        assert r["same"], "the resumed run differs from the uninterrupted one"
+        assert "sync_every=6 -> 5" in r["refused"]
+
+
+def test_nonfinite_pseudo_gradient_raises_on_every_rank(results):
+    for r in case(results, "nonfinite"):
+        assert "non-finite" in r["raised"], r["raised"]
+
+
+def test_split_by_size():
+    assert split_by_size([1, 1, 1, 1], 2) == [[0, 1], [2, 3]]
+    assert split_by_size([10, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    assert split_by_size([1, 1, 1, 10], 2) == [[0, 1, 2], [3]]
+    assert split_by_size([100, 1, 1], 3) == [[0], [1], [2]]
+    with pytest.raises(ValueError, match="only 2 parameters"):
+        split_by_size([1, 1], 3)
+
+
+def test_bad_settings_are_refused_in_one_line():
+    model = make_model()
+    inner = _inner(model)
+    for kwargs, text in [
+        ({"sync_every": 0}, "sync_every=0"),
+        ({"sync_every": 4, "delay": 4}, "delay=4"),
+        ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay=2"),
+        ({"sync_every": 2, "fragments": 3}, "fragments=3"),
+        ({"sync_every": 4, "mix": 1.0}, "mix=1.0"),
+        ({"sync_every": 4, "fragments": [[0]]}, "cover"),
+        ({"sync_every": 4, "compressor": "zip"}, "Unknown compressor"),
+    ]:
+        with pytest.raises(ValueError, match=text.replace("[", r"\[")) as e:
+            DiLoCo(model.named_parameters(), inner, **kwargs)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="does not step"):
+        DiLoCo(model.named_parameters(), torch.optim.SGD(model.fc1.parameters(), lr=1), sync_every=2)
+    with pytest.raises(ValueError, match="outer lr"):
+        nesterov(lr=0)
+
+
+def test_one_process_is_local_training_with_an_outer_step():
+    """World size 1: the average is the replica's own pseudo-gradient, so with outer SGD at lr 1 and no momentum the
+    first sync gives back the local weights, up to the roundings of anchor - (anchor - local) in fp32."""
+    model, plain = make_model(), make_model()
+    diloco = DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
+                    outer_optimizer=nesterov(1.0, 0.0))  # fmt: skip
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    _train(model, diloco, 0, range(1))
+    _train(plain, sgd, 0, range(1))
+    assert all(torch.equal(a, b) for a, b in zip(_params(model), _params(plain), strict=True)) and diloco.syncs == 0
+    anchors = [a.clone() for a in diloco.anchors]
+    _train(model, diloco, 0, range(1, 2))
+    _train(plain, sgd, 0, range(1, 2))
+    assert diloco.syncs == 1
+    for got, local, anchor in zip(_params(model), _params(plain), anchors, strict=True):
+        # fl(anchor - fl(anchor - local)): two roundings of size u = EPS32 / 2, of |anchor - local| and of |local|
+        # (to first order); 2x safety
+        within((got - local).abs(), EPS32 * ((anchor - local).abs() + local.abs()), "outer step at lr 1")
+
+
+def test_command_settings_are_checked_before_any_worker_starts():
+    from powertrain.train.config import TrainConfig
+
+    cfg = TrainConfig(parallel="diloco", compressor="powersgd:rank=4", sync_every=10, fragments=2, sync_delay=4)
+    assert cfg.compressor == "powersgd:rank=4,start=0"  # the outer step compresses from its first sync
+    assert cfg.adam_freeze == 0  # the inner AdamW is torch's: PowerSGD sends pseudo-gradients here
+    assert cfg.local_updates is not None and cfg.local_updates.delay == 4
+    assert TrainConfig(parallel="diloco").compressor == "none"
+    for fields, text in [
+        ({"parallel": "ddp", "sync_every": 10}, "sync_every=10 applies to parallel='diloco'"),
+        ({"parallel": "diloco", "sync_every": 4, "fragments": 5}, "fragments=5"),
+        ({"parallel": "diloco", "sync_every": 10, "fragments": 2, "sync_delay": 5}, "delay=5"),
+        ({"parallel": "diloco", "outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"parallel": "diloco", "optimizer": "shampoo"}, "optimizer='adamw' or 'sgd'"),
+        ({"parallel": "diloco", "sync_mix": -0.1}, "sync_mix=-0.1"),
+    ]:
+        with pytest.raises(ValueError, match=text) as e:
+            TrainConfig(**fields)
+        assert "\n" not in str(e.value)
