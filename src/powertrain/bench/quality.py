@@ -42,6 +42,7 @@ from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, 
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import DEFAULT_START, POWERSGD_ADAM_FREEZE
 from powertrain.train.launch import launch
+from powertrain.train.strategy import Parallel
 
 TARGET = 1.01
 RATES = (10.0, 100.0, 1000.0)  # Mbit/s
@@ -56,8 +57,11 @@ class Row:
     label: str
     kind: str  # a powertrain compressor name, or torch_psgd (torch's DDP hook)
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    #: TrainConfig fields of the row's optimizer (AdamW with the command's schedule), e.g. {"adam_freeze": 0.1}
+    #: TrainConfig fields of the row's optimizer (AdamW with the command's schedule), e.g. {"adam_freeze": 0.1}; for
+    #: local updates also the diloco fields (sync_every, fragments, sync_delay, sync_mix, outer_lr, outer_momentum)
     optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ddp: the compressor averages every step's gradients; diloco: local updates, the compressor on the outer step
+    parallel: Parallel = "ddp"
 
 
 _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
@@ -153,11 +157,11 @@ def select_rows(keys: Sequence[str] | None) -> list[Row]:
 
 def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     opts = dict(row.options)
-    if row.kind == "powersgd":
-        opts.setdefault("start_compressing_after_num_steps", start)
+    if row.kind == "powersgd":  # local updates compress from their first sync
+        opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)
     extra = 0 if target is None else (CAP - 1) * steps
     return Spec(row.key, row.kind, opts, steps=steps, optimizer="adamw", extra_steps=extra,
-                optimizer_options=dict(row.optimizer_options), stop_below=target)  # fmt: skip
+                optimizer_options=dict(row.optimizer_options), stop_below=target, parallel=row.parallel)  # fmt: skip
 
 
 def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> list[SpecResult]:
@@ -191,7 +195,8 @@ def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> di
     step (by collective)."""
     r0 = res.first
     n = len(r0.losses)
-    warm = (row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
+    warm = (0 if row.parallel == "diloco"
+            else row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
             else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
     warm = min(warm, n)
     dense = {"all_reduce": 4.0 * model.num_params()}
