@@ -350,3 +350,97 @@ def test_command_settings_are_checked_before_any_worker_starts():
         with pytest.raises(ValueError, match=text) as e:
             TrainConfig(**fields)
         assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- one replica = several ranks (2 nodes x 2 ranks)
+
+NODES, LOCAL = 2, 2
+
+
+def _inside_node(rank: int, inner_kind: str) -> dict[str, Any]:
+    """DDP (with the hierarchical compressor between nodes) or FSDP2 (with the compressor over the ranks holding the
+    same shard) inside each node, local updates between nodes; per sync, every rank's pseudo-gradient and the average
+    it applied."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (NODES, LOCAL), mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    if inner_kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        from powertrain.compress.hierarchical import HierarchicalCompressor
+
+        wrapped = DistributedDataParallel(model, process_group=mesh["shard"].get_group(), find_unused_parameters=True)
+        comp = HierarchicalCompressor(model.named_parameters(), "none", local_world=LOCAL)
+        diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=3, delay=1, compressor=comp)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        wrapped = fully_shard(model, mesh=mesh["shard"])
+        diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=3, delay=1,
+                        group=mesh["replicate"].get_group())  # fmt: skip
+    records: list[dict[str, Any]] = []
+    program = diloco.compressor.program
+
+    def recorded(grads: list[torch.Tensor], indices: list[int], **kw: Any) -> Any:
+        records.append({"delta": [g.clone() for g in grads]})
+        return program(grads, indices, **kw)
+
+    diloco.compressor.program = recorded  # type: ignore[method-assign]
+    apply = diloco._apply
+
+    def recorded_apply(pending: Any) -> None:
+        records[diloco.syncs]["avg"] = [a.clone() for a in pending.average]
+        apply(pending)
+
+    diloco._apply = recorded_apply  # type: ignore[method-assign]
+    losses, full = [], []
+    for step in range(8):
+        diloco.zero_grad()
+        loss = loss_fn(wrapped, *batch(rank, step))
+        loss.backward()
+        diloco.step()
+        losses.append(loss.item())
+        full.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                               for p in model.parameters() if p.requires_grad]))  # fmt: skip
+    return {"records": records, "losses": losses, "full": full, "bytes": diloco.stats.bytes_sent}
+
+
+def _node_cases(rank: int, world: int) -> dict[str, Any]:
+    return {"ddp": guard(_inside_node, rank, "ddp"), "fsdp": guard(_inside_node, rank, "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def nodes() -> list[dict[str, Any]]:
+    return run_ranks(_node_cases, NODES * LOCAL, timeout=120)
+
+
+@pytest.mark.parametrize("inner_kind", ["ddp", "fsdp"])
+def test_replicas_of_several_ranks(nodes, inner_kind):
+    runs = case(nodes, inner_kind)
+    for step in range(8):
+        # inside a node the ranks hold one model: DDP keeps it, FSDP2's shards gathered are it
+        for n in range(NODES):
+            assert torch.equal(runs[n * LOCAL]["full"][step], runs[n * LOCAL + 1]["full"][step]), (step, n)
+    # syncs start after steps 3 and 6 and are applied one step later (delay 1): then every rank holds the anchor
+    # plus one step of its node's own training; right after an application the nodes differ by that step only, so
+    # compare what was averaged instead: each average is the exact mean of the nodes' pseudo-gradients
+    assert len(runs[0]["records"]) == 2
+    for s in range(2):
+        for j in range(len(runs[0]["records"][s]["avg"])):
+            if inner_kind == "ddp":  # every rank sends its node's whole pseudo-gradient (identical in the node)
+                deltas = [runs[n * LOCAL]["records"][s]["delta"][j] for n in range(NODES)]
+                avg = runs[0]["records"][s]["avg"][j]
+                for r in runs:  # the hierarchical compressor hands every rank the same average
+                    assert torch.equal(r["records"][s]["avg"][j], avg)
+            else:  # each rank its shard, over the ranks holding the same shard
+                for local in range(LOCAL):
+                    deltas = [runs[n * LOCAL + local]["records"][s]["delta"][j] for n in range(NODES)]
+                    avg = runs[local]["records"][s]["avg"][j]
+                    for n in range(NODES):
+                        assert torch.equal(runs[n * LOCAL + local]["records"][s]["avg"][j], avg)
+            exact = torch.stack([d.double() for d in deltas]).mean(0)
+            # fp32: each node's delta halved (exact), then a 2-term sum: one rounding of size u = EPS32 / 2; 2x safety
+            within((avg.double() - exact).abs(), EPS32 * exact.abs(), f"{inner_kind} sync {s} param {j}")
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0]
+    assert runs[0]["bytes"] > 0

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from powertrain._compat import all_gather_single
 
-__all__ = ["CommStats", "Communicator", "ReduceKind"]
+__all__ = ["CommStats", "Communicator", "ReduceKind", "group_of_its_own"]
 
 ReduceKind = Literal["sum", "mean"]
 
@@ -203,6 +203,27 @@ class Communicator:
     def all_reduce_mean_(self, tensor: torch.Tensor) -> None:
         """Replace ``tensor`` by its mean over the ranks of the group, in place (see :meth:`all_reduce_`)."""
         self.all_reduce_(tensor, "mean")
+
+
+def group_of_its_own(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A new process group with the ranks of ``group`` (default: the world), for collectives that run beside the
+    caller's own on ``group`` (from another thread, in the background). ``new_group`` must be called by every rank
+    of the world with the same ranks, so every rank calls this: the ranks learn each other's groups (one all-gather
+    on the default group) and create each distinct one, in the same order; each gets the copy of its own. None when
+    torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    mine = torch.zeros(world, dtype=torch.int64)
+    mine[dist.get_process_group_ranks(group) if group is not None else list(range(world))] = 1
+    masks = torch.empty(world, world, dtype=torch.int64)
+    all_gather_single(masks.view(-1), mine)
+    own = None
+    for ranks in dict.fromkeys(tuple(int(r) for r in row.nonzero().flatten()) for row in masks):
+        created = dist.new_group(ranks=list(ranks))
+        if mine[list(ranks)].all() and int(mine.sum()) == len(ranks):
+            own = created
+    return own
 
 
 def _nothing() -> None:

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
-from powertrain.comm import CommStats
+from powertrain.comm import CommStats, group_of_its_own
 from powertrain.compress.base import Compressor, check_state_tensors, placeholder
 from powertrain.compress.chain import Chain, Sequencer
 
@@ -217,10 +217,7 @@ class DiLoCo:
             raise ValueError(f"compressor must be a name or a powertrain Compressor, got {type(spec).__name__}")
         from powertrain.compress import make_compressor
 
-        own = None
-        if dist.is_available() and dist.is_initialized():  # a group of its own: training's collectives go on meanwhile
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            own = dist.new_group(ranks=ranks)
+        own = group_of_its_own(group)  # training's own collectives go on meanwhile, on its groups
         shaped = [(n, placeholder(t.shape, t)) for n, t in zip(self.names, local, strict=True)]
         return make_compressor(spec, shaped, group=own, **options)
 

@@ -126,6 +126,7 @@ class Preset:
     start: int  # exact warm-up steps of the PowerSGD rows (powertrain train's default: DEFAULT_START)
     #: horizon -> the only rows (keys) run at it besides fp32 (the long horizon costs hours); others: every row
     rows_at: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    workers: int = 2  # data-parallel workers (replicas, for local updates)
 
     def __post_init__(self) -> None:
         if any(h % self.eval_every for h in self.horizons):
@@ -168,7 +169,7 @@ def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: i
     """``specs`` side by side on 2 loopback workers with the preset's model and data."""
     args = launch_args(specs, model=p.model, batch=p.batch, warmup=warmup, timed=timed, start=p.start,
                        eval_every=eval_every, data_mb=p.data_mb, seed=seed)  # fmt: skip
-    return by_spec(launch(worker, 2, args))
+    return by_spec(launch(worker, p.workers, args))
 
 
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> list[SpecResult]:

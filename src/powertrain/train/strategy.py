@@ -39,7 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from powertrain.comm import CommStats
+from powertrain.comm import CommStats, group_of_its_own
 from powertrain.compress import ALL_REDUCE_DTYPES, COMPRESSORS, Compressor, compressor_class, make_compressor
 from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
@@ -307,7 +307,7 @@ class _DiLoCo(Strategy):
         else:  # on a group of its own: a sync in flight overlaps training's collectives (the loss's average)
             from powertrain.compress.base import placeholder
 
-            own = dist.new_group(ranks=list(range(dist.get_world_size())))
+            own = group_of_its_own()
             shapes = [(n, placeholder(p.shape, p)) for n, p in model.named_parameters() if p.requires_grad]
             self.comp = make_compressor(name, shapes, group=own, **options)
         self.module = model
