@@ -13,10 +13,13 @@ What is measured, per run:
   its own 8 validation batches (``corpus.batch("val", r, world, (1, r, j), ...)``), averaged over all samples of all
   replicas, summed in the order sidebyside's ``_Run.evaluate`` sums them (bitwise the same number for equal models).
 * ``step_times``: seconds per step without barriers (a barrier would be a collective torchft does not make). Each
-  replica times its step in two parts: its own computation (batch, forward, backward, AdamW, schedule) and the time
-  spent in torchft's optimizer hook (the quorum, the all-reduces it waits for, the outer step). A step's time is the
-  slower replica's computation plus the smaller of the replicas' hook times: the replica that reaches a sync last
-  waits for nobody, and the others' extra wait is the slower computation, already counted.
+  replica times its steps in two parts: its own computation (batch, forward, backward, AdamW, schedule) and the time
+  spent in torchft's optimizer hook (the quorum, the all-reduces it waits for, the outer step). The replicas run
+  freely between the steps at which they meet (where a sync starts: its quorum; where it is applied); between two
+  meetings the steps are those of the slower replica there (the most computation: the one the others wait for), and a
+  meeting step adds the smallest hook time (the last to arrive waits for nobody; the others' wait is that slower
+  computation, already counted). So the times add up to the run's time without its evaluations, also when a loaded
+  machine stalls one replica at a time, which a maximum per step would count once for each replica.
 * ``bytes_per_sync``: the bytes every replica handed to the process group's all-reduce for each committed sync (a
   counting subclass of torchft's ``ProcessGroupGloo``): 4 bytes per parameter of the fragment in fp32.
 
@@ -54,6 +57,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import os
 import signal
@@ -87,7 +91,7 @@ class TorchftResult:
     """One :func:`run_torchft` run (see the module docstring for how each is measured)."""
 
     val_curve: list[tuple[int, float]]  # (step, validation loss) every eval_every steps and at the last step
-    step_times: list[float]  # seconds, per step: the slower replica's computation + the sync as the last one sees it
+    step_times: list[float]  # seconds, per step: the slower replica's steps between syncs, a sync as the last sees it
     bytes_per_sync: list[int]  # payload bytes per replica of each committed sync
     sync_steps: list[int]  # the steps (1-based) after which a sync was committed (its outer update applied)
     val_loss: float  # the final validation loss (the curve's last point)
@@ -241,9 +245,15 @@ def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftR
         total = sum(r["evals"][i][1] for r in results)
         samples = sum(r["evals"][i][2] for r in results)
         curve.append((step, total / samples))
-    compute = zip(*(r["compute_s"] for r in results), strict=True)  # per step: every replica's
-    hook = zip(*(r["hook_s"] for r in results), strict=True)
-    times = [max(c) + min(h) for c, h in zip(compute, hook, strict=True)]
+    meets = results[0]["meets"]  # steps whose hook met the other replicas (a quorum, an all-reduce waited for)
+    if any(r["meets"] != meets for r in results):
+        raise RuntimeError(f"The replicas synchronised at different steps: {[r['meets'] for r in results]}")
+    times: list[float] = []
+    for start, end in itertools.pairwise([0, *(m for m in meets if m < steps), steps]):
+        slow = max(results, key=lambda r: sum(r["compute_s"][start:end]))
+        for i in range(start, end):  # a meeting as the last replica to arrive saw it
+            hook = min(r["hook_s"][i] for r in results) if i + 1 in meets else slow["hook_s"][i]
+            times.append(slow["compute_s"][i] + hook)
     return TorchftResult(val_curve=curve, step_times=times, bytes_per_sync=[b for _, b in syncs],
                          sync_steps=[s for s, _ in syncs], val_loss=curve[-1][1])  # fmt: skip
 
@@ -368,7 +378,7 @@ def _worker(a: dict[str, Any]) -> None:
     eval_every = a["eval_every"]
     marks: list[float] = []
     inner.register_step_post_hook(lambda *_: marks.append(time.perf_counter()))  # before torchft's hook: AdamW done
-    compute_s, hook_s, evals, syncs = [], [], [], []
+    compute_s, hook_s, evals, syncs, meets = [], [], [], [], []
     with DiLoCo(manager, fragments, inner, outer, sync_every=cfg.sync_every, backup_device=torch.device("cpu"),
                 pin_memory=False, fragment_sync_delay=cfg.sync_delay, fragment_update_alpha=cfg.sync_mix):  # fmt: skip
         for step in range(cfg.steps):
@@ -376,19 +386,21 @@ def _worker(a: dict[str, Any]) -> None:
             x, y = corpus.batch("train", r, world, (seed, r, step), batch, block)
             inner.zero_grad(set_to_none=True)
             model(x, y).backward()
-            committed = manager.current_step()
+            committed, issued = manager.current_step(), len(sent)
             inner.step()  # torchft's post-hook starts and finishes the syncs
             t_hook = time.perf_counter() - marks[-1]
             schedule.step()
             compute_s.append(time.perf_counter() - t0 - t_hook)
             hook_s.append(t_hook)
+            if manager.current_step() > committed or len(sent) > issued:
+                meets.append(step + 1)
             if manager.current_step() > committed:
                 syncs.append((step + 1, sum(sent)))  # sent since the last commit (the sync starts tau steps earlier)
                 sent.clear()
             if step + 1 == cfg.steps or (eval_every and (step + 1) % eval_every == 0):
                 evals.append((step + 1, *evaluate()))
     Path(a["result"]).write_text(json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals,
-                                             "syncs": syncs}))  # fmt: skip
+                                             "syncs": syncs, "meets": meets}))  # fmt: skip
     manager.shutdown(wait=False)
 
 
