@@ -25,7 +25,7 @@ import pytest
 
 from powertrain.bench.netem import collective_seconds, unavailable
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
-from powertrain.bench.torchft_diloco import TorchftResult, run_torchft
+from powertrain.bench.torchft_diloco import TorchftResult, _combine, run_torchft
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
 
@@ -72,6 +72,20 @@ def test_invalid_settings_are_named() -> None:
         run_torchft(**RUN, steps=6, sync_every=3, world=1, rate_mbit=10.0)
     with pytest.raises(ValueError, match="sync_every=0"):
         run_torchft(**RUN, steps=6, sync_every=0)
+
+
+def test_step_times_follow_the_slower_replica_between_meetings() -> None:
+    """Replica A stalls at step 2, B at step 1, and they meet at step 2 (A arrives last: its hook is the sync alone):
+    the steps up to there are A's, and the times add up to the run's (a per-step maximum would count both stalls)."""
+    a = {"compute_s": [1.0, 5.0, 1.0, 1.0], "hook_s": [0.0, 0.5, 0.0, 0.3], "meets": [2, 4],
+         "syncs": [[2, 8], [4, 8]], "evals": [[2, 10.0, 4], [4, 8.0, 4]]}  # fmt: skip
+    b = {**a, "compute_s": [4.0, 1.0, 1.0, 1.0], "hook_s": [0.0, 1.5, 0.0, 0.2], "evals": [[2, 12.0, 4], [4, 8.0, 4]]}
+    got = _combine([a, b], steps=4, period=2)
+    assert got.step_times == [1.0, 5.5, 1.0, 1.2]
+    assert got.val_curve == [(2, 22.0 / 8), (4, 2.0)] and got.val_loss == 2.0
+    assert got.sync_steps == [2, 4] and got.bytes_per_sync == [8, 8]
+    with pytest.raises(RuntimeError, match="committed 1 of 2 syncs"):
+        _combine([{**a, "syncs": [[2, 8]]}, {**b, "syncs": [[2, 8]]}], steps=4, period=2)
 
 
 @pytest.mark.skipif(HAVE_TORCHFT, reason="torchft is installed")
