@@ -35,9 +35,9 @@ replicas the runs agree bitwise, ``tests/test_bench_torchft.py``):
   shifted by tau (torchft's first sync covers H / F - tau steps);
 * alpha: torchft ``global.lerp_(local, alpha)``, powertrain ``alpha * local + (1 - alpha) * global``: equal up to
   rounding;
-* the messages: one all-reduce per parameter (torchft's default, no bucketing), after a quorum through the
-  lighthouse on every sync (an RPC round and the lighthouse's 100 ms tick), both in its measured sync time;
-  powertrain sends one flat buffer;
+* the messages: one all-reduce per parameter (torchft's default, no bucketing), after a quorum (RPCs through the
+  lighthouse) on every sync, both in its measured sync time, and the replicas' heartbeats to the lighthouse share the
+  link; powertrain sends one flat buffer;
 * no quantisation: torchft's ``should_quantize`` needs triton and an accelerator (silently fp32 on CPU without
   triton, an error with it).
 
