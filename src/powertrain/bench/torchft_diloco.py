@@ -1,0 +1,419 @@
+"""torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) on powertrain's GPT and data: the baseline row.
+
+:func:`run_torchft` trains ``world`` replicas of one process each, as ``powertrain bench quality``'s local-update rows
+train theirs (:mod:`powertrain.bench.sidebyside`): the model seeded with ``seed``, replica r's batch at step s
+``corpus.batch("train", r, world, (seed, r, s), ...)``, the inner AdamW and its schedule built by ``powertrain
+train``'s own functions, the outer step ``nesterov(outer_lr, outer_momentum)`` on fp32 pseudo-gradients. torchft does
+the rest: its Manager (quorum through a lighthouse, the cross-replica gloo group) and its DiLoCo (pseudo-gradients
+averaged by per-parameter all-reduces, sum then divide by the participants; the outer step on the model; fragments).
+
+What is measured, per run:
+
+* ``val_curve``: every ``eval_every`` steps and at the end, the validation loss of each replica's own current model on
+  its own 8 validation batches (``corpus.batch("val", r, world, (1, r, j), ...)``), averaged over all samples of all
+  replicas, summed in the order sidebyside's ``_Run.evaluate`` sums them (bitwise the same number for equal models).
+* ``step_times``: seconds per step without barriers (a barrier would be a collective torchft does not make). Each
+  replica times its steps in two parts: its own computation (batch, forward, backward, AdamW, schedule) and the time
+  spent in torchft's optimizer hook (the quorum, the all-reduces it waits for, the outer step). The replicas run
+  freely between the steps at which they meet (where a sync starts: its quorum; where it is applied); between two
+  meetings the steps are those of the slower replica there (the most computation: the one the others wait for), and a
+  meeting step adds the smallest hook time (the last to arrive waits for nobody; the others' wait is that slower
+  computation, already counted). So the times add up to the run's time without its evaluations, also when a loaded
+  machine stalls one replica at a time, which a maximum per step would count once for each replica.
+* ``bytes_per_sync``: the bytes every replica handed to the process group's all-reduce for each committed sync (a
+  counting subclass of torchft's ``ProcessGroupGloo``): 4 bytes per parameter of the fragment in fp32.
+
+Where torchft's DiLoCo differs from powertrain's rows (``powertrain.diloco.DiLoCo`` in sidebyside), to be stated
+beside any comparison (with one fragment, no delay and ``steps`` a multiple of H there is no difference: at 2
+replicas the runs agree bitwise, ``tests/test_bench_torchft.py``):
+
+* the end: powertrain's rows end with ``DiLoCo.finish()``, one more sync of every fragment that has trained since
+  its latest outer update; torchft has no such step, so with fragments, or ``steps`` not a multiple of H, its final
+  loss is that of replicas that differ;
+* a delay tau: torchft starts a fragment's sync tau steps before its turn and applies it at its turn
+  (k H / F - tau -> k H / F); powertrain starts it at its turn and applies it tau steps later: the same period,
+  shifted by tau (torchft's first sync covers H / F - tau steps);
+* alpha: torchft ``global.lerp_(local, alpha)``, powertrain ``alpha * local + (1 - alpha) * global``: equal up to
+  rounding;
+* the messages: one all-reduce per parameter (torchft's default, no bucketing), after a quorum (RPCs through the
+  lighthouse) on every sync, both in its measured sync time, and the replicas' heartbeats to the lighthouse share the
+  link; powertrain sends one flat buffer;
+* no quantisation: torchft's ``should_quantize`` needs triton and an accelerator (silently fp32 on CPU without
+  triton, an error with it).
+
+Sockets: the lighthouse (``torchft_lighthouse``), each replica's TCPStore and ManagerServer, and gloo bind to
+127.0.0.1, or with ``rate_mbit`` to the addresses of an :class:`~powertrain.bench.netem.EmulatedCluster` (one network
+namespace per replica, the lighthouse in replica 0's), never to all interfaces: torchft's Manager binds its server to
+``[::]``, so the worker rewrites that one argument. There is no checkpoint server (``init_sync=False``: the replicas
+start from the same seeded weights; nobody joins late, so nothing is ever healed).
+
+Worker entry point (started by :func:`run_torchft`): ``python -m powertrain.bench.torchft_diloco --worker JSON``.
+torchft is an optional dependency (``pip install -e '.[torchft]'``); importing this module does not import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from powertrain._checks import check_int
+from powertrain.bench import netem
+from powertrain.models import GPT, GPTConfig
+from powertrain.train.config import TrainConfig
+
+__all__ = ["TORCHFT_VERSION", "TorchftResult", "main", "run_torchft"]
+
+TORCHFT_VERSION = "0.2.0"  # the version this bench was written against (pyproject's torchft extra)
+_MISSING = "torchft is not installed: install it with pip install -e '.[torchft]'"
+_VAL_BATCHES = 8  # as sidebyside's eval_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchftResult:
+    """One :func:`run_torchft` run (see the module docstring for how each is measured)."""
+
+    val_curve: list[tuple[int, float]]  # (step, validation loss) every eval_every steps and at the last step
+    step_times: list[float]  # seconds, per step: the slower replica's steps between syncs, a sync as the last sees it
+    bytes_per_sync: list[int]  # payload bytes per replica of each committed sync
+    sync_steps: list[int]  # the steps (1-based) after which a sync was committed (its outer update applied)
+    val_loss: float  # the final validation loss (the curve's last point)
+
+
+def _config(steps: int, sync_every: int, fragments: int, delay: int, alpha: float, outer_lr: float,
+            outer_momentum: float) -> TrainConfig:  # fmt: skip
+    """The config of the powertrain diloco row this run mirrors: it checks the values, and builds the inner AdamW and
+    its schedule exactly as sidebyside does."""
+    return TrainConfig(optimizer="adamw", parallel="diloco", compressor="none", steps=steps, sync_every=sync_every,
+                       fragments=fragments, sync_delay=delay, sync_mix=alpha, outer_lr=outer_lr,
+                       outer_momentum=outer_momentum)  # fmt: skip
+
+
+def run_torchft(*, model: GPTConfig, batch: int, steps: int, sync_every: int, seed: int, eval_every: int,
+                data_mb: float, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, delay: int = 0,
+                alpha: float = 0.0, world: int = 2, rate_mbit: float | None = None,
+                timeout: float = 3600.0) -> TorchftResult:  # fmt: skip
+    """Train ``world`` torchft DiLoCo replicas of the GPT ``model`` for ``steps`` steps; see the module docstring.
+
+    Args:
+        sync_every: H, inner steps between two syncs of a fragment; torchft needs ``fragments`` to divide it.
+        fragments, delay, alpha: Streaming DiLoCo's F, tau (torchft's ``fragment_sync_delay``) and alpha
+            (``fragment_update_alpha``); the fragments are powertrain's (:func:`powertrain.diloco.split_by_size`),
+            handed to torchft in the order that makes its schedule powertrain's (fragment k first at step k H / F).
+        eval_every: validation every this many steps (0: at the end only).
+        rate_mbit: run on an emulated cluster whose links carry this many Mbit/s (needs root); None: loopback.
+        timeout: seconds for the whole run (also torchft's quorum and collective timeout).
+
+    Raises ValueError for invalid settings, RuntimeError when a replica fails or a sync is not committed."""
+    cfg = _config(steps, sync_every, fragments, delay, alpha, outer_lr, outer_momentum)
+    if sync_every % fragments:
+        raise ValueError(f"Invalid fragments={fragments} for sync_every={sync_every}: torchft needs fragments to "
+                         "divide sync_every")  # fmt: skip
+    for name, value, low in (("batch", batch, 1), ("seed", seed, 0), ("eval_every", eval_every, 0)):
+        check_int(name, value, low)
+    if rate_mbit is None:
+        check_int("world", world, 1)
+    else:
+        check_int("world", world, 2, " on an emulated cluster (rate_mbit)")
+    if not timeout > 0:
+        raise ValueError(f"Invalid timeout={timeout!r}: must be > 0 seconds")
+    if importlib.util.find_spec("torchft") is None:
+        raise ModuleNotFoundError(_MISSING)
+    if (version := importlib.metadata.version("torchft")) != TORCHFT_VERSION:
+        warnings.warn(f"torchft {version} is installed; this bench was written for {TORCHFT_VERSION}", stacklevel=2)
+    if rate_mbit is not None and (reason := netem.unavailable()):
+        raise RuntimeError(f"rate_mbit={rate_mbit} needs an emulated cluster, unavailable here: {reason} (use "
+                           "rate_mbit=None for loopback)")  # fmt: skip
+    job = {"model": dataclasses.asdict(model), "batch": batch, "steps": steps, "seed": seed, "eval_every": eval_every,
+           "data_mb": data_mb, "world": world, "timeout": timeout, "outer_lr": outer_lr,
+           "outer_momentum": outer_momentum, "sync_every": sync_every, "fragments": fragments, "delay": delay,
+           "alpha": alpha}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="powertrain-torchft-") as tmp, contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(netem.EmulatedCluster(world, rate_mbit)) if rate_mbit is not None else None
+        results = _launch(job, Path(tmp), cluster, timeout)
+    return _combine(results, steps, cfg.sync_every // cfg.fragments)
+
+
+# ------------------------------------------------------------------------------------------------------ driver
+
+
+def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | None, timeout: float) -> list[Any]:
+    """Start the lighthouse and the replicas (in the cluster's namespaces, if any); return each replica's result."""
+    world = job["world"]
+    hosts = cluster.addresses if cluster is not None else ["127.0.0.1"] * world
+    port = cluster.port if cluster is not None else _free_port()
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[Any]] = []
+    try:
+        lighthouse = [_lighthouse_binary(), "--bind", f"{hosts[0]}:{port}", "--min_replicas", str(world)]
+        procs.append(_start(lighthouse, tmp / "lighthouse.log", env, cluster, 0))
+        for r in range(world):
+            args = {**job, "replica": r, "host": hosts[r], "lighthouse": f"{hosts[0]}:{port}",
+                    "result": str(tmp / f"replica{r}.json")}  # fmt: skip
+            ifname = cluster.interface(r) if cluster is not None else "lo"
+            argv = [sys.executable, "-m", "powertrain.bench.torchft_diloco", "--worker", json.dumps(args)]
+            procs.append(_start(argv, tmp / f"replica{r}.log", {**env, "GLOO_SOCKET_IFNAME": ifname}, cluster, r))
+        deadline = time.monotonic() + timeout
+        workers = procs[1:]
+        while any(p.poll() is None for p in workers) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in workers) or procs[0].poll() is not None:
+                break  # a replica failed (its peers would wait for it until torchft's timeout), or the lighthouse
+            time.sleep(0.2)
+        failed = [r for r, p in enumerate(workers) if p.poll() != 0 or not (tmp / f"replica{r}.json").exists()]
+        if failed and procs[0].poll() is not None:
+            raise RuntimeError(f"The torchft lighthouse exited ({procs[0].returncode}); its log ends:\n"
+                               f"{_tail(tmp / 'lighthouse.log')}")  # fmt: skip
+        if failed:
+            r = failed[0]
+            why = "still running at the timeout" if workers[r].poll() is None else f"exit {workers[r].returncode}"
+            log = _tail(tmp / f"replica{r}.log") or _tail(tmp / "lighthouse.log")
+            raise RuntimeError(f"torchft replica {r} failed ({why}); its log ends:\n{log}")
+        return [json.loads((tmp / f"replica{r}.json").read_text()) for r in range(world)]
+    finally:
+        for p in reversed(procs):
+            _kill(p)
+
+
+def _start(argv: list[str], log: Path, env: dict[str, str], cluster: netem.EmulatedCluster | None,
+           node: int) -> subprocess.Popen[Any]:  # fmt: skip
+    """``argv`` in its own session (in namespace ``node`` of ``cluster``, if any), its output into ``log``."""
+    if cluster is not None:  # the cluster pipes the output; redirect it in the namespace so that no pipe fills up
+        return cluster.exec(node, ["sh", "-c", 'exec "$@" >"$0" 2>&1', str(log), *argv], env)
+    with open(log, "w") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                start_new_session=True)  # fmt: skip
+
+
+def _kill(p: subprocess.Popen[Any]) -> None:
+    """End ``p`` and its session (started here with its own), by its PID."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def _lighthouse_binary() -> str:
+    path = Path(sysconfig.get_path("scripts")) / "torchft_lighthouse"
+    if not path.exists():
+        raise ModuleNotFoundError(f"{_MISSING} (its torchft_lighthouse is not in {path.parent})")
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftResult:
+    """The replicas' results as one: see the module docstring."""
+    syncs = results[0]["syncs"]
+    if any(r["syncs"] != syncs for r in results):
+        raise RuntimeError(f"The replicas committed different syncs: {[r['syncs'] for r in results]}")
+    if len(syncs) != steps // period:
+        raise RuntimeError(f"torchft committed {len(syncs)} of {steps // period} syncs (a failed all-reduce makes it "
+                           f"skip one): committed at steps {[s for s, _ in syncs]}")  # fmt: skip
+    # validation: sidebyside sums (loss x samples, samples) per rank in float64 and all-reduces the sums
+    curve = []
+    for i, (step, _, _) in enumerate(results[0]["evals"]):
+        total = sum(r["evals"][i][1] for r in results)
+        samples = sum(r["evals"][i][2] for r in results)
+        curve.append((step, total / samples))
+    meets = results[0]["meets"]  # steps whose hook met the other replicas (a quorum, an all-reduce waited for)
+    if any(r["meets"] != meets for r in results):
+        raise RuntimeError(f"The replicas synchronised at different steps: {[r['meets'] for r in results]}")
+    times: list[float] = []
+    for start, end in itertools.pairwise([0, *(m for m in meets if m < steps), steps]):
+        slow = max(results, key=lambda r: sum(r["compute_s"][start:end]))
+        for i in range(start, end):  # a meeting as the last replica to arrive saw it
+            hook = min(r["hook_s"][i] for r in results) if i + 1 in meets else slow["hook_s"][i]
+            times.append(slow["compute_s"][i] + hook)
+    return TorchftResult(val_curve=curve, step_times=times, bytes_per_sync=[b for _, b in syncs],
+                         sync_steps=[s for s, _ in syncs], val_loss=curve[-1][1])  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+
+
+class _Fragment(torch.nn.Module):
+    """Some of a model's parameters (the same tensors) as a module: what torchft takes as a fragment."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]]) -> None:
+        super().__init__()
+        for name, p in named:
+            self.register_parameter(name.replace(".", "__"), p)
+
+
+def _torchft_fragments(model: torch.nn.Module, fragments: int) -> list[_Fragment]:
+    """powertrain's fragments (consecutive parameters, :func:`powertrain.diloco.split_by_size`) in the order torchft
+    syncs them: torchft's i-th fragment first at step (i + 1) H / F, powertrain's k-th at k H / F (0 at H)."""
+    from powertrain.diloco import split_by_size
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = split_by_size([p.numel() for _, p in named], fragments)
+    return [_Fragment([named[j] for j in groups[(i + 1) % fragments]]) for i in range(fragments)]
+
+
+def _wait_for(host: str, port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"No torchft lighthouse at {host}:{port} after {seconds:g} s") from None
+            time.sleep(0.1)
+
+
+def _worker(a: dict[str, Any]) -> None:
+    """One replica: train, evaluate, write the result JSON to ``a["result"]``."""
+    torch.set_num_threads(1)
+    try:
+        import torchft.manager as tf_manager
+        from torchft.checkpointing.transport import CheckpointTransport
+        from torchft.local_sgd import DiLoCo
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as e:
+        raise SystemExit(f"{_MISSING} ({e})") from None
+
+    from torch.distributed import TCPStore
+
+    from powertrain.diloco import nesterov
+    from powertrain.train.data import TokenData, load_data
+    from powertrain.train.optimizers import build_optimizer, build_scheduler
+
+    r, world, host, timeout = a["replica"], a["world"], a["host"], timedelta(seconds=a["timeout"])
+    cfg = _config(a["steps"], a["sync_every"], a["fragments"], a["delay"], a["alpha"], a["outer_lr"],
+                  a["outer_momentum"])  # fmt: skip
+    server = tf_manager.ManagerServer
+
+    def bound_server(*args: Any, **kw: Any) -> Any:  # torchft's Manager binds its server to "[::]:port"
+        if "bind" not in kw:
+            raise RuntimeError(f"torchft's Manager no longer passes bind= to its server: this bench needs torchft "
+                               f"{TORCHFT_VERSION}")  # fmt: skip
+        kw["bind"] = f"{host}:{kw['bind'].rsplit(':', 1)[1]}"
+        return server(*args, **kw)
+
+    tf_manager.ManagerServer = bound_server  # this worker process only
+
+    class NoCheckpoints(CheckpointTransport):  # init_sync=False and no late joiners: nothing is ever healed
+        def metadata(self) -> str:
+            return "none"
+
+        def send_checkpoint(self, dst_ranks: Any, step: Any, state_dict: Any, timeout: Any) -> None:
+            raise RuntimeError("this bench does not heal replicas")
+
+        def recv_checkpoint(self, src_rank: Any, metadata: Any, step: Any, timeout: Any) -> Any:
+            raise RuntimeError("this bench does not heal replicas")
+
+    sent: list[int] = []  # bytes handed to each all-reduce
+
+    class CountingGloo(ProcessGroupGloo):
+        def allreduce(self, tensors: Any, opts: Any) -> Any:
+            sent.append(sum(t.numel() * t.element_size() for t in tensors))
+            return super().allreduce(tensors, opts)
+
+    # the model, data and inner optimizer as sidebyside builds them for a diloco row
+    corpus = load_data(TrainConfig(data_max_mb=a["data_mb"]))
+    assert isinstance(corpus, TokenData), "the GPT trains on tokens"
+    gpt, batch, seed = GPTConfig(**a["model"]), a["batch"], a["seed"]
+    block = gpt.block_size
+    val = [corpus.batch("val", r, world, (1, r, j), batch, block) for j in range(_VAL_BATCHES)]
+    torch.manual_seed(seed)
+    model = GPT(gpt)
+    inner = build_optimizer(cfg, model).optimizer
+    schedule = build_scheduler(cfg, inner)
+    fragments = _torchft_fragments(model, cfg.fragments)
+    outer = [nesterov(cfg.outer_lr, cfg.outer_momentum)(list(f.parameters())) for f in fragments]
+
+    listener = socket.create_server((host, 0))  # the store's socket, on this replica's address only
+    store = TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                     master_listen_fd=listener.fileno(), timeout=timeout)  # fmt: skip
+    lh_host, lh_port = a["lighthouse"].rsplit(":", 1)
+    _wait_for(lh_host, int(lh_port), 60)
+    manager = tf_manager.Manager(
+        pg=CountingGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=world,
+        use_async_quorum=False, init_sync=False, replica_id=f"powertrain_{r}", rank=0, world_size=1,
+        store_addr=host, store_port=store.port, lighthouse_addr=f"http://{a['lighthouse']}", hostname=host, port=0,
+        timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=60),
+        checkpoint_transport=NoCheckpoints(),
+    )  # fmt: skip
+
+    @torch.no_grad()
+    def evaluate() -> tuple[float, int]:
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64)  # as sidebyside's float64 sums, in the same order
+        for x, y in val:
+            total += model(x, y).item() * y.shape[0]
+        model.train()
+        return total.item(), batch * len(val)
+
+    eval_every = a["eval_every"]
+    marks: list[float] = []
+    inner.register_step_post_hook(lambda *_: marks.append(time.perf_counter()))  # before torchft's hook: AdamW done
+    compute_s, hook_s, evals, syncs, meets = [], [], [], [], []
+    with DiLoCo(manager, fragments, inner, outer, sync_every=cfg.sync_every, backup_device=torch.device("cpu"),
+                pin_memory=False, fragment_sync_delay=cfg.sync_delay, fragment_update_alpha=cfg.sync_mix):  # fmt: skip
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            x, y = corpus.batch("train", r, world, (seed, r, step), batch, block)
+            inner.zero_grad(set_to_none=True)
+            model(x, y).backward()
+            committed, issued = manager.current_step(), len(sent)
+            inner.step()  # torchft's post-hook starts and finishes the syncs
+            t_hook = time.perf_counter() - marks[-1]
+            schedule.step()
+            compute_s.append(time.perf_counter() - t0 - t_hook)
+            hook_s.append(t_hook)
+            if manager.current_step() > committed or len(sent) > issued:
+                meets.append(step + 1)
+            if manager.current_step() > committed:
+                syncs.append((step + 1, sum(sent)))  # sent since the last commit (the sync starts tau steps earlier)
+                sent.clear()
+            if step + 1 == cfg.steps or (eval_every and (step + 1) % eval_every == 0):
+                evals.append((step + 1, *evaluate()))
+    Path(a["result"]).write_text(json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals,
+                                             "syncs": syncs, "meets": meets}))  # fmt: skip
+    manager.shutdown(wait=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``--worker JSON``: one replica of :func:`run_torchft` (started by it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "--worker":
+        raise SystemExit("usage: python -m powertrain.bench.torchft_diloco --worker JSON (started by run_torchft)")
+    _worker(json.loads(argv[1]))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: torchft's manager threads and gloo's have been seen to abort it
+
+
+if __name__ == "__main__":
+    main()
