@@ -109,8 +109,10 @@ def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
             mismatch.append(step + 1)
         trajectory.append(torch.cat([p.reshape(-1) for p in _params(model)]))
     sizes = [sum(_params(model)[i].numel() for i in f) for f in diloco.fragments]
-    return {"mismatch": mismatch, "trajectory": trajectory, "syncs": diloco.syncs, "bytes": diloco.stats.bytes_sent,
-            "sizes": sizes}  # fmt: skip
+    syncs, sent = diloco.syncs, diloco.stats.bytes_sent
+    diloco.finish()  # the replicas end on one model (mixed weights too)
+    return {"mismatch": mismatch, "trajectory": trajectory, "syncs": syncs, "bytes": sent,
+            "sizes": sizes, "finished": torch.cat([p.reshape(-1) for p in _params(model)])}  # fmt: skip
 
 
 def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -133,10 +135,10 @@ def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, An
     applied = []
     apply = diloco._apply
 
-    def recorded_apply(pending: Any) -> None:
+    def recorded_apply(pending: Any, mix: float | None = None) -> None:
         applied.append([a.clone() for a in pending.average])
         records[len(applied) - 1]["new"] = [r.clone() for r in comp.residuals()]  # type: ignore[attr-defined]
-        apply(pending)
+        apply(pending, mix)
 
     diloco._apply = recorded_apply  # type: ignore[method-assign]
     for step in range(6):
@@ -238,6 +240,7 @@ def test_matches_the_reference_bitwise(results, name):
     assert runs[0]["syncs"] == sum(1 for s, _ in starts if s + setting["delay"] <= setting["steps"])
     # exact fp32 averaging: 4 bytes per value of the fragment, handed to one all-reduce per started sync
     assert runs[0]["bytes"] == sum(4 * runs[0]["sizes"][k] for _, k in starts)
+    assert all(torch.equal(r["finished"], runs[0]["finished"]) for r in runs), "finish() leaves one model"
     if name == "plain":  # right after a sync (step 9, no delay, no mix) every replica holds the anchor
         assert all(torch.equal(r["trajectory"][8], runs[0]["trajectory"][8]) for r in runs)
         assert not torch.equal(runs[0]["trajectory"][9], runs[1]["trajectory"][9])  # then each trains on its own
@@ -389,9 +392,9 @@ def _inside_node(rank: int, inner_kind: str) -> dict[str, Any]:
     diloco.compressor.program = recorded  # type: ignore[method-assign]
     apply = diloco._apply
 
-    def recorded_apply(pending: Any) -> None:
+    def recorded_apply(pending: Any, mix: float | None = None) -> None:
         records[diloco.syncs]["avg"] = [a.clone() for a in pending.average]
-        apply(pending)
+        apply(pending, mix)
 
     diloco._apply = recorded_apply  # type: ignore[method-assign]
     losses, full = [], []

@@ -256,9 +256,9 @@ class DiLoCo:
         if self._pending is not None:
             self._apply(self._wait(lost=True))
         for f in range(len(self.fragments)):
-            if self._applied[f] != self.step_count or self.mix:
+            if self._applied[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
                 self._start(f, due=self.step_count)
-                self._apply(self._wait(lost=True))
+                self._apply(self._wait(lost=True), mix=0.0)
 
     def starting(self, step: int) -> list[int]:
         """The fragments whose sync starts after inner step ``step`` (1-based)."""
@@ -307,8 +307,10 @@ class DiLoCo:
         return pending
 
     @torch.no_grad()
-    def _apply(self, pending: _Pending) -> None:
-        """The outer step of the fragment's anchors with the averaged pseudo-gradient; the replica takes the result."""
+    def _apply(self, pending: _Pending, mix: float | None = None) -> None:
+        """The outer step of the fragment's anchors with the averaged pseudo-gradient; the replica takes the result,
+        mixed with its own weights by ``mix`` (default: the DiLoCo's)."""
+        mix = self.mix if mix is None else mix
         assert pending.average is not None, "an arrived sync"
         idx = self.fragments[pending.fragment]
         for a in self.anchors:
@@ -320,8 +322,8 @@ class DiLoCo:
         for i in idx:
             a, t = self.anchors[i], local[i]
             a.grad = None
-            if self.mix:
-                t.mul_(self.mix).add_(a, alpha=1 - self.mix)
+            if mix:
+                t.mul_(mix).add_(a, alpha=1 - mix)
             else:
                 t.copy_(a)
         self._applied[pending.fragment] = self.step_count

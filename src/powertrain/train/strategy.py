@@ -388,9 +388,9 @@ def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: boo
         raise ValueError(f"gradient_sync=False runs with parallel='reference' or 'ddp', not {parallel!r}")
     if hierarchical and (parallel not in ("reference", "ddp", "fsdp", "diloco") or not gradient_sync):
         raise ValueError(
-            f"hierarchy='node' compresses between nodes with parallel='ddp', 'reference', 'fsdp' (HSDP) or 'diloco' "
-            f"(DDP inside a node) and gradient synchronisation on, not parallel={parallel!r}: use --parallel ddp, or "
-            "hierarchy='flat'"
+            f"hierarchy='node' compresses gradients between nodes with parallel='ddp', 'reference', 'fsdp' (HSDP) or "
+            f"'diloco' (DDP inside a node) and gradient synchronisation on, not parallel={parallel!r}: use --parallel "
+            "ddp, or hierarchy='flat'"
         )
     if not gradient_sync and parallel == "diloco":
         raise ValueError("parallel='diloco' averages what the inner optimizer learned: it needs gradient_sync")
