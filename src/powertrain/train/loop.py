@@ -326,7 +326,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
         "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps,
         f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
-        "params": run.n_params,
+        "params": run.n_params, "device": str(device),
         **({"shampoo_roots": roots} if roots is not None else {}),
         **run.strategy.report(),
     }  # fmt: skip
