@@ -77,8 +77,11 @@ def _grads(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ste
 def test_cuda_gives_the_cpus_results(device):
     """The same gradients and state through each compressor on the CPU and on CUDA.
 
-    Bitwise where every operation is correctly rounded on both (casts, division, rounding to integers, exact max
-    and top-k selection, a sum over one rank): fp32/bf16 all-reduce, int8 with nearest rounding, top-k. PowerSGD
+    Bitwise where every operation is correctly rounded on both (casts, exact max and top-k selection, a sum over
+    one rank): fp32/bf16 all-reduce and top-k. int8 with nearest rounding, one step: CUDA divides by a Python
+    number as a product with its reciprocal (one more rounding than the CPU's division), so a chunk's scale may
+    differ in its last bit and a code at a rounding boundary by one: each output within one quantisation step of
+    the other, the largest step of its parameter being max|g| / 127 (2x safety for the scales' own rounding). PowerSGD
     (paper variant, float64, one step from the same initial Q, identical on both: drawn on the CPU) within a bound:
     each device computes Y = M Q with |dY| <= m u |M| |Q| and an orthonormal basis of Y + F, ||F||_F <= n r u ||Y||_F
     (Householder QR, Higham Thm 19.4), so its projector is within d = (m u ||M||_F ||Q||_F + n r u ||Y||_F) /
@@ -86,8 +89,13 @@ def test_cuda_gives_the_cpus_results(device):
     plus the two products' roundings and P's departure from orthonormality (n + r + 2 sqrt(r) n r) u ||M||_F each;
     u = eps64 / 2, 2x safety."""
     _cuda_only(device)
-    cases = [("none", {}), ("bf16", {}), ("int8", {"stochastic": False}), ("topk", {"ratio": 0.1})]
+    cases = [("none", {}), ("bf16", {}), ("topk", {"ratio": 0.1})]
     model = make_model()
+    cpu = make_compressor("int8", model.named_parameters(), stochastic=False)
+    gpu = make_compressor("int8", list(make_model().to(device).named_parameters()), stochastic=False)
+    g = _grads(model, torch.device("cpu"), torch.float32, 0)
+    for a, b, x, pname in zip(cpu.aggregate(g), gpu.aggregate([t.to(device) for t in g]), g, cpu.names, strict=True):
+        within((a - b.cpu()).abs(), 2 * x.abs().max() / 127, f"int8 {pname}")
     for name, opts in cases:
         cpu = make_compressor(name, model.named_parameters(), **opts)
         gpu = make_compressor(name, list(make_model().to(device).named_parameters()), **opts)
@@ -224,7 +232,7 @@ def test_ddp_hook_on_device_tensors(device):
     _asked_for(device)
     from test_ddp import CASES, LOSS_GAP, check_conservation
 
-    runs = run_ranks(_ddp_on_device, 2, device.type, timeout=240)
+    runs = run_ranks(_ddp_on_device, 2, device.type, timeout=150)
     for a, b in zip(case(runs, "plain"), case(runs, "train/none"), strict=True):
         assert torch.equal(a["params"], b["params"]), "the lossless hook differs from plain DDP"
     exact = sum(sum(r["losses"][-5:]) / 5 for r in case(runs, "train/none")) / 2
@@ -248,7 +256,7 @@ def test_every_parallel_mode_trains_at_world_size_1(device, tmp_path):
     backend = "nccl" if device.type == "cuda" else "gloo"
     tests = str(Path(__file__).parent)
     env = {"PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)}
-    r = run_cli(backend, str(tmp_path), module="device_modes", env=env, timeout=420)
+    r = run_cli(backend, str(tmp_path), module="device_modes", env=env, timeout=170)
     assert r.returncode == 0, r.stderr[-4000:]
     results = json.loads(r.stdout.strip().splitlines()[-1])
     failed = {mode: res.get("error") or res for mode, res in results.items() if res.get("code") != 0}

@@ -1,4 +1,4 @@
-"""``make gpu-check [DEVICE=cpu]``: the CUDA test leg, then ``powertrain bench gpu``'s stages, in one time budget.
+"""``make gpu-check [DEVICE=cpu]``: ``powertrain bench gpu``'s stages and the CUDA test leg, in one time budget.
 
 Run from the source tree (``PYTHONPATH=src``: a GPU machine without network needs no install). Every stage is a
 subprocess with its own timeout; a failure is recorded and the next stage runs (:mod:`powertrain.bench.gpu`).
@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_tests:
             return []
         env = {"POWERTRAIN_TEST_DEVICE": "cuda"} if args.device == "cuda" else {}
+        # each test's own limit (pytest-timeout) below the stage's, so that pytest reports a hang and goes on
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "-rfE",
-                "-o", "addopts=", *TEST_FILES]  # fmt: skip
-        return [Stage("tests", argv, 200 if args.device == "cuda" else 120, parse=_pytest_result, env=env)]
+                "-o", "addopts=", "--timeout=180", *TEST_FILES]  # fmt: skip
+        return [Stage("tests", argv, 240 if args.device == "cuda" else 120, parse=_pytest_result, env=env)]
 
     preset = "default" if args.device == "cuda" else "tiny"
     os.chdir(ROOT)  # the test leg's paths; BENCHMARKS.md

@@ -226,7 +226,7 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
                   extra: Callable[[Path], list[Stage]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure (or, with ``results``, only report a results file); write the section and the files in ``out``.
 
-    ``extra(work)``: stages to run right after ``env`` (``make gpu-check``'s test leg)."""
+    ``extra(work)``: stages to run right after the first size's measurements (``make gpu-check``'s test leg)."""
     if results is not None:
         data = json.loads(Path(results).read_text())
         if data.get("device") != "cuda":
@@ -245,7 +245,7 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
     plan = PRESETS[preset]
     run_stages = stages(preset, device, work)
     if extra is not None:
-        run_stages[1:1] = extra(work)
+        run_stages[2:2] = extra(work)
     budget = float(os.environ.get("POWERTRAIN_GPU_BUDGET_S", plan.budget_s))
     data = run(run_stages, outdir / "gpu_check.json", outdir / "gpu_check.log", device=device, preset=preset,
                budget_s=budget)  # fmt: skip
