@@ -24,7 +24,10 @@ def test_a_sizes_measurements_and_their_report(tmp_path):
     """The tiny stand-in measured on the CPU (what the GPU run does for 124M and 350M, fewer repetitions): every
     compressor timed against backward, GaLore's state smaller than AdamW's, each strategy's step, the section."""
     path = tmp_path / "tiny.json"
+    import torch.distributed as dist
+
     data = measure("tiny", torch.device("cpu"), path, repeats=2, memory=("ddp", "rtp"))
+    assert not dist.is_initialized()  # its world of one is left again
     assert json.loads(path.read_text()) == data  # the file is what was measured, item by item
     assert data["passes"]["backward_s"] > 0 and data["passes"]["forward_s"] > 0
     comps = data["compressors"]
@@ -74,8 +77,8 @@ def test_make_gpu_check_never_installs(tmp_path, venv):
     if venv:
         env_dir.mkdir()
         (env_dir / ".installed").touch()
-    r = subprocess.run(["make", "-n", "gpu-check", f"VENV={env_dir}", "DEVICE=cpu"], cwd=ROOT, capture_output=True,
-                       text=True, check=True)  # fmt: skip
+    r = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"VENV={env_dir}", "DEVICE=cpu"], cwd=ROOT,
+                       capture_output=True, text=True, check=True)  # fmt: skip
     lines = [line for line in r.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, lines  # nothing else runs: no venv, no pip
     python = f"{env_dir}/bin/python" if venv else "python3"

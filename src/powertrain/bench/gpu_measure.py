@@ -288,20 +288,26 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10,
     else:  # the dry run: one thread, as powertrain train's workers (spinning OpenMP threads on a shared CPU crawl)
         torch.set_num_threads(1)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)  # the strategies' world of one
-    head = {"size": size, "batch": batch, "block_size": cfg.block_size, "tokens": batch * cfg.block_size,
-            "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab": cfg.vocab_size}  # fmt: skip
-    rec = _Record(path, **head)
-    _compute(rec, cfg, batch, device, repeats)  # its model is gone when it returns
-    _free(device)
-    rec.item("galore", lambda: _galore_state(cfg, batch, device))
-    for kind in memory:
-        if MEMORY[kind][3] and device.type != "cuda":  # inductor on the CPU takes minutes here; the suite covers it
-            rec.data[f"memory/{kind}"] = {"skipped": "compiled on CUDA only (test_simple_fsdp.py compiles on CPU)"}
-            continue
-        rec.item(f"memory/{kind}", lambda kind=kind: _memory(kind, cfg, batch, device))  # type: ignore[misc]
+    joined = not dist.is_initialized()
+    if joined:  # the strategies' world of one, left again at the end
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        head = {"size": size, "batch": batch, "block_size": cfg.block_size, "tokens": batch * cfg.block_size,
+                "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab": cfg.vocab_size}  # fmt: skip
+        rec = _Record(path, **head)
+        _compute(rec, cfg, batch, device, repeats)  # its model is gone when it returns
         _free(device)
-    return rec.data
+        rec.item("galore", lambda: _galore_state(cfg, batch, device))
+        for kind in memory:
+            if MEMORY[kind][3] and device.type != "cuda":  # inductor on the CPU takes minutes here; the suite covers it
+                rec.data[f"memory/{kind}"] = {"skipped": "compiled on CUDA only (test_simple_fsdp.py compiles on CPU)"}
+                continue
+            rec.item(f"memory/{kind}", lambda kind=kind: _memory(kind, cfg, batch, device))  # type: ignore[misc]
+            _free(device)
+        return rec.data
+    finally:
+        if joined:
+            dist.destroy_process_group()
 
 
 def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, repeats: int) -> None:
@@ -321,4 +327,3 @@ def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, rep
 if __name__ == "__main__":
     size_, device_, json_ = sys.argv[1:4]
     measure(size_, torch.device(device_), Path(json_))
-    dist.destroy_process_group()
