@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-kernels lint bench clean
+.PHONY: demo test test-kernels lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -48,6 +48,15 @@ test-kernels: lint $(SHIM)
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/powertrain bench overhead
+
+# The GPU check (tools/gpu_check.py): the CUDA test leg, compression's GPU compute, memory and every --parallel mode on
+# one GPU, ~7 minutes; files in $OUT (or runs/gpu-check). DEVICE=cpu: the dry run, a minute or two. It never creates
+# a venv or installs anything (a GPU machine may have no network): with no $(VENV)/.installed it runs $(PYTHON) on
+# the source tree, using the torch installed there.
+DEVICE ?= cuda
+GPU_PY = $(if $(wildcard $(VENV)/.installed),$(PY),$(PYTHON))
+gpu-check:
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device $(DEVICE)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

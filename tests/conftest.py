@@ -15,3 +15,41 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}", f"powertrain-tests-{_path}"
     )
+
+
+# ---------------------------------------------------------------- the device the device-generic tests run on
+
+# imported after the cache set-up above, which must precede any torch import
+import pytest
+import torch
+
+#: POWERTRAIN_TEST_DEVICE=cuda runs the tests marked ``device`` on CUDA (``pytest -m device``: the GPU leg of
+#: ``make gpu-check``); unset or ``cpu``, they run on the CPU as every other test does.
+DEVICE_ENV = "POWERTRAIN_TEST_DEVICE"
+
+
+def device_under_test() -> torch.device:
+    """The device POWERTRAIN_TEST_DEVICE names; pytest.skip when it is CUDA and this torch has none."""
+    name = os.environ.get(DEVICE_ENV, "cpu")
+    if name not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"Invalid {DEVICE_ENV}={name!r}: use cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip(f"{DEVICE_ENV}=cuda, but this torch ({torch.__version__}) sees no CUDA device")
+    if name == "cuda":
+        # float32 tolerances are derived for IEEE float32 products: TF32 (cuDNN's default for convolutions) rounds
+        # inputs to 10 mantissa bits
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return torch.device(name)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device of a device-generic test (see :data:`DEVICE_ENV`)."""
+    return device_under_test()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"device: runs on the device {DEVICE_ENV} names (cpu by default; cuda: make gpu-check's test leg)"
+    )

@@ -21,24 +21,31 @@ EF = [
 ]
 
 
-def _params() -> list[torch.nn.Parameter]:
+def _params(device: torch.device | str = "cpu") -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     return [
-        torch.nn.Parameter(torch.randn(37, 29)),
-        torch.nn.Parameter(torch.randn(11)),
-        torch.nn.Parameter(torch.randn(3, 4, 5)),
+        torch.nn.Parameter(torch.randn(37, 29).to(device)),
+        torch.nn.Parameter(torch.randn(11).to(device)),
+        torch.nn.Parameter(torch.randn(3, 4, 5).to(device)),
     ]
 
 
+def _grads(params: list[torch.nn.Parameter], step: int) -> list[torch.Tensor]:
+    """Gradients of step ``step``, the same numbers on every device (drawn on the CPU)."""
+    return [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)).to(p.device)
+            for i, p in enumerate(params)]  # fmt: skip
+
+
+@pytest.mark.device
 @pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])
-def test_error_feedback_conserves_every_step(name, opts):
-    params = _params()
+def test_error_feedback_conserves_every_step(name, opts, device):
+    params = _params(device)
     comp = make_compressor(name, params, **opts)
     total_in = [torch.zeros_like(p) for p in params]
     total_out = [torch.zeros_like(p) for p in params]
     budget = [torch.zeros_like(p) for p in params]  # the bound on the totals' rounding, step by step
     for step in range(5):
-        g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)) for i, p in enumerate(params)]
+        g = _grads(params, step)
         before = [e.clone() for e in comp.residuals()]
         out = comp.aggregate(g)
         for x, e0, o, e1, ti, to, b in zip(g, before, out, comp.residuals(), total_in, total_out, budget, strict=True):
@@ -55,8 +62,9 @@ def test_error_feedback_conserves_every_step(name, opts):
         within((to + e - ti).abs(), b + EPS32 * ti.abs(), "totals")
 
 
-def test_exact_compressors():
-    params = _params()
+@pytest.mark.device
+def test_exact_compressors(device):
+    params = _params(device)
     g = [torch.randn_like(p) for p in params]
     assert all(torch.equal(a, b) for a, b in zip(make_compressor("none", params).aggregate(g), g, strict=True))
     for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
@@ -64,7 +72,7 @@ def test_exact_compressors():
         for o, x in zip(out, g, strict=True):
             assert o.dtype == x.dtype
             # rounded once, nothing else (dividing by W = 1 is exact): a cast is correctly rounded (to nearest,
-            # ties to even) by every kernel, so this is bitwise on any CPU
+            # ties to even) by every kernel, so this is bitwise on any CPU and on CUDA
             assert torch.equal(o, x.to(dtype).to(x.dtype))
 
 
@@ -91,11 +99,12 @@ def test_quantize_roundtrip_and_unbiased_rounding():
     within((mean - x).abs(), step * (hoeffding + 2**-24) + draws_n * EPS32 * (x.abs() + step), "stochastic mean")
 
 
-def test_bit_packing_roundtrips():
-    codes = torch.randint(-7, 8, (101,), dtype=torch.int8)
+@pytest.mark.device
+def test_bit_packing_roundtrips(device):
+    codes = torch.randint(-7, 8, (101,), dtype=torch.int8).to(device)
     packed = pack_int4(codes)
     assert packed.numel() == 51 and torch.equal(unpack_int4(packed, 101), codes)
-    bits = torch.rand(77) > 0.5
+    bits = (torch.rand(77) > 0.5).to(device)
     assert pack_bits(bits).numel() == 10 and torch.equal(unpack_bits(pack_bits(bits), 77), bits)
 
 
@@ -116,25 +125,26 @@ def test_loco_moving_average_low_precision_and_reset():
     assert comp.residuals()[0].abs().sum() == 0
 
 
+@pytest.mark.device
 @pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])
-def test_nonfinite_leaves_state_untouched_and_state_roundtrips(name, opts):
-    params = _params()
+def test_nonfinite_leaves_state_untouched_and_state_roundtrips(name, opts, device):
+    params = _params(device)
     comp = make_compressor(name, params, **opts)
-    comp.aggregate([torch.randn_like(p) for p in params])
+    comp.aggregate(_grads(params, 0))
     buf = io.BytesIO()
     torch.save(comp.state_dict(), buf)
-    bad = [torch.randn_like(p) for p in params]
+    bad = _grads(params, 1)
     bad[0][3, 3] = float("inf")
     with pytest.raises(NonFiniteGradientError, match=r"param\[0\]"):
         comp.aggregate(bad)
     buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
+    saved = torch.load(buf, weights_only=True, map_location="cpu")  # written on the device, read on the CPU
     after = comp.state_dict()
-    assert all(torch.equal(a, b) for a, b in zip(saved["errors"], after["errors"], strict=True))
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(saved["errors"], after["errors"], strict=True))
     assert saved["steps"] == after["steps"] and saved["seed"] == after["seed"]
     fresh = make_compressor(name, params, **opts)
-    fresh.load_state_dict(saved)
-    g = [torch.randn_like(p) for p in params]
+    fresh.load_state_dict(saved)  # back onto the device
+    g = _grads(params, 2)
     assert all(torch.equal(a, b) for a, b in zip(fresh.aggregate(g), comp.aggregate(g), strict=True))
 
 
@@ -156,18 +166,19 @@ def test_bad_options_are_value_errors(name, opts, message):
         make_compressor(name, _params(), **opts)
 
 
-def test_every_listed_compressor_builds_and_averages_one_rank():
-    """Every name in COMPRESSORS builds and averages over one rank: one output per parameter, of its shape and
-    dtype; zeros stay zeros (there is nothing to send and no error to feed back); a random gradient gives finite
-    values, unchanged by the exact one."""
-    params = _params()
+@pytest.mark.device
+def test_every_listed_compressor_builds_and_averages_one_rank(device):
+    """Every name in COMPRESSORS builds and averages over one rank: one output per parameter, of its shape, dtype
+    and device; zeros stay zeros (there is nothing to send and no error to feed back); a random gradient gives
+    finite values, unchanged by the exact one."""
+    params = _params(device)
     for name in COMPRESSORS:
         opts = {"rank": 2, "start_compressing_after_num_steps": 0} if name == "powersgd" else {}
         zeros = make_compressor(name, params, **opts).aggregate([torch.zeros_like(p) for p in params])
-        assert [(z.shape, z.dtype) for z in zeros] == [(p.shape, p.dtype) for p in params], name
+        assert [(z.shape, z.dtype, z.device) for z in zeros] == [(p.shape, p.dtype, p.device) for p in params], name
         assert all(not z.any() for z in zeros), name
         comp = make_compressor(name, params, **opts)
-        g = [torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+        g = _grads(params, 0)
         first = [o.clone() for o in comp.aggregate([t.clone() for t in g])]
         assert all(o.isfinite().all() for o in first), name
         if name in ("none", "fp32"):

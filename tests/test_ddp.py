@@ -79,30 +79,34 @@ def _ddp(model: torch.nn.Module, name: str | None, opts: dict[str, Any], **ddp_k
     return ddp, hook
 
 
-def _train(rank: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, **ddp_kwargs: Any) -> dict[str, Any]:
-    model = make_model()
+def _train(rank: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, device: str = "cpu",
+           **ddp_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+    """``steps`` Adam steps on the teacher task; ``device``: where the model and data live (test_device.py runs
+    these on CUDA tensors over gloo). Results come back on the CPU."""
+    model = make_model().to(device)
     ddp, hook = _ddp(model, name, opts, **ddp_kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, sent = [], []
     for step in range(steps):
         opt.zero_grad()
         before = hook.compressor.comm.stats.bytes_sent if hook else 0
-        loss = _loss(ddp, *_teacher_batch(rank, step))
+        loss = _loss(ddp, *(t.to(device) for t in _teacher_batch(rank, step)))
         loss.backward()
         opt.step()
         losses.append(loss.item())
         sent.append((hook.compressor.comm.stats.bytes_sent if hook else 0) - before)
-    return {"params": flat_params(model), "losses": losses, "bytes": sent}
+    return {"params": flat_params(model).cpu(), "losses": losses, "bytes": sent}
 
 
-def _conservation(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """Per step: local gradient (from a copy without DDP), residuals before/after, and DDP's output."""
-    model = make_model()
+def _conservation(rank: int, name: str, opts: dict[str, Any], device: str = "cpu") -> dict[str, Any]:
+    """Per step: local gradient (from a copy without DDP), residuals before/after, and DDP's output (on the CPU,
+    computed on ``device``)."""
+    model = make_model().to(device)
     ddp, hook = _ddp(model, name, opts)
     assert hook is not None
     records = []
     for step in range(5):
-        x, y = _teacher_batch(rank, step)
+        x, y = (t.to(device) for t in _teacher_batch(rank, step))
         twin = copy.deepcopy(model)
         _loss(twin, x, y).backward()
         local = [
@@ -116,7 +120,7 @@ def _conservation(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
             p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters() if p.requires_grad
         ]
         after = [e.float().clone() for e in hook.compressor.residuals()]  # type: ignore[attr-defined]
-        records.append((local, before, out, after))
+        records.append(tuple([t.cpu() for t in ts] for ts in (local, before, out, after)))
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:

@@ -145,9 +145,10 @@ def test_exactly_low_rank_gradient_gives_no_nan(variant):
     within((approx - g).norm() / g.norm(), (2 * r**0.5 * n * r + n + m + r) * EPS32, "rank-1 reconstruction")
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
-def test_compressor_conserves_at_world_size_1(variant):
-    model = make_model(torch.float64)
+def test_compressor_conserves_at_world_size_1(variant, device):
+    model = make_model(torch.float64).to(device)
     comp = PowerSGDCompressor(
         model.named_parameters(),
         config=Config(
@@ -160,7 +161,7 @@ def test_compressor_conserves_at_world_size_1(variant):
     )
     for step in range(4):
         model.zero_grad()
-        loss_fn(model, *batch(0, step, torch.float64)).backward()
+        loss_fn(model, *(t.to(device) for t in batch(0, step, torch.float64))).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in comp.params]
         before = [e.clone() for e in comp.residuals()]
         out = comp.aggregate(grads)
@@ -187,10 +188,11 @@ def test_uncompressed_residual_stays_zero():
             assert p.grad is not None and (p.grad == 0).all()
 
 
-def test_nonfinite_at_world_size_1_raises_or_skips():
-    model = make_model()
+@pytest.mark.device
+def test_nonfinite_at_world_size_1_raises_or_skips(device):
+    model = make_model().to(device)
     comp = PowerSGDCompressor(model.named_parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
-    loss_fn(model, *batch(0, 0)).backward()
+    loss_fn(model, *(t.to(device) for t in batch(0, 0))).backward()
     model.big.weight.grad[0, 0] = float("nan")
     with pytest.raises(NonFiniteGradientError, match=r"big\.weight.*rank 0"):
         comp.reduce_gradients()
@@ -219,15 +221,16 @@ def test_step_counts_and_bytes_advance_under_per_bucket_calls():
     assert fresh.num_steps == 3 and fresh.bytes_per_step() == comp.bytes_per_step()
 
 
-def test_state_dict_roundtrip_weights_only_and_mismatch():
-    model = make_model()
+@pytest.mark.device
+def test_state_dict_roundtrip_weights_only_and_mismatch(device):
+    model = make_model().to(device)
     comp = PowerSGDCompressor(model.parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
-    loss_fn(model, *batch(0, 0)).backward()
+    loss_fn(model, *(t.to(device) for t in batch(0, 0))).backward()
     comp.reduce_gradients()
     buf = io.BytesIO()
     torch.save(comp.state_dict(), buf)
     buf.seek(0)
-    state = torch.load(buf, weights_only=True)
+    state = torch.load(buf, weights_only=True, map_location="cpu")  # written on the device, read on the CPU
     fresh = PowerSGDCompressor(model.parameters(), config=Config(rank=2, start_compressing_after_num_steps=0))
     fresh.load_state_dict(state)
     assert fresh.num_steps == 1
@@ -273,11 +276,12 @@ def test_empty_parameter_list():
     assert comp.reduce_gradients() is True
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
-def test_rows_give_the_same_rows_and_residuals(variant):
+def test_rows_give_the_same_rows_and_residuals(variant, device):
     """Under FSDP a rank asks only for its rows: same numbers as slicing the full result, same residual, same
     factors and counters. Each step starts both from the same state, so only that step's rounding differs."""
-    model = make_model(torch.float64)
+    model = make_model(torch.float64).to(device)
     k, r = 2, 2
     cfg = Config(
         rank=r, min_compression_rate=0, num_iters_per_step=k, start_compressing_after_num_steps=1, variant=variant
@@ -286,7 +290,7 @@ def test_rows_give_the_same_rows_and_residuals(variant):
     part = PowerSGDCompressor(model.named_parameters(), config=cfg)
     for step in range(3):
         model.zero_grad()
-        loss_fn(model, *batch(0, step, torch.float64)).backward()
+        loss_fn(model, *(t.to(device) for t in batch(0, step, torch.float64))).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in full.params]
         rows = [(min(1, g.shape[0]), min(5, g.shape[0])) for g in grads]
         part.load_state_dict(full.state_dict())

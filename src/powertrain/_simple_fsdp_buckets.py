@@ -99,7 +99,7 @@ class _BucketGather(torch.autograd.Function):
             (p, c, g) for p, c, g in zip(bucket.params, bucket.chunk_rows, grads, strict=True) if p.requires_grad
         ]
         for p, c, g in reduced:
-            g = torch.zeros(p.shape, dtype=dtype) if g is None else g.to(dtype)
+            g = torch.zeros(p.shape, dtype=dtype, device=p.to_local().device) if g is None else g.to(dtype)  # type: ignore[attr-defined]
             per_rank.append(_pad_rows(g, bucket.world * c).reshape(bucket.world, -1))
         buf = torch.cat(per_rank, dim=1).reshape(-1)
         if bucket.reduce_scatter is not None:

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor
-from powertrain.compress.chain import Chain, Sequencer
+from powertrain.compress.chain import Chain, Sequencer, future_on
 
 __all__ = ["DDPCompressionHook", "Rewrapped", "local_gradients", "register_compressor"]
 
@@ -76,7 +76,7 @@ class DDPCompressionHook:
         def failed(e: BaseException) -> None:
             self._error = self._error or e
 
-        chain = Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed)
+        chain = Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed, buffer.device)
         self._calls += 1
         return chain.start()
 
@@ -101,7 +101,7 @@ def _hook(state: DDPCompressionHook, bucket: dist.GradBucket) -> torch.futures.F
 
 @_comm_hook
 def _keep_local(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut: torch.futures.Future[torch.Tensor] = future_on(bucket.buffer().device)
     fut.set_result(bucket.buffer())
     return fut
 

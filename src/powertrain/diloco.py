@@ -280,7 +280,8 @@ class DiLoCo:
         def done(average: list[torch.Tensor]) -> None:
             chain.future.set_result(average)
 
-        chain = Chain(self.compressor.program(delta, idx), self._seq, self._calls, done, failed)
+        device = delta[0].device if delta else None  # a CUDA future: its waiter's streams wait for the callbacks'
+        chain = Chain(self.compressor.program(delta, idx), self._seq, self._calls, done, failed, device)
         self._calls += 1
         self._pending = _Pending(f, due, chain.start())
 

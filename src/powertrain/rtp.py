@@ -147,15 +147,20 @@ class _RotatedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         rows = w.shape[0]
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        gx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+        gx = torch.zeros(x2.shape, dtype=g2.dtype, device=g2.device) if ctx.needs_input_grad[0] else None
 
+        # Under autocast forward's products ran in its dtype (bf16) and ``grad`` comes in x's dtype, which may differ
+        # from the weights': the products here run in the gradient's dtype (as autocast's own backward does), the
+        # weights' gradient parts travel and sum in the weights' dtype (as DDP's do). Without autocast every .to is
+        # a no-op.
         def use_weights(j: int, held: list[torch.Tensor]) -> None:
             assert gx is not None, "weights rotate only when the input needs a gradient"
-            gx.addmm_(g2[:, j * rows : (j + 1) * rows], held[0])
+            gx.addmm_(g2[:, j * rows : (j + 1) * rows], held[0].to(gx.dtype))
 
         def grad_part(j: int) -> list[torch.Tensor]:
             gy = g2[:, j * rows : (j + 1) * rows]
-            return [gy.t() @ x2, gy.sum(0)] if ctx.has_bias else [gy.t() @ x2]
+            gw = (gy.t() @ x2.to(gy.dtype)).to(w.dtype)
+            return [gw, gy.sum(0).to(w.dtype)] if ctx.has_bias else [gw]
 
         grads = _ring_reduce(ctx.ring, grad_part, [w] if gx is not None else None, use_weights)
         return (gx.view_as(x) if gx is not None else None, grads[0], grads[1] if ctx.has_bias else None, None)
@@ -216,12 +221,14 @@ class _RotatedConv(torch.autograd.Function):
         x, w = ctx.saved_tensors
         stride, padding, dilation = ctx.geometry
         c = ctx.chans
-        gx = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
+        gx = torch.zeros(x.shape, dtype=grad.dtype, device=grad.device) if ctx.needs_input_grad[0] else None
 
         def conv_backward(j: int, weight: torch.Tensor, mask: list[bool]) -> tuple[Any, ...]:
             gy = grad[:, j * c : (j + 1) * c]
             bias_sizes = [c] if ctx.has_bias else None
-            return torch.ops.aten.convolution_backward(gy, x, weight, bias_sizes, stride, padding, dilation, False,
+            # in the gradient's dtype (autocast: see _RotatedLinear.backward); no-op casts without autocast
+            xs, ws = x.to(gy.dtype), weight.to(gy.dtype)
+            return torch.ops.aten.convolution_backward(gy, xs, ws, bias_sizes, stride, padding, dilation, False,
                                                        [0] * len(stride), 1, mask)  # fmt: skip
 
         def use_weights(j: int, held: list[torch.Tensor]) -> None:
@@ -230,7 +237,7 @@ class _RotatedConv(torch.autograd.Function):
 
         def grad_part(j: int) -> list[torch.Tensor]:
             _, gw, gb = conv_backward(j, w, [False, True, ctx.has_bias])
-            return [gw, gb] if ctx.has_bias else [gw]
+            return [gw.to(w.dtype), gb.to(w.dtype)] if ctx.has_bias else [gw.to(w.dtype)]
 
         grads = _ring_reduce(ctx.ring, grad_part, [w] if gx is not None else None, use_weights)
         return gx, grads[0], grads[1] if ctx.has_bias else None, None, None

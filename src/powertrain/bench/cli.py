@@ -11,24 +11,30 @@ QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster"],
+        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster", "gpu"],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
         "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
         "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
         "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
         "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
         "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
-        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper",
+        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper (--preset "
+        "paper: only that, no root; with --results: a GPU's measured compute); gpu: compression's GPU compute, memory "
+        "and every --parallel mode on one GPU, in isolated stages (make gpu-check adds the CUDA test leg)",
     )
     bench.add_argument(
         "--out",
         default=None,
         help="directory for results.json and table.md (network); quality: kept "
-        "results, reused by later calls (default runs/bench-quality)",
+        "results, reused by later calls (default runs/bench-quality); gpu: gpu_check.json, its log and the section",
     )
-    bench.add_argument("--preset", choices=["default", "tiny", *QUALITY_ONLY], default="default",
+    bench.add_argument("--preset", choices=["default", "tiny", "paper", *QUALITY_ONLY], default="default",
                        help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-                       "shallower GPT: 2 layers x d_model 384)")  # fmt: skip
+                       "shallower GPT: 2 layers x d_model 384); cluster only: paper (the on-paper model "
+                       "alone)")  # fmt: skip
+    bench.add_argument("--results", default=None,
+                       help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
+                       "measuring); cluster --preset paper takes its measured GPU compute figures")  # fmt: skip
     bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
@@ -41,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
     if args.preset in QUALITY_ONLY and args.suite != "quality":
         raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
                          "default or tiny")  # fmt: skip
+    if args.preset == "paper" and args.suite != "cluster":
+        raise ValueError(f"--preset paper is bench cluster's on-paper model, not a preset of {args.suite}")
+    if args.results is not None and args.suite not in ("gpu", "cluster"):
+        raise ValueError(f"--results is read by bench gpu and bench cluster --preset paper, not by {args.suite}")
     write = args.write or None
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
@@ -56,6 +66,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
         run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
                           write=write)  # fmt: skip
+    elif args.suite == "gpu":
+        from powertrain.bench.gpu import run_gpu_bench
+
+        run_gpu_bench(preset=args.preset, write=write, out=args.out, results=args.results)
+    elif args.suite == "cluster":
+        from powertrain.bench.cluster import run_cluster_bench
+
+        run_cluster_bench(preset=args.preset, write=write, gpu_results=args.results)
     elif args.suite == "overhead":
         from powertrain.bench.overhead import run_overhead
 

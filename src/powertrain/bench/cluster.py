@@ -59,7 +59,23 @@ def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: floa
             "val_loss": summary["val_loss"]}  # fmt: skip
 
 
-def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
+def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md",
+                      gpu_results: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The emulated cluster and the models on paper; ``preset="paper"``: the on-paper models only (no root needed),
+    the GPU one with the compute figures of ``gpu_results`` (a ``make gpu-check`` results file) when given."""
+    if preset == "paper" or gpu_results is not None:
+        if preset != "paper":
+            raise ValueError("--results feeds the on-paper model: use bench cluster --preset paper --results FILE")
+        from powertrain.bench.cluster_gpu import gpu_scale_section
+
+        gpu = json.loads(Path(gpu_results).read_text()) if gpu_results is not None else None
+        if gpu is not None and gpu.get("device") != "cuda":
+            raise ValueError(f"{gpu_results} was measured on {gpu.get('device')!r}: the GPU model takes a CUDA run's "
+                             "results (make gpu-check on a GPU)")  # fmt: skip
+        text = gpu_scale_section(gpu)
+        publish(scale_model(), write, "cluster-scale")
+        publish(text, write, "cluster-gpu")
+        return {"gpu_results": gpu_results}
     reason = unavailable()
     if reason:
         raise RuntimeError(f"bench cluster needs network namespaces: {reason}")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from powertrain._device import synchronize
 from powertrain.comm import Communicator
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_options
 
@@ -57,19 +58,20 @@ class Choice:
         return self.name + "".join(f"{',' if i else ':'}{k}={v}" for i, (k, v) in enumerate(self.options.items()))
 
 
-def measure_link(comm: Communicator, *, min_probe_s: float = 0.25, max_probe_bytes: int = 64 << 20) -> Link:
+def measure_link(comm: Communicator, *, min_probe_s: float = 0.25, max_probe_bytes: int = 64 << 20,
+                 device: torch.device | str = "cpu") -> Link:  # fmt: skip
     """Time all-reduces of 4 bytes (latency) and of a probe that grows 4x from 1 MB until it takes
     ``min_probe_s`` (so that a token bucket's burst and TCP's ramp-up are a small part of it) or reaches
     ``max_probe_bytes``. Each size: one warm-up, then the fastest of two, then the slowest rank's time, so every
     rank returns the same :class:`Link`. Nothing is counted in ``comm.stats``. Every rank of ``comm`` must call
-    it."""
+    it; ``device``: where the group's tensors live (CUDA for NCCL)."""
     world = comm.world_size
     if not comm.is_distributed:
         return Link(float("inf"), 0.0, world)
-    latency = _timed_all_reduce(comm, 4)
+    latency = _timed_all_reduce(comm, 4, device)
     size = 1 << 20
     while True:
-        seconds = _timed_all_reduce(comm, size)
+        seconds = _timed_all_reduce(comm, size, device)
         if seconds >= min_probe_s or size >= max_probe_bytes:
             break
         size *= 4
@@ -78,28 +80,30 @@ def measure_link(comm: Communicator, *, min_probe_s: float = 0.25, max_probe_byt
     return Link(wire / extra if extra > 0 else float("inf"), latency, world)
 
 
-def _timed_all_reduce(comm: Communicator, nbytes: int) -> float:
+def _timed_all_reduce(comm: Communicator, nbytes: int, device: torch.device | str) -> float:
     import torch.distributed as dist
 
-    t = torch.zeros(max(1, nbytes // 4))
+    t = torch.zeros(max(1, nbytes // 4), device=device)
     dist.all_reduce(t, group=comm.group)  # warm-up: connections, buffers
     best = float("inf")
     for _ in range(2):
         dist.barrier(group=comm.group)
+        synchronize(device)
         t0 = time.perf_counter()
         dist.all_reduce(t, group=comm.group)
+        synchronize(device)  # NCCL returns once the all-reduce is queued
         best = min(best, time.perf_counter() - t0)
-    return slowest(comm, best)
+    return slowest(comm, best, device)
 
 
-def slowest(comm: Communicator, seconds: float) -> float:
+def slowest(comm: Communicator, seconds: float, device: torch.device | str = "cpu") -> float:
     """The largest of every rank's ``seconds``: what all ranks decide from, so that they decide alike. Not counted
-    in ``comm.stats``; every rank of ``comm`` must call it."""
+    in ``comm.stats``; every rank of ``comm`` must call it (``device``: where the group reduces, CUDA for NCCL)."""
     if not comm.is_distributed:
         return seconds
     import torch.distributed as dist
 
-    agreed = torch.tensor([seconds], dtype=torch.float64)
+    agreed = torch.tensor([seconds], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=comm.group)
     return agreed.item()
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator, ReduceKind
-from powertrain.ops.finite import all_finite
+from powertrain.ops.finite import all_finite, read_flag
 
 __all__ = [
     "Compressor",
@@ -109,32 +109,34 @@ def run_program(program: Program, comm: Communicator) -> list[torch.Tensor]:
         return stop.value
 
 
-def guard_nonfinite(program: Program, *, local_ok: bool, error: Callable[[], NonFiniteGradientError]) -> Program:
+def guard_nonfinite(
+    program: Program, *, local_ok: bool | torch.Tensor, error: Callable[[], NonFiniteGradientError]
+) -> Program:
     """Make every rank raise ``error()`` when any rank's input was non-finite (``local_ok`` False).
+
+    ``local_ok``: a bool, or a 0-dim bool tensor on the device (:func:`~powertrain.ops.finite.finite_flag`), which
+    is never read on the host: the poison is written with ``torch.where``, so computing it waits for nothing.
 
     The first collective carries the news: a NaN written into a reduced buffer (NaN survives any sum),
     or the reserved last byte of a gathered payload. Every rank checks what comes back, so all raise at
-    the same collective, and the wrapped program is abandoned before it commits anything.
+    the same collective, and the wrapped program is abandoned before it commits anything. That check is a
+    host synchronisation on CUDA (:func:`~powertrain.ops.finite.read_flag`), one per collective, and cannot be
+    avoided: whether to raise is a decision of the host, and every rank must make it before the program commits.
     """
-    poison = not local_ok
+    poison = local_ok is not True  # a tensor flag is always written: its value stays on the device
     try:
         request = next(program)
     except StopIteration as stop:
-        if poison:
+        if poison and not read_flag(local_ok):
             raise error() from None
         return stop.value
     while True:
         if poison:
-            if isinstance(request, GatherRequest):
-                request.tensor.view(-1)[-1] = 1
-                poison = False
-            elif request.tensor.numel():
-                request.tensor.view(-1)[0] = float("nan")
-                poison = False
+            poison = not _poison(request, local_ok)
         result = yield request
         if isinstance(request, GatherRequest):
             assert result is not None, "a gather must return the gathered payloads"
-            bad = bool(result[:, -1].any())
+            bad = read_flag(result[:, -1].any())
         else:
             bad = not all_finite([request.tensor])
         if bad:
@@ -143,6 +145,26 @@ def guard_nonfinite(program: Program, *, local_ok: bool, error: Callable[[], Non
             request = program.send(result)
         except StopIteration as stop:
             return stop.value
+
+
+def _poison(request: Request, ok: bool | torch.Tensor) -> bool:
+    """Mark ``request``'s message as coming from a rank with non-finite input where ``ok`` is False (its bits are
+    unchanged where ``ok`` is a True flag); False if it has no room (an empty all-reduce): the next one carries it."""
+    if isinstance(request, GatherRequest):
+        flag = request.tensor.view(-1)[-1:]  # reserved, zero
+        if isinstance(ok, bool):
+            flag.fill_(1)
+        else:
+            flag.copy_(ok.logical_not())
+        return True
+    if not request.tensor.numel():
+        return False
+    first = request.tensor.view(-1)[:1]
+    if isinstance(ok, bool):
+        first.fill_(float("nan"))
+    else:
+        first.copy_(torch.where(ok, first, float("nan")))
+    return True
 
 
 def check_state_tensors(owner: str, what: str, saved: Any, shapes: Sequence[Sequence[int] | None]) -> None:

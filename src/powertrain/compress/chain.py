@@ -25,7 +25,7 @@ import torch
 from powertrain.comm import Communicator
 from powertrain.compress.base import GatherRequest, Program, Request
 
-__all__ = ["Chain", "Sequencer"]
+__all__ = ["Chain", "Sequencer", "future_on"]
 
 
 class Sequencer:
@@ -78,13 +78,21 @@ class Sequencer:
             self._next[phase] = n + 1
 
 
+def future_on(device: torch.device | None) -> torch.futures.Future:
+    """A future for a value on ``device``. On CUDA it records an event on the current streams when its result is
+    set and makes a waiter's streams wait for it: a program's later steps run in callbacks on the streams a CUDA
+    future (NCCL's) hands them, not on the stream the caller reads the result on."""
+    return torch.futures.Future(devices=[device] if device is not None and device.type == "cuda" else None)
+
+
 class Chain:
-    """Runs one program: each collective's completion advances the program to the next one."""
+    """Runs one program: each collective's completion advances the program to the next one. ``device``: where the
+    program's tensors are (None: the CPU)."""
 
     def __init__(self, program: Program, seq: Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
-                 failed: Callable[[BaseException], None]) -> None:  # fmt: skip
+                 failed: Callable[[BaseException], None], device: torch.device | None = None) -> None:  # fmt: skip
         self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
-        self.future: torch.futures.Future = torch.futures.Future()
+        self.future = future_on(device)
         self.phase = 0  # collectives issued so far
         self.used: set[int] = set()  # the communicators they used
 

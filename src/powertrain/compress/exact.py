@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.compress.base import Compressor, Program, ReduceRequest, Rows, guard_nonfinite, slice_rows
-from powertrain.ops.finite import all_finite
+from powertrain.ops.finite import finite_flag
 from powertrain.ops.flat import flat_views, pack
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,7 +53,7 @@ class AllReduceCompressor(Compressor):
             out = [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
             return slice_rows(out, rows)
 
-        return guard_nonfinite(run(), local_ok=all_finite([buf]), error=lambda: self._nonfinite_error(names, grads))
+        return guard_nonfinite(run(), local_ok=finite_flag([buf]), error=lambda: self._nonfinite_error(names, grads))
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": type(self).__name__, "dtype": str(self.dtype)}

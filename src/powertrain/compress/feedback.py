@@ -6,11 +6,12 @@ float32 vector ``x``; a subclass's :meth:`ErrorFeedbackCompressor._exchange` sen
 messages. The new error is ``x - own decoded message`` (classic error feedback, Seide et al. 2014;
 Karimireddy et al. 2019), so ``mean(x) == returned mean + mean(new errors)``: nothing is lost.
 
-Everything a subclass does is per parameter: quantisation chunks start at each parameter, top-k and
-random-k pick within each parameter, and random numbers come from a generator keyed by
-``(seed, rank, parameter, that parameter's step)``. Results therefore do not depend on how parameters are
-grouped into calls (DDP buckets differ before and after DDP's rebuild, and on resume), and a resumed run
-draws exactly the random numbers the uninterrupted one would have.
+Everything a subclass does is per parameter: quantisation chunks start at each parameter, top-k and random-k
+pick within each parameter, and random numbers come from a generator keyed by ``(seed, rank, parameter, that
+parameter's step)``, on the compressor's device (a CUDA run draws other numbers than a CPU run with the same
+seed: CUDA's generator is Philox, the CPU's a Mersenne twister; each is reproducible). Results therefore do
+not depend on how parameters are grouped into calls (DDP buckets differ before and after DDP's rebuild, and on
+resume), and a resumed run draws exactly the random numbers the uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from powertrain.compress.base import (
     guard_nonfinite,
     slice_rows,
 )
-from powertrain.ops.finite import all_finite
+from powertrain.ops.finite import finite_flag
 from powertrain.ops.flat import flat_views, pack
 
 Exchange = Generator[Request, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]
@@ -78,10 +79,12 @@ class ErrorFeedbackCompressor(Compressor):
         return x - sent
 
     def _rng(self, i: int) -> torch.Generator:
-        """The random stream of parameter ``i`` at its current step (rank-specific unless shared)."""
+        """The random stream of parameter ``i`` at its current step (rank-specific unless shared), on the
+        compressor's device: drawing on the CPU and copying would make the host wait on CUDA."""
         rank = -1 if self._shared_randomness else self.comm.rank
         digest = hashlib.blake2b(repr((self.seed, rank, i, self._steps[i])).encode(), digest_size=8).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+        generator = torch.Generator() if self.device.type == "cpu" else torch.Generator(device=self.device)
+        return generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     @torch.no_grad()
     def program(
@@ -97,7 +100,7 @@ class ErrorFeedbackCompressor(Compressor):
             x.add_(old)
         names = [self.names[i] for i in idx]
         error = lambda: self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
-        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=all_finite([x]), error=error)
+        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=finite_flag([x]), error=error)
 
     def _run(
         self, x: torch.Tensor, old: torch.Tensor, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows

@@ -44,7 +44,7 @@ from powertrain.compress.base import (
     Rows,
     placeholder,
 )
-from powertrain.ops.finite import all_finite
+from powertrain.ops.finite import finite_flag, read_flag
 
 __all__ = ["HierarchicalCompressor", "node_layout"]
 
@@ -160,10 +160,12 @@ class HierarchicalCompressor(Compressor):
         node_means = flat.split([g.numel() for g in grads])
         mine = [(self._inner_index[i], m.view(g.shape)) for g, i, m in zip(grads, idx, node_means, strict=True)
                 if self.owner[i] == self.local_rank]  # fmt: skip
-        if mine and not all_finite([flat]):
+        if mine:
             # A rank of this node sent NaN/Inf, maybe in a parameter another rank owns: every owner of this call
-            # poisons what it sends, so that every node learns of it.
-            mine[0][1].view(-1)[0] = float("nan")
+            # poisons what it sends, so that every node learns of it (on the device: the host does not wait here).
+            first, ok = mine[0][1].view(-1)[:1], finite_flag([flat])
+            assert isinstance(ok, torch.Tensor), "a flag of one tensor is a tensor"
+            first.copy_(torch.where(ok, first, float("nan")))
         failed: NonFiniteGradientError | None = None
         averaged: list[torch.Tensor] = []
         if mine:
@@ -183,9 +185,9 @@ class HierarchicalCompressor(Compressor):
         assert gathered is not None, "a gather returns the gathered payloads"
         if failed is not None:
             raise failed
-        if bool(gathered[:, -1].any()):
+        if read_flag(gathered[:, -1].any()):  # every rank decides alike: a host synchronisation on CUDA
             raise self._nonfinite_error([self.names[i] for i in idx], grads)
-        out: list[torch.Tensor] = [torch.empty(0)] * len(idx)
+        out: list[torch.Tensor] = [flat[:0]] * len(idx)
         for j in range(self.local_world):
             values, pos = gathered[j, : sizes[j] * dtype.itemsize].view(dtype), 0
             for k, (g, i) in enumerate(zip(grads, idx, strict=True)):

@@ -61,7 +61,7 @@ from powertrain.compress.base import (
     check_state_tensors,
     guard_nonfinite,
 )
-from powertrain.ops.finite import all_finite
+from powertrain.ops.finite import finite_flag
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize
 
@@ -341,7 +341,7 @@ class PowerSGDCompressor(Compressor):
         exact = [j for j, i in enumerate(idx) if self._mat[i] is None or self._steps[i] < start]
         batches = self._batches(grads, idx, rows)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
-        local_ok = all_finite([*(b.m_bnm for b in batches), ubuf])
+        local_ok = finite_flag([*(b.m_bnm for b in batches), ubuf])
         fuse = self.fuse_exact and batches and self._wire == self.dtype  # 16-bit factors: exact tensors stay exact
         fused = ubuf if fuse else None
         algorithm = self._alternating if self.config.variant == "alternating" else self._paper

@@ -70,7 +70,7 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         if self.stochastic:
             noise = torch.zeros_like(x)
             for i, p, view in zip(idx, parts, noise.split(lengths), strict=True):
-                view[: p.numel()] = torch.rand(p.numel(), generator=self._rng(i))
+                view[: p.numel()] = torch.rand(p.numel(), generator=self._rng(i), device=x.device)
         codes, scales = quantize(x, self.bits, self.chunk, noise)
         real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
         gathered = yield GatherRequest(pack_codes(real, scales, self.bits))

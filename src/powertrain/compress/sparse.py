@@ -48,8 +48,11 @@ class TopKCompressor(ErrorFeedbackCompressor):
         positions = torch.cat(picked).to(itype)
         gathered = yield GatherRequest(pack_payload([values, positions]))
         assert gathered is not None, "a gather returns the gathered payloads"
-        offsets = torch.tensor([0, *[p.numel() for p in parts]]).cumsum(0)[:-1]
-        base = torch.repeat_interleave(offsets, torch.tensor(ks))
+        # each pick's parameter offset in the flat vector, filled on the device (no copy from the host)
+        starts = [sum(p.numel() for p in parts[:j]) for j in range(len(parts))]
+        device = values.device
+        base = torch.cat([torch.full((k,), start, dtype=torch.long, device=device)
+                          for start, k in zip(starts, ks, strict=True)])  # fmt: skip
         n = sum(p.numel() for p in parts)
         mean = torch.zeros(n, device=values.device)
         for row in gathered:
@@ -83,10 +86,10 @@ class RandomKCompressor(ErrorFeedbackCompressor):
         offset, picks = 0, []
         for p, i in zip(parts, idx, strict=True):
             k = _k(self.ratio, p.numel())
-            picks.append(torch.randperm(p.numel(), generator=self._rng(i))[:k] + offset)
+            picks.append(torch.randperm(p.numel(), generator=self._rng(i), device=self.device)[:k] + offset)
             offset += p.numel()
-        x = torch.cat(parts) if parts else torch.zeros(0)
-        pos = torch.cat(picks).to(x.device) if picks else torch.zeros(0, dtype=torch.long)
+        x = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        pos = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=self.device)
         values = x[pos]
         yield ReduceRequest(values, "mean")
         mean = torch.zeros_like(x).index_copy_(0, pos, values)

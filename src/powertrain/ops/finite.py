@@ -1,4 +1,11 @@
-"""Finiteness checks without full-size temporaries."""
+"""Finiteness checks without full-size temporaries, and the host's reading of a device flag.
+
+:func:`finite_flag` stays on the tensors' device (no host synchronisation on CUDA). :func:`read_flag` is where a
+device value becomes a Python bool: on CUDA the host waits there for everything queued before it. Compressors
+read a flag once per collective, to decide together whether to raise
+(:func:`powertrain.compress.base.guard_nonfinite`); keeping every such read here lets the sync-debug test
+(tests/test_device.py) allow exactly these and refuse any other.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,26 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["all_finite"]
+__all__ = ["all_finite", "finite_flag", "read_flag"]
+
+
+def finite_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor | bool:
+    """Whether no tensor holds NaN or Inf, as a 0-dim bool tensor on their device (True, a bool, when there are none).
+
+    Min and max propagate both NaN and Inf: one pass, no full-size temporary, and nothing waits for the device."""
+    tensors = list(tensors)
+    extrema = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
+    if extrema:
+        return torch.isfinite(torch.cat(extrema)).all()
+    return torch.ones((), dtype=torch.bool, device=tensors[0].device) if tensors else True
+
+
+def read_flag(flag: torch.Tensor | bool) -> bool:
+    """``flag`` as a Python bool. On CUDA this is a host synchronisation (it waits for the device): call it only
+    where the host must branch on a device value."""
+    return bool(flag)
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True if no tensor holds NaN or Inf (min and max propagate both; one pass, no temporary)."""
-    extrema = [torch.stack(torch.aminmax(t)).float() for t in tensors if t.numel()]
-    return not extrema or bool(torch.isfinite(torch.cat(extrema)).all())
+    """True if no tensor holds NaN or Inf (:func:`finite_flag`, read on the host: a synchronisation on CUDA)."""
+    return read_flag(finite_flag(tensors))

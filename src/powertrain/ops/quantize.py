@@ -77,14 +77,17 @@ def unpack_codes(message: torch.Tensor, n: int, n_scales: int, bits: int) -> tup
     return (packed.view(torch.int8) if bits == 8 else unpack_int4(packed, n)), scales
 
 
-_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+def _weights(device: torch.device) -> torch.Tensor:
+    """The bits' values in a byte, most significant first (128, 64, ..., 1), made on ``device``: a constant copied
+    from the CPU would make the host wait on CUDA."""
+    return torch.arange(7, -1, -1, device=device, dtype=torch.float32).exp2_().to(torch.uint8)
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Booleans, 8 per byte (``ceil(n / 8)`` bytes)."""
     b = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-bits.numel()) % 8)).view(-1, 8)
-    return (b * _WEIGHTS.to(b.device)).sum(dim=1, dtype=torch.uint8)
+    return (b * _weights(b.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
-    return ((packed[:, None] & _WEIGHTS.to(packed.device)) != 0).view(-1)[:n]
+    return ((packed[:, None] & _weights(packed.device)) != 0).view(-1)[:n]

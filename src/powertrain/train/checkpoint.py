@@ -157,8 +157,9 @@ def _older_than(ckpt: Path) -> str:
 
 #: Settings a resume may change; every other one is part of what the run is (the model, the data, the optimizer's
 #: hyperparameters, which the checkpoint restores anyway), so a resume asking for another value is refused.
+#: backend: a run saved on GPUs (nccl) may continue on CPUs (gloo) and back; checkpoints hold CPU-loadable tensors.
 RESUME_MAY_CHANGE = frozenset({"steps", "out", "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-                               "quiet", "tensorboard", "timeout_s", "threads", "nproc"})  # fmt: skip
+                               "quiet", "tensorboard", "timeout_s", "threads", "nproc", "backend"})  # fmt: skip
 
 
 def check_resumable(path: Path, world_size: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from powertrain._device import synchronize
 from powertrain.comm import CommStats, Communicator
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
@@ -241,8 +242,9 @@ def _step(run: _Run, step: int) -> tuple[float, float, float]:
     except NonFiniteGradientError as e:
         raise FloatingPointError(_nonfinite_message(step, e, out, cfg)) from None
     run.scheduler.step()
+    synchronize(run.device)  # CUDA: the step's queued work is part of its time
     step_s = time.perf_counter() - t0
-    mean = torch.tensor([loss_sum], dtype=torch.float64)
+    mean = torch.tensor([loss_sum], dtype=torch.float64, device=run.device)  # NCCL reduces device tensors only
     run.metrics.all_reduce_mean_(mean)
     if not math.isfinite(mean.item()):
         raise FloatingPointError(_nonfinite_message(step, f"loss {mean.item()}", out, cfg))
@@ -317,14 +319,14 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             counts = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
             save_checkpoint(out, done, run.model, run.dcp_optimizer, run.per_rank, counts, dataclasses.asdict(cfg))
 
-    roots = _root_stats(run.optimizer)
+    roots = _root_stats(run.optimizer, device)
     summary = {
         "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
         "steps": cfg.steps,
         "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
         "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps,
         f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
-        "params": run.n_params,
+        "params": run.n_params, "device": str(device),
         **({"shampoo_roots": roots} if roots is not None else {}),
         **run.strategy.report(),
     }  # fmt: skip
@@ -344,22 +346,25 @@ def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData |
     x, y = x.to(device), y.to(device)
     for _ in range(2):
         loss = model(x, y)
+        synchronize(device)
         t0 = time.perf_counter()
         loss.backward()
+        synchronize(device)
         backward = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     others = {k: v for k, v in options.items() if k != "rank"}
-    return choose(model.named_parameters(), backward_s=slowest(comm, backward), link=measure_link(comm), options=others)
+    return choose(model.named_parameters(), backward_s=slowest(comm, backward, device),
+                  link=measure_link(comm, device=device), options=others)  # fmt: skip
 
 
-def _root_stats(optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+def _root_stats(optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int] | None:
     """Shampoo's root computations, failures and graft fallbacks summed over ranks (every rank calls this)."""
     from powertrain.optim.shampoo import RootStats
 
     stats = getattr(optimizer, "root_stats", None)
     if not callable(stats):
         return None
-    counts = torch.tensor(list(stats()), dtype=torch.int64)
+    counts = torch.tensor(list(stats()), dtype=torch.int64, device=device)
     if dist.is_initialized():
         dist.all_reduce(counts)
     return dict(zip(RootStats._fields, counts.tolist(), strict=True))
@@ -386,7 +391,7 @@ def _evaluate(strategy: Strategy, data: TokenData | ClassData, cfg: TrainConfig,
             x, y = data.batch("val", rank, world, (cfg.seed, rank, -1, i), cfg.batch_size, cfg.block_size)
             total += model(x.to(device), y.to(device)).item()
     model.train()
-    mean = torch.tensor([total / cfg.eval_batches], dtype=torch.float64)
+    mean = torch.tensor([total / cfg.eval_batches], dtype=torch.float64, device=device)
     metrics.all_reduce_mean_(mean)
     return mean.item()
 

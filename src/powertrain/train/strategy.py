@@ -265,7 +265,8 @@ class _TP(Strategy):
         world = dist.get_world_size()
         if world % tp:
             raise ValueError(f"tp={tp} does not divide the world size {world}: choose a tp that divides it")
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
         cfg: Any = model.cfg
         # the logits stay sharded over the vocabulary: the loss is computed on the shards (loss_scope)
         self.model = tensor_parallel(model, mesh, loss_parallel=True)  # type: ignore[arg-type]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from powertrain._checks import check_int
 from powertrain.comm import Communicator
+from powertrain.ops.finite import read_flag
 from powertrain.ops.flat import index_dtype, local_tensor, pack_payload, unpack_payload
 from powertrain.optim.demo.dct import (
     ChunkLayout,
@@ -179,7 +180,9 @@ class DeMo(torch.optim.Optimizer):
         t1 = time.perf_counter()
         gathered, _ = self.comm.all_gather(payload)
         t2 = time.perf_counter()
-        if not bool((gathered[:, -1] == payload[-1]).all()):
+        # A host synchronisation on CUDA, kept on purpose: decoding another layout's bytes would corrupt the update
+        # silently, and a wrong layout (a user error) must stop every rank with a message.
+        if not read_flag((gathered[:, -1] == payload[-1]).all()):
             raise RuntimeError(
                 "DeMo: ranks disagree on the parameters being updated (which have gradients, or their shapes): "
                 "every rank of the group must step the same parameters"

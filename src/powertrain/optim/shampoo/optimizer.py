@@ -71,10 +71,11 @@ def _work(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
-def _scaled(t: torch.Tensor, c: float, out: torch.Tensor | None) -> torch.Tensor:
-    """``c * t``, or written into the flat slice ``out``."""
+def _scaled(t: torch.Tensor, c: float | torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``c * t``, or written into the flat slice ``out`` (``c`` a number, or a 0-dim tensor on ``t``'s device)."""
     if out is None:
-        return t * c if c != 1.0 else t  # t may be state (the filtered gradient): never scaled in place
+        unit = not isinstance(c, torch.Tensor) and c == 1.0
+        return t if unit else t * c  # t may be state (the filtered gradient): never scaled in place
     return torch.mul(t.reshape(out.shape), c, out=out)
 
 
@@ -383,7 +384,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         if group["grafting"] == "none":
             return _scaled(direction, scale, out)
         norm = direction.norm()
-        return _scaled(direction, float(graft.norm() * graft_scale / norm) if norm > 0 else 0.0, out)
+        # the graft's scale stays a device tensor: reading it on the host would make every step wait (CUDA)
+        return _scaled(direction, torch.where(norm > 0, graft.norm() * graft_scale / norm, 0.0), out)
 
     @staticmethod
     def _filter(st: BlockState, raw: torch.Tensor, beta1: float, step: int) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,375 @@
+"""``powertrain bench gpu`` (the measuring part of ``make gpu-check``): what compression costs in GPU compute, how
+much memory each way to train needs, and every ``--parallel`` mode trained on one GPU.
+
+It runs in *stages*, each a subprocess with its own timeout, inside one time budget: a stage that fails (the first
+CUDA run of any code may) is recorded, one line and its output's tail, and the next stage still runs. The results
+file (JSON) is rewritten after every stage, so a run stopped from outside keeps what it measured.
+
+* ``env``: the device, torch, CUDA, NCCL and driver versions;
+* ``measure:SIZE``: :mod:`powertrain.bench.gpu_measure` for a GPT of that size (backward, compressors, memory);
+* ``train:RUN``: ``powertrain train`` for 50 steps on one worker (NCCL on CUDA), one run per ``--parallel`` mode
+  (and DDP with the command's default PowerSGD): tokens/s from the median step after the first 10.
+
+``--results FILE`` rewrites the section from a results file instead (the GPU run's, copied back), and ``bench
+cluster --preset paper --results FILE`` feeds its compute figures to the cluster model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from powertrain.bench.report import publish, table
+
+SCHEMA = 1
+MIN_STAGE_S = 20.0  # a stage is not started with less of the budget left
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A command and its timeout; ``result``: the JSON file it writes; ``parse``: its result from its output (or from
+    the files it wrote)."""
+
+    name: str
+    argv: list[str]
+    timeout_s: float
+    result: Path | None = None
+    parse: Callable[[str], dict[str, Any]] | None = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # added to the environment
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    sizes: tuple[str, ...]
+    train_flags: tuple[str, ...]  # what every train run shares (size, data, steps)
+    measure_timeout_s: float
+    train_timeout_s: float
+    budget_s: float
+
+
+#: default: the GPU run (GPT-2 small and medium shapes; train on the command's "gpt2" size, 8 x 1024 tokens a step);
+#: tiny: the CPU dry run (``make gpu-check DEVICE=cpu``), the same stages on stand-in sizes, in a minute or two.
+_GPT2_RUN = ("--gpt-size", "gpt2", "--block-size", "1024", "--batch-size", "8", "--steps", "50", "--precision",
+             "bf16", "--data-max-mb", "8", "--eval-batches", "2", "--warmup-steps", "5")  # fmt: skip
+PRESETS = {
+    "default": Plan(("124m", "350m"), _GPT2_RUN, 170, 100, 420),
+    "tiny": Plan(("tiny",), ("--preset", "tiny", "--steps", "5", "--precision", "bf16"), 120, 60, 240),
+}
+#: One run per --parallel mode, exact (the modes' own cost), and DDP with the command's default PowerSGD; modes added
+#: later (not named here) run with their defaults.
+TRAIN_RUNS: dict[str, list[str]] = {
+    "reference": ["--parallel", "reference", "--compressor", "none"],
+    "ddp": ["--parallel", "ddp", "--compressor", "none"],
+    "ddp + PowerSGD": ["--parallel", "ddp"],
+    "fsdp": ["--parallel", "fsdp", "--compressor", "none"],
+    "simple_fsdp": ["--parallel", "simple_fsdp", "--compressor", "none"],
+    "rtp": ["--parallel", "rtp", "--compressor", "none", "--precision", "fp32"],  # the command runs both in fp32 only
+    "tp": ["--parallel", "tp", "--tp", "1", "--compressor", "none", "--precision", "fp32"],
+}
+
+
+def train_runs() -> dict[str, list[str]]:
+    from powertrain.train.strategy import Parallel
+
+    named = {args[1] for args in TRAIN_RUNS.values()}
+    return {**TRAIN_RUNS, **{m: ["--parallel", m] for m in typing.get_args(Parallel) if m not in named}}
+
+
+def stages(preset: str, device: str, work: Path) -> list[Stage]:
+    """The stages of a run, most telling first: the budget may end before the last."""
+    plan = PRESETS[preset]
+    py = [sys.executable, "-m"]
+    out = [Stage("env", [*py, "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json")]
+    sizes = list(plan.sizes)
+    first, rest = sizes[:1], sizes[1:]
+    measure = lambda s: Stage(f"measure:{s}", [*py, "powertrain.bench.gpu_measure", s, device, str(work / f"{s}.json")],
+                              plan.measure_timeout_s, work / f"{s}.json")  # fmt: skip
+    out += [measure(s) for s in first]
+    backend = "nccl" if device == "cuda" else "gloo"
+    for name, args in train_runs().items():
+        run_dir = work / "train" / re.sub(r"\W+", "_", name)
+        argv = [*py, "powertrain", "train", *plan.train_flags, "--nproc", "1", "--backend", backend, "--log-every", "1",
+                "--quiet", "--out", str(run_dir), *args]  # fmt: skip
+        out.append(Stage(f"train:{name}", argv, plan.train_timeout_s, parse=functools.partial(_train_result, run_dir)))
+    out += [measure(s) for s in rest]
+    return out
+
+
+def _train_result(run_dir: Path, output: str) -> dict[str, Any]:
+    """A train stage's result: its summary, precision and steady tokens/s (``output``: unused, its files say it)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    precision = re.search(r'^precision = "(\w+)"', (run_dir / "config.toml").read_text(), re.M)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = [r["step_time_s"] for r in rows[10:]] or [r["step_time_s"] for r in rows]
+    unit = next(k for k in summary if k.endswith("_per_s"))
+    per_step = summary[unit] * summary["wall_s"] / max(summary["steps"], 1)  # tokens (or samples) per step
+    median = statistics.median(steady)
+    return {
+        "summary": summary,
+        "step_s_median": median,
+        "unit": unit,
+        f"{unit}_steady": per_step / median,
+        "precision": precision and precision[1],
+    }
+
+
+def env_info() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                            "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available()}  # fmt: skip
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gb=props.total_memory / 1e9, nccl=".".join(map(str, torch.cuda.nccl.version())),
+                    cudnn=torch.backends.cudnn.version())  # fmt: skip
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+            info["driver"] = smi.stdout.strip()
+        except (OSError, subprocess.SubprocessError) as e:
+            info["driver"] = f"unknown ({e})"
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    return info
+
+
+def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
+    """Run one stage within the budget; its result, or its error in one line with its output's tail."""
+    left = deadline - time.monotonic()
+    if left < MIN_STAGE_S:
+        return {"ok": False, "skipped": f"not started: {left:.0f} s of the budget left"}
+    timeout = min(stage.timeout_s, left)
+    t0 = time.monotonic()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **stage.env}
+    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env=env)  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the stage and everything it started (ranks, compile workers)
+        output, _ = proc.communicate()
+        timed_out = True
+    seconds = time.monotonic() - t0
+    lines = output.splitlines()
+    log.write(f"\n===== {stage.name} ({seconds:.1f} s, exit {proc.returncode}): {' '.join(stage.argv)}\n")
+    log.write("\n".join(lines[-300:]) + "\n")
+    log.flush()
+    res: dict[str, Any] = {"ok": proc.returncode == 0 and not timed_out, "seconds": round(seconds, 1),
+                           "returncode": proc.returncode}  # fmt: skip
+    try:
+        if stage.result is not None and stage.result.exists():
+            res["result"] = json.loads(stage.result.read_text())
+        elif stage.parse is not None and not timed_out:
+            res["result"] = stage.parse(output)
+    except Exception as e:  # a result that cannot be read is the stage's failure, not the run's
+        res.update(ok=False, error=f"its result could not be read: {type(e).__name__}: {e}")
+    if timed_out:
+        res["error"] = f"timed out after {timeout:.0f} s"
+    elif proc.returncode != 0:
+        res["error"] = _last_error(lines)
+    if not res["ok"]:
+        res["tail"] = "\n".join(lines[-25:])
+    return res
+
+
+def _last_error(lines: Sequence[str]) -> str:
+    """The output's last line that names an exception (a traceback's last line), else its last line."""
+    for line in reversed(lines):
+        if re.match(r"^\s*[\w.]*(Error|Exception|Failed|Interrupt)\b.*", line) or line.startswith("powertrain "):
+            return line.strip()[:500]
+    return (lines[-1].strip() if lines else "no output")[:500]
+
+
+def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: str, preset: str,
+        budget_s: float) -> dict[str, Any]:  # fmt: skip
+    """Run ``run_stages`` in order within ``budget_s``; the results file is rewritten after each."""
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    results: dict[str, Any] = {"schema": SCHEMA, "device": device, "preset": preset, "budget_s": budget_s,
+                               "started": started, "stages": {}}  # fmt: skip
+    deadline = time.monotonic() + budget_s
+    t0 = time.monotonic()
+    with log_path.open("w") as log:
+        for stage in run_stages:
+            res = run_stage(stage, deadline, log)
+            results["stages"][stage.name] = res
+            results["elapsed_s"] = round(time.monotonic() - t0, 1)
+            results_path.write_text(json.dumps(results, indent=1))
+            status = "ok" if res["ok"] else res.get("error") or res.get("skipped")
+            print(f"[{results['elapsed_s']:6.1f} s] {stage.name}: {status}", flush=True)
+    return results
+
+
+def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md", out: str | None = None,
+                  results: str | None = None, device: str | None = None,
+                  extra: Callable[[Path], list[Stage]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Measure (or, with ``results``, only report a results file); write the section and the files in ``out``.
+
+    ``extra(work)``: stages to run right after the first size's measurements (``make gpu-check``'s test leg)."""
+    if results is not None:
+        data = json.loads(Path(results).read_text())
+        if data.get("device") != "cuda":
+            raise ValueError(f"{results} was measured on {data.get('device')!r}: the GPU section takes a CUDA run's "
+                             "results (make gpu-check on a GPU)")  # fmt: skip
+        publish(section(data), write, "gpu")
+        return data
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown preset {preset!r} for bench gpu: choose {', '.join(PRESETS)}")
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    outdir = Path(out) if out else Path(tempfile.mkdtemp(prefix="powertrain-gpu-"))
+    outdir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="powertrain-gpu-work-"))
+    plan = PRESETS[preset]
+    run_stages = stages(preset, device, work)
+    if extra is not None:
+        run_stages[2:2] = extra(work)
+    budget = float(os.environ.get("POWERTRAIN_GPU_BUDGET_S", plan.budget_s))
+    data = run(run_stages, outdir / "gpu_check.json", outdir / "gpu_check.log", device=device, preset=preset,
+               budget_s=budget)  # fmt: skip
+    for name, res in data["stages"].items():
+        profile = (res.get("result") or {}).get("powersgd_r32_profile")
+        if isinstance(profile, str):
+            (outdir / "powersgd_profile.txt").write_text(f"{name}: PowerSGD rank 32, top operations\n\n{profile}\n")
+    text = section(data)
+    (outdir / "gpu_section.md").write_text(text + "\n")
+    # a CPU dry run never replaces the GPU section of the repository's BENCHMARKS.md
+    publish(text, write if device == "cuda" else None, "gpu")
+    print(f"results: {outdir / 'gpu_check.json'}", flush=True)
+    return data
+
+
+# ---------------------------------------------------------------- the Markdown section
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:,.1f}"
+
+
+def section(data: dict[str, Any]) -> str:
+    """BENCHMARKS.md's GPU section from a results file."""
+    st = data["stages"]
+    env = (st.get("env") or {}).get("result") or {}
+    where = (f"{env.get('device_name', data['device'])}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+             f"NCCL {env.get('nccl')}, driver {env.get('driver')}, Python {env.get('python')}, "
+             f"{env.get('cpus')} CPUs")  # fmt: skip
+    parts = [f"## GPU (`make gpu-check`)\n\nDevice: {where}; run {data['started']}, {data.get('elapsed_s', 0):.0f} s "
+             f"of a {data['budget_s']:.0f} s budget. Every figure at world size 1, bf16 autocast.\n"]  # fmt: skip
+    parts.append(table(["stage", "result", "s"], [[name, "ok" if r["ok"] else (r.get("error") or r.get("skipped")),
+                                                   r.get("seconds", "")] for name, r in st.items()]))  # fmt: skip
+    measured = {n.split(":", 1)[1]: r["result"] for n, r in st.items() if n.startswith("measure:") and r.get("result")}
+    parts += [_compute_table(measured), _target_line(measured), _memory_table(measured), _train_table(st)]
+    return "\n\n".join(p for p in parts if p)
+
+
+def _compute_table(measured: dict[str, Any]) -> str:
+    rows = []
+    for size, m in measured.items():
+        passes = m.get("passes") or {}
+        if "backward_s" not in passes:
+            continue
+        model = f"{size} ({m.get('params', 0) / 1e6:,.3g}M, {m['batch']} x {m['block_size']} tokens)"
+        rows.append([model, "forward / backward", f"{_ms(passes['forward_s'])} / {_ms(passes['backward_s'])}", "", ""])
+        for label, c in (m.get("compressors") or {}).items():
+            if label == "auto_choice":
+                continue
+            if "error" in c:
+                rows.append([model, label, c["error"], "", ""])
+                continue
+            opts = c.get("options") or {}
+            name = f"{label} ({c.get('compressor')}{', rank ' + str(opts['rank']) if 'rank' in opts else ''})"
+            ratio = f"{c['dense_bytes'] / max(c['bytes_per_step'], 1):.1f}x" if "bytes_per_step" in c else ""
+            rows.append([model, name, _ms(c["seconds"]), f"{100 * c['seconds'] / passes['backward_s']:.1f}%", ratio])
+    if not rows:
+        return ""
+    return ("Compress + decompress: the compressor's `aggregate` at world size 1 (all its math, no collectives), "
+            "median of 10, after 2 warm-up calls; PowerSGD in the recommended config (paper variant, bf16 factors). "
+            "`auto`: what `rank=auto` picks for this backward on 2 nodes x 8 GPUs at 100 Gbit/s. TF32: the same "
+            "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off).\n\n"
+            + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows))  # fmt: skip
+
+
+def _target_line(measured: dict[str, Any]) -> str:
+    first: dict[str, Any] = next(iter(measured.values()), {})
+    c = (first.get("compressors") or {}).get("PowerSGD r32") or {}
+    if "of_backward" not in c:
+        return ""
+    from powertrain.bench.gpu_measure import TARGET
+
+    met = c["of_backward"] <= TARGET
+    verdict = "met" if met else "not met: the top operations are in `powersgd_profile.txt`"
+    return (f"Target (issue 36): PowerSGD rank 32 at most {100 * TARGET:.0f}% of backward on the {first['size']} GPT: "
+            f"{100 * c['of_backward']:.1f}%, {verdict}.")  # fmt: skip
+
+
+def _memory_table(measured: dict[str, Any]) -> str:
+    rows = []
+    for size, m in measured.items():
+        for key, r in m.items():
+            if not key.startswith("memory/"):
+                continue
+            kind = key.split("/", 1)[1]
+            if "error" in r or "skipped" in r:
+                rows.append([size, kind, r.get("error") or r.get("skipped"), "", "", ""])
+            else:
+                peak = f"{r['peak_gb']:.2f}" if "peak_gb" in r else f"+{r['step_peak_above_held_gb']:.4f} (CPU)"
+                held = f"{r['held_gb']:.2f}" if "held_gb" in r else ""
+                rows.append([size, kind, peak, held, _ms(r["step_s"]), f"{r['first_step_s']:.1f}"])
+        g = m.get("galore") or {}
+        if "adamw" in g and "galore" in g:
+            states = f"{g['adamw']['state_gb']:.2f} / {g['galore']['state_gb']:.2f}"
+            what = f"AdamW state / GaLore (rank {g['galore_rank']}) state"
+            rows.append([size, what, states, "", _ms(g["galore"]["step_s"]), ""])
+        elif "error" in g:
+            rows.append([size, "GaLore", g["error"], "", "", ""])
+    if not rows:
+        return ""
+    return ("Memory of one AdamW training step (`torch.cuda.max_memory_allocated`, GB), what stays allocated between "
+            "steps, the step time and the first step's (compile, state) in s; each strategy as `powertrain train` "
+            "builds it, on a world of one.\n\n"
+            + table(["model", "strategy", "peak GB", "held GB", "step ms", "first step s"], rows))  # fmt: skip
+
+
+def _train_table(st: dict[str, Any]) -> str:
+    rows = []
+    for name, r in st.items():
+        if not name.startswith("train:"):
+            continue
+        res = r.get("result") or {}
+        if not r["ok"] or "summary" not in res:
+            rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
+            continue
+        s, unit = res["summary"], res["unit"]
+        rows.append([name[6:], f"{res[unit + '_steady']:,.0f}", _ms(res["step_s_median"]), f"{s['final_loss']:.3f}",
+                     s.get("compressor", ""), res.get("precision", "")])  # fmt: skip
+    if not rows:
+        return ""
+    return ("`powertrain train` on one worker (NCCL on CUDA): tokens/s from the median step after the first 10.\n\n"
+            + table(["run", "tokens/s", "step ms", "final loss", "compressor", "precision"], rows))  # fmt: skip
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["env"]:
+        Path(sys.argv[2]).write_text(json.dumps(env_info(), indent=1))

@@ -1,0 +1,281 @@
+"""The device leg: what only a GPU shows, and the multi-rank and command cases again on the device's tensors.
+
+``POWERTRAIN_TEST_DEVICE=cuda pytest -m device`` (``make gpu-check``'s test leg) runs every test marked ``device``
+on CUDA: the world-size-1 math of test_compressors_unit.py and test_powersgd_unit.py, and this module:
+
+* CUDA against the CPU: the same gradients through the compressors on both (CUDA only);
+* no host synchronisation in the compressors' and optimizers' hot paths but the documented flag reads
+  (:mod:`powertrain.ops.finite`; CUDA only);
+* DDP on 2 gloo ranks whose tensors live on the device (gloo all-reduces and all-gathers CUDA tensors through
+  host copies; NCCL refuses two ranks on one GPU);
+* every ``--parallel`` mode of ``powertrain train`` at world size 1, on NCCL with CUDA (gloo on the CPU);
+* a run's checkpoint saved on the GPU, resumed on the CPU and back on the GPU (CUDA only).
+
+Without POWERTRAIN_TEST_DEVICE the CPU suite already covers what the multi-rank and command cases would repeat on
+the CPU (test_ddp.py, test_cli.py, test_train_checkpoint.py), so they skip; POWERTRAIN_TEST_DEVICE=cpu runs them on
+the CPU (``make gpu-check DEVICE=cpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cli_utils import run_cli
+from conftest import DEVICE_ENV
+from dist_utils import EPS64, case, guard, run_ranks, within
+from models import batch, loss_fn, make_model
+from powertrain.compress import make_compressor
+from powertrain.compress.base import GatherRequest, Program
+
+pytestmark = pytest.mark.device
+
+
+def _cuda_only(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip(f"needs CUDA: {DEVICE_ENV}=cuda")
+
+
+def _asked_for(device: torch.device) -> None:
+    """Cases the CPU suite covers on the CPU run only when a device was asked for explicitly."""
+    if DEVICE_ENV not in os.environ:
+        pytest.skip(f"on the CPU the suite's own tests cover this; {DEVICE_ENV}=cpu or cuda runs it")
+
+
+def _drive(program: Program, comm: Any) -> tuple[list[torch.Tensor], int]:
+    """Run ``program`` at world size 1 as :func:`powertrain.compress.base.run_program` does; also return how many
+    collectives it issued."""
+    n, result = 0, None
+    try:
+        request = next(program)
+        while True:
+            n += 1
+            result = comm.all_gather(request.tensor)[0] if isinstance(request, GatherRequest) else None
+            request = program.send(result)
+    except StopIteration as stop:
+        return stop.value, n
+
+
+# ---------------------------------------------------------------- CUDA against the CPU
+
+
+def _grads(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, step: int) -> list[torch.Tensor]:
+    model.zero_grad()
+    loss_fn(model, *(t.to(device) for t in batch(0, step, dtype))).backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def test_cuda_gives_the_cpus_results(device):
+    """The same gradients and state through each compressor on the CPU and on CUDA.
+
+    Bitwise where every operation is correctly rounded on both (casts, exact max and top-k selection, a sum over
+    one rank): fp32/bf16 all-reduce and top-k. int8 with nearest rounding, one step: CUDA divides by a Python
+    number as a product with its reciprocal (one more rounding than the CPU's division), so a chunk's scale may
+    differ in its last bit and a code at a rounding boundary by one: each output within one quantisation step of
+    the other, the largest step of its parameter being max|g| / 127 (2x safety for the scales' own rounding). PowerSGD
+    (paper variant, float64, one step from the same initial Q, identical on both: drawn on the CPU) within a bound:
+    each device computes Y = M Q with |dY| <= m u |M| |Q| and an orthonormal basis of Y + F, ||F||_F <= n r u ||Y||_F
+    (Householder QR, Higham Thm 19.4), so its projector is within d = (m u ||M||_F ||Q||_F + n r u ||Y||_F) /
+    sigma_r(Y) of the exact one (Wedin); the approximation P P^T M differs between the devices by <= 2 d ||M||_F,
+    plus the two products' roundings and P's departure from orthonormality (n + r + 2 sqrt(r) n r) u ||M||_F each;
+    u = eps64 / 2, 2x safety."""
+    _cuda_only(device)
+    cases = [("none", {}), ("bf16", {}), ("topk", {"ratio": 0.1})]
+    model = make_model()
+    cpu = make_compressor("int8", model.named_parameters(), stochastic=False)
+    gpu = make_compressor("int8", list(make_model().to(device).named_parameters()), stochastic=False)
+    g = _grads(model, torch.device("cpu"), torch.float32, 0)
+    for a, b, x, pname in zip(cpu.aggregate(g), gpu.aggregate([t.to(device) for t in g]), g, cpu.names, strict=True):
+        within((a - b.cpu()).abs(), 2 * x.abs().max() / 127, f"int8 {pname}")
+    for name, opts in cases:
+        cpu = make_compressor(name, model.named_parameters(), **opts)
+        gpu = make_compressor(name, list(make_model().to(device).named_parameters()), **opts)
+        for step in range(3):
+            g = _grads(model, torch.device("cpu"), torch.float32, step)
+            ours, theirs = cpu.aggregate(g), gpu.aggregate([t.to(device) for t in g])
+            for a, b, pname in zip(ours, theirs, cpu.names, strict=True):
+                assert torch.equal(a, b.cpu()), f"{name} step {step}: {pname} differs between the CPU and CUDA"
+    model64 = make_model(torch.float64)
+    opts = {"rank": 2, "variant": "paper", "factor_dtype": "fp32", "start_compressing_after_num_steps": 0,
+            "min_compression_rate": 0}  # fmt: skip
+    cpu = make_compressor("powersgd", model64.named_parameters(), **opts)
+    gpu = make_compressor("powersgd", list(make_model(torch.float64).to(device).named_parameters()), **opts)
+    q0 = cpu.state_dict()["q"]
+    g = _grads(model64, torch.device("cpu"), torch.float64, 0)
+    ours, theirs = cpu.aggregate(g), gpu.aggregate([t.to(device) for t in g])
+    u = EPS64 / 2
+    for a, b, m, q, pname in zip(ours, theirs, g, q0, cpu.names, strict=True):
+        if q is None:  # sent exactly: a cast and a division by 1
+            assert torch.equal(a, b.cpu()), pname
+            continue
+        mat = m.reshape(m.shape[0], -1)
+        n, cols, r = mat.shape[0], mat.shape[1], q.shape[1]
+        y = mat @ q
+        d = (cols * u * mat.norm() * q.norm() + n * r * u * y.norm()) / torch.linalg.svdvals(y)[r - 1]
+        bound = 2 * (2 * d + 2 * (n + r + 2 * r**0.5 * n * r) * u) * mat.norm()
+        within((a - b.cpu()).norm(), bound, f"PowerSGD {pname}")
+
+
+# ---------------------------------------------------------------- host synchronisation
+
+
+def _sync_sites(fn: Callable[[], object]) -> list[str]:
+    """``path:line`` of every synchronising CUDA operation ``fn`` makes (sync-debug mode "warn": each one warns,
+    attributed to the Python line that called it)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [f"{Path(w.filename).as_posix()}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)]
+
+
+FLAG_READS = "powertrain/ops/finite.py"  # read_flag: the documented reads (one per collective at most)
+SYNC_CASES = [("none", {}), ("bf16", {}), ("int8", {}), ("int4", {"chunk": 64}), ("topk", {"ratio": 0.05}),
+              ("randk", {"ratio": 0.05}), ("sign", {}),
+              ("powersgd", {"rank": 4, "start_compressing_after_num_steps": 0}),  # recommended: paper, bf16 factors
+              ("powersgd", {"rank": 4, "variant": "alternating", "num_iters_per_step": 2,
+                            "start_compressing_after_num_steps": 0})]  # fmt: skip
+
+
+def test_no_host_sync_in_hot_paths(device):
+    """Under ``torch.cuda.set_sync_debug_mode``: a compressor's call reads at most one flag per collective, all in
+    :func:`powertrain.ops.finite.read_flag` (whether to raise NonFiniteGradientError: every rank must decide before
+    committing); an optimizer's step (not a refresh step of Shampoo's roots or GaLore's subspace, whose eigh / SVD
+    check their results on the host) makes none, except DeMo's one layout check per step (its comment says why)."""
+    _cuda_only(device)
+    # the harness itself: an .item() is one synchronisation, reported at its line here; "error" mode raises
+    assert len(_sync_sites(lambda: torch.ones(1, device=device).item())) == 1
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            torch.ones(1, device=device).item()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    from powertrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(64, 16, 2, 2, 32)).to(device)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    failures = []
+    for name, opts in SYNC_CASES:
+        comp = make_compressor(name, model.named_parameters(), **opts)
+        for _ in range(2):  # warm-up: error buffers, factors, caches
+            _drive(comp.program(grads), comp.comm)
+        counts: list[int] = []
+        sites = _sync_sites(lambda comp=comp, counts=counts: counts.append(_drive(comp.program(grads), comp.comm)[1]))
+        stray = [s for s in sites if FLAG_READS not in s]
+        if stray or len(sites) > counts[0]:
+            failures.append(f"{name} {opts}: {len(sites)} syncs for {counts[0]} collectives, not in read_flag: {stray}")
+    for name, build, allowed in _optimizers():
+        model.zero_grad()
+        opt = build(model)
+        for _ in range(3):  # warm-up: state, caches, the first refresh
+            for p, g in zip(model.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        sites = _sync_sites(opt.step)
+        stray = [s for s in sites if FLAG_READS not in s]
+        if stray or len(sites) > allowed:
+            failures.append(f"{name}: {len(sites)} syncs in a step ({allowed} allowed), not in read_flag: {stray}")
+    assert not failures, "\n".join(failures)
+
+
+def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
+    from powertrain.optim import DeMo, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW
+
+    matrices = lambda m: [p for p in m.parameters() if p.ndim == 2]
+    others = lambda m: [p for p in m.parameters() if p.ndim != 2]
+    galore = lambda m: GaLoreAdamW([{"params": others(m)}, {"params": matrices(m), "rank": 4}], update_proj_gap=100)
+    shampoo = lambda m: DistributedShampoo(m.parameters(), precondition_frequency=100, start_preconditioning_step=1)
+    return [
+        ("FrozenVarianceAdamW", lambda m: FrozenVarianceAdamW(m.parameters(), freeze_after=2), 0),
+        ("GaLoreAdamW", galore, 0),
+        ("DistributedShampoo", shampoo, 0),
+        ("DeMo", lambda m: DeMo(m.parameters()), 1),
+    ]
+
+
+# ---------------------------------------------------------------- DDP on two gloo ranks, tensors on the device
+
+
+def _ddp_on_device(rank: int, world: int, device: str) -> dict[str, Any]:
+    from test_ddp import CASES, _conservation, _train
+
+    if device == "cuda":
+        torch.cuda.set_device(0)  # both ranks on the one GPU: gloo copies through the host
+        torch.backends.cudnn.allow_tf32 = False
+    out: dict[str, Any] = {"plain": guard(_train, rank, None, {}, device=device)}
+    for name in ("none", "powersgd", "powersgd_paper_k2", "int8"):
+        out[f"train/{name}"] = guard(_train, rank, *CASES[name], device=device)
+    for name in ("powersgd_paper_k2", "int8"):
+        out[f"conserve/{name}"] = guard(_conservation, rank, *CASES[name], device=device)
+    return out
+
+
+def test_ddp_hook_on_device_tensors(device):
+    """DDP with powertrain's hook on 2 gloo ranks, model and gradients on the device: lossless is plain DDP bitwise
+    (test_ddp's argument holds: gloo sums the same host copies), PowerSGD (the hook's chained programs) and int8
+    (an all-gather) conserve what they owe and learn as on the CPU (test_ddp's bounds)."""
+    _asked_for(device)
+    from test_ddp import CASES, LOSS_GAP, check_conservation
+
+    runs = run_ranks(_ddp_on_device, 2, device.type, timeout=150)
+    for a, b in zip(case(runs, "plain"), case(runs, "train/none"), strict=True):
+        assert torch.equal(a["params"], b["params"]), "the lossless hook differs from plain DDP"
+    exact = sum(sum(r["losses"][-5:]) / 5 for r in case(runs, "train/none")) / 2
+    for name in ("powersgd", "powersgd_paper_k2", "int8"):
+        trained = case(runs, f"train/{name}")
+        assert torch.equal(trained[0]["params"], trained[1]["params"]), f"{name}: ranks diverged"
+        first = sum(r["losses"][0] for r in trained) / 2
+        got = sum(sum(r["losses"][-5:]) / 5 for r in trained) / 2
+        within((got - exact) / first, LOSS_GAP[name], f"{name}: final loss {got:.5f} vs exact {exact:.5f}")
+    for name in ("powersgd_paper_k2", "int8"):
+        check_conservation([r["records"] for r in case(runs, f"conserve/{name}")], 2, *CASES[name])
+
+
+# ---------------------------------------------------------------- the command, world size 1
+
+
+def test_every_parallel_mode_trains_at_world_size_1(device, tmp_path):
+    """Each ``--parallel`` mode (and the DDP hook's gather program, and SimpleFSDP compiled) trains 4 steps of the
+    tiny preset with one worker: NCCL on CUDA, gloo on the CPU. Every loss is finite and the run says where it ran."""
+    _asked_for(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tests = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)}
+    r = run_cli(backend, str(tmp_path), module="device_modes", env=env, timeout=170)
+    assert r.returncode == 0, r.stderr[-4000:]
+    results = json.loads(r.stdout.strip().splitlines()[-1])
+    failed = {mode: res.get("error") or res for mode, res in results.items() if res.get("code") != 0}
+    assert not failed, "\n".join(f"--- {mode}\n{why}" for mode, why in failed.items())
+    for mode, res in results.items():
+        assert len(res["losses"]) == 4 and all(math.isfinite(x) for x in res["losses"]), (mode, res["losses"])
+        assert res["summary"]["device"].startswith(device.type), (mode, res["summary"]["device"])
+
+
+def test_checkpoint_from_the_gpu_resumes_on_the_cpu_and_back(device, tmp_path):
+    """A DDP + PowerSGD run checkpoints on the GPU (NCCL), continues on the CPU (gloo) from it, and back on the GPU:
+    the model, AdamW and the compressor's error feedback and factors cross devices in both directions."""
+    _cuda_only(device)
+    out = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--nproc", "1", "--parallel", "ddp", "--checkpoint-every", "2", "--quiet",
+              "--out", str(out)]  # fmt: skip
+    for steps, backend in ((4, "nccl"), (6, "gloo"), (8, "nccl")):
+        resume = ["--resume", str(out)] if steps > 4 else []
+        r = run_cli(*common, "--steps", str(steps), "--backend", backend, *resume, timeout=180)
+        assert r.returncode == 0, f"{backend} to step {steps}: {r.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 9)) and all(math.isfinite(row["loss"]) for row in rows)

@@ -1,0 +1,159 @@
+"""``make gpu-check``'s machinery on the CPU, so that the one GPU run cannot find it broken: a size's measurements
+and their report, stages that fail or hang without stopping the others, the Makefile's choice of Python, and the
+on-paper GPU cluster model's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from powertrain.bench import cluster_gpu
+from powertrain.bench.gpu import Stage, run, section, stages
+from powertrain.bench.gpu_measure import COMPRESSORS, measure
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_sizes_measurements_and_their_report(tmp_path):
+    """The tiny stand-in measured on the CPU (what the GPU run does for 124M and 350M, fewer repetitions): every
+    compressor timed against backward, GaLore's state smaller than AdamW's, each strategy's step, the section."""
+    path = tmp_path / "tiny.json"
+    import torch.distributed as dist
+
+    data = measure("tiny", torch.device("cpu"), path, repeats=2, memory=("ddp", "rtp"))
+    assert not dist.is_initialized()  # its world of one is left again
+    assert json.loads(path.read_text()) == data  # the file is what was measured, item by item
+    assert data["passes"]["backward_s"] > 0 and data["passes"]["forward_s"] > 0
+    comps = data["compressors"]
+    assert comps["auto_choice"].startswith("rank=auto chose")
+    for label in [*COMPRESSORS, "PowerSGD auto"]:
+        c = comps[label]
+        assert c["seconds"] > 0 and c["of_backward"] == c["seconds"] / data["passes"]["backward_s"], label
+    assert comps["PowerSGD r4"]["bytes_per_step"] < comps["bf16"]["bytes_per_step"] < comps["bf16"]["dense_bytes"]
+    # GaLore keeps rank-16 moments of the 64-wide matrices (and their projectors): less state than AdamW's two moments
+    assert 0 < data["galore"]["galore"]["state_gb"] < data["galore"]["adamw"]["state_gb"]
+    for kind in ("ddp", "rtp"):  # rtp: its backward under bf16 autocast (was a dtype error)
+        assert data[f"memory/{kind}"]["step_s"] > 0, data[f"memory/{kind}"]
+    results = {"device": "cpu", "started": "now", "budget_s": 60, "elapsed_s": 5,
+               "stages": {"measure:tiny": {"ok": True, "seconds": 3.0, "result": data}}}  # fmt: skip
+    text = section(results)
+    assert "| measure:tiny | ok |" in text and "PowerSGD r32 (powersgd, rank 32)" in text
+    assert "| tiny | rtp |" in text and "Target (issue 36)" in text
+
+
+def test_stages_fail_alone_and_within_the_budget(tmp_path):
+    """A real train stage, one that raises, one that hangs past its timeout, and one the budget leaves no room for:
+    each is recorded with its one-line cause, and the ones after a failure still run."""
+    train = next(s for s in stages("tiny", "cpu", tmp_path) if s.name == "train:reference")
+    raises = Stage("raises", [sys.executable, "-c", "raise ValueError('Invalid x=3: must be 2')"], 30)
+    hangs = Stage("hangs", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2)
+    late = Stage("late", [sys.executable, "-c", "pass"], 30)
+    results_path, log = tmp_path / "r.json", tmp_path / "r.log"
+    data = run([raises, hangs, train], results_path, log, device="cpu", preset="tiny", budget_s=120)
+    st = data["stages"]
+    assert json.loads(results_path.read_text()) == data
+    assert not st["raises"]["ok"] and st["raises"]["error"] == "ValueError: Invalid x=3: must be 2"
+    assert not st["hangs"]["ok"] and st["hangs"]["error"] == "timed out after 2 s" and "started" in st["hangs"]["tail"]
+    assert st["train:reference"]["ok"], st["train:reference"]
+    res = st["train:reference"]["result"]
+    assert res["tok_per_s_steady"] > 0 and res["precision"] == "bf16" and res["summary"]["device"] == "cpu"
+    assert "===== hangs" in log.read_text()
+    # a budget with less than MIN_STAGE_S (20 s) left starts nothing more
+    late = run([late], results_path, log, device="cpu", preset="tiny", budget_s=5)["stages"]["late"]
+    assert late == {"ok": False, "skipped": "not started: 5 s of the budget left"}
+
+
+@pytest.mark.parametrize("venv", [True, False], ids=["venv", "no-venv"])
+def test_make_gpu_check_never_installs(tmp_path, venv):
+    """Without .venv/.installed (a GPU machine with torch preinstalled and no network) the target runs python3 on
+    the source tree; with it, the venv's Python. It never depends on the install target."""
+    env_dir = tmp_path / "venv"
+    if venv:
+        env_dir.mkdir()
+        (env_dir / ".installed").touch()
+    r = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"VENV={env_dir}", "DEVICE=cpu"], cwd=ROOT,
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, lines  # nothing else runs: no venv, no pip
+    python = f"{env_dir}/bin/python" if venv else "python3"
+    assert "/src" in lines[0] and f" {python} tools/gpu_check.py --device cpu" in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------- the on-paper GPU cluster model
+
+
+SMALL, MEDIUM = 163_109_376, 406_382_592  # the GPT-2 small and medium shapes' parameters (untied head)
+
+
+def _results(backward_124: float, backward_350: float) -> dict:
+    def size(name: str, n: int, layers: int, d: int, backward: float) -> dict:
+        return {"ok": True, "result": {"size": name, "params": n, "n_layer": layers, "d_model": d, "block_size": 1024,
+                                       "tokens": 8192, "batch": 8, "vocab": 50304,
+                                       "passes": {"forward_s": backward / 2, "backward_s": backward},
+                                       "compressors": {"PowerSGD r32": {"seconds": backward / 10}}}}  # fmt: skip
+
+    return {"device": "cuda", "stages": {"env": {"ok": True, "result": {"device_name": "a GPU"}},
+                                         "measure:124m": size("124m", SMALL, 12, 768, backward_124),
+                                         "measure:350m": size("350m", MEDIUM, 24, 1024, backward_350)}}  # fmt: skip
+
+
+def test_gpu_model_takes_measured_figures_and_scales_them():
+    figs = cluster_gpu.figures(_results(0.02, 0.05))
+    small, medium, xl = (figs[k] for k in cluster_gpu.MODELS)
+    assert (small.params, medium.params) == (SMALL, MEDIUM)
+    assert (small.backward_s, small.forward_s, small.compress_s["PowerSGD r32"]) == (0.02, 0.01, 0.002)  # as measured
+    # 1.3B: from the 350M measurement by training FLOPs (4 x 2048 tokens, 24 layers of 2048), by parameters
+    ratio = (4 * 2048 * _per_token(xl.params, 24, 2048, 2048)) / (8192 * _per_token(MEDIUM, 24, 1024, 1024))
+    assert xl.backward_s == pytest.approx(0.05 * ratio, rel=1e-12) and "extrapolated" in xl.source
+    assert xl.compress_s["PowerSGD r32"] == pytest.approx(0.005 * xl.params / MEDIUM, rel=1e-12)
+    assert xl.compress_s["int8"] > 0  # not measured here: estimated from the datasheet
+    assert medium.source.startswith("measured") and figs == cluster_gpu.figures(_results(0.02, 0.05))
+    with pytest.raises(ValueError, match="measured on 'cpu'"):
+        cluster_gpu.figures({"device": "cpu", "stages": {}})
+
+
+def _per_token(n: int, layers: int, d: int, context: int) -> float:
+    return 6 * n + 12 * layers * d * context
+
+
+def test_break_even_is_where_the_steps_cross():
+    figs = cluster_gpu.figures(None)  # published figures
+    fig = figs["GPT-2 medium shape"]
+    for method in ("PowerSGD r32", "int8"):
+        for hier in (False, True):
+            bps = cluster_gpu.break_even_bps(fig, method, 2, hier)
+            if bps is None or math.isinf(bps):
+                continue
+            steps = [cluster_gpu.step_s(fig, m, 2, bps, hier) for m in (method, "bf16")]
+            assert steps[0] == pytest.approx(steps[1], rel=1e-6), (method, hier)  # the bisection's end
+            assert cluster_gpu.step_s(fig, method, 2, bps / 2, hier) < cluster_gpu.step_s(fig, "bf16", 2, bps / 2, hier)
+    # a flat int8 all-gather over 128 GPUs sends (W - 1) bytes per value, bf16's ring 2 (W - 1) / W x 2: never pays
+    assert cluster_gpu.break_even_bps(fig, "int8", 16, False) is None
+    text = cluster_gpu.gpu_scale_section(None)
+    assert text.count("literature: 40%") == 3 and "| GPT-3 XL shape (1.3B) | 16 x 8 | 400 |" in text
+
+
+def test_results_feed_the_benchmarks_in_one_command(tmp_path, capsys):
+    """``bench gpu --results`` and ``bench cluster --preset paper --results`` take a CUDA run's file; a CPU dry run's
+    is refused in one line."""
+    from powertrain.cli import main
+
+    good, bad = tmp_path / "gpu.json", tmp_path / "cpu.json"
+    good.write_text(json.dumps({**_results(0.02, 0.05), "started": "then", "budget_s": 420, "elapsed_s": 400}))
+    bad.write_text(json.dumps({"device": "cpu", "stages": {}}))
+    out = tmp_path / "B.md"
+    assert main(["bench", "cluster", "--preset", "paper", "--results", str(good), "--write", str(out)]) == 0
+    text = out.read_text()
+    assert "measured (124m, a GPU)" in text and "extrapolated from the measured 350m" in text
+    assert main(["bench", "gpu", "--results", str(good), "--write", str(out)]) == 0
+    assert "## GPU (`make gpu-check`)" in out.read_text()
+    for suite in (["gpu"], ["cluster", "--preset", "paper"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["bench", *suite, "--results", str(bad), "--write", str(out)])
+        assert exit_.value.code == 2 and f"{bad} was measured on 'cpu'" in capsys.readouterr().err

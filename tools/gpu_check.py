@@ -1,0 +1,86 @@
+"""``make gpu-check [DEVICE=cpu]``: ``powertrain bench gpu``'s stages and the CUDA test leg, in one time budget.
+
+Run from the source tree (``PYTHONPATH=src``: a GPU machine without network needs no install). Every stage is a
+subprocess with its own timeout; a failure is recorded and the next stage runs (:mod:`powertrain.bench.gpu`).
+Files, in ``$OUT`` if set (what a device run returns), else ``runs/gpu-check``:
+
+* ``gpu_check.json``: every stage's result or error (feed it back: ``powertrain bench gpu --results FILE`` rewrites
+  BENCHMARKS.md's GPU section, ``powertrain bench cluster --preset paper --results FILE`` the on-paper cluster model);
+* ``gpu_check.log``: each stage's command and the tail of its output;
+* ``gpu_section.md`` and ``cluster_gpu.md``: the two Markdown sections this run's figures give;
+* ``BENCHMARKS.md``: the repository's, with the GPU section replaced (CUDA runs only);
+* ``powersgd_profile.txt``: PowerSGD rank 32's top operations, when it is above its target share of backward.
+
+``DEVICE=cpu`` is the dry run: the same stages on stand-in sizes, in a minute or two, and BENCHMARKS.md untouched.
+Exit status 1 when any stage failed or did not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The test leg: every test marked ``device``. On the CPU (the dry run) POWERTRAIN_TEST_DEVICE stays unset, so the
+#: leg is the quick world-size-1 part (test_device.py's multi-process cases skip: the suite runs them on the CPU).
+TEST_FILES = ["tests/test_compressors_unit.py", "tests/test_powersgd_unit.py", "tests/test_device.py"]
+
+
+def _pytest_result(output: str) -> dict[str, Any]:
+    """The test leg's counts (pytest's last summary line) and the failed tests' ids."""
+    summary = next((line.strip("= ") for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed|"
+                                                                                            r"error|skipped)", line)),
+                   "no summary")  # fmt: skip
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)))
+    return {"summary": summary, "failed": failed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"))
+    parser.add_argument("--no-tests", action="store_true", help="skip the test leg")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from powertrain.bench.cluster_gpu import gpu_scale_section
+    from powertrain.bench.gpu import Stage, run_gpu_bench
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"make gpu-check: this torch ({torch.__version__}) sees no CUDA device; run make gpu-check DEVICE=cpu "
+              "for the dry run", file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def tests(work: Path) -> list[Stage]:
+        if args.no_tests:
+            return []
+        env = {"POWERTRAIN_TEST_DEVICE": "cuda"} if args.device == "cuda" else {}
+        # each test's own limit (pytest-timeout) below the stage's, so that pytest reports a hang and goes on
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "-rfE",
+                "-o", "addopts=", "--timeout=180", *TEST_FILES]  # fmt: skip
+        return [Stage("tests", argv, 240 if args.device == "cuda" else 120, parse=_pytest_result, env=env)]
+
+    preset = "default" if args.device == "cuda" else "tiny"
+    os.chdir(ROOT)  # the test leg's paths; BENCHMARKS.md
+    data = run_gpu_bench(preset=preset, device=args.device, out=str(out), extra=tests,
+                         write=str(ROOT / "BENCHMARKS.md"))  # fmt: skip
+    # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then)
+    (out / "cluster_gpu.md").write_text(gpu_scale_section(data if args.device == "cuda" else None) + "\n")
+    if args.device == "cuda":
+        shutil.copy(ROOT / "BENCHMARKS.md", out / "BENCHMARKS.md")
+    bad = {name: r.get("error") or r.get("skipped") for name, r in data["stages"].items() if not r["ok"]}
+    print(json.dumps({"out": str(out), "elapsed_s": data.get("elapsed_s"), "not ok": bad}, indent=1))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
