@@ -284,7 +284,9 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10,
     ``path`` as it goes."""
     cfg, batch = SIZES[size]
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        if device.index is None:  # "cuda": the current device (set_device takes an index: torch 2.11 refuses "cuda")
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device.index)
     else:  # the dry run: one thread, as powertrain train's workers (spinning OpenMP threads on a shared CPU crawl)
         torch.set_num_threads(1)
     backend = "nccl" if device.type == "cuda" else "gloo"
