@@ -1,8 +1,12 @@
-"""CommStats accounting (world size 1; the collectives themselves are tested on real ranks elsewhere)."""
+"""CommStats accounting and the device a group's collectives take (world size 1; the collectives themselves are
+tested on real ranks elsewhere, and on NCCL by tests/test_device.py)."""
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from powertrain.comm import CommStats
+from powertrain import comm
+from powertrain.comm import CommStats, collective_device, group_of_its_own
 
 
 def test_record_and_record_bytes_count_alike_and_combine():
@@ -19,3 +23,49 @@ def test_record_and_record_bytes_count_alike_and_combine():
     assert (total.comm_s, total.compress_s) == (0.5, 0.25)  # sums of binary fractions: exact
     b.reset()
     assert (b.bytes_sent, b.num_collectives, b.by_op, b.comm_s) == (0, 0, {}, 0.0)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo world of one in this process, left again afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_collectives_take_the_cpu_under_gloo_and_the_current_cuda_device_under_nccl(world_of_one, monkeypatch):
+    """NCCL refuses CPU tensors ("No backend type associated with device type cpu"): tensors made only to be sent
+    go to the current CUDA device under NCCL, to the CPU under gloo and without torch.distributed."""
+    assert collective_device() == torch.device("cpu")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")  # gloo serves CPU tensors
+    assert collective_device() == torch.device("cpu")
+
+
+def test_collective_device_without_a_process_group():
+    assert not dist.is_initialized() and collective_device() == torch.device("cpu")
+
+
+def test_group_of_its_own_gathers_on_the_default_groups_device(world_of_one, monkeypatch):
+    """The ranks' masks are all-gathered on :func:`collective_device` of the default group (under NCCL a CUDA tensor:
+    the diloco strategy's first collective failed on a CPU one), and the group made from them holds this rank."""
+    asked, seen = [], []
+    gather = comm.all_gather_single
+
+    def recording(out, inp, *args, **kwargs):
+        seen.append((out.device, inp.device))
+        return gather(out, inp, *args, **kwargs)
+
+    def device(group=None):
+        asked.append(group)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(comm, "all_gather_single", recording)
+    monkeypatch.setattr(comm, "collective_device", device)
+    own = group_of_its_own()
+    assert own is not None and dist.get_process_group_ranks(own) == [0]
+    assert asked == [None] and seen == [(torch.device("cpu"), torch.device("cpu"))]

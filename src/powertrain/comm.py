@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from powertrain._compat import all_gather_single
 
-__all__ = ["CommStats", "Communicator", "ReduceKind", "group_of_its_own"]
+__all__ = ["CommStats", "Communicator", "ReduceKind", "collective_device", "group_of_its_own"]
 
 ReduceKind = Literal["sum", "mean"]
 
@@ -205,6 +205,15 @@ class Communicator:
         self.all_reduce_(tensor, "mean")
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s (default: the world's) collectives take their tensors: the current CUDA device under NCCL
+    (which refuses CPU tensors), else the CPU (gloo; also when torch.distributed is not initialised). Tensors that
+    exist only to be sent (flags, counts, the loss's average) are made here."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def group_of_its_own(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
     """A new process group with the ranks of ``group`` (default: the world), for collectives that run beside the
     caller's own on ``group`` (from another thread, in the background). ``new_group`` must be called by every rank
@@ -216,8 +225,10 @@ def group_of_its_own(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
     world = dist.get_world_size()
     mine = torch.zeros(world, dtype=torch.int64)
     mine[dist.get_process_group_ranks(group) if group is not None else list(range(world))] = 1
-    masks = torch.empty(world, world, dtype=torch.int64)
-    all_gather_single(masks.view(-1), mine)
+    device = collective_device()  # the all-gather runs on the default group
+    masks = torch.empty(world, world, dtype=torch.int64, device=device)
+    all_gather_single(masks.view(-1), mine.to(device))
+    masks = masks.cpu()
     own = None
     for ranks in dict.fromkeys(tuple(int(r) for r in row.nonzero().flatten()) for row in masks):
         created = dist.new_group(ranks=list(ranks))

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from powertrain.comm import CommStats, Communicator
+from powertrain.comm import CommStats, Communicator, collective_device
 from powertrain.ops.flat import flat_views, pack
 from powertrain.simple_fsdp import _parametrize
 
@@ -449,10 +449,8 @@ def rotated_tensor_parallel(
     if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
         raise ValueError("rotated_tensor_parallel takes a model entirely on the meta device or entirely off it; "
                          "move every parameter to one device first")  # fmt: skip
-    if params and params[0].is_meta:  # the group's device: NCCL's CUDA, otherwise the CPU
-        device = "cuda" if dist.get_backend(pg) == "nccl" else "cpu"
-    else:
-        device = params[0].device.type if params else "cpu"
+    on_meta = bool(params) and params[0].is_meta  # then the group's device: NCCL's CUDA, otherwise the CPU
+    device = collective_device(pg).type if on_meta else (params[0].device.type if params else "cpu")
     mesh = DeviceMesh.from_group(pg, device)
     comm = Communicator(group)
     ring = _Ring(comm, overlap)
