@@ -439,3 +439,26 @@ def test_launcher_returns_results_and_stops_everyone_on_a_failure(tmp_path):
         (1, "RuntimeError: boom on two lines")
     ]
     assert "Traceback" in (tmp_path / "logs" / "rank1.traceback").read_text()
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl", "gloo"])
+def test_the_device_follows_the_backend_also_without_a_process_group(backend, monkeypatch):
+    """``--nproc 1 --parallel reference`` makes no process group; its device is still the one ``--backend`` names
+    (auto: CUDA where there is one): a GPU machine trained a 124M GPT on the CPU. Here CUDA is faked, no collective
+    runs; the other modes take their process group's device (:func:`powertrain.comm.collective_device`)."""
+    import torch.distributed as dist
+
+    from powertrain.train import loop
+    from powertrain.train.config import TrainConfig
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    cfg = TrainConfig(parallel="reference", nproc=1, backend=backend, compressor="none")
+    device = loop._init_distributed(cfg)
+    assert not dist.is_initialized()
+    cuda = backend != "gloo"
+    assert device == (torch.device("cuda", 0) if cuda else torch.device("cpu")) and chosen == ([0] if cuda else [])

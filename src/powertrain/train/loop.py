@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from powertrain._device import synchronize
-from powertrain.comm import CommStats, Communicator
+from powertrain.comm import CommStats, Communicator, collective_device
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
 from powertrain.models import GPT, GPTConfig, ResNet1d
@@ -40,25 +40,29 @@ MB = 1e6
 
 def _init_distributed(cfg: TrainConfig) -> torch.device:
     """Join the launcher's world (env://); one worker under ddp/fsdp/simple_fsdp gets a world of one (an
-    in-process store: no socket), since those modes need a process group."""
+    in-process store: no socket), since those modes need a process group. The run's device: its process group's
+    (CUDA under NCCL), and without one (``reference`` alone) the device ``--backend`` would use (``auto``: CUDA
+    where there is one)."""
     alone = "WORLD_SIZE" not in os.environ
-    if not dist.is_initialized() and not (alone and cfg.parallel == "reference"):
-        backend = cfg.backend
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
-        if alone:
+        if alone and cfg.parallel == "reference":
+            pass  # nothing to communicate: no process group
+        elif alone:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         elif (store := _restart_store(timeout)) is not None:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if dist.is_initialized():
+        return collective_device()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
