@@ -294,3 +294,44 @@ def test_unsupported_is_refused_clearly(results):
     for r in case(results[1], "bad"):
         assert "cannot run under FSDP2" in r["topk"]
         assert "got no gradient" in r["missing_grad"]
+
+
+def test_fsdp_state_accessors_across_torch_versions(monkeypatch):
+    """powertrain._compat reads FSDP2's private parameter groups: torch 2.13's list ``_fsdp_param_groups`` (here, a
+    real fully_shard on a gloo world of one) and torch 2.11's single ``_fsdp_param_group`` (None without parameters;
+    faked on this torch: a GPU run on 2.11 failed on the list), the same parameters either way; several groups
+    (2.13's per-parameter meshes, whose ``_fsdp_param_group`` raises) are refused by name."""
+    from types import SimpleNamespace
+
+    from powertrain._compat import fsdp_managed_params, fsdp_param_group_count, fsdp_param_groups
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_model()
+        fully_shard(model.fc1, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        managed = fsdp_managed_params(model)
+        own = [p for n, p in model.named_parameters() if not n.startswith("fc1.")]
+        assert [id(p) for p, _, _ in managed] == [id(p) for p in own] and fsdp_param_group_count(model) == 1
+        assert [size for _, size, _ in managed] == [p.shape for p in own] and {d for _, _, d in managed} == {0}
+        (group,) = fsdp_param_groups(model)
+        v211 = SimpleNamespace(_fsdp_param_group=group)  # torch 2.11's FSDPState: no _fsdp_param_groups
+        monkeypatch.setattr(model, "_get_fsdp_state", lambda: v211)
+        assert fsdp_managed_params(model) == managed and fsdp_param_group_count(model) == 1
+        v211._fsdp_param_group = None
+        assert fsdp_param_groups(model) == [] and fsdp_managed_params(model) == []
+
+        class Several:  # torch 2.13 with two meshes: the singular property raises
+            def __init__(self) -> None:
+                self._fsdp_param_groups = [group, group]
+
+            @property
+            def _fsdp_param_group(self):
+                raise AssertionError("Expected at most 1 param group")
+
+        monkeypatch.setattr(model, "_get_fsdp_state", Several)
+        assert fsdp_param_group_count(model) == 2
+        with pytest.raises(ValueError, match="several FSDP parameter groups"):
+            pfsdp.register_compressor(model, make_compressor("none", model.named_parameters()))
+    finally:
+        dist.destroy_process_group()

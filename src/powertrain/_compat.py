@@ -1,4 +1,9 @@
-"""Every private or version-dependent torch API powertrain uses, in one place."""
+"""Every private or version-dependent torch API powertrain uses, in one place.
+
+One exception, by import cost: FSDP2's custom-communication base classes (``AllGather`` and ``ReduceScatter`` of
+``torch.distributed.fsdp._fully_shard._fsdp_api``, the same path and interface in torch 2.11 and 2.13) are imported
+by :mod:`powertrain.fsdp` itself, since importing them here would cost every importer of this module (every
+worker) about 0.7 s."""
 
 from __future__ import annotations
 
@@ -21,19 +26,32 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 __all__ = ["all_gather_single", "foreach_add_", "foreach_copy_"]
 
 
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The ``FSDPParamGroup`` objects of one ``fully_shard`` module (FSDP2's private state). torch 2.13 keeps a list,
+    ``_fsdp_param_groups`` (per-parameter meshes give a module several); torch 2.11 has one attribute,
+    ``_fsdp_param_group``, None for a module that manages no parameter. (2.13 also has ``_fsdp_param_group``, as a
+    property that raises when there are several groups: the list is asked first.)"""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
 def fsdp_managed_params(module: Any) -> list[tuple[torch.nn.Parameter, torch.Size, int]]:
     """(sharded parameter, unsharded size, shard dim) for each parameter one ``fully_shard`` module
-    manages, in the order its reduce-scatter lays them out. FSDP2 has no public accessor for this."""
-    state = module._get_fsdp_state()
+    manages, in the order its reduce-scatter lays them out. FSDP2 has no public accessor for this; the
+    ``FSDPParam`` fields read here are the same in torch 2.11 and 2.13."""
     out = []
-    for group in state._fsdp_param_groups:
+    for group in fsdp_param_groups(module):
         for p in group.fsdp_params:
             out.append((p.sharded_param, p._orig_size, p.fsdp_placement.dim))
     return out
 
 
 def fsdp_param_group_count(module: Any) -> int:
-    return len(module._get_fsdp_state()._fsdp_param_groups)
+    return len(fsdp_param_groups(module))
 
 
 # pickle's pure-Python unpickler: unlike the C one, its opcodes can be hooked (typeshed does not describe it)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # private: see powertrain._compat
 
 from powertrain._checks import check_int
 from powertrain._compat import all_gather_single, fsdp_managed_params, fsdp_param_group_count
