@@ -53,10 +53,12 @@ bench: $(VENV)/.installed
 # one GPU, ~7 minutes; files in $OUT (or runs/gpu-check). DEVICE=cpu: the dry run, a minute or two. It never creates
 # a venv or installs anything (a GPU machine may have no network): with no $(VENV)/.installed it runs $(PYTHON) on
 # the source tree, using the torch installed there.
+# GPU_CHECK_ARGS: more options, e.g. a rerun of some stages merged into an earlier run's results (tools/gpu_check.py).
 DEVICE ?= cuda
+GPU_CHECK_ARGS ?=
 GPU_PY = $(if $(wildcard $(VENV)/.installed),$(PY),$(PYTHON))
 gpu-check:
-	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device $(DEVICE)
+	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

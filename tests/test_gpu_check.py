@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from powertrain.bench import cluster_gpu
-from powertrain.bench.gpu import Stage, run, section, stages
+from powertrain.bench.gpu import Stage, load_previous, run, section, select, stages
 from powertrain.bench.gpu_measure import COMPRESSORS, measure
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +67,88 @@ def test_stages_fail_alone_and_within_the_budget(tmp_path):
     # a budget with less than MIN_STAGE_S (20 s) left starts nothing more
     late = run([late], results_path, log, device="cpu", preset="tiny", budget_s=5)["stages"]["late"]
     assert late == {"ok": False, "skipped": "not started: 5 s of the budget left"}
+
+
+def _env_stage(tmp_path: Path, **env: str) -> Stage:
+    """An env stage that reports ``env`` (a stand-in for ``powertrain.bench.gpu env``)."""
+    path = tmp_path / "env.json"
+    return Stage("env", [sys.executable, "-c", f"open({str(path)!r}, 'w').write({json.dumps(json.dumps(env))})"], 30,
+                 path)  # fmt: skip
+
+
+def test_a_rerun_of_some_stages_merges_into_the_earlier_results(tmp_path):
+    """--merge: the earlier run's stages that were not repeated stay, in their place; a repeated one takes this run's
+    result; the results file is merged after every stage; another device, torch or CUDA keeps nothing, and says so.
+    A worker's failure is named by its exception, behind torch's ``[rank0]:`` prefix and after NCCL's warnings."""
+    gpu = {"device_name": "H100", "torch": "2.11.0", "cuda": "13.0"}
+    previous = {"schema": 1, "device": "cpu", "preset": "tiny", "started": "then", "budget_s": 420,
+                "stages": {"env": {"ok": True, "seconds": 5.0, "result": gpu},
+                           "train:ddp": {"ok": True, "seconds": 9.0, "result": {"kept": True}},
+                           "train:fsdp": {"ok": False, "seconds": 9.0, "error": "AttributeError: old"},
+                           "measure:350m": {"ok": False, "seconds": 4.0, "error": "ValueError: old"}}}  # fmt: skip
+    prev_path = tmp_path / "prev.json"
+    prev_path.write_text(json.dumps(previous))
+    assert load_previous(prev_path, "cpu", "tiny") == previous
+    fails = Stage("train:fsdp", [sys.executable, "-c", "import sys; print('[rank0]: RuntimeError: No backend type'); "
+                                 "print('[rank0]:[W1126] Warning: destroy_process_group() was not called'); "
+                                 "sys.exit(1)"], 30)  # fmt: skip
+    new = Stage("train:diloco", [sys.executable, "-c", "pass"], 30)
+    results_path, log = tmp_path / "r.json", tmp_path / "r.log"
+    data = run([_env_stage(tmp_path, **gpu), fails, new], results_path, log, device="cpu", preset="tiny",
+               budget_s=120, previous=previous)  # fmt: skip
+    st = data["stages"]
+    assert list(st) == ["env", "train:ddp", "train:fsdp", "measure:350m", "train:diloco"]
+    assert st["train:ddp"] == previous["stages"]["train:ddp"] and st["measure:350m"]["error"] == "ValueError: old"
+    assert st["train:fsdp"]["error"] == "RuntimeError: No backend type" and st["train:diloco"]["ok"]
+    assert data["merge"] == {"from": "then", "kept": ["train:ddp", "measure:350m"]}
+    assert json.loads(results_path.read_text()) == data and data["started"] != "then"
+    text = section({**data, "device": "cuda"})
+    assert "kept from an earlier run on the same device and torch (then): train:ddp, measure:350m" in text
+    other = run([_env_stage(tmp_path, **{**gpu, "device_name": "H200"}), new], results_path, log, device="cpu",
+                preset="tiny", budget_s=120, previous=previous)  # fmt: skip
+    assert list(other["stages"]) == ["env", "train:diloco"] and other["merge"]["kept"] == []
+    assert other["merge"]["refused"] == "another setup: device_name 'H100' then, 'H200' now"
+    with pytest.raises(ValueError, match="measured with device='cpu', preset='tiny'; this run is device='cuda'"):
+        load_previous(prev_path, "cuda", "default")
+
+
+def test_only_runs_the_named_stages_after_env(tmp_path):
+    named = stages("tiny", "cpu", tmp_path)
+    chosen = select(named, ["train:diloco", "measure:tiny", "train:diloco"])
+    assert [s.name for s in chosen] == ["env", "train:diloco", "measure:tiny"]
+    with pytest.raises(ValueError, match=r"Unknown stage 'train:fsdp2' in --only: choose from env, measure:tiny, "):
+        select(named, ["train:fsdp2"])
+    diloco = next(s for s in named if s.name == "train:diloco")  # exact, whatever the preset's compressor
+    assert diloco.argv[-4:] == ["--parallel", "diloco", "--compressor", "none"]
+
+
+def test_gpu_check_reruns_a_stage_and_merges(tmp_path):
+    """tools/gpu_check.py --only ... --merge FILE (the dry run's preset): the earlier run's other stages in the results
+    and the section; a bad --only or --merge is refused before anything runs."""
+    from powertrain.bench.gpu import env_info
+
+    env = env_info()
+    previous = {"schema": 1, "device": "cpu", "preset": "tiny", "started": "then", "budget_s": 240,
+                "stages": {"env": {"ok": True, "seconds": 5.0, "result": env},
+                           "train:ddp": {"ok": False, "seconds": 1.0, "error": "ValueError: from before"}}}  # fmt: skip
+    prev_path = tmp_path / "prev.json"
+    prev_path.write_text(json.dumps(previous))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--no-tests", "--out", str(out)]
+    env_vars = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([*cmd, "--only", "env", "--merge", str(prev_path)], cwd=ROOT, capture_output=True, text=True,
+                       env=env_vars, timeout=120)  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]  # train:ddp failed then: still not ok
+    data = json.loads((out / "gpu_check.json").read_text())
+    assert list(data["stages"]) == ["env", "train:ddp"] and data["stages"]["env"]["ok"]
+    assert data["merge"] == {"from": "then", "kept": ["train:ddp"]}
+    assert "| train:ddp | ValueError: from before |" in (out / "gpu_section.md").read_text()
+    r = subprocess.run([*cmd, "--only", "train:nope"], cwd=ROOT, capture_output=True, text=True, env=env_vars,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "Unknown stage 'train:nope' in --only" in r.stderr
+    r = subprocess.run([*cmd, "--merge", str(tmp_path / "absent.json")], cwd=ROOT, capture_output=True, text=True,
+                       env=env_vars, timeout=120)  # fmt: skip
+    assert r.returncode == 2 and "no such file" in r.stderr
 
 
 @pytest.mark.parametrize("venv", [True, False], ids=["venv", "no-venv"])

@@ -13,6 +13,12 @@ Files, in ``$OUT`` if set (what a device run returns), else ``runs/gpu-check``:
 
 ``DEVICE=cpu`` is the dry run: the same stages on stand-in sizes, in a minute or two, and BENCHMARKS.md untouched.
 Exit status 1 when any stage failed or did not start.
+
+A rerun of some stages (``make gpu-check GPU_CHECK_ARGS="--only tests,train:fsdp --merge FILE"``): ``--only`` runs
+those stages (and ``env``), in that order; ``--merge FILE`` (an earlier run's gpu_check.json, in a path that travels
+with the work tree to the GPU machine, e.g. an untracked ``tools/gpu_check_prev.json``) keeps that run's other
+stages when the device, torch and CUDA are the same, and every file above, BENCHMARKS.md's section included, is
+written from the merged results. ``POWERTRAIN_GPU_BUDGET_S`` sets the time budget (default 420 s).
 """
 
 from __future__ import annotations
@@ -46,12 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"))
     parser.add_argument("--no-tests", action="store_true", help="skip the test leg")
+    parser.add_argument("--only", metavar="STAGES",
+                        help="run only these stages (comma-separated, e.g. tests,train:fsdp; env always runs), in "
+                             "this order")  # fmt: skip
+    parser.add_argument("--merge", metavar="FILE",
+                        help="an earlier run's gpu_check.json: keep its other stages (same device, torch, "
+                             "CUDA)")  # fmt: skip
     args = parser.parse_args(argv)
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
+    if only is not None and not only:
+        parser.error(f"--only {args.only!r} names no stage: give comma-separated names, e.g. --only tests,train:fsdp")
+    if args.merge is not None and not Path(args.merge).is_file():
+        parser.error(f"--merge {args.merge!r}: no such file (copy the earlier run's gpu_check.json there first)")
 
     import torch
 
     from powertrain.bench.cluster_gpu import gpu_scale_section
-    from powertrain.bench.gpu import Stage, run_gpu_bench
+    from powertrain.bench.gpu import Stage, load_previous, run_gpu_bench, select, stages
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"make gpu-check: this torch ({torch.__version__}) sees no CUDA device; run make gpu-check DEVICE=cpu "
@@ -71,14 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
     preset = "default" if args.device == "cuda" else "tiny"
     os.chdir(ROOT)  # the test leg's paths; BENCHMARKS.md
+    try:  # a bad --only or --merge is said before anything runs
+        if only is not None:
+            select([*stages(preset, args.device, out), *tests(out)], only)
+        if args.merge is not None:
+            load_previous(args.merge, args.device, preset)
+    except ValueError as e:
+        print(f"make gpu-check: {e}", file=sys.stderr)
+        return 2
     data = run_gpu_bench(preset=preset, device=args.device, out=str(out), extra=tests,
-                         write=str(ROOT / "BENCHMARKS.md"))  # fmt: skip
+                         write=str(ROOT / "BENCHMARKS.md"), only=only, merge=args.merge)  # fmt: skip
     # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then)
     (out / "cluster_gpu.md").write_text(gpu_scale_section(data if args.device == "cuda" else None) + "\n")
     if args.device == "cuda":
         shutil.copy(ROOT / "BENCHMARKS.md", out / "BENCHMARKS.md")
     bad = {name: r.get("error") or r.get("skipped") for name, r in data["stages"].items() if not r["ok"]}
-    print(json.dumps({"out": str(out), "elapsed_s": data.get("elapsed_s"), "not ok": bad}, indent=1))
+    print(json.dumps({"out": str(out), "elapsed_s": data.get("elapsed_s"), "merge": data.get("merge"), "not ok": bad},
+                     indent=1))  # fmt: skip
     return 1 if bad else 0
 
 

@@ -79,6 +79,9 @@ TRAIN_RUNS: dict[str, list[str]] = {
     "simple_fsdp": ["--parallel", "simple_fsdp", "--compressor", "none"],
     "rtp": ["--parallel", "rtp", "--compressor", "none", "--precision", "fp32"],  # the command runs both in fp32 only
     "tp": ["--parallel", "tp", "--tp", "1", "--compressor", "none", "--precision", "fp32"],
+    # local updates with the command's defaults (a sync every 25 steps, DiLoCo's outer Nesterov step), exact: the
+    # outer step's own cost. Named, so that a preset's compressor (tiny's PowerSGD, start counting syncs) stays out.
+    "diloco": ["--parallel", "diloco", "--compressor", "none"],
 }
 
 
@@ -195,25 +198,35 @@ def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
 
 
 def _last_error(lines: Sequence[str]) -> str:
-    """The output's last line that names an exception (a traceback's last line), else its last line."""
-    for line in reversed(lines):
+    """The output's last line that names an exception (a traceback's last line, also behind a worker's ``[rank0]:``
+    prefix), else its last line."""
+    for raw in reversed(lines):
+        line = re.sub(r"^\[rank\d+\]:\s?", "", raw)
         if re.match(r"^\s*[\w.]*(Error|Exception|Failed|Interrupt)\b.*", line) or line.startswith("powertrain "):
             return line.strip()[:500]
     return (lines[-1].strip() if lines else "no output")[:500]
 
 
 def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: str, preset: str,
-        budget_s: float) -> dict[str, Any]:  # fmt: skip
-    """Run ``run_stages`` in order within ``budget_s``; the results file is rewritten after each."""
+        budget_s: float, previous: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run ``run_stages`` in order within ``budget_s``; the results file is rewritten after each.
+
+    ``previous``: an earlier run's results (:func:`load_previous`); its stages that this run does not repeat are kept,
+    in their place, once this run's ``env`` stage shows the same device, torch and CUDA (otherwise nothing is kept,
+    and ``merge`` says why)."""
     started = datetime.datetime.now().isoformat(timespec="seconds")
     results: dict[str, Any] = {"schema": SCHEMA, "device": device, "preset": preset, "budget_s": budget_s,
                                "started": started, "stages": {}}  # fmt: skip
     deadline = time.monotonic() + budget_s
     t0 = time.monotonic()
+    new: dict[str, Any] = {}
     with log_path.open("w") as log:
         for stage in run_stages:
             res = run_stage(stage, deadline, log)
-            results["stages"][stage.name] = res
+            new[stage.name] = res
+            results["stages"] = new
+            if previous is not None:
+                results.update(_merged(previous, new))
             results["elapsed_s"] = round(time.monotonic() - t0, 1)
             results_path.write_text(json.dumps(results, indent=1))
             status = "ok" if res["ok"] else res.get("error") or res.get("skipped")
@@ -221,12 +234,60 @@ def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: 
     return results
 
 
+#: What must agree for an earlier run's stages to stand beside this run's.
+SAME_SETUP = ("device_name", "torch", "cuda")
+
+
+def load_previous(path: str | Path, device: str, preset: str) -> dict[str, Any]:
+    """An earlier run's results file, to merge with (``make gpu-check --merge FILE``); ValueError for one that
+    cannot be (another device type or preset, another schema, no env stage)."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != SCHEMA or not isinstance(data.get("stages"), dict):
+        raise ValueError(f"{path} is not a gpu-check results file of schema {SCHEMA}: pass the gpu_check.json a "
+                         "make gpu-check wrote")  # fmt: skip
+    if (data.get("device"), data.get("preset")) != (device, preset):
+        raise ValueError(f"{path} was measured with device={data.get('device')!r}, preset={data.get('preset')!r}; "
+                         f"this run is device={device!r}, preset={preset!r}: merge runs of one kind only")  # fmt: skip
+    if not ((data["stages"].get("env") or {}).get("result")):
+        raise ValueError(f"{path} has no env stage result: it cannot show which device it ran on, so it is not merged")
+    return data
+
+
+def _merged(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The results' ``stages`` (the earlier run's in their order, this run's in place of those it repeated, then the
+    rest) and ``merge`` (where each came from), once this run's env agrees with the earlier one's."""
+    before = previous["stages"]["env"]["result"]
+    now = (new.get("env") or {}).get("result")
+    if now is None:
+        return {"merge": {"from": previous.get("started"), "kept": [], "refused": "this run's env stage has no "
+                          "result yet (or failed): nothing of the earlier run is kept"}}  # fmt: skip
+    differs = [f"{k} {before.get(k)!r} then, {now.get(k)!r} now" for k in SAME_SETUP if before.get(k) != now.get(k)]
+    if differs:
+        return {"merge": {"from": previous.get("started"), "kept": [],
+                          "refused": f"another setup: {'; '.join(differs)}"}}  # fmt: skip
+    stages = {**previous["stages"], **new}  # a repeated stage stays in its place, with this run's result
+    kept = [name for name in previous["stages"] if name not in new]
+    return {"stages": stages, "merge": {"from": previous.get("started"), "kept": kept}}
+
+
+def select(run_stages: list[Stage], only: Sequence[str]) -> list[Stage]:
+    """The stages named in ``only``, in that order, after ``env`` (always run: it says where the run was)."""
+    by_name = {s.name: s for s in run_stages}
+    unknown = [n for n in only if n not in by_name]
+    if unknown:
+        raise ValueError(f"Unknown stage {unknown[0]!r} in --only: choose from {', '.join(by_name)}")
+    return [by_name["env"], *(by_name[n] for n in dict.fromkeys(only) if n != "env")]
+
+
 def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md", out: str | None = None,
                   results: str | None = None, device: str | None = None,
-                  extra: Callable[[Path], list[Stage]] | None = None) -> dict[str, Any]:  # fmt: skip
+                  extra: Callable[[Path], list[Stage]] | None = None, only: Sequence[str] | None = None,
+                  merge: str | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure (or, with ``results``, only report a results file); write the section and the files in ``out``.
 
-    ``extra(work)``: stages to run right after the first size's measurements (``make gpu-check``'s test leg)."""
+    ``extra(work)``: stages to run right after the first size's measurements (``make gpu-check``'s test leg);
+    ``only``: run just these stages (and env), in this order; ``merge``: an earlier run's results file, whose other
+    stages the results keep (:func:`run`)."""
     if results is not None:
         data = json.loads(Path(results).read_text())
         if data.get("device") != "cuda":
@@ -246,9 +307,14 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
     run_stages = stages(preset, device, work)
     if extra is not None:
         run_stages[2:2] = extra(work)
+    if only is not None:
+        run_stages = select(run_stages, only)
+    previous = load_previous(merge, device, preset) if merge is not None else None
     budget = float(os.environ.get("POWERTRAIN_GPU_BUDGET_S", plan.budget_s))
     data = run(run_stages, outdir / "gpu_check.json", outdir / "gpu_check.log", device=device, preset=preset,
-               budget_s=budget)  # fmt: skip
+               budget_s=budget, previous=previous)  # fmt: skip
+    if (data.get("merge") or {}).get("refused"):
+        print(f"not merged with {merge}: {data['merge']['refused']}", file=sys.stderr, flush=True)
     for name, res in data["stages"].items():
         profile = (res.get("result") or {}).get("powersgd_r32_profile")
         if isinstance(profile, str):
@@ -275,8 +341,12 @@ def section(data: dict[str, Any]) -> str:
     where = (f"{env.get('device_name', data['device'])}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
              f"NCCL {env.get('nccl')}, driver {env.get('driver')}, Python {env.get('python')}, "
              f"{env.get('cpus')} CPUs")  # fmt: skip
+    merge = data.get("merge") or {}
+    kept = (f"; kept from an earlier run on the same device and torch ({merge['from']}): {', '.join(merge['kept'])}"
+            if merge.get("kept") else "")  # fmt: skip
     parts = [f"## GPU (`make gpu-check`)\n\nDevice: {where}; run {data['started']}, {data.get('elapsed_s', 0):.0f} s "
-             f"of a {data['budget_s']:.0f} s budget. Every figure at world size 1, bf16 autocast.\n"]  # fmt: skip
+             f"of a {data['budget_s']:.0f} s budget{kept}. Every figure at world size 1, under bf16 autocast unless "
+             "a table's precision says otherwise.\n"]  # fmt: skip
     parts.append(table(["stage", "result", "s"], [[name, "ok" if r["ok"] else (r.get("error") or r.get("skipped")),
                                                    r.get("seconds", "")] for name, r in st.items()]))  # fmt: skip
     measured = {n.split(":", 1)[1]: r["result"] for n, r in st.items() if n.startswith("measure:") and r.get("result")}
