@@ -308,7 +308,8 @@ def test_ddp_hook_on_device_tensors(device):
 
 def test_every_parallel_mode_trains_at_world_size_1(device, tmp_path):
     """Each ``--parallel`` mode (and the DDP hook's gather program, and SimpleFSDP compiled) trains 4 steps of the
-    tiny preset with one worker: NCCL on CUDA, gloo on the CPU. Every loss is finite and the run says where it ran."""
+    tiny preset with one worker: NCCL on CUDA, gloo on the CPU. Every loss is finite, the run says where it ran (the
+    reference mode, without a process group, too) and that it sent nothing."""
     _asked_for(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     tests = str(Path(__file__).parent)
@@ -321,6 +322,7 @@ def test_every_parallel_mode_trains_at_world_size_1(device, tmp_path):
     for mode, res in results.items():
         assert len(res["losses"]) == 4 and all(math.isfinite(x) for x in res["losses"]), (mode, res["losses"])
         assert res["summary"]["device"].startswith(device.type), (mode, res["summary"]["device"])
+        assert res["summary"]["bytes_sent"] == 0, (mode, "one worker sends nothing", res["summary"]["bytes_sent"])
 
 
 def test_checkpoint_from_the_gpu_resumes_on_the_cpu_and_back(device, tmp_path):

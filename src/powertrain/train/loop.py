@@ -432,7 +432,7 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
     elif sent <= dense:
         ratio = f"{dense / sent:.1f}x less"
     else:  # Shampoo's all-gather of its directions on top of the gradients; RTP's weights travel too
-        ratio = f"{sent / max(dense, 1):.1f}x more"
+        ratio = f"{sent / dense:.1f}x more" if dense else "plain all-reduce would send nothing"
     what = {"rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
             "tp": "Sequence/tensor parallelism's activations and FSDP2's gradient reduce-scatter (computed)"}.get(
         cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip

@@ -74,12 +74,14 @@ class Strategy:
     own_optimizer: bool = False
 
     #: Traffic this mode's collectives do not count themselves: op -> (payload bytes, collectives) per backward,
-    #: recorded in ``stats`` by the default :meth:`sync`.
+    #: recorded in ``stats`` by the default :meth:`sync`, with more than one rank (as :mod:`powertrain.comm` counts:
+    #: nothing is sent at world size 1).
     computed: Mapping[str, tuple[int, int]] = MappingProxyType({})
 
     def sync(self, last_micro: bool) -> contextlib.AbstractContextManager[None]:
-        for op, (nbytes, collectives) in self.computed.items():
-            self.stats.record_bytes(nbytes, op, collectives=collectives)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            for op, (nbytes, collectives) in self.computed.items():
+                self.stats.record_bytes(nbytes, op, collectives=collectives)
         return contextlib.nullcontext()
 
     def loss_scope(self) -> contextlib.AbstractContextManager[None]:
