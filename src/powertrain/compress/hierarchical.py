@@ -180,7 +180,7 @@ class HierarchicalCompressor(Compressor):
         if averaged and failed is None:
             sent = torch.cat([a.reshape(-1).to(dtype) for a in averaged])
             payload[: sent.numel() * dtype.itemsize].copy_(sent.view(torch.uint8))
-        payload[-1] = failed is not None
+        payload[-1:].fill_(int(failed is not None))  # fill_ with a number: no host-to-device copy on CUDA
         gathered = yield GatherRequest(payload, comm=self._node[1])
         assert gathered is not None, "a gather returns the gathered payloads"
         if failed is not None:

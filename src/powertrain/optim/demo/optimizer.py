@@ -176,7 +176,7 @@ class DeMo(torch.optim.Optimizer):
         payload = pack_payload([torch.cat(values), torch.cat(positions).to(itype)])
         # The last byte (pack_payload's spare flag byte) fingerprints the layout: ranks that disagree on which
         # parameters have gradients, or on their shapes, would otherwise decode each other's bytes wrongly.
-        payload[-1] = _fingerprint(sent, itype)
+        payload[-1:].fill_(_fingerprint(sent, itype))  # fill_ with a number: no host-to-device copy (sync) on CUDA
         t1 = time.perf_counter()
         gathered, _ = self.comm.all_gather(payload)
         t2 = time.perf_counter()
