@@ -43,8 +43,9 @@ class _Reference:
     is applied after ``delay`` more inner steps, then mixed into the local weights."""
 
     def __init__(self, model: torch.nn.Module, H: int, groups: list[list[int]], delay: int, mix: float,
-                 lr: float, momentum: float) -> None:  # fmt: skip
+                 lr: float, momentum: float, warmup: int = 0) -> None:  # fmt: skip
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.warmup = warmup
         self.inner = _inner(model)
         self.anchors = [p.detach().clone() for p in self.params]
         self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
@@ -57,21 +58,30 @@ class _Reference:
 
     @torch.no_grad()
     def step(self) -> None:
+        if self.step_count < self.warmup:  # every gradient averaged in fp32 (divided by W, then summed)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+            flat = torch.cat([g.reshape(-1) for g in grads]).div_(dist.get_world_size())
+            dist.all_reduce(flat)
+            for p, v in zip(self.params, flat.split([g.numel() for g in grads]), strict=True):
+                p.grad = v.view(p.shape).clone()
         self.inner.step()
         self.step_count += 1
-        s = self.step_count
-        if self.pending is not None and self.pending[1] == s:
+        if self.step_count == self.warmup:
+            for a, p in zip(self.anchors, self.params, strict=True):
+                a.copy_(p)
+        s = self.step_count - self.warmup
+        if self.pending is not None and self.pending[1] == self.step_count:
             self._apply(*self.pending[::2])
             self.pending = None
         for k, o in enumerate(self.offsets):
-            if s >= o and (s - o) % self.H == 0:
+            if s > 0 and s >= o and (s - o) % self.H == 0:
                 group = self.groups[k]
                 flat = torch.cat([(self.anchors[i] - self.params[i]).reshape(-1) for i in group])
                 flat.div_(dist.get_world_size())
                 dist.all_reduce(flat)
                 avg = [v.view(self.params[i].shape) for i, v in
                        zip(group, flat.split([self.params[i].numel() for i in group]), strict=True)]  # fmt: skip
-                self.pending = (k, s + self.delay, avg)
+                self.pending = (k, self.step_count + self.delay, avg)
                 if self.delay == 0:
                     self._apply(k, avg)
                     self.pending = None
@@ -89,18 +99,21 @@ class _Reference:
                 self.params[i].copy_(self.anchors[i])
 
 
-PLAIN = {"H": 3, "fragments": 1, "delay": 0, "mix": 0.0, "lr": 0.7, "momentum": 0.9, "steps": 10}
-STREAMING = {"H": 6, "fragments": 3, "delay": 1, "mix": 0.5, "lr": 0.8, "momentum": 0.5, "steps": 14}
+PLAIN = {"H": 3, "fragments": 1, "delay": 0, "mix": 0.0, "lr": 0.7, "momentum": 0.9, "steps": 10, "warmup": 0}
+STREAMING = {"H": 6, "fragments": 3, "delay": 1, "mix": 0.5, "lr": 0.8, "momentum": 0.5, "steps": 14, "warmup": 0}
+#: three steps of exact gradient averaging first, then model averaging every 4 steps in two fragments
+WARM = {"H": 4, "fragments": 2, "delay": 1, "mix": 0.0, "lr": 1.0, "momentum": 0.0, "steps": 12, "warmup": 3}
+SETTINGS = {"plain": PLAIN, "streaming": STREAMING, "warm": WARM}
 
 
 def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
     """DiLoCo and the reference, bitwise: the same operations on the same values in the same order."""
     model, ref_model = make_model(), make_model()
     diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=setting["H"], fragments=setting["fragments"],
-                    delay=setting["delay"], mix=setting["mix"],
+                    delay=setting["delay"], mix=setting["mix"], warmup=setting["warmup"],
                     outer_optimizer=nesterov(setting["lr"], setting["momentum"]))  # fmt: skip
     ref = _Reference(ref_model, setting["H"], diloco.fragments, setting["delay"], setting["mix"], setting["lr"],
-                     setting["momentum"])  # fmt: skip
+                     setting["momentum"], setting["warmup"])  # fmt: skip
     mismatch, trajectory = [], []
     for step in range(setting["steps"]):
         _train(model, diloco, rank, range(step, step + 1))
@@ -205,8 +218,7 @@ def _nonfinite(rank: int) -> dict[str, Any]:
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {
-        "plain": guard(_parity, rank, PLAIN),
-        "streaming": guard(_parity, rank, STREAMING),
+        **{name: guard(_parity, rank, setting) for name, setting in SETTINGS.items()},
         "resume": guard(_resume, rank),
         "nonfinite": guard(_nonfinite, rank),
     }
@@ -225,21 +237,27 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 def _starts(setting: dict[str, Any]) -> list[tuple[int, int]]:
     """(inner step, fragment) of every sync a run of ``setting`` starts: fragment k at offset_k + j H, never at 0."""
-    H, F = setting["H"], setting["fragments"]
-    return [(s, k) for s in range(1, setting["steps"] + 1) for k in range(F) if s >= k * H // F
+    H, F, w = setting["H"], setting["fragments"], setting["warmup"]
+    return [(s + w, k) for s in range(1, setting["steps"] - w + 1) for k in range(F) if s >= k * H // F
             and (s - k * H // F) % H == 0]  # fmt: skip
 
 
-@pytest.mark.parametrize("name", ["plain", "streaming"])
+@pytest.mark.parametrize("name", list(SETTINGS))
 def test_matches_the_reference_bitwise(results, name):
     runs = case(results, name)
     for r in runs:
         assert r["mismatch"] == [], f"DiLoCo left the reference after inner steps {r['mismatch']}"
-    setting = PLAIN if name == "plain" else STREAMING
+    setting = SETTINGS[name]
     starts = _starts(setting)
     assert runs[0]["syncs"] == sum(1 for s, _ in starts if s + setting["delay"] <= setting["steps"])
-    # exact fp32 averaging: 4 bytes per value of the fragment, handed to one all-reduce per started sync
-    assert runs[0]["bytes"] == sum(4 * runs[0]["sizes"][k] for _, k in starts)
+    # exact fp32 averaging: 4 bytes per value of the fragment, handed to one all-reduce per started sync; the warm-up
+    # sends every gradient every step
+    warm = setting["warmup"] * 4 * sum(runs[0]["sizes"])
+    assert runs[0]["bytes"] == warm + sum(4 * runs[0]["sizes"][k] for _, k in starts)
+    if setting["warmup"]:  # the replicas train as one through the warm-up, then apart
+        w = setting["warmup"]
+        assert all(torch.equal(r["trajectory"][w - 1], runs[0]["trajectory"][w - 1]) for r in runs)
+        assert not torch.equal(runs[0]["trajectory"][w], runs[1]["trajectory"][w])
     assert all(torch.equal(r["finished"], runs[0]["finished"]) for r in runs), "finish() leaves one model"
     if name == "plain":  # right after a sync (step 9, no delay, no mix) every replica holds the anchor
         assert all(torch.equal(r["trajectory"][8], runs[0]["trajectory"][8]) for r in runs)

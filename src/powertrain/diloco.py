@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
-from powertrain.comm import CommStats, group_of_its_own
-from powertrain.compress.base import Compressor, check_state_tensors, placeholder
+from powertrain.comm import CommStats, Communicator, group_of_its_own
+from powertrain.compress.base import Compressor, check_state_tensors, placeholder, run_program
 from powertrain.compress.chain import Chain, Sequencer
 
 __all__ = ["DiLoCo", "OuterOptimizer", "nesterov", "schedule", "split_by_size"]
@@ -156,8 +156,12 @@ class DiLoCo:
         fragments: int | Sequence[Sequence[int]] = 1,
         delay: int = 0,
         mix: float = 0.0,
+        warmup: int = 0,
+        warmup_compressor: str | Compressor = "none",
+        warmup_options: Mapping[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
+        check_int("warmup", warmup, 0)
         if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix < 1:
             raise ValueError(f"Invalid mix={mix!r}: must be in [0, 1) (0: take the outer update as it is)")
         if not isinstance(inner, torch.optim.Optimizer):
@@ -178,7 +182,14 @@ class DiLoCo:
         nf = len(self.fragments)
         #: fragment k starts its syncs at inner steps offsets[k] + j * sync_every (j >= 0; never at step 0)
         self.offsets = schedule(sync_every, len(self.fragments), delay)
+        self.warmup = warmup
         self.compressor = self._compressor(compressor, dict(compressor_options or {}), group, local)
+        #: averages every step's gradients during the warm-up (None without one): the replicas train as one
+        self.warmup_compressor = (self._compressor(warmup_compressor, dict(warmup_options or {}), group, local,
+                                                   own_group=False) if warmup else None)  # fmt: skip
+        if self.warmup_compressor is not None and isinstance(warmup_compressor, str):  # one count of what is sent
+            warm = self.warmup_compressor
+            warm.comm = Communicator(warm.comm.group, stats=self.compressor.comm.stats)
         comms = self.compressor.communicators() or [self.compressor.comm] * self.compressor.max_collectives_per_call()
         self._seq = Sequencer(comms)
         self._calls = 0
@@ -189,7 +200,7 @@ class DiLoCo:
         self.syncs = 0  # fragment synchronisations applied
         self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
         self.late = 0  # how many syncs had not arrived when due
-        self._applied = [0] * nf  # the inner step of each fragment's latest outer update
+        self._applied = [warmup] * nf  # the inner step of each fragment's latest outer update
         self._pending: _Pending | None = None
         self._error: BaseException | None = None
 
@@ -199,7 +210,7 @@ class DiLoCo:
             return [_local(p) for p in self.params]
 
     def _compressor(self, spec: str | Compressor, options: dict[str, Any], group: dist.ProcessGroup | None,
-                    local: list[torch.Tensor]) -> Compressor:  # fmt: skip
+                    local: list[torch.Tensor], own_group: bool = True) -> Compressor:  # fmt: skip
         if isinstance(spec, Compressor):
             if options:
                 raise ValueError("compressor_options go with a compressor name; a Compressor instance has its own")
@@ -217,7 +228,8 @@ class DiLoCo:
             raise ValueError(f"compressor must be a name or a powertrain Compressor, got {type(spec).__name__}")
         from powertrain.compress import make_compressor
 
-        own = group_of_its_own(group)  # training's own collectives go on meanwhile, on its groups
+        # the outer step's collectives overlap training's own (on their groups); the warm-up's run in the step
+        own = group_of_its_own(group) if own_group else group
         shaped = [(n, placeholder(t.shape, t)) for n, t in zip(self.names, local, strict=True)]
         return make_compressor(spec, shaped, group=own, **options)
 
@@ -225,7 +237,8 @@ class DiLoCo:
 
     @property
     def stats(self) -> CommStats:
-        """What the outer step sent (the compressor's counts) and, as ``comm_s``, the compute time lost waiting."""
+        """What the outer step and a warm-up compressor given by name sent (the outer compressor's counts), and as
+        ``comm_s`` the compute time lost waiting for syncs."""
         return self.compressor.comm.stats
 
     @property
@@ -239,9 +252,15 @@ class DiLoCo:
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One inner step; then the outer update of the fragment whose sync is due, and the start of the syncs that
         begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
+        if self.step_count < self.warmup:
+            self._average_gradients()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.step_count += 1
         s = self.step_count
+        if s == self.warmup:  # the replicas trained as one: their weights are the anchor the local updates start from
+            with torch.no_grad():
+                for a, t in zip(self.anchors, self._locals(), strict=True):
+                    a.copy_(t)
         if self._pending is not None and self._pending.due == s:
             self._apply(self._wait(lost=True))
         for f in self.starting(s):
@@ -253,6 +272,8 @@ class DiLoCo:
     def finish(self) -> None:
         """Bring every replica to the same weights: apply a sync in flight, then synchronise (at once) every fragment
         that has trained since its latest outer update. Training may go on afterwards as before."""
+        if self.step_count <= self.warmup:  # the replicas trained as one so far
+            return
         if self._pending is not None:
             self._apply(self._wait(lost=True))
         for f in range(len(self.fragments)):
@@ -261,8 +282,25 @@ class DiLoCo:
                 self._apply(self._wait(lost=True), mix=0.0)
 
     def starting(self, step: int) -> list[int]:
-        """The fragments whose sync starts after inner step ``step`` (1-based)."""
-        return [f for f, o in enumerate(self.offsets) if step > 0 and step >= o and (step - o) % self.sync_every == 0]
+        """The fragments whose sync starts after inner step ``step`` (1-based; the schedule starts after the
+        warm-up)."""
+        s = step - self.warmup
+        return [f for f, o in enumerate(self.offsets) if s > 0 and s >= o and (s - o) % self.sync_every == 0]
+
+    @torch.no_grad()
+    def _average_gradients(self) -> None:
+        """The warm-up: every gradient replaced by its mean over the replicas (the warm-up compressor's), so that the
+        replicas take the same inner step. A parameter without a gradient counts as a zero one."""
+        comp = self.warmup_compressor
+        assert comp is not None, "a warm-up has its compressor"
+        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(t)
+                 for p, t in zip(self.params, self._locals(), strict=True)]  # fmt: skip
+        averaged = run_program(comp.program(grads), comp.comm)
+        for p, g, a in zip(self.params, grads, averaged, strict=True):
+            if p.grad is None:  # a zeros_like keeps a DTensor's sharding
+                p.grad = torch.zeros_like(p)
+                g = _local(p.grad)
+            g.copy_(a)
 
     # ------------------------------------------------------------------ one synchronisation
 
@@ -352,6 +390,8 @@ class DiLoCo:
             "anchors": list(self.anchors),
             "outer": self.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
+            "warmup": self.warmup,
+            "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
             "pending": pending,
         }
 
@@ -360,17 +400,17 @@ class DiLoCo:
         if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
             raise ValueError("Not a DiLoCo state_dict")
         mine = {"sync_every": self.sync_every, "fragments": [list(f) for f in self.fragments], "delay": self.delay,
-                "mix": self.mix}  # fmt: skip
+                "mix": self.mix, "warmup": self.warmup}  # fmt: skip
         saved = {k: state.get(k) for k in mine}
         if saved != mine:
             diff = ", ".join(f"{k}={saved[k]!r} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
             raise ValueError(f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
-                             "fragments, delay and mix")  # fmt: skip
+                             "fragments, delay, mix and warmup")  # fmt: skip
         step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
         if not (type(step) is int and type(syncs) is int and syncs >= 0 and step >= 0):
             raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r}, syncs={syncs!r}")
         if not (isinstance(applied, list) and len(applied) == len(self.fragments)
-                and all(type(a) is int and 0 <= a <= step for a in applied)):  # fmt: skip
+                and all(type(a) is int and 0 <= a <= max(step, self.warmup) for a in applied)):  # fmt: skip
             raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
         local = self._locals()
         check_state_tensors("DiLoCo", "anchors", state.get("anchors"), [t.shape for t in local])
@@ -384,6 +424,11 @@ class DiLoCo:
             check_state_tensors("DiLoCo", "pending average", pending.get("average"),
                                 [local[i].shape for i in self.fragments[f]])  # fmt: skip
         self.compressor.load_state_dict(state["compressor"])
+        if self.warmup_compressor is not None:
+            warm = state.get("warmup_compressor")
+            if not isinstance(warm, Mapping):
+                raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
+            self.warmup_compressor.load_state_dict(warm)
         self.outer.load_state_dict(state["outer"])
         with torch.no_grad():
             for a, saved_anchor in zip(self.anchors, state["anchors"], strict=True):

@@ -67,6 +67,9 @@ _HELP = {
     "sync_mix": "diloco: share of the local weights kept after a delayed outer update (0: take the update as is)",
     "outer_lr": "diloco: the outer Nesterov SGD's learning rate (1 with --outer-momentum 0: plain averaging)",
     "outer_momentum": "diloco: the outer SGD's Nesterov momentum (0: plain SGD)",
+    "sync_warmup": "diloco: steps first whose gradients are averaged every step (by --warmup-compressor), so that the "
+    "replicas start their local updates as one model, with one optimizer state",
+    "warmup_compressor": "diloco: what averages the warm-up's gradients (a --compressor spec)",
     "hierarchy": "flat (every rank compresses against every other) or node (exact mean inside each node, the "
     "compressor only between nodes; with fsdp: HSDP, sharded inside a node, the compressor over the nodes' "
     "replicas; nodes from torchrun's LOCAL_WORLD_SIZE)",

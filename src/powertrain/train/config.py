@@ -110,7 +110,8 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 #: The outer step's compressor when a diloco run names none.
 DEFAULT_OUTER_COMPRESSOR = "none"
 #: The fields that only ``--parallel diloco`` reads.
-DILOCO_FIELDS = ("sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr", "outer_momentum")
+DILOCO_FIELDS = ("sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr", "outer_momentum", "sync_warmup",
+                 "warmup_compressor")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,6 +163,8 @@ class TrainConfig:
     sync_mix: float = 0.0  # alpha: the local weights' share after a delayed outer update
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM  # Nesterov; 0: plain SGD (1 and 0: model averaging)
+    sync_warmup: int = 0  # steps first whose gradients are averaged every step, by warmup_compressor
+    warmup_compressor: str = "none"
     nproc: int = 2
     backend: Backend = "auto"
     threads: int = 1
@@ -186,7 +189,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every", "sync_delay"):
+        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every", "sync_delay", "sync_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0")
         for f in dataclasses.fields(self):  # no value may overflow what it is handed to (torch, timedelta)
@@ -321,6 +324,10 @@ class TrainConfig:
                              "outer_momentum 0 averages the replicas)")  # fmt: skip
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"Invalid outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
+        parse_compressor(self.warmup_compressor)  # its name and options, checked now
+        if self.sync_warmup >= self.steps:
+            raise ValueError(f"Invalid sync_warmup={self.sync_warmup}: the run has {self.steps} steps; a warm-up "
+                             "shorter than the run leaves room for local updates")  # fmt: skip
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"parallel='diloco' trains with optimizer='adamw' or 'sgd' as the inner optimizer, not "
                              f"{self.optimizer!r}")  # fmt: skip
@@ -333,8 +340,9 @@ class TrainConfig:
         """The settings of ``parallel="diloco"`` (None for the other modes)."""
         if self.parallel != "diloco":
             return None
+        name, options = parse_compressor(self.warmup_compressor)
         return LocalUpdates(self.sync_every, self.fragments, self.sync_delay, self.sync_mix, self.outer_lr,
-                            self.outer_momentum)  # fmt: skip
+                            self.outer_momentum, self.sync_warmup, name, options)  # fmt: skip
 
     @property
     def freeze_after(self) -> int:

@@ -58,6 +58,9 @@ class LocalUpdates:
     mix: float = 0.0  # alpha: the local weights' share after a (delayed) outer update
     outer_lr: float = 0.7
     outer_momentum: float = 0.9  # Nesterov; 0: plain SGD
+    warmup: int = 0  # inner steps first whose gradients are averaged every step (the replicas train as one)
+    warmup_compressor: str = "none"  # what averages them, with its options
+    warmup_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Strategy:
@@ -326,7 +329,8 @@ class _DiLoCo(Strategy):
         lu = self.local
         self.diloco = DiLoCo(self.module.named_parameters(), optimizer, sync_every=lu.sync_every,
                              compressor=self.comp, outer_optimizer=nesterov(lu.outer_lr, lu.outer_momentum),
-                             fragments=lu.fragments, delay=lu.delay, mix=lu.mix)  # fmt: skip
+                             fragments=lu.fragments, delay=lu.delay, mix=lu.mix, warmup=lu.warmup,
+                             warmup_compressor=lu.warmup_compressor, warmup_options=lu.warmup_options)  # fmt: skip
         self.state = self.diloco
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
