@@ -465,3 +465,26 @@ def test_replicas_of_several_ranks(nodes, inner_kind):
             within((avg.double() - exact).abs(), EPS32 * exact.abs(), f"{inner_kind} sync {s} param {j}")
     assert runs[0]["losses"][-1] < runs[0]["losses"][0]
     assert runs[0]["bytes"] > 0
+
+
+def test_a_state_that_does_not_fit_changes_nothing():
+    """A resume refused part-way (here the outer optimizer's state, checked after the compressor's) leaves every part
+    as it was."""
+    model = make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=1, compressor="int8")
+    _train(model, diloco, 0, range(3))
+    saved = from_blob(to_blob(diloco.state_dict()))
+    _train(model, diloco, 0, range(3, 5))
+    now = from_blob(to_blob(diloco.state_dict()))
+    bad = dict(saved)
+    bad["outer"] = {**saved["outer"], "param_groups": []}
+    with pytest.raises(ValueError, match="does not fit") as e:
+        diloco.load_state_dict(bad)
+    assert "\n" not in str(e.value)
+    after = from_blob(to_blob(diloco.state_dict()))
+    same = lambda a, b: a is b is None or (a is not None and b is not None and torch.equal(a, b))
+    assert after["step"] == now["step"] != saved["step"]
+    assert all(same(a, b) for a, b in zip(after["anchors"], now["anchors"], strict=True))
+    # the compressor was loaded (it is checked first), then put back
+    assert after["compressor"]["steps"] == now["compressor"]["steps"] != saved["compressor"]["steps"]
+    assert all(same(a, b) for a, b in zip(after["compressor"]["errors"], now["compressor"]["errors"], strict=True))

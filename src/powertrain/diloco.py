@@ -423,13 +423,27 @@ class DiLoCo:
                 raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r}, due {due!r})")
             check_state_tensors("DiLoCo", "pending average", pending.get("average"),
                                 [local[i].shape for i in self.fragments[f]])  # fmt: skip
-        self.compressor.load_state_dict(state["compressor"])
+        warm = state.get("warmup_compressor")
+        if self.warmup_compressor is not None and not isinstance(warm, Mapping):
+            raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
+        if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
+            raise ValueError("DiLoCo state_dict lacks the outer optimizer's or the compressor's state")
+        # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
+        parts: list[Any] = [self.compressor, self.outer]
+        given: list[Any] = [state["compressor"], state["outer"]]
         if self.warmup_compressor is not None:
-            warm = state.get("warmup_compressor")
-            if not isinstance(warm, Mapping):
-                raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
-            self.warmup_compressor.load_state_dict(warm)
-        self.outer.load_state_dict(state["outer"])
+            parts.append(self.warmup_compressor)
+            given.append(warm)
+        before = [part.state_dict() for part in parts]  # references to the current state: loading replaces it
+        done = 0
+        try:
+            for part, part_state in zip(parts, given, strict=True):
+                part.load_state_dict(part_state)
+                done += 1
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:
+            for part, old in zip(parts[:done], before, strict=False):
+                part.load_state_dict(old)
+            raise ValueError(f"DiLoCo state_dict does not fit: {' '.join(str(e).split())[:300]}") from None
         with torch.no_grad():
             for a, saved_anchor in zip(self.anchors, state["anchors"], strict=True):
                 a.copy_(saved_anchor)
