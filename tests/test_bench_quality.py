@@ -5,48 +5,69 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
-from powertrain.bench import network, quality
-from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, seconds_to, select_rows
+from powertrain.bench import network, quality, timetotarget
+from powertrain.bench.netem import unavailable
+from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, select_rows
 from powertrain.bench.sidebyside import Spec
 from powertrain.models import GPT
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import load_data
 
+needs_root = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+#: local updates at the tiny horizon: H 4, int4 on the outer step (two syncs in 8 steps)
+TINY_LOCAL = quality.Row("h4-int4", "local updates H 4, int4 outer", "int4",
+                         optimizer_options={"sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+                         parallel="diloco")  # fmt: skip
 
-@pytest.mark.timeout(300)
+
+@needs_root
+@pytest.mark.timeout(400)
 def test_quality_bench_tiny(tmp_path, monkeypatch):
     launched: list[list[str]] = []
-    real, real_time = quality._launch, quality._time
+    real, real_link = quality._launch, timetotarget.seconds_per_step
 
     def recording(p, rows, steps, seed, target):
         launched.append([r.key for r in rows])
         return real(p, rows, steps, seed, target)
 
-    def timing(p, rows):
-        launched.append(["timing"] + [r.key for r in rows])
-        return real_time(p, rows)
+    def link(specs, timings, **kw):
+        launched.append([f"link {kw['rate']:g}"] + [f"{s.label}/{s.bucket_cap_mb}" for s in specs])
+        return real_link(specs, timings, **kw)
 
     monkeypatch.setattr(quality, "_launch", recording)
-    monkeypatch.setattr(quality, "_time", timing)
+    monkeypatch.setattr(timetotarget, "seconds_per_step", link)
+    monkeypatch.setattr(quality, "GRID", [TINY_LOCAL])
     out, md = tmp_path / "kept", tmp_path / "B.md"
-    report = run_quality_bench(preset="tiny", rows=["torch-r4", "alt-r4", "fp32-frozen"], out=str(out), write=str(md))
+    rest = ["torch-r4", "alt-r4", "fp32-frozen", "h4-int4"]
+    report = run_quality_bench(preset="tiny", rows=rest, out=str(out), write=str(md))
     p = PRESETS["tiny"]
-    # the timing launch (every row and the compute-only model), fp32 alone every seed (it sets the target), then
-    # the other rows side by side, every seed
-    rest = ["torch-r4", "alt-r4", "fp32-frozen"]
-    assert launched == [["timing", "fp32", *rest], ["fp32"], ["fp32"], rest, rest]
-    assert set(report["step_s"]) == {"", "fp32", *rest} and all(t > 0 for t in report["step_s"].values())
+    # first the link: per rate, the per-step configurations side by side (one bucket and 2 MB buckets at 100 Mbit/s,
+    # one bucket at 1; alt-r4 compressing from its first step, its exact steps timed as fp32's), then local updates
+    # over whole periods in a launch of their own; torch's hook is not timed. Then fp32 alone every seed (it sets
+    # the target), then the other rows side by side, every seed
+    one = ["fp32/None", "alt-r4/None", "fp32-frozen/None"]
+    two = ["fp32/None", "fp32/2.0", "alt-r4/None", "alt-r4/2.0", "fp32-frozen/None", "fp32-frozen/2.0"]
+    assert launched == [["link 1", *one], ["link 1", "h4-int4/None"], ["link 100", *two],
+                        ["link 100", "h4-int4/None"], ["fp32"], ["fp32"], rest, rest]  # fmt: skip
+    link_s = report["link_s"]
+    assert set(link_s) == {"1.0", "100.0"} and set(link_s["1.0"]) == {"fp32", "alt-r4", "fp32-frozen", "h4-int4"}
+    assert len(link_s["1.0"]["alt-r4"]) == 2 and link_s["1.0"]["alt-r4"][0] == link_s["1.0"]["fp32"][0]
+    # a dense fp32 step on a 1 Mbit/s link takes longer than on a 100 Mbit/s one (the model's 4 bytes a parameter)
+    assert link_s["1.0"]["fp32"][0] > link_s["100.0"]["fp32"][0] > 0
     [h] = report["horizons"]
-    assert h["steps"] == 8 and [r["key"] for r in h["rows"]] == ["fp32", "torch-r4", "alt-r4", "fp32-frozen"]
-    fp32, _hook, ours, frozen = h["rows"]
+    assert h["steps"] == 8 and [r["key"] for r in h["rows"]] == ["fp32", *rest]
+    fp32, _hook, ours, frozen, local = h["rows"]
     assert frozen["val_mean"] != fp32["val_mean"]  # the row's optimizer options reach its optimizer
     assert h["target"] == pytest.approx(1.01 * fp32["val_mean"], rel=1e-12)
     assert ours["fraction"] < 0.5
-
+    # local updates: two int4 syncs of the model in 8 steps (the finishing sync falls on the last scheduled one)
     model = GPT(p.model)
+    assert local["fraction"] < 2 * 0.6 / 8 and "seconds" not in _hook
+
     # What a row keeps: its curve from the run, and bytes counted as sent. After the warm-up's dense steps
     # powertrain's must equal what the compressor says a rank-4 step sends (alternating: P and Q on alternate
     # steps, so the compressed steps average them).
@@ -68,27 +89,29 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     for r in h["rows"]:
         assert r["val_min"] <= r["val_mean"] <= r["val_max"] and len(r["hits"]) == p.seeds
         assert all(k is None or (k % p.eval_every == 0 and 0 < k <= CAP * 8) for k in r["hits"]), r["hits"]
-
-    # the model: the first k steps' time grows with k and shrinks with the link rate
-    t = report["step_s"]["alt-r4"]
-    assert seconds_to(4, m, t, 10.0) > seconds_to(4, m, t, 1000.0) > seconds_to(2, m, t, 1000.0) > 2 * t
+    # time to target: the exact steps at fp32's measured seconds, the rest at the row's own
+    if "seconds" in ours:
+        k = sorted(ours["hits"])[len(ours["hits"]) // 2] if len(ours["hits"]) % 2 else sum(ours["hits"]) / 2
+        exact, compressed = link_s["1.0"]["alt-r4"]
+        expect = min(k, p.start) * exact + max(0, k - p.start) * compressed
+        assert ours["seconds"]["1.0"] == pytest.approx(expect, rel=1e-12)
     text = md.read_text()
-    for rate in quality.RATES:  # per link rate, the fastest row to the target
+    for rate in p.rates:  # per link rate, the fastest row to the target
         assert f"- {rate:g} Mbit/s: fastest " in text
     assert "<!-- bench:quality-tiny -->" in text and "| powertrain powersgd r4 (alternating" in text
-    assert "time to target @ 10 Mbit/s" in text
+    assert "time to target @ 1 Mbit/s" in text and "measured on an emulated link" in text
 
-    # a second call runs nothing that is kept: the same report from the kept results; a row whose definition changed
-    # would run again (a changed preset too)
+    # a second call runs nothing that is kept (the link timings neither): the same report from the kept results; a
+    # row whose definition changed would run again (a changed preset too)
     launched.clear()
-    again = run_quality_bench(preset="tiny", rows=["fp32-frozen", "alt-r4", "torch-r4"], out=str(out), write=None)
+    again = run_quality_bench(preset="tiny", rows=rest[::-1], out=str(out), write=None)
     assert launched == []
     by_key = {r["key"]: r for r in again["horizons"][0]["rows"]}
     assert all(by_key[r["key"]] == r for r in report["horizons"][0]["rows"])
     # a horizon limited to some rows (rows_at: the long one) runs and reports only those, fp32 first; the kept
     # results stay valid (rows_at is not part of a result's identity)
     monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(p, rows_at={8: ("alt-r4",)}))
-    only = run_quality_bench(preset="tiny", rows=["fp32-frozen", "alt-r4", "torch-r4"], out=str(out), write=None)
+    only = run_quality_bench(preset="tiny", rows=rest, out=str(out), write=None)
     assert launched == [] and [r["key"] for r in only["horizons"][0]["rows"]] == ["fp32", "alt-r4"]
     monkeypatch.setitem(PRESETS, "tiny", p)
     path = out / "tiny" / "h8" / "s1" / "alt-r4.json"
@@ -99,6 +122,25 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     assert keep.get(8, 1, alt, h["target"]) is None
     # a lower target than the run stopped at cannot be decided from its curve, unless it ran to the cap
     assert (keep.get(8, 0, alt, 0.0) is None) == (m["steps_run"] < CAP * 8)
+
+
+def test_phases_add_up_per_phase():
+    """seconds_to: each phase's share of the first k steps at its own seconds per step."""
+    a, b = Spec("a", "none"), Spec("b", "int4")
+    phases = [timetotarget.Phase(3, a), timetotarget.Phase(None, b)]
+    sec = {timetotarget.timing_key(a): 10.0, timetotarget.timing_key(b): 1.0}
+    assert timetotarget.seconds_to(2, phases, sec) == 20.0
+    assert timetotarget.seconds_to(7.5, phases, sec) == 30.0 + 4.5
+    # a local-update warm-up: that many per-step steps of its compressor, then the local updates without it
+    warm = {"sync_warmup": 4, "warmup_compressor": "powersgd:rank=2,start=2"}
+    local = Spec("l", "int4", parallel="diloco", optimizer_options={"sync_every": 5, **warm})
+    got = timetotarget.phases_of(local, exact_warmup=0, exact=a)
+    assert [ph.until for ph in got] == [2, 4, None] and got[0].spec is a
+    assert got[1].spec.kind == "powersgd" and got[1].spec.parallel == "ddp" and got[1].spec.options["rank"] == 2
+    assert got[2].spec.optimizer_options == {"sync_every": 5}
+    with pytest.raises(ValueError, match="torch's PowerSGD hook"):
+        timetotarget.measure([Spec("t", "torch_psgd", {"rank": 4})], [10.0], model=None, batch=1, data_mb=0.0,
+                             kept=Path("/nonexistent/kept.json"))  # fmt: skip
 
 
 def test_rows_are_chosen_by_key_with_fp32_first():

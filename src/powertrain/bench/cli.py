@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-QUALITY_ONLY = ("mnist1d", "wide")  # bench quality's second and third workloads
+QUALITY_ONLY = ("mnist1d", "wide", "local")  # bench quality's other workloads, and local updates
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
@@ -30,8 +30,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--preset", choices=["default", "tiny", "paper", *QUALITY_ONLY], default="default",
                        help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-                       "shallower GPT: 2 layers x d_model 384); cluster only: paper (the on-paper model "
-                       "alone)")  # fmt: skip
+                       "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows); "
+                       "cluster only: paper (the on-paper model alone)")  # fmt: skip
     bench.add_argument("--results", default=None,
                        help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
                        "measuring); cluster --preset paper takes its measured GPU compute figures")  # fmt: skip
@@ -41,6 +41,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
     bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
     bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
+    bench.add_argument("--workers", type=int, default=None,
+                       help="quality: data-parallel workers, replicas of local updates (default: 2)")  # fmt: skip
+    bench.add_argument("--rates", default=None,
+                       help="quality: link rates in Mbit/s the time to target is measured at, on an emulated link "
+                       "(needs root; default: 1,10,100; 'none': no time to target)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
             horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
         except ValueError:
             raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
-        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, out=args.out,
-                          write=write)  # fmt: skip
+        rates = None if args.rates is None else [] if args.rates == "none" else args.rates.split(",")
+        try:
+            rates = None if rates is None else [float(r) for r in rates]
+        except ValueError:
+            raise ValueError(f"Invalid --rates {args.rates!r}: use Mbit/s such as 1,10,100, or none") from None
+        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, workers=args.workers,
+                          rates=rates, out=args.out, write=write)  # fmt: skip
     elif args.suite == "gpu":
         from powertrain.bench.gpu import run_gpu_bench
 

@@ -58,7 +58,7 @@ def _per_step(spec: Spec, res: SpecResult) -> float:
     return statistics.median(times)
 
 
-def _launch(specs: list[Spec], *, model: GPTConfig, batch: int, rate: float, timing: Timing, data_mb: float,
+def _launch(specs: list[Spec], *, model: GPTConfig | None, batch: int, rate: float, timing: Timing, data_mb: float,
             world: int, timeout: float) -> list[SpecResult]:  # fmt: skip
     args = launch_args(specs, model=model, batch=batch, warmup=timing.warmup, timed=timing.timed, start=0,
                        data_mb=data_mb, timeout_s=timeout)  # fmt: skip
@@ -74,7 +74,7 @@ def _launch(specs: list[Spec], *, model: GPTConfig, batch: int, rate: float, tim
     return by_spec(results)
 
 
-def seconds_per_step(specs: list[Spec], timings: list[Timing], *, model: GPTConfig, batch: int, rate: float,
+def seconds_per_step(specs: list[Spec], timings: list[Timing], *, model: GPTConfig | None, batch: int, rate: float,
                      data_mb: float, world: int = 2, timeout: float = 3600.0) -> list[float]:  # fmt: skip
     """Each of ``specs`` trained on an emulated cluster of ``world`` workers whose links run at ``rate`` Mbit/s, for
     its :class:`Timing` (side by side where they can be, see the module; rows of one launch take the most rounds any of

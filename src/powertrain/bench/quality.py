@@ -11,12 +11,15 @@ seed sets the initial weights and the training batches; the validation batches a
 
 Per row: the validation loss at the horizon (mean over seeds and min-max), the bytes a worker sent over the horizon
 (warm-up included) against fp32's, the steps to the target (the first evaluation at or below it) and the time to
-the target at each link rate: those steps times the row's step time at that rate. A step's time at a link rate is
-its step time on loopback (compute, compression, loopback communication; every row and a compute-only DDP model
-whose hook sends nothing, timed side by side in one short launch after the exact warm-ups, so one load hits them
-all, not in the long runs, whose load may drift) + its bytes over a ring collective at that rate (the serial
-alpha-beta model of :mod:`powertrain.bench.netem`, no overlap with backward, the same for every row; ``powertrain
-bench network`` measures how close real steps come to it). Exact warm-up steps cost dense bytes.
+the target at each link rate: each phase of those steps (PowerSGD's exact warm-up, a local-update warm-up, the rest)
+at its seconds per step **measured on an emulated link** of that rate (:mod:`powertrain.bench.timetotarget`: the
+real overlap with backward, the syncs of local updates amortised over whole periods; needs root for the network
+namespaces). torch's PowerSGD hook is not timed on the link.
+
+Local updates (``parallel="diloco"``: :class:`powertrain.diloco.DiLoCo`, the compressor on the outer step) are rows
+like any other: ``--preset local`` runs the recommended configuration beside fp32, bf16, the per-step default and
+DiLoCo at the paper's outer step (which torchft's DiLoCo matches bitwise, ``tests/test_bench_torchft.py``); the
+``h<H>-<compressor>`` rows (:data:`GRID`) sweep H and the outer compressor.
 
 Every row's result is kept in ``out`` (one JSON file per horizon, seed and row, with the row's definition and the
 preset; the timing launch in one more): a later call with more rows, seeds or horizons runs only what is missing,
@@ -35,19 +38,26 @@ from pathlib import Path
 from typing import Any
 
 from powertrain._files import write_atomic
-from powertrain.bench.netem import comm_seconds
+from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig, ResNet1d
-from powertrain.train.config import DEFAULT_START, POWERSGD_ADAM_FREEZE
+from powertrain.train.config import (
+    DEFAULT_OUTER_COMPRESSOR,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_START,
+    DEFAULT_SYNC_EVERY,
+    POWERSGD_ADAM_FREEZE,
+    parse_compressor,
+)
 from powertrain.train.launch import launch
 from powertrain.train.strategy import Parallel
 
 TARGET = 1.01
-RATES = (10.0, 100.0, 1000.0)  # Mbit/s
+RATES = (1.0, 10.0, 100.0)  # Mbit/s
 CAP = 3  # run to target: at most this many times the horizon in all
-TIMING_ROUNDS = (10, 30)  # the timing launch: rounds before timing (past every warm-up), rounds timed
 KEPT_FORMAT = 2  # kept results of another format are run again
 
 
@@ -114,6 +124,39 @@ ROWS = [
     ),
 ]
 
+#: local updates: averaged every H steps, what ``powertrain train --parallel diloco`` does by default
+_AVG = {"outer_lr": DEFAULT_OUTER_LR, "outer_momentum": DEFAULT_OUTER_MOMENTUM}
+_OUTER = {"none": ("none", {}), "int8": ("int8", {}), "int4": ("int4", {}), "r4": ("powersgd", {"rank": 4})}
+LOCAL = Row(
+    "local",
+    f"powertrain local updates, the default (H {DEFAULT_SYNC_EVERY}, {DEFAULT_OUTER_COMPRESSOR} outer with error "
+    f"feedback, outer lr {DEFAULT_OUTER_LR:g}, momentum {DEFAULT_OUTER_MOMENTUM:g})",
+    *parse_compressor(DEFAULT_OUTER_COMPRESSOR),
+    optimizer_options={"sync_every": DEFAULT_SYNC_EVERY, **_AVG},
+    parallel="diloco",
+)
+PAPER = Row(
+    "diloco-paper",
+    f"DiLoCo, the paper's outer step (Nesterov lr 0.7, momentum 0.9), fp32, H "
+    f"{DEFAULT_SYNC_EVERY} (torchft's DiLoCo: the same run)",
+    "none",
+    optimizer_options={"sync_every": DEFAULT_SYNC_EVERY, "outer_lr": 0.7, "outer_momentum": 0.9},
+    parallel="diloco",
+)
+#: the sweep of local updates: H x the outer step's compressor (with error feedback), averaging as the default does
+GRID = [
+    Row(
+        f"h{h}-{c}",
+        f"local updates H {h}, {c if c != 'none' else 'fp32'} outer",
+        kind,
+        opts,
+        optimizer_options={"sync_every": h, **_AVG},
+        parallel="diloco",
+    )
+    for h in (10, 25, 50, 100)
+    for c, (kind, opts) in _OUTER.items()
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
@@ -127,6 +170,8 @@ class Preset:
     #: horizon -> the only rows (keys) run at it besides fp32 (the long horizon costs hours); others: every row
     rows_at: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     workers: int = 2  # data-parallel workers (replicas, for local updates)
+    rows: tuple[str, ...] | None = None  # the rows run when none are named (None: every row of ROWS)
+    rates: tuple[float, ...] = RATES  # Mbit/s: the emulated links the time to target is measured on
 
     def __post_init__(self) -> None:
         if any(h % self.eval_every for h in self.horizons):
@@ -137,17 +182,29 @@ PRESETS = {
     "default": Preset(
         GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
     ),
-    "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2),
+    "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2, rates=(1.0, 100.0)),
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
     # a second text shape (issue 18): wider and shallower than the default, about as many parameters and FLOPs
     "wide": Preset(GPTConfig(256, 128, 2, 6, 384), 16, (300,), 3, 25, 32.0, DEFAULT_START),
+    # local updates (issue 34) on the default GPT, beside the per-step rows they compete with
+    "local": Preset(
+        GPTConfig(256, 128, 4, 4, 256),
+        16,
+        (300, 1000),
+        3,
+        25,
+        32.0,
+        DEFAULT_START,
+        rows_at={1000: ("local",)},
+        rows=("bf16", "r32-frozen", "local", "diloco-paper"),
+    ),
 }
 
 
 def select_rows(keys: Sequence[str] | None) -> list[Row]:
     """The rows named by ``keys`` (all of :data:`ROWS` for None), fp32 first: it sets the target."""
-    by_key = {r.key: r for r in ROWS}
+    by_key = {r.key: r for r in [*ROWS, LOCAL, PAPER, *GRID]}
     if keys is None:
         return list(ROWS)
     unknown = [k for k in keys if k not in by_key]
@@ -166,7 +223,7 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
 
 
 def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> list[SpecResult]:
-    """``specs`` side by side on 2 loopback workers with the preset's model and data."""
+    """``specs`` side by side on the preset's loopback workers with its model and data."""
     args = launch_args(specs, model=p.model, batch=p.batch, warmup=warmup, timed=timed, start=p.start,
                        eval_every=eval_every, data_mb=p.data_mb, seed=seed)  # fmt: skip
     return by_spec(launch(worker, p.workers, args))
@@ -181,14 +238,20 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
     return _run(p, specs, warmup=0, timed=rounds, eval_every=p.eval_every, seed=seed)
 
 
-def _time(p: Preset, rows: list[Row]) -> dict[str, float]:
-    """Median step time of every row and of the compute-only timer (a DDP hook that sends nothing, key ""),
-    side by side in one short launch after every row's exact warm-up: one load for all of them."""
-    specs = [_spec(r, sum(TIMING_ROUNDS), p.start, None) for r in rows] + [Spec("", "noop", optimizer="adamw")]
-    warmup, timed = TIMING_ROUNDS
-    print(f"[bench quality] timing {', '.join(r.key for r in rows)} and compute only", file=sys.stderr)
-    results = _run(p, specs, warmup=warmup, timed=timed, eval_every=0, seed=0)
-    return {s.label: statistics.median(res.step_times()) for s, res in zip(specs, results, strict=True)}
+def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
+    """How a row's steps are timed on the link (None: not timed, torch's hook)."""
+    if row.kind == "torch_psgd":
+        return None
+    spec = _spec(row, 0, p.start, None)
+    warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
+    return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(FP32, 0, p.start, None))
+
+
+def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float]]:
+    """Seconds per step on the emulated link, at each rate, of every phase of every row (by timing key)."""
+    specs = [ph.spec for r in rows for ph in _phases(p, r) or []]
+    return timetotarget.measure(specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept,
+                                world=p.workers)  # fmt: skip
 
 
 def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
@@ -217,7 +280,9 @@ def _identity(row: Row, p: Preset) -> dict[str, Any]:
     """What decides a row's run: its kind and options, and the preset's model and data (not labels, horizons or
     seed counts)."""
     run = {k: v for k, v in dataclasses.asdict(row).items() if k != "label"}
-    preset = {k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds", "rows_at")}
+    preset = {
+        k: v for k, v in dataclasses.asdict(p).items() if k not in ("horizons", "seeds", "rows_at", "rows", "rates")
+    }
     if p.model is None:  # since format 2, a classifier is evaluated on the whole validation split, with accuracy
         preset["eval"] = "val split, loss and accuracy"
     return json.loads(json.dumps({"format": KEPT_FORMAT, "row": run, "preset": preset}))
@@ -247,21 +312,6 @@ class _Kept:
             return None  # it stopped at an earlier, higher target
         return m
 
-    def timing(self, rows: list[Row]) -> dict[str, float] | None:
-        """The kept timing launch's step times, if it timed every one of ``rows`` as they are now."""
-        path = self.root / "timing.json"
-        if not path.exists():
-            return None
-        kept = json.loads(path.read_text())
-        ids = {r.key: _identity(r, self.preset) for r in rows}
-        if any(kept["identities"].get(k) != i for k, i in ids.items()):
-            return None
-        return {k: v for k, v in kept["step_s"].items() if k in ids or k == ""}
-
-    def put_timing(self, rows: list[Row], step_s: dict[str, float]) -> None:
-        ids = {r.key: _identity(r, self.preset) for r in rows}
-        _write(self.root / "timing.json", {"identities": ids, "step_s": step_s})
-
     def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
         kept = {"identity": _identity(row, self.preset), "label": row.label, "measured": measured}
         _write(self._path(steps, seed, row), kept)
@@ -274,13 +324,24 @@ def _write(path: Path, obj: Any) -> None:
 
 
 def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
-                      horizons: Sequence[int] | None = None, seeds: int | None = None,
-                      out: str | None = None, write: str | None = "BENCHMARKS.md") -> dict[str, Any]:  # fmt: skip
-    """Run what is missing of ``rows`` (keys of :data:`ROWS`; all by default) at ``horizons`` over ``seeds``
-    seeds (the preset's by default), keeping results in ``out`` (default ``runs/bench-quality``), and publish
-    the tables. Returns the report (also written to ``out/<preset>/report.json``)."""
+                      horizons: Sequence[int] | None = None, seeds: int | None = None, workers: int | None = None,
+                      rates: Sequence[float] | None = None, out: str | None = None,
+                      write: str | None = "BENCHMARKS.md") -> dict[str, Any]:  # fmt: skip
+    """Run what is missing of ``rows`` (keys of :data:`ROWS`, :data:`GRID`, ``local``, ``diloco-paper``; the preset's
+    by default) at ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s
+    (the preset's by default; empty: no time to target, and no root needed), keeping results in ``out`` (default
+    ``runs/bench-quality``), and publish the tables. Returns the report (also written to
+    ``out/<preset>[-w<workers>]/report.json``)."""
     p = PRESETS[preset]
-    chosen = select_rows(rows)
+    if workers is not None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+            raise ValueError(f"Invalid workers={workers!r}: bench quality needs at least 2 workers")
+        p = dataclasses.replace(p, workers=workers)
+    if rates is not None:
+        if any(isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r < float("inf") for r in rates):
+            raise ValueError(f"Invalid rates={list(rates)!r}: link rates are positive Mbit/s, e.g. 1,10,100")
+        p = dataclasses.replace(p, rates=tuple(float(r) for r in rates))
+    chosen = select_rows(p.rows if rows is None else rows)
     horizons = tuple(horizons or p.horizons)
     n_seeds = p.seeds if seeds is None else seeds
     bad = [h for h in horizons if h < 1 or h % p.eval_every]
@@ -288,13 +349,13 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
                          f"of the preset's eval_every ({p.eval_every}), seeds >= 1")  # fmt: skip
     model: GPT | ResNet1d = ResNet1d() if p.model is None else GPT(p.model)
-    kept = _Kept(Path(out or "runs/bench-quality") / preset, p)
-    report: dict[str, Any] = {"preset": preset, "params": model.num_params(), "horizons": []}
-    step_s = kept.timing(chosen)
-    if step_s is None:
-        step_s = _time(p, chosen)
-        kept.put_timing(chosen, step_s)
-    report["step_s"] = step_s
+    name = preset if p.workers == 2 else f"{preset}-w{p.workers}"
+    kept = _Kept(Path(out or "runs/bench-quality") / name, p)
+    report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
+    link = _link(p, chosen, kept.root / "linktime.json")
+    phases = {r.key: _phases(p, r) for r in chosen}
+    report["link_s"] = {str(rate): {r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
+                                    for r in chosen if phases[r.key]} for rate in p.rates}  # fmt: skip
     for steps in horizons:
         only = p.rows_at.get(steps)
         here = [r for r in chosen if only is None or r is FP32 or r.key in only]
@@ -312,9 +373,9 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
                     kept.put(steps, seed, r, _measured(r, measured, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
         runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in here}
-        report["horizons"].append(_summarise(here, runs, steps, target, step_s))
+        report["horizons"].append(_summarise(here, runs, steps, target, p, phases, link))
     (kept.root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    publish(markdown(report, p, n_seeds), write, "quality" if preset == "default" else f"quality-{preset}")
+    publish(markdown(report, p, n_seeds), write, "quality" if name == "default" else f"quality-{name}")
     return report
 
 
@@ -329,17 +390,9 @@ def _bytes(m: dict[str, Any], k: float) -> float:
     return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
 
 
-def seconds_to(k: float, m: dict[str, Any], step_s: float, rate: float) -> float:
-    """Wall-clock of a row's first k steps at a link rate (see the module): its step time on loopback (compute,
-    compression, loopback communication) plus its exact warm-up steps' and compressed steps' collectives over the
-    link."""
-    warm = min(k, m["warm"])
-    link = warm * comm_seconds(m["dense"], rate) + (k - warm) * comm_seconds(m["low"], rate)
-    return k * step_s + link
-
-
-def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float,
-               step_s: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float, p: Preset,
+               phases: dict[str, list[timetotarget.Phase] | None],
+               link: dict[float, dict[str, float]]) -> dict[str, Any]:  # fmt: skip
     fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
     out: dict[str, Any] = {"steps": steps, "target": target, "rows": []}
     for row in rows:
@@ -347,16 +400,16 @@ def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: 
         vals = [_at(m, steps) for m in ms]
         hits = [next((k for k, v in m["curve"] if v <= target), None) for m in ms]
         res: dict[str, Any] = {"key": row.key, "label": row.label, "val_mean": statistics.mean(vals),
-                               "val_min": min(vals), "val_max": max(vals), "hits": hits, "step_s": step_s[row.key],
+                               "val_min": min(vals), "val_max": max(vals), "hits": hits,
                                "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
         if "acc_curve" in ms[0]:
             accs = [_at(m, steps, "acc_curve") for m in ms]
             res.update(acc_mean=statistics.mean(accs), acc_min=min(accs), acc_max=max(accs))
         reached = [h for h in hits if h is not None]
-        if len(reached) == len(hits):  # the median seed's steps, each seed's own bytes
+        ph = phases[row.key]
+        if len(reached) == len(hits) and ph is not None:  # the median seed's steps
             k = statistics.median(reached)
-            res["seconds"] = {str(rate): statistics.median(seconds_to(k, m, step_s[row.key], rate) for m in ms)
-                              for rate in RATES}  # fmt: skip
+            res["seconds"] = {str(rate): timetotarget.seconds_to(k, ph, link[rate]) for rate in p.rates}
         out["rows"].append(res)
     return out
 
@@ -373,25 +426,33 @@ def _hits_text(hits: list[int | None], cap: int) -> str:
     return med if len(reached) == len(hits) else f"{med} ({len(reached)}/{len(hits)} seeds)"
 
 
-def _speedups(h: dict[str, Any]) -> list[str]:
-    """Per rate: the fastest row to the target, and how much faster than bf16 and than torch's best hook."""
+def _speedups(h: dict[str, Any], rates: Sequence[float]) -> list[str]:
+    """Per rate: the fastest row to the target, and powertrain's fastest against bf16 and the per-step default."""
     lines = []
     timed = [r for r in h["rows"] if "seconds" in r]
-    for rate in RATES:
+    for rate in rates:
         if not timed:
             break
         t = {r["key"]: r["seconds"][str(rate)] for r in timed}
         best = min(timed, key=lambda r: t[r["key"]])
-        torch_rows = [k for k in t if k.startswith("torch-")]
         parts = [f"fastest {best['label']} ({_seconds(t[best['key']])})"]
-        ours = [r for r in timed if not r["key"].startswith(("torch-", "fp32", "bf16"))]
+        ours = [r for r in timed if not r["key"].startswith(("torch-", "fp32", "bf16", "diloco-paper"))]
         if ours:
             mine = min(ours, key=lambda r: t[r["key"]])
-            for ref in ("bf16", *sorted(torch_rows, key=t.__getitem__)[:1]):
-                if ref in t:
+            for ref in ("bf16", "r32-frozen", "diloco-paper"):
+                if ref in t and ref != mine["key"]:
                     parts.append(f"powertrain's fastest ({mine['key']}) {t[ref] / t[mine['key']]:.2f}x {ref}'s time")
         lines.append(f"- {rate:g} Mbit/s: " + "; ".join(parts))
     return lines
+
+
+def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]) -> str:
+    """Each row's seconds per step on the link (one figure per phase, '/'-separated), at every rate."""
+    if not rates:
+        return ""
+    rows = [f"{key} " + ", ".join(f"{'/'.join(f'{t:.3g}' for t in link_s[str(r)][key])} s at {r:g} Mbit/s"
+                                  for r in rates) for key in link_s[str(rates[0])]]  # fmt: skip
+    return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
 
 
 def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
@@ -401,7 +462,7 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
         accuracy = "acc_mean" in fp32  # a classifier
         cells = []
         for r in h["rows"]:
-            times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in RATES]
+            times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in p.rates]
             acc = ([f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
                     f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}"] if accuracy else [])  # fmt: skip
             cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
@@ -410,21 +471,22 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
         acc_headers = [f"accuracy at {h['steps']}, mean (min-max)", "vs fp32 (points)"] if accuracy else []
         headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", *acc_headers,
                    "bytes vs fp32", "steps to target",
-                   *[f"time to target @ {rate:g} Mbit/s" for rate in RATES]]  # fmt: skip
+                   *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates]]  # fmt: skip
         parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
-                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h)))  # fmt: skip
+                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h, p.rates)))  # fmt: skip
     if p.model is None:
         title = "Quality on a second workload: the 1-D ResNet on mnist1d"
         what = (
             f"`powertrain train --model resnet`'s 1-D ResNet ({report['params'] / 1e3:.1f}k parameters, "
-            f"convolutions viewed as matrices) on mnist1d, 2 workers, {p.batch} samples per worker per step"
+            f"convolutions viewed as matrices) on mnist1d, {p.workers} workers, {p.batch} samples per worker per step"
         )
     else:
-        title = ("Quality on a second text shape: a wider, shallower GPT" if report["preset"] == "wide"
-                 else "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
+        title = {"wide": "Quality on a second text shape: a wider, shallower GPT",
+                 "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
+                 }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
         what = (
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
-            f"parameters), 2 workers, {p.batch}x{p.model.block_size} tokens per worker per step"
+            f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
         )
     return (
         f"## {title}\n\n"
@@ -437,12 +499,14 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
         "included. Target: fp32's mean validation "
         f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
         f"most {CAP}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
-        "Time to target: those steps x the step time at the link rate, from the serial model (the row's step time on "
-        "loopback, all rows timed side by side in one launch, + its bytes over a ring collective, no overlap with "
-        "backward); '-' where some seed did not reach the target.\n\n"
+        "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
+        "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "
+        "are amortised over the steps. Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at "
+        "its seconds per step **measured on an emulated link** of that rate (a network namespace per worker, tc tbf; "
+        "the real overlap with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local "
+        "updates over whole sync periods); '-' where some seed did not reach the target or the row is not timed on "
+        "the link (torch's hook).\n\n"
         + "\n\n".join(parts)
-        + "\n\n"
-        + "Step times on loopback (s): "
-        + ", ".join(f"{k or 'compute only'} {v:.3f}" for k, v in report["step_s"].items())
-        + f".\n\nMachine: {machine_info()}.\n"
+        + _link_text(report["link_s"], p.rates)
+        + f"\n\nMachine: {machine_info()}.\n"
     )
