@@ -359,7 +359,7 @@ def test_command_settings_are_checked_before_any_worker_starts():
     assert cfg.compressor == "powersgd:rank=4,start=0"  # the outer step compresses from its first sync
     assert cfg.adam_freeze == 0  # the inner AdamW is torch's: PowerSGD sends pseudo-gradients here
     assert cfg.local_updates is not None and cfg.local_updates.delay == 4
-    assert TrainConfig(parallel="diloco").compressor == "none"
+    assert TrainConfig(parallel="diloco").compressor == "int4"  # the measured default
     for fields, text in [
         ({"parallel": "ddp", "sync_every": 10}, "sync_every=10 applies to parallel='diloco'"),
         ({"parallel": "diloco", "sync_every": 4, "fragments": 5}, "fragments=5"),

@@ -24,8 +24,9 @@ Compute waits for the link only when a sync has not arrived when it is due (its 
 ``stats.comm_s`` and :attr:`DiLoCo.waited_s`).
 
 A SparseLoCo-style outer step (Sarfi et al., arXiv 2508.15706: the compressor's error-feedback accumulator stands in
-for outer momentum) is ``outer_optimizer=lambda p: torch.optim.SGD(p, lr=1.0)`` with a lossy compressor; its error
-decay is the compressor's (``error_decay`` of the error-feedback compressors).
+for outer momentum) is ``outer_optimizer=nesterov(1.0, 0.0)`` (plain averaging) with a lossy compressor (top-k,
+int4): what a sync leaves out is carried, undecayed, into the next one (SparseLoCo decays it; powertrain's error
+feedback conserves it).
 
 Usage (each process a replica)::
 

@@ -40,7 +40,8 @@ from typing import Any
 from powertrain._files import write_atomic
 from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
-from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.quality_text import markdown
+from powertrain.bench.report import publish
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import (
@@ -72,6 +73,9 @@ class Row:
     optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: ddp: the compressor averages every step's gradients; diloco: local updates, the compressor on the outer step
     parallel: Parallel = "ddp"
+    #: False: the row trains its horizon only (its loss and bytes; a time to target only if it got there), for rows
+    #: known to end far above the target, which would otherwise train CAP x the horizon for nothing
+    to_target: bool = True
 
 
 _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
@@ -135,6 +139,13 @@ LOCAL = Row(
     optimizer_options={"sync_every": DEFAULT_SYNC_EVERY, **_AVG},
     parallel="diloco",
 )
+STREAMING = dataclasses.replace(
+    LOCAL,
+    key="local-streaming",
+    label=LOCAL.label[:-1] + ", streamed: 5 fragments, each sync overlapping 4 steps, half the local progress kept)",
+    optimizer_options={**LOCAL.optimizer_options, "fragments": 5, "sync_delay": 4, "sync_mix": 0.5},
+    to_target=False,
+)
 PAPER = Row(
     "diloco-paper",
     f"DiLoCo, the paper's outer step (Nesterov lr 0.7, momentum 0.9), fp32, H "
@@ -142,6 +153,7 @@ PAPER = Row(
     "none",
     optimizer_options={"sync_every": DEFAULT_SYNC_EVERY, "outer_lr": 0.7, "outer_momentum": 0.9},
     parallel="diloco",
+    to_target=False,
 )
 #: the sweep of local updates: H x the outer step's compressor (with error feedback), averaging as the default does
 GRID = [
@@ -197,14 +209,14 @@ PRESETS = {
         32.0,
         DEFAULT_START,
         rows_at={1000: ("local",)},
-        rows=("bf16", "r32-frozen", "local", "diloco-paper"),
+        rows=("bf16", "r32-frozen", "local", "local-streaming", "diloco-paper"),
     ),
 }
 
 
 def select_rows(keys: Sequence[str] | None) -> list[Row]:
     """The rows named by ``keys`` (all of :data:`ROWS` for None), fp32 first: it sets the target."""
-    by_key = {r.key: r for r in [*ROWS, LOCAL, PAPER, *GRID]}
+    by_key = {r.key: r for r in [*ROWS, LOCAL, STREAMING, PAPER, *GRID]}
     if keys is None:
         return list(ROWS)
     unknown = [k for k in keys if k not in by_key]
@@ -231,7 +243,7 @@ def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: i
 
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> list[SpecResult]:
     """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
-    specs = [_spec(r, steps, p.start, target) for r in rows]
+    specs = [_spec(r, steps, p.start, target if r.to_target else None) for r in rows]
     print(f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
           + (f", to target {target:.4f}" if target else ""), file=sys.stderr)  # fmt: skip
     rounds = max(s.steps + s.extra_steps for s in specs)
@@ -252,6 +264,27 @@ def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float
     specs = [ph.spec for r in rows for ph in _phases(p, r) or []]
     return timetotarget.measure(specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept,
                                 world=p.workers)  # fmt: skip
+
+
+def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, float]:
+    """torchft's DiLoCo at the paper row's H on the link, per rate (kept in ``path``), when the paper row runs and
+    torchft is installed; else nothing."""
+    from powertrain.bench import torchft_diloco
+
+    paper = next((r for r in rows if r.key == PAPER.key), None)
+    if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
+        return {}
+    h = int(paper.optimizer_options["sync_every"])
+    kept: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    for rate in p.rates:
+        key = f"{rate:g}/h{h}/w{p.workers}"
+        if key not in kept:
+            print(f"[bench quality] torchft's DiLoCo on the link at {rate:g} Mbit/s", file=sys.stderr)
+            kept[key] = torchft_diloco.link_seconds_per_step(
+                model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
+            )
+            _write(path, kept)
+    return {str(rate): kept[f"{rate:g}/h{h}/w{p.workers}"] for rate in p.rates}
 
 
 def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
@@ -354,6 +387,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
     link = _link(p, chosen, kept.root / "linktime.json")
     phases = {r.key: _phases(p, r) for r in chosen}
+    report["torchft_s"] = _torchft_link(p, chosen, kept.root / "torchft_link.json")
     report["link_s"] = {str(rate): {r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
                                     for r in chosen if phases[r.key]} for rate in p.rates}  # fmt: skip
     for steps in horizons:
@@ -366,16 +400,17 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
         target = TARGET * statistics.mean(fp32)
         for seed in range(n_seeds):
-            todo = [r for r in here[1:] if kept.get(steps, seed, r, target) is None]
+            todo = [r for r in here[1:] if kept.get(steps, seed, r, target if r.to_target else None) is None]
             if todo:
                 res = _launch(p, todo, steps, seed, target)
                 for r, measured in zip(todo, res, strict=True):
                     kept.put(steps, seed, r, _measured(r, measured, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
-        runs = {r.key: [kept.get(steps, s, r, None if r is FP32 else target) for s in range(n_seeds)] for r in here}
+        runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r is not FP32 else None)
+                        for s in range(n_seeds)] for r in here}  # fmt: skip
         report["horizons"].append(_summarise(here, runs, steps, target, p, phases, link))
     (kept.root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    publish(markdown(report, p, n_seeds), write, "quality" if name == "default" else f"quality-{name}")
+    publish(markdown(report, p, n_seeds, CAP), write, "quality" if name == "default" else f"quality-{name}")
     return report
 
 
@@ -399,8 +434,8 @@ def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: 
         ms = runs[row.key]
         vals = [_at(m, steps) for m in ms]
         hits = [next((k for k, v in m["curve"] if v <= target), None) for m in ms]
-        res: dict[str, Any] = {"key": row.key, "label": row.label, "val_mean": statistics.mean(vals),
-                               "val_min": min(vals), "val_max": max(vals), "hits": hits,
+        res: dict[str, Any] = {"key": row.key, "label": row.label, "to_target": row.to_target, "hits": hits,
+                               "val_mean": statistics.mean(vals), "val_min": min(vals), "val_max": max(vals),
                                "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
         if "acc_curve" in ms[0]:
             accs = [_at(m, steps, "acc_curve") for m in ms]
@@ -412,101 +447,3 @@ def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: 
             res["seconds"] = {str(rate): timetotarget.seconds_to(k, ph, link[rate]) for rate in p.rates}
         out["rows"].append(res)
     return out
-
-
-def _seconds(t: float) -> str:
-    return f"{t:,.0f} s" if t >= 100 else f"{t:.3g} s"
-
-
-def _hits_text(hits: list[int | None], cap: int) -> str:
-    reached = [h for h in hits if h is not None]
-    if not reached:
-        return f"not within {cap:,}"
-    med = f"{statistics.median(reached):g}"
-    return med if len(reached) == len(hits) else f"{med} ({len(reached)}/{len(hits)} seeds)"
-
-
-def _speedups(h: dict[str, Any], rates: Sequence[float]) -> list[str]:
-    """Per rate: the fastest row to the target, and powertrain's fastest against bf16 and the per-step default."""
-    lines = []
-    timed = [r for r in h["rows"] if "seconds" in r]
-    for rate in rates:
-        if not timed:
-            break
-        t = {r["key"]: r["seconds"][str(rate)] for r in timed}
-        best = min(timed, key=lambda r: t[r["key"]])
-        parts = [f"fastest {best['label']} ({_seconds(t[best['key']])})"]
-        ours = [r for r in timed if not r["key"].startswith(("torch-", "fp32", "bf16", "diloco-paper"))]
-        if ours:
-            mine = min(ours, key=lambda r: t[r["key"]])
-            for ref in ("bf16", "r32-frozen", "diloco-paper"):
-                if ref in t and ref != mine["key"]:
-                    parts.append(f"powertrain's fastest ({mine['key']}) {t[ref] / t[mine['key']]:.2f}x {ref}'s time")
-        lines.append(f"- {rate:g} Mbit/s: " + "; ".join(parts))
-    return lines
-
-
-def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]) -> str:
-    """Each row's seconds per step on the link (one figure per phase, '/'-separated), at every rate."""
-    if not rates:
-        return ""
-    rows = [f"{key} " + ", ".join(f"{'/'.join(f'{t:.3g}' for t in link_s[str(r)][key])} s at {r:g} Mbit/s"
-                                  for r in rates) for key in link_s[str(rates[0])]]  # fmt: skip
-    return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
-
-
-def markdown(report: dict[str, Any], p: Preset, seeds: int) -> str:
-    parts = []
-    for h in report["horizons"]:
-        fp32 = h["rows"][0]
-        accuracy = "acc_mean" in fp32  # a classifier
-        cells = []
-        for r in h["rows"]:
-            times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in p.rates]
-            acc = ([f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
-                    f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}"] if accuracy else [])  # fmt: skip
-            cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
-                          f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%", *acc, f"1/{1 / r['fraction']:.1f}",
-                          _hits_text(r["hits"], CAP * h["steps"]), *times])  # fmt: skip
-        acc_headers = [f"accuracy at {h['steps']}, mean (min-max)", "vs fp32 (points)"] if accuracy else []
-        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", *acc_headers,
-                   "bytes vs fp32", "steps to target",
-                   *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates]]  # fmt: skip
-        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
-                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h, p.rates)))  # fmt: skip
-    if p.model is None:
-        title = "Quality on a second workload: the 1-D ResNet on mnist1d"
-        what = (
-            f"`powertrain train --model resnet`'s 1-D ResNet ({report['params'] / 1e3:.1f}k parameters, "
-            f"convolutions viewed as matrices) on mnist1d, {p.workers} workers, {p.batch} samples per worker per step"
-        )
-    else:
-        title = {"wide": "Quality on a second text shape: a wider, shallower GPT",
-                 "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
-                 }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
-        what = (
-            f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
-            f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
-        )
-    return (
-        f"## {title}\n\n"
-        f"{what}, AdamW with `powertrain train`'s "
-        "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
-        f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
-        f"validation every {p.eval_every} steps on the same held-out "
-        f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
-        f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
-        "included. Target: fp32's mean validation "
-        f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
-        f"most {CAP}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
-        "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
-        "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "
-        "are amortised over the steps. Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at "
-        "its seconds per step **measured on an emulated link** of that rate (a network namespace per worker, tc tbf; "
-        "the real overlap with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local "
-        "updates over whole sync periods); '-' where some seed did not reach the target or the row is not timed on "
-        "the link (torch's hook).\n\n"
-        + "\n\n".join(parts)
-        + _link_text(report["link_s"], p.rates)
-        + f"\n\nMachine: {machine_info()}.\n"
-    )

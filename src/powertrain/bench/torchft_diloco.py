@@ -79,7 +79,7 @@ from powertrain.bench import netem
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 
-__all__ = ["TORCHFT_VERSION", "TorchftResult", "main", "run_torchft"]
+__all__ = ["TORCHFT_VERSION", "TorchftResult", "available", "link_seconds_per_step", "main", "run_torchft"]
 
 TORCHFT_VERSION = "0.2.0"  # the version this bench was written against (pyproject's torchft extra)
 _MISSING = "torchft is not installed: install it with pip install -e '.[torchft]'"
@@ -149,6 +149,21 @@ def run_torchft(*, model: GPTConfig, batch: int, steps: int, sync_every: int, se
         cluster = stack.enter_context(netem.EmulatedCluster(world, rate_mbit)) if rate_mbit is not None else None
         results = _launch(job, Path(tmp), cluster, timeout)
     return _combine(results, steps, cfg.sync_every // cfg.fragments)
+
+
+def available() -> bool:
+    """Whether torchft is installed (the bench extra)."""
+    return importlib.util.find_spec("torchft") is not None
+
+
+def link_seconds_per_step(*, model: GPTConfig, batch: int, sync_every: int, data_mb: float, rate_mbit: float,
+                          world: int = 2) -> float:  # fmt: skip
+    """torchft's DiLoCo (the paper's outer step, fp32, one fragment) on an emulated link of ``rate_mbit`` Mbit/s: its
+    seconds per step over its second sync period (the first has the start-up), as
+    :func:`powertrain.bench.linktime.seconds_per_step` times powertrain's local updates."""
+    res = run_torchft(model=model, batch=batch, steps=2 * sync_every, sync_every=sync_every, seed=0, eval_every=0,
+                      data_mb=data_mb, world=world, rate_mbit=rate_mbit)  # fmt: skip
+    return sum(res.step_times[sync_every:]) / sync_every
 
 
 # ------------------------------------------------------------------------------------------------------ driver

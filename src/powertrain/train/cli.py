@@ -38,7 +38,7 @@ _HELP = {
     "parallel": "reference (optimizer_step API), ddp, fsdp (FSDP2), simple_fsdp (DTensor parametrization), rtp "
     "(rotated tensor parallelism: each rank stores 1/W of every Linear and Embedding weight), tp (2-D) or diloco "
     "(local updates: each worker trains alone for --sync-every steps, then the compressor sends the pseudo-gradients "
-    "and an outer Nesterov SGD steps the shared weights; for slow links)",
+    "and an outer SGD step (averaging by default) moves the shared weights; for slow links)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "optimizer": "adamw, sgd, shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
@@ -65,7 +65,8 @@ _HELP = {
     "sync_delay": "diloco: inner steps a sync overlaps before its outer update is applied (below sync_every / "
     "fragments)",
     "sync_mix": "diloco: share of the local weights kept after a delayed outer update (0: take the update as is)",
-    "outer_lr": "diloco: the outer Nesterov SGD's learning rate (1 with --outer-momentum 0: plain averaging)",
+    "outer_lr": "diloco: the outer SGD's learning rate (1 with --outer-momentum 0: plain averaging, the measured "
+    "default; DiLoCo's paper: 0.7 with momentum 0.9)",
     "outer_momentum": "diloco: the outer SGD's Nesterov momentum (0: plain SGD)",
     "sync_warmup": "diloco: steps first whose gradients are averaged every step (by --warmup-compressor), so that the "
     "replicas start their local updates as one model, with one optimizer state",

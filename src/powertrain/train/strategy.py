@@ -56,8 +56,8 @@ class LocalUpdates:
     fragments: int = 1  # F: Streaming DiLoCo's fragments
     delay: int = 0  # tau: inner steps a sync overlaps before its outer update is applied
     mix: float = 0.0  # alpha: the local weights' share after a (delayed) outer update
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9  # Nesterov; 0: plain SGD
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0  # Nesterov; 0: plain SGD (with outer_lr 1: averaging, the command's default)
     warmup: int = 0  # inner steps first whose gradients are averaged every step (the replicas train as one)
     warmup_compressor: str = "none"  # what averages them, with its options
     warmup_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)

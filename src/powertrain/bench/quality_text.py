@@ -1,0 +1,119 @@
+"""The Markdown of ``powertrain bench quality``: one table per horizon, the fastest rows per link rate, the link's
+seconds per step."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from powertrain.bench.report import machine_info, table
+
+if TYPE_CHECKING:
+    from powertrain.bench.quality import Preset
+
+__all__ = ["markdown"]
+
+
+def _seconds(t: float) -> str:
+    return f"{t:,.0f} s" if t >= 100 else f"{t:.3g} s"
+
+
+def _hits_text(hits: list[int | None], cap: int) -> str:
+    reached = [h for h in hits if h is not None]
+    if not reached:
+        return f"not within {cap:,}"
+    med = f"{statistics.median(reached):g}"
+    return med if len(reached) == len(hits) else f"{med} ({len(reached)}/{len(hits)} seeds)"
+
+
+def _speedups(h: dict[str, Any], rates: Sequence[float]) -> list[str]:
+    """Per rate: the fastest row to the target, and powertrain's fastest against bf16 and the per-step default."""
+    lines = []
+    timed = [r for r in h["rows"] if "seconds" in r]
+    for rate in rates:
+        if not timed:
+            break
+        t = {r["key"]: r["seconds"][str(rate)] for r in timed}
+        best = min(timed, key=lambda r: t[r["key"]])
+        parts = [f"fastest {best['label']} ({_seconds(t[best['key']])})"]
+        ours = [r for r in timed if not r["key"].startswith(("torch-", "fp32", "bf16", "diloco-paper"))]
+        if ours:
+            mine = min(ours, key=lambda r: t[r["key"]])
+            for ref in ("bf16", "r32-frozen", "diloco-paper"):
+                if ref in t and ref != mine["key"]:
+                    parts.append(f"powertrain's fastest ({mine['key']}) {t[ref] / t[mine['key']]:.2f}x {ref}'s time")
+        lines.append(f"- {rate:g} Mbit/s: " + "; ".join(parts))
+    return lines
+
+
+def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]) -> str:
+    """Each row's seconds per step on the link (one figure per phase, '/'-separated), at every rate."""
+    if not rates:
+        return ""
+    rows = [f"{key} " + ", ".join(f"{'/'.join(f'{t:.3g}' for t in link_s[str(r)][key])} s at {r:g} Mbit/s"
+                                  for r in rates) for key in link_s[str(rates[0])]]  # fmt: skip
+    return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
+
+
+def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
+    """The report of :func:`powertrain.bench.quality.run_quality_bench` as BENCHMARKS.md's section."""
+    parts = []
+    for h in report["horizons"]:
+        fp32 = h["rows"][0]
+        accuracy = "acc_mean" in fp32  # a classifier
+        cells = []
+        for r in h["rows"]:
+            cap_steps = (cap if r.get("to_target", True) else 1) * h["steps"]
+            times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in p.rates]
+            acc = ([f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
+                    f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}"] if accuracy else [])  # fmt: skip
+            cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
+                          f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%", *acc, f"1/{1 / r['fraction']:.1f}",
+                          _hits_text(r["hits"], cap_steps), *times])  # fmt: skip
+        acc_headers = [f"accuracy at {h['steps']}, mean (min-max)", "vs fp32 (points)"] if accuracy else []
+        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", "vs fp32", *acc_headers,
+                   "bytes vs fp32", "steps to target",
+                   *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates]]  # fmt: skip
+        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, fp32's mean + 1%)\n\n"
+                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h, p.rates)))  # fmt: skip
+    if p.model is None:
+        title = "Quality on a second workload: the 1-D ResNet on mnist1d"
+        what = (
+            f"`powertrain train --model resnet`'s 1-D ResNet ({report['params'] / 1e3:.1f}k parameters, "
+            f"convolutions viewed as matrices) on mnist1d, {p.workers} workers, {p.batch} samples per worker per step"
+        )
+    else:
+        title = {"wide": "Quality on a second text shape: a wider, shallower GPT",
+                 "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
+                 }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
+        what = (
+            f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
+            f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
+        )
+    return (
+        f"## {title}\n\n"
+        f"{what}, AdamW with `powertrain train`'s "
+        "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
+        f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
+        f"validation every {p.eval_every} steps on the same held-out "
+        f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
+        f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
+        "included. Target: fp32's mean validation "
+        f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
+        f"most {cap}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
+        "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
+        "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "
+        "are amortised over the steps. Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at "
+        "its seconds per step **measured on an emulated link** of that rate (a network namespace per worker, tc tbf; "
+        "the real overlap with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local "
+        "updates over whole sync periods); '-' where some seed did not reach the target or the row is not timed on "
+        "the link (torch's hook).\n\n"
+        + "\n\n".join(parts)
+        + _link_text(report["link_s"], p.rates)
+        + "".join(
+            f" torchft's DiLoCo (paper outer step, fp32, per-parameter all-reduces): {t:.3g} s at {r} Mbit/s."
+            for r, t in report.get("torchft_s", {}).items()
+        )
+        + f"\n\nMachine: {machine_info()}.\n"
+    )
