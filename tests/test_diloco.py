@@ -216,11 +216,58 @@ def _nonfinite(rank: int) -> dict[str, Any]:
         return {"raised": str(e)}
 
 
+def _crafted(rank: int) -> dict[str, Any]:
+    """A state saved with a sync in flight (and outer momentum), then changed as an attacker would: each change is
+    refused at load in one line, and a finish()'s syncs are not counted as late ones."""
+    settings = dict(sync_every=6, fragments=3, delay=1, compressor="int8")
+    model = make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), **settings)  # type: ignore[arg-type]
+    _train(model, diloco, rank, range(6))
+    good = from_blob(to_blob(diloco.state_dict()))
+    late = diloco.late
+    diloco.finish()
+    refused: dict[str, str] = {}
+
+    def attempt(name: str, change: Any, **other: Any) -> None:
+        state = from_blob(to_blob(good))
+        change(state)
+        fresh = make_model()
+        target = DiLoCo(fresh.named_parameters(), _inner(fresh), **{**settings, **other})  # type: ignore[arg-type]
+        try:
+            target.load_state_dict(state)
+            refused[name] = ""
+        except ValueError as e:
+            refused[name] = str(e)
+
+    momentum = next(k for k, v in good["outer"]["state"].items() if "momentum_buffer" in v)
+    attempt("due now", lambda st: st["pending"].update(due=st["step"]))
+    attempt("due later", lambda st: st["pending"].update(due=st["step"] + 1000))
+    attempt("other fragment", lambda st: st["pending"].update(fragment=1))
+    attempt("momentum shape", lambda st: st["outer"]["state"][momentum].update(momentum_buffer=torch.zeros(3)))
+    attempt("momentum nan", lambda st: st["outer"]["state"][momentum]["momentum_buffer"].fill_(float("nan")))
+    attempt("lr nan", lambda st: st["outer"]["param_groups"][0].update(lr=float("nan")))
+    attempt("other outer", lambda st: None, outer_optimizer=nesterov(1.0, 0.0))
+    return {"refused": refused, "in_flight": good["pending"] is not None, "late": (late, diloco.late)}
+
+
+def _apart(rank: int) -> dict[str, Any]:
+    """Replicas built on different weights: refused on every rank at construction (they would never meet)."""
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    try:
+        DiLoCo(model.named_parameters(), _inner(model), sync_every=2)
+        return {"raised": ""}
+    except ValueError as e:
+        return {"raised": str(e)}
+
+
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {
         **{name: guard(_parity, rank, setting) for name, setting in SETTINGS.items()},
         "resume": guard(_resume, rank),
         "nonfinite": guard(_nonfinite, rank),
+        "crafted": guard(_crafted, rank),
+        "apart": guard(_apart, rank),
     }
     if world == 2:
         out["int8"] = guard(_conservation, rank, "int8", {})
@@ -297,6 +344,22 @@ def test_resume_with_a_sync_in_flight_is_bitwise(results):
         assert "sync_every=6 -> 5" in r["refused"]
 
 
+def test_crafted_state_is_refused_at_load_in_one_line(results):
+    for r in case(results, "crafted"):
+        assert r["in_flight"], "the state was saved with a sync in flight"
+        for name, message in r["refused"].items():
+            assert message and "\n" not in message, (name, message)
+        assert "sync in flight is invalid" in r["refused"]["due later"]
+        assert "not finite" in r["refused"]["momentum nan"] and "shape" in r["refused"]["momentum shape"]
+        assert "other settings" in r["refused"]["lr nan"] and "other settings" in r["refused"]["other outer"]
+        assert r["late"][0] == r["late"][1], "finish() waits for its syncs by design: not late ones"
+
+
+def test_replicas_that_start_apart_are_refused(results):
+    for r in case(results, "apart"):
+        assert "start from different weights" in r["raised"], r["raised"]
+
+
 def test_nonfinite_pseudo_gradient_raises_on_every_rank(results):
     for r in case(results, "nonfinite"):
         assert "non-finite" in r["raised"], r["raised"]
@@ -320,6 +383,7 @@ def test_bad_settings_are_refused_in_one_line():
         ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay=2"),
         ({"sync_every": 2, "fragments": 3}, "fragments=3"),
         ({"sync_every": 4, "mix": 1.0}, "mix=1.0"),
+        ({"sync_every": 4, "mix": 0.5}, "mix=0.5 with delay=0"),
         ({"sync_every": 4, "fragments": [[0]]}, "cover"),
         ({"sync_every": 4, "compressor": "zip"}, "Unknown compressor"),
     ]:
@@ -367,10 +431,16 @@ def test_command_settings_are_checked_before_any_worker_starts():
         ({"parallel": "diloco", "outer_momentum": 1.0}, "outer_momentum=1.0"),
         ({"parallel": "diloco", "optimizer": "shampoo"}, "optimizer='adamw' or 'sgd'"),
         ({"parallel": "diloco", "sync_mix": -0.1}, "sync_mix=-0.1"),
+        ({"parallel": "diloco", "sync_mix": 0.5}, "sync_mix=0.5 with sync_delay=0"),
     ]:
         with pytest.raises(ValueError, match=text) as e:
             TrainConfig(**fields)
         assert "\n" not in str(e.value)
+    # options that would do nothing are accepted with a warning that says so
+    with pytest.warns(UserWarning, match="never sync before the run's end"):
+        TrainConfig(parallel="diloco", steps=20, sync_every=20)
+    with pytest.warns(UserWarning, match="no effect without sync_warmup"):
+        TrainConfig(parallel="diloco", warmup_compressor="int8")
 
 
 # ---------------------------------------------------------------- one replica = several ranks (2 nodes x 2 ranks)
@@ -468,16 +538,17 @@ def test_replicas_of_several_ranks(nodes, inner_kind):
 
 
 def test_a_state_that_does_not_fit_changes_nothing():
-    """A resume refused part-way (here the outer optimizer's state, checked after the compressor's) leaves every part
-    as it was."""
+    """A resume refused part-way (here the warm-up compressor's state, loaded after the compressor's and the outer
+    optimizer's) leaves every part as it was."""
     model = make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=1, compressor="int8")
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=1, compressor="int8", warmup=1,
+                    warmup_compressor="int8")  # fmt: skip
     _train(model, diloco, 0, range(3))
     saved = from_blob(to_blob(diloco.state_dict()))
     _train(model, diloco, 0, range(3, 5))
     now = from_blob(to_blob(diloco.state_dict()))
     bad = dict(saved)
-    bad["outer"] = {**saved["outer"], "param_groups": []}
+    bad["warmup_compressor"] = {**saved["warmup_compressor"], "steps": "x"}
     with pytest.raises(ValueError, match="does not fit") as e:
         diloco.load_state_dict(bad)
     assert "\n" not in str(e.value)
@@ -488,3 +559,8 @@ def test_a_state_that_does_not_fit_changes_nothing():
     # the compressor was loaded (it is checked first), then put back
     assert after["compressor"]["steps"] == now["compressor"]["steps"] != saved["compressor"]["steps"]
     assert all(same(a, b) for a, b in zip(after["compressor"]["errors"], now["compressor"]["errors"], strict=True))
+    # and the outer optimizer (loaded second) too: its momentum is the current run's, not the saved one's
+    moments = [(after["outer"]["state"][k]["momentum_buffer"], now["outer"]["state"][k]["momentum_buffer"],
+                saved["outer"]["state"][k]["momentum_buffer"]) for k in now["outer"]["state"]]  # fmt: skip
+    assert moments and all(torch.equal(a, n) for a, n, _ in moments)
+    assert any(not torch.equal(n, s) for _, n, s in moments)

@@ -8,8 +8,9 @@ optimizer on its own data, then the replicas exchange what they learned and agre
    synchronisation; ``local``: this replica's weights now);
 2. ``delta`` is averaged over the replicas through a :class:`~powertrain.compress.Compressor` with its error feedback
    (exact fp32 by default; int8/int4, PowerSGD, top-k to send less: what a message leaves out is sent later);
-3. an *outer* optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default: DiLoCo's) steps the anchor with the average
-   as its gradient, and the replica continues from the new anchor.
+3. an *outer* optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default: DiLoCo's; ``powertrain train`` averages,
+   lr 1 and no momentum, which measured far better from scratch at H 10-50) steps the anchor with the average as its
+   gradient, and the replica continues from the new anchor.
 
 This is DiLoCo (Douillard et al., arXiv 2311.08105); with outer SGD at lr 1 and no momentum it is plain model
 averaging (local SGD). Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds, and this class takes:
@@ -31,7 +32,8 @@ feedback conserves it).
 Usage (each process a replica)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diloco = DiLoCo(model.named_parameters(), inner, sync_every=25, compressor="int4")
+    diloco = DiLoCo(model.named_parameters(), inner, sync_every=25, compressor="int4",
+                    outer_optimizer=nesterov(1.0, 0.0))  # averaging: the command's measured default
     for x, y in loader:
         model(x, y).backward()
         diloco.step()       # the inner step; every 25 steps also the outer one
@@ -49,7 +51,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -140,7 +142,11 @@ class DiLoCo:
             groups themselves (lists of positions in ``params``, together each position once).
         delay: tau, inner steps a fragment's sync overlaps before its outer update is applied; less than the gap
             between two fragments' syncs (H / F), so that one sync is in flight at a time.
-        mix: alpha in [0, 1): after an outer update ``local <- alpha * local + (1 - alpha) * anchor``.
+        mix: alpha in [0, 1): after a delayed outer update ``local <- alpha * local + (1 - alpha) * anchor`` (needs
+            ``delay`` > 0).
+        warmup: inner steps first whose gradients are averaged every step by ``warmup_compressor`` (a name, with
+            ``warmup_options``, or a Compressor on the training's group), so that the replicas take the same inner
+            steps; the local updates start from the weights they reach. 0: none.
         group: the process group whose ranks are the replicas (default: the world). Ranks that train one replica
             together (DDP or FSDP2 inside a node) pass a group of one rank per replica, or a ``HierarchicalCompressor``.
     """
@@ -165,6 +171,9 @@ class DiLoCo:
         check_int("warmup", warmup, 0)
         if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix < 1:
             raise ValueError(f"Invalid mix={mix!r}: must be in [0, 1) (0: take the outer update as it is)")
+        if mix and not delay:
+            raise ValueError(f"Invalid mix={mix!r} with delay=0: mixing keeps local progress made while a sync travels "
+                             "(Streaming DiLoCo's alpha); set delay > 0 or mix=0")  # fmt: skip
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
         named = [item if isinstance(item, tuple) else (f"param[{i}]", item) for i, item in enumerate(params)]
@@ -196,6 +205,7 @@ class DiLoCo:
         self._calls = 0
         with torch.no_grad():
             self.anchors = [t.detach().clone() for t in local]
+        _check_same_start(self.anchors, group)
         self.outer = (outer_optimizer or nesterov())(self.anchors)
         self.step_count = 0  # inner steps taken
         self.syncs = 0  # fragment synchronisations applied
@@ -275,12 +285,12 @@ class DiLoCo:
         that has trained since its latest outer update. Training may go on afterwards as before."""
         if self.step_count <= self.warmup:  # the replicas trained as one so far
             return
-        if self._pending is not None:
-            self._apply(self._wait(lost=True))
+        if self._pending is not None:  # waited for now by design: not a sync the link was late with
+            self._apply(self._wait(lost=False))
         for f in range(len(self.fragments)):
             if self._applied[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
                 self._start(f, due=self.step_count)
-                self._apply(self._wait(lost=True), mix=0.0)
+                self._apply(self._wait(lost=False), mix=0.0)
 
     def starting(self, step: int) -> list[int]:
         """The fragments whose sync starts after inner step ``step`` (1-based; the schedule starts after the
@@ -371,6 +381,29 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ state
 
+    def _check_outer(self, outer: Mapping[str, Any]) -> None:
+        """ValueError unless ``outer`` is the state of this outer optimizer: its hyperparameters (a resume with another
+        outer learning rate or momentum is refused, as with other settings), and per-anchor tensors of the anchor's
+        shape, finite."""
+        groups = outer.get("param_groups")
+        mine = _hyper(self.outer.state_dict()["param_groups"])
+        if not isinstance(groups, list) or len(groups) != len(mine) or _hyper(groups) != mine:
+            raise ValueError(f"DiLoCo state_dict's outer optimizer has other settings ({_hyper(groups)!r:.200} -> "
+                             f"{mine!r:.200}): resume with the same outer optimizer")  # fmt: skip
+        saved = outer.get("state")
+        if not isinstance(saved, Mapping):
+            raise ValueError("DiLoCo state_dict's outer optimizer state is not a mapping")
+        for key, per in saved.items():
+            if type(key) is not int or not 0 <= key < len(self.anchors) or not isinstance(per, Mapping):
+                raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
+            for name, value in per.items():
+                shape = self.anchors[key].shape
+                if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != shape:
+                    raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
+                                     f"{tuple(value.shape)}, not {tuple(shape)}")  # fmt: skip
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                    raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is not finite")
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
         rank's own: save them with it). A sync in flight is waited for and saved with its result."""
@@ -420,8 +453,10 @@ class DiLoCo:
         pending = state.get("pending")
         if pending is not None:
             f, due = (pending.get("fragment"), pending.get("due")) if isinstance(pending, Mapping) else (None, None)
-            if type(f) is not int or not 0 <= f < len(self.fragments) or type(due) is not int or due < step:
-                raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r}, due {due!r})")
+            if not (_is_int(f) and _is_int(due) and 0 <= f < len(self.fragments) and step < due <= step + self.delay
+                    and f in self.starting(due - self.delay)):  # fmt: skip
+                raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r}, due {due!r} at step "
+                                 f"{step!r}): not a sync this schedule starts")  # fmt: skip
             check_state_tensors("DiLoCo", "pending average", pending.get("average"),
                                 [local[i].shape for i in self.fragments[f]])  # fmt: skip
         warm = state.get("warmup_compressor")
@@ -429,6 +464,7 @@ class DiLoCo:
             raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
         if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
             raise ValueError("DiLoCo state_dict lacks the outer optimizer's or the compressor's state")
+        self._check_outer(state["outer"])
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
         parts: list[Any] = [self.compressor, self.outer]
         given: list[Any] = [state["compressor"], state["outer"]]
@@ -456,6 +492,40 @@ class DiLoCo:
             average = [t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
                        for i, t in zip(self.fragments[f], pending["average"], strict=True)]  # fmt: skip
             self._pending = _Pending(f, pending["due"], None, average)
+
+
+@torch.no_grad()
+def _is_int(x: object) -> TypeGuard[int]:
+    return type(x) is int
+
+
+def _hyper(groups: Any) -> list[dict[str, Any]]:
+    """An optimizer's param_groups without their parameters: its hyperparameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups] if isinstance(groups, list) else []
+
+
+@torch.no_grad()
+def _check_same_start(anchors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """ValueError unless every replica of ``group`` starts from the same weights: the anchors only ever move by the
+    same averaged step on every replica, so replicas that start apart never meet (DDP broadcasts rank 0's weights;
+    this class checks instead, so that it never overwrites weights a replica loaded). A fingerprint per tensor (its
+    sum and sum of squares in float64) compared in one all-reduce at construction."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    from powertrain.comm import collective_device
+
+    device = collective_device(group)
+    if anchors:
+        prints = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in anchors]).flatten()
+    else:
+        prints = torch.zeros(0, dtype=torch.float64)
+    both = torch.cat([prints, -prints]).to(device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    high, low = both.split(prints.numel())
+    if not torch.equal(high, -low):  # one host sync, once, at construction
+        raise ValueError("DiLoCo's replicas start from different weights, and local updates would never bring them "
+                         "together: give every replica the same initial weights (the same seed, or broadcast rank "
+                         "0's), and build DiLoCo before loading a checkpoint's per-replica weights")  # fmt: skip
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

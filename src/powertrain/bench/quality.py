@@ -226,6 +226,9 @@ def select_rows(keys: Sequence[str] | None) -> list[Row]:
 
 
 def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
+    if row.optimizer_options.get("sync_warmup"):
+        raise ValueError(f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
+                         "yet (they would be spread over a run to target): drop sync_warmup from its rows")  # fmt: skip
     opts = dict(row.options)
     if row.kind == "powersgd":  # local updates compress from their first sync
         opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)

@@ -30,6 +30,7 @@ from powertrain.models import GPTConfig
 __all__ = ["Phase", "measure", "phases_of", "seconds_to", "timing_key"]
 
 BUCKET_MB = 2.0  # the small buckets timed beside one bucket
+ONE_BUCKET_MB = 1e6  # a DDP bucket larger than any model here: one message after backward, no overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +134,8 @@ def phases_of(spec: Spec, *, exact_warmup: int, exact: Spec) -> list[Phase]:
         warm = int(opts["sync_warmup"])
         kind, options = parse_compressor(str(opts.get("warmup_compressor", "none")))
         inner = {k: v for k, v in opts.items() if k not in ("sync_warmup", "warmup_compressor")}
-        per_step = Spec(f"{spec.label} warm-up", kind, options, optimizer=spec.optimizer,
+        # DiLoCo's warm-up sends the whole model's gradients in one blocking message after backward: one bucket
+        per_step = Spec(f"{spec.label} warm-up", kind, options, bucket_cap_mb=ONE_BUCKET_MB, optimizer=spec.optimizer,
                         optimizer_options={k: v for k, v in inner.items() if k in ("adam_freeze", "lr")})  # fmt: skip
         local = dataclasses.replace(spec, optimizer_options=inner)
         exact_steps = min(warm, int(options.get("start_compressing_after_num_steps", 0))) if kind == "powersgd" else 0

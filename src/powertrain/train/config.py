@@ -12,6 +12,7 @@ import math
 import os
 import tomllib
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -322,6 +323,15 @@ class TrainConfig:
         schedule(self.sync_every, self.fragments, self.sync_delay)
         if not 0 <= self.sync_mix < 1:
             raise ValueError(f"Invalid sync_mix={self.sync_mix!r}: must be in [0, 1) (0: take the outer update as is)")
+        if self.sync_mix and not self.sync_delay:
+            raise ValueError(f"Invalid sync_mix={self.sync_mix!r} with sync_delay=0: mixing keeps the local progress "
+                             "made while a sync travels; set --sync-delay or drop --sync-mix")  # fmt: skip
+        if self.sync_every >= self.steps:
+            warnings.warn(f"sync_every={self.sync_every} >= steps={self.steps}: the replicas never sync before the "
+                          "run's end (one sync at the end); lower --sync-every", stacklevel=2)  # fmt: skip
+        if self.warmup_compressor != "none" and not self.sync_warmup:
+            warnings.warn(f"warmup_compressor={self.warmup_compressor!r} has no effect without sync_warmup: set "
+                          "--sync-warmup N or drop --warmup-compressor", stacklevel=2)  # fmt: skip
         if not 0 < self.outer_lr <= 10:
             raise ValueError(f"Invalid outer_lr={self.outer_lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with "
                              "outer_momentum 0 averages the replicas)")  # fmt: skip

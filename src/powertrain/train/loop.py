@@ -452,7 +452,10 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         else:
             late = (f"compute waited {s['waited_s']:.1f} s for {s['late_syncs']} of them: the link did not keep up "
                     "(raise --sync-every or --sync-delay, or compress more)")  # fmt: skip
-        syncs = f" It ran {s['syncs']} syncs ({sent / max(1, s['syncs']) / MB:.2f} MB each on average); {late}."
+        per = f"{sent / max(1, s['syncs']) / MB:.2f} MB each on average" + (
+            f", the {cfg.sync_warmup} warm-up steps' averaging ({cfg.warmup_compressor}) included" if cfg.sync_warmup
+            else "")  # fmt: skip
+        syncs = f" It ran {s['syncs']} syncs ({per}); {late}."
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (
         f"\nSummary: {world} worker(s) trained a {n_params / 1e6:.2f}M-parameter {cfg.model} on the {data.description} "
