@@ -146,7 +146,8 @@ class DiLoCo:
             ``delay`` > 0).
         warmup: inner steps first whose gradients are averaged every step by ``warmup_compressor`` (a name, with
             ``warmup_options``, or a Compressor on the training's group), so that the replicas take the same inner
-            steps; the local updates start from the weights they reach. 0: none.
+            steps; the local updates start from the weights they reach (what the warm-up compressor's error
+            feedback still holds then is not carried into them). 0: none.
         group: the process group whose ranks are the replicas (default: the world). Ranks that train one replica
             together (DDP or FSDP2 inside a node) pass a group of one rank per replica, or a ``HierarchicalCompressor``.
     """
@@ -264,6 +265,9 @@ class DiLoCo:
         """One inner step; then the outer update of the fragment whose sync is due, and the start of the syncs that
         begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
         if self.step_count < self.warmup:
+            if closure is not None:
+                raise ValueError("A closure recomputes the gradients after the warm-up averaged them: call step() "
+                                 "without a closure during the warm-up (sync_warmup steps)")  # fmt: skip
             self._average_gradients()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.step_count += 1
