@@ -50,7 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from powertrain import serialize
+from powertrain import _json, serialize
 from powertrain._compat import safe_dcp_reader
 from powertrain._files import write_atomic
 from powertrain.comm import Communicator
@@ -293,7 +293,7 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
                  for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST}  # fmt: skip
         manifest = {"format": FORMAT, "world_size": comm.world_size, **(extra or {}), "files": files}
-        write_atomic(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_atomic(root / MANIFEST, _json.dumps(manifest, indent=1) + "\n")
     if initialized:
         dist.barrier(group=group)
 

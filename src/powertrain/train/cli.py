@@ -283,7 +283,8 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
             os._exit(0)
     except WorkerFailed as e:
         print(f"powertrain train: {e.describe()}", file=sys.stderr)
-        if cfg.checkpoint_every:
+        diverged = all(f.cause.startswith("FloatingPointError") for f in e.failures)  # its line names the checkpoint
+        if cfg.checkpoint_every and not diverged:
             print(f"Resume from the last checkpoint with: powertrain train ... --resume {out}", file=sys.stderr)
         return 1
     except FloatingPointError as e:  # single process: the worker's own error

@@ -11,7 +11,6 @@ DeMo's all-gathers, DeMo's compression, GaLore's refresh).
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from powertrain import _json
 from powertrain._files import write_atomic
 
 
@@ -85,13 +85,13 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines]
+    rows = [_json.loads(line) for line in lines]
     kept = [r for r in rows if r["step"] <= step]
     later = [line for line, r in zip(lines, rows, strict=True) if r["step"] > step]
     if later:
         with (out / "metrics.superseded.jsonl").open("a") as f:
             f.write("".join(line + "\n" for line in later))
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+        write_atomic(path, "".join(_json.dumps(r) + "\n" for r in kept))
     return kept
 
 
@@ -122,14 +122,14 @@ class RunWriter:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_json.dumps(row) + "\n")
         if self.tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self.tb.add_scalar(key, value, row["step"])
 
     def finish(self, summary: dict[str, Any]) -> None:
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.out / "summary.json", _json.dumps(summary, indent=2) + "\n")
         if self.tb is not None:
             self.tb.close()
         self.plot()
