@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from powertrain._files import FileTooLarge, read_bounded
 from powertrain.compress import COMPRESSORS, make_compressor
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
@@ -466,15 +467,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The most a --config file holds (a few dozen keys take a few KB).
+CONFIG_LIMIT = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config; unknown keys are errors naming them and the valid ones."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"Config file {str(p)!r} does not exist")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(read_bounded(p, CONFIG_LIMIT, "Config file").decode())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"Config file {str(p)!r} is not valid TOML: {e}") from None
+    except FileTooLarge:
+        raise
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"Config file {str(p)!r} cannot be read: {e}") from None
     valid = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -432,9 +432,14 @@ def _evaluate(strategy: Strategy, data: TokenData | ClassData, cfg: TrainConfig,
 
 def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str:
     """The one line of a run that diverged at ``step`` (0-based): where, what, and the checkpoint to go back to."""
-    latest = out / "checkpoints" / "latest"
-    if latest.exists():
-        kept = f"the last good checkpoint is {out / 'checkpoints' / latest.read_text().strip()}"
+    if (out / "checkpoints" / "latest").exists():
+        from powertrain.checkpoint import CheckpointError
+        from powertrain.train.checkpoint import read_latest
+
+        try:
+            kept = f"the last good checkpoint is {out / 'checkpoints' / read_latest(out)}"
+        except CheckpointError as e:
+            kept = f"the last good checkpoint cannot be named ({e})"
     elif cfg.resume:
         kept = f"the last good checkpoint is the one this run resumed from ({cfg.resume})"
     elif cfg.checkpoint_every:
