@@ -3,7 +3,11 @@ and what a run leaves before its first logged step does not block the same comma
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from cli_utils import run_cli
 
@@ -66,3 +70,67 @@ def test_a_run_that_logged_a_step_or_an_unknown_file_still_blocks(tmp_path):
         assert r.returncode == 2, (name, r.stderr[-2000:])
         assert "is not empty (it holds another run)" in r.stderr, (name, r.stderr[-2000:])
         assert (out / "config.toml").read_text() == "steps = 2\n", name  # untouched
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (root only; skipped elsewhere): room for a run's config and logs, not for a checkpoint."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                                           capture_output=True).returncode:  # fmt: skip
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_full_disk_is_named_in_one_line(small_disk, nproc):
+    out = small_disk / f"run{nproc}"
+    r = run_cli("train", "--preset", "tiny", "--nproc", nproc, "--steps", "3", "--checkpoint-every", "1",
+                "--out", str(out), "--quiet")  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert "no space left on device while writing" in lines[0] and str(out) in lines[0], lines
+    assert "free space there or choose another --out" in lines[0], lines
+    assert not list(out.glob("logs/*.traceback")), "no empty traceback files"
+    if (out / "checkpoints" / "latest").exists():  # what a resume would take is complete
+        from powertrain.checkpoint import verify
+        from powertrain.train.checkpoint import find_checkpoint
+
+        verify(find_checkpoint(out))
+
+
+def test_disk_full_is_found_among_the_causes(tmp_path):
+    """ENOSPC behind other exceptions (DCP gathers each rank's): the line names the file; other errors are not it."""
+    import errno
+
+    from powertrain.train.launch import _cause, disk_full
+
+    enospc = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.distcp"))
+    try:
+        try:
+            raise enospc
+        except OSError:
+            raise RuntimeError("write failed") from None  # the context keeps it
+    except RuntimeError as e:
+        wrapped = e
+    assert disk_full(wrapped, str(tmp_path)) == (f"no space left on device while writing {tmp_path / 'x.distcp'}: "
+                                                 "free space there or choose another --out")  # fmt: skip
+
+    from torch.distributed.checkpoint.api import CheckpointException  # each rank's (exception, traceback)
+
+    gathered = CheckpointException(
+        "ranks", {0: (RuntimeError("other"), None), 1: (OSError(errno.ENOSPC, "No space left on device"), None)}
+    )
+    assert disk_full(gathered, "/somewhere") == (
+        "no space left on device while writing /somewhere: free space there or choose another --out"
+    )
+    assert _cause(gathered) == (
+        "CheckpointException: rank 0: RuntimeError: other; rank 1: OSError: [Errno 28] No space left on device"
+    )
+    assert disk_full(RuntimeError("unrelated"), str(tmp_path)) is None  # tmp_path has room
+    assert disk_full(ValueError("bad input"), str(tmp_path)) is None
