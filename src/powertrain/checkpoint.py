@@ -88,6 +88,8 @@ def _short(e: BaseException, limit: int = 300) -> str:
     """An exception as one bounded line (messages may quote what a crafted checkpoint holds)."""
     text = " ".join(str(e).split())
     text = text.split(" Re-running `torch.load`")[0]  # torch's advice to load unsafely: never the right fix here
+    if not text:  # MemoryError(), OverflowError(): the type is the reason
+        return type(e).__name__
     return (text[:limit] + " ...") if len(text) > limit else text
 
 

@@ -61,6 +61,15 @@ class GradientCompression(TrainerCallback, Rewrapped):
         if fresh and state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
             path = self._path(args, state)
             if not path.exists() and not path.is_symlink():
+                others = sorted(p.name for p in path.parent.glob("powertrain_compressor_rank0_of_*.bin"))
+                if others:  # saved by another number of workers
+                    saved = others[0].removesuffix(".bin").split("_of_")[-1][:20]
+                    world = dist.get_world_size(compressor.comm.group)
+                    raise ValueError(
+                        f"Training resumed at step {state.global_step} with {world} workers, but {path.parent} holds "
+                        f"the compressor state of {saved} workers: resume with that many (each worker's error "
+                        "feedback is its own)"
+                    )
                 raise FileNotFoundError(
                     f"Training resumed at step {state.global_step} but {path} is missing: resume from a checkpoint "
                     "in this output_dir that was saved with compress_gradients (each worker's error feedback)"

@@ -302,7 +302,7 @@ class TrainConfig:
         if start >= self.steps and self.parallel != "diloco":
             raise ValueError(
                 f"compressor={self.compressor!r} starts compressing after {start} steps and the run has {self.steps}: "
-                "it would send full gradients throughout; lower start= (e.g. start=2) or raise steps"
+                f"it would send full gradients throughout; lower start= below {self.steps} or raise steps"
             )
 
     def _check_local_updates(self) -> None:

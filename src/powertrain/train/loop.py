@@ -96,13 +96,23 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     try:
         return _train(cfg, device)
     except RuntimeError as e:  # a failed collective: name the peers that are gone, if any are
-        lost = heartbeat.diagnose() if heartbeat is not None else ""
+        lost = _diagnose(heartbeat)
         if lost:
             e.add_note(f"powertrain: {lost}")  # the error keeps its type and message; tracebacks show the note
         raise
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+
+
+def _diagnose(heartbeat: Heartbeat | None) -> str:
+    """:meth:`Heartbeat.diagnose`, which explains an error and so must never replace it."""
+    if heartbeat is None:
+        return ""
+    try:
+        return heartbeat.diagnose()
+    except Exception as e:
+        return f"(which peers are lost is unknown: the diagnosis failed with {type(e).__name__})"
 
 
 def _heartbeat(cfg: TrainConfig) -> Heartbeat | None:
