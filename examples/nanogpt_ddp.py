@@ -7,7 +7,9 @@
 
 A character-level GPT learns Python's own standard library sources (no download). Rank 0 prints one JSON line
 per logged step (loss averaged over ranks) and, at the end, the bytes the gradients cost. Each rank checkpoints
-its own file (the compressor's error feedback differs per rank) and loads it with ``weights_only=True``.
+its own file (the compressor's error feedback differs per rank) in powertrain's state format, which loading parses
+and never unpickles (``torch.load(weights_only=True)`` runs no code, but a few bytes of its pickle can allocate
+gigabytes), after checking the file's size against what this model's checkpoint can hold.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import argparse
 import json
 import math
 import os
+import sys
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from powertrain import serialize  # powertrain
 from powertrain.compress import make_compressor  # powertrain
 from powertrain.ddp import register_compressor  # powertrain
 
@@ -77,6 +82,19 @@ def batch(data: torch.Tensor, seed: int, rank: int, step: int, size: int, block:
     return x, y
 
 
+def load_checkpoint(path: Path, model: nn.Module) -> dict[str, Any]:
+    """The state saved at ``path``: its size checked first (weights, AdamW's two moments and the compressor's buffers
+    fit in 16 times the weights' bytes), then read within that bound and parsed, never unpickled."""
+    limit = 16 * sum(t.numel() * t.element_size() for t in model.state_dict().values()) + (1 << 20)
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file: resume from an --out that holds this run's checkpoints")
+    size = path.stat().st_size
+    if size > limit:
+        raise ValueError(f"{path} is {size:,} bytes, more than this model's checkpoint can be ({limit:,})")
+    with path.open("rb") as f:
+        return serialize.loads(f.read(limit + 1))  # powertrain: parsed, never unpickled
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="stop after this step")
@@ -111,13 +129,16 @@ def main() -> None:
     ckpt = args.out / f"ckpt_rank{rank}_of_{world}.pt"
     start = 0
     if args.resume:
-        state = torch.load(ckpt, weights_only=True)  # tensors and plain containers only: loading runs no code
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        if compressor is not None:
-            compressor.load_state_dict(state["compressor"])  # powertrain
-        start = state["step"]
+        try:
+            state = load_checkpoint(ckpt, model)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            if compressor is not None:
+                compressor.load_state_dict(state["compressor"])  # powertrain
+            start = int(state["step"])
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # one line, not a traceback per rank
+            sys.exit(f"rank {rank}: cannot resume from {ckpt}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
         steps = torch.tensor([start, -start])
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # every rank must continue from the same step
         if steps[0] != -steps[1]:
@@ -144,7 +165,7 @@ def main() -> None:
                 "schedule": schedule.state_dict(),
                 "compressor": compressor.state_dict() if compressor is not None else {},
             }  # powertrain
-            torch.save(state, ckpt.with_suffix(".tmp"))
+            ckpt.with_suffix(".tmp").write_bytes(serialize.dumps(state))  # powertrain: a format loading parses
             ckpt.with_suffix(".tmp").replace(ckpt)  # whole or not at all
 
     if rank == 0:

@@ -390,12 +390,13 @@ def test_worker_failures_reach_the_user_as_one_line(run2, tmp_path):
     lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
     assert len(lines) == 1 and "training stopped at step 2: QuantizedCompressor: non-finite gradient" in lines[0]
     assert "the last good checkpoint is" in lines[0] and "try a lower --lr" in lines[0], lines
-    # too little data for two workers: the worker's own message, once
+    # too little data for two workers: refused before any worker starts (and before --out exists), once
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "one.txt").write_text("0123456789")
     r = _run(*TINY, "--data", "textdir", "--data-path", str(texts), "--out", str(tmp_path / "c"))
-    assert r.returncode == 1 and len(_lines(r.stderr)) == 1 and "too small" in r.stderr, r.stderr[-3000:]
+    assert r.returncode == 2 and len(_lines(r.stderr)) == 1 and "too small" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "c").exists()
 
 
 def test_resumed_run_reports_the_whole_run(run2, tmp_path):
@@ -633,8 +634,8 @@ def test_validation_split_too_small_fails_before_training(tmp_path):
     (texts / "a.txt").write_text("x" * 3000)
     r = _run(*TINY, "--data", "textdir", "--data-path", str(texts), "--block-size", "200", "--steps", "50",
              "--out", str(tmp_path / "o"))  # fmt: skip
-    assert r.returncode == 1 and "val split" in r.stderr, r.stderr[-2000:]
-    assert not (tmp_path / "o" / "metrics.jsonl").exists(), "it failed before the first step"
+    assert r.returncode == 2 and "val split" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists(), "it failed before --out was made"
 
 
 def test_workers_die_with_the_launcher(tmp_path):

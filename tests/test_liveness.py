@@ -52,3 +52,26 @@ def test_a_rank_that_never_beat_is_named_and_a_lost_store_names_node_0(monkeypat
     assert lost == (f"the rendezvous store at 127.0.0.1:{port} refused the connection: the process that hosted it "
                     "(rank 0's, or torchrun's) exited"), lost  # fmt: skip
     beat.stop()
+
+
+@pytest.mark.timeout(60)
+def test_malformed_heartbeat_records_never_replace_the_error(store, monkeypatch):
+    """Any process that reaches the store can write its keys: a diagnosis reads them as data, and a diagnosis that
+    fails anyway leaves the worker's own error in place (a note, never a new exception)."""
+    monkeypatch.setenv("GROUP_RANK", "0")
+    beat = Heartbeat(0, 3, timeout_s=5, period_s=0.2)
+    store.set("powertrain/heartbeat/0/who/1", b"garbage")  # no address
+    store.set("powertrain/heartbeat/0/who/2", b"\xff\x1b[2J " + b"x" * 500)  # not UTF-8, an escape, long
+    lost = beat.diagnose()
+    assert lost == ("no heartbeat for 0.5 s from node garbage (unknown address): rank 1; node \ufffd?[2J ("
+                    + "x" * 80 + "): rank 2"), lost  # fmt: skip
+    beat.stop()
+
+    from powertrain.train.loop import _diagnose
+
+    class Broken:
+        def diagnose(self) -> str:
+            raise ValueError("not enough values to unpack")
+
+    assert _diagnose(Broken()) == "(which peers are lost is unknown: the diagnosis failed with ValueError)"  # type: ignore[arg-type]
+    assert _diagnose(None) == ""

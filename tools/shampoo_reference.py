@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import importlib
 import inspect
-import json
 import logging
 import statistics
 import subprocess
@@ -48,6 +47,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from powertrain import _json
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.shampoo.optimizer import DistributedShampoo, Grafting, Preconditioner
@@ -618,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     results["command"] = "python tools/shampoo_reference.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(_json.dumps(results, indent=1))
     publish(markdown(results), args.write or None, "shampoo-reference")
     return 0
 

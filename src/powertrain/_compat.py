@@ -126,11 +126,12 @@ class SafeUnpickler(_PyUnpickler):
 _DATA_FILE = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")
 
 
-def safe_dcp_reader(path: str, files: frozenset[str]) -> Any:
+def safe_dcp_reader(path: str, files: frozenset[str], metadata_limit: int) -> Any:
     """A DCP FileSystemReader that cannot be made to run code or inflate data:
 
-    * its metadata is read by :class:`SafeUnpickler` (DCP itself uses plain pickle), may name only the data files
-      in ``files`` (the checkpoint's manifest) and no stream transforms (decompression has no size bound);
+    * its metadata (at most ``metadata_limit`` bytes, read within that bound) is read by :class:`SafeUnpickler`
+      (DCP itself uses plain pickle), may name only the data files in ``files`` (the checkpoint's manifest) and no
+      stream transforms (decompression has no size bound);
     * each item's bytes are read whole (within its file) and checked by
       :func:`powertrain.serialize.check_torch_pickle` before DCP's ``torch.load(weights_only=True)`` sees them.
     ``FileSystemReader._slice_file`` is DCP's (private) hook for reading one item; it exists in torch 2.11-2.13.
@@ -147,7 +148,10 @@ def safe_dcp_reader(path: str, files: frozenset[str]) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             meta_path = self._get_metadata_path(kwargs.get("rank"))
             with self.fs.create_stream(meta_path, "rb") as f:
-                metadata = SafeUnpickler(f).load()
+                data = f.read(metadata_limit + 1)
+            if len(data) > metadata_limit:
+                raise pickle.UnpicklingError(f"{meta_path} holds more than {metadata_limit:,} bytes")
+            metadata = SafeUnpickler(io.BytesIO(data)).load()
             if not isinstance(metadata, Metadata):
                 raise pickle.UnpicklingError(f"{meta_path} holds a {type(metadata).__name__}, not DCP metadata")
             for info in (metadata.storage_data or {}).values():

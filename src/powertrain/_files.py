@@ -1,8 +1,9 @@
-"""Files written whole or not at all."""
+"""Files written whole or not at all, and files read within a bound checked before the read."""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -16,3 +17,37 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     else:
         tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+class FileTooLarge(ValueError):
+    """A file is larger than what it can legitimately hold, or is not a regular file: refused before reading it."""
+
+
+def read_bounded(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of the regular file ``path``, refused before anything is read (:class:`FileTooLarge`, one line
+    naming ``what`` and the size) when it holds more than ``limit`` bytes or is not a regular file; OSError when it
+    cannot be opened. The size is taken from the open file, and the read itself is bounded: a file that grows after
+    the check cannot make it read more."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO does not block the open
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FileTooLarge(f"{what} {str(path)!r} is not a regular file (a pipe, device or directory)")
+        if st.st_size > limit:
+            raise FileTooLarge(f"{what} {str(path)!r} is {st.st_size:,} bytes, more than the {limit:,} it can be")
+        chunks, left = [], limit + 1
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 24))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > limit:
+        raise FileTooLarge(f"{what} {str(path)!r} grew past {limit:,} bytes while it was read")
+    return data
+
+
+def quote(data: bytes | str, limit: int = 40) -> str:
+    """A short, escaped prefix of file content for a one-line message: ``'abc'`` or ``'abc'...`` (cut)."""
+    text = repr(data[:limit])
+    return text + ("..." if len(data) > limit else "")

@@ -38,6 +38,7 @@ import hashlib
 import io
 import json
 import math
+import pickle
 import re
 import stat
 from collections.abc import Callable, Mapping
@@ -50,9 +51,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from powertrain import serialize
+from powertrain import _json, serialize
 from powertrain._compat import safe_dcp_reader
-from powertrain._files import write_atomic
+from powertrain._files import FileTooLarge, read_bounded, write_atomic
 from powertrain.comm import Communicator
 
 __all__ = [
@@ -68,6 +69,13 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+#: The most a manifest.json holds: ~150 bytes per file listed and the run's config; 4 MiB lists 25,000 workers' files,
+#: and parsing it stays within tens of MB whatever it holds.
+MANIFEST_LIMIT = 4 << 20
+#: The most a ``.metadata`` may hold (~300 bytes per stored chunk: 200,000 chunks); it is unpickled whole.
+METADATA_LIMIT = 64 << 20
+#: What torch.save adds around one item's bytes (its zip records and pickle: ~1.5 KB), with room to spare.
+ITEM_OVERHEAD = 64 << 10
 FORMAT = 3  # the manifest's format; a checkpoint of any other is refused (older ones held unsafe per-rank state)
 _NAME = re.compile(r"[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*")  # a plain file name: no "/", no "..", no leading "."
 
@@ -80,6 +88,8 @@ def _short(e: BaseException, limit: int = 300) -> str:
     """An exception as one bounded line (messages may quote what a crafted checkpoint holds)."""
     text = " ".join(str(e).split())
     text = text.split(" Re-running `torch.load`")[0]  # torch's advice to load unsafely: never the right fix here
+    if not text:  # MemoryError(), OverflowError(): the type is the reason
+        return type(e).__name__
     return (text[:limit] + " ...") if len(text) > limit else text
 
 
@@ -147,6 +157,21 @@ def _plain(o: Any, depth: int = 0) -> bool:
     return False
 
 
+def _item_limit(value: Any) -> int | None:
+    """The most bytes a stored item loading into ``value`` may take: a tensor's elements at up to 16 bytes each (a
+    stored dtype may be wider than the destination's); any other value (an optimizer's hyperparameter, its list
+    of parameter names) twice its own pickle; each with torch.save's framing. None for what is not loaded and for a
+    per-rank blob (an empty uint8 tensor, sized from what is stored)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return None if value.dtype == torch.uint8 and value.numel() == 0 else 16 * value.numel() + ITEM_OVERHEAD
+    try:
+        return 2 * len(pickle.dumps(value, protocol=2)) + ITEM_OVERHEAD
+    except Exception:  # not picklable here: then not what powertrain saved either; DCP's own checks decide
+        return 1 << 20
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner with the checks of this module's docstring (3 and 4).
 
@@ -166,7 +191,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         stored: dict[str, int] = {}  # bytes stored per item: a blob cannot be longer
         for index, info in (metadata.storage_data or {}).items():
-            stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
+            length = int(getattr(info, "length", 0))
+            stored[index.fqn] = stored.get(index.fqn, 0) + length
+            limit = _item_limit(self.state_dict.get(index.fqn))
+            if limit is not None and length > limit:  # checked before any item is read
+                raise CheckpointError(
+                    f"Checkpoint item {index.fqn!r} is stored in {length:,} bytes, more than its destination takes "
+                    f"({limit:,}): the checkpoint is damaged or crafted"
+                )
         missing = []
         for fqn, value in self.state_dict.items():
             md = saved.get(fqn)
@@ -226,7 +258,7 @@ def never_stepped(key: str = "optim") -> Optional:
 
 
 def _reader(path: str | Path, manifest: Mapping[str, Any]) -> Any:
-    return safe_dcp_reader(str(path), files=frozenset(manifest["files"]))
+    return safe_dcp_reader(str(path), files=frozenset(manifest["files"]), metadata_limit=METADATA_LIMIT)
 
 
 def read_metadata(path: str | Path, manifest: Mapping[str, Any] | None = None) -> Metadata:
@@ -293,7 +325,7 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
         files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
                  for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST}  # fmt: skip
         manifest = {"format": FORMAT, "world_size": comm.world_size, **(extra or {}), "files": files}
-        write_atomic(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+        write_atomic(root / MANIFEST, _json.dumps(manifest, indent=1) + "\n")
     if initialized:
         dist.barrier(group=group)
 
@@ -307,7 +339,13 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
             f"than checkpoint format {FORMAT}, whose per-rank state cannot be loaded safely"
         )
     try:
-        manifest = json.loads(f.read_bytes()[: 1 << 26])
+        raw = read_bounded(f, MANIFEST_LIMIT, "Checkpoint manifest")
+    except FileTooLarge as e:
+        raise CheckpointError(f"{e}: the checkpoint is damaged or not powertrain's") from None
+    except OSError as e:
+        raise CheckpointError(f"Cannot read {str(f)!r}: {e.strerror or e}") from None
+    try:
+        manifest = json.loads(raw)
     except (ValueError, RecursionError):
         raise CheckpointError(f"{str(f)!r} is not valid JSON: the checkpoint is corrupted") from None
     bad = f"{str(f)!r} is not a format-{FORMAT} powertrain manifest"
@@ -345,6 +383,9 @@ def verify(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"Checkpoint file {str(f)!r} is missing") from None
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"Checkpoint file {str(f)!r} is not a regular file (a link, pipe or device)")
+        if name == ".metadata" and st.st_size > METADATA_LIMIT:
+            raise CheckpointError(f"Checkpoint file {str(f)!r} is {st.st_size:,} bytes, more than DCP metadata can be "
+                                  f"({METADATA_LIMIT:,}): the checkpoint is damaged or crafted")  # fmt: skip
         if st.st_size != entry["bytes"] or _digest(f) != entry["sha256"]:
             raise CheckpointError(f"Checkpoint file {str(f)!r} is corrupted: its checksum differs from the manifest")
     extra = sorted(p.name for p in root.iterdir() if p.name not in listed and p.name != MANIFEST)

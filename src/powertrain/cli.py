@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from powertrain.bench import cli as bench_cli
 from powertrain.train import cli as train_cli
+from powertrain.train.launch import disk_full
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -26,6 +27,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before any worker started (workers' interrupts are handled in the launcher)
         print(f"powertrain {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BaseException as e:  # a full disk in this process (a single worker, the launcher, bench): one line
+        full = disk_full(e, str(getattr(args, "out", None) or "."))
+        if full is None:
+            raise
+        print(f"powertrain {args.command}: {full}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from powertrain import serialize
-from powertrain._files import write_atomic
+from powertrain._files import FileTooLarge, read_bounded, write_atomic
 from powertrain.ddp import Rewrapped
 
 __all__ = ["GradientCompression", "compress_gradients"]
@@ -60,12 +60,27 @@ class GradientCompression(TrainerCallback, Rewrapped):
         compressor, fresh = self.register(ddp, ddp.module.named_parameters())
         if fresh and state.global_step > 0:  # resumed from OUTPUT_DIR/checkpoint-<step>
             path = self._path(args, state)
-            if not path.is_file():
+            if not path.exists() and not path.is_symlink():
+                others = sorted(p.name for p in path.parent.glob("powertrain_compressor_rank0_of_*.bin"))
+                if others:  # saved by another number of workers
+                    saved = others[0].removesuffix(".bin").split("_of_")[-1][:20]
+                    world = dist.get_world_size(compressor.comm.group)
+                    raise ValueError(
+                        f"Training resumed at step {state.global_step} with {world} workers, but {path.parent} holds "
+                        f"the compressor state of {saved} workers: resume with that many (each worker's error "
+                        "feedback is its own)"
+                    )
                 raise FileNotFoundError(
                     f"Training resumed at step {state.global_step} but {path} is missing: resume from a checkpoint "
                     "in this output_dir that was saved with compress_gradients (each worker's error feedback)"
                 )
-            compressor.load_state_dict(serialize.loads(path.read_bytes()))
+            # error buffers and the low-rank factors: within a few times the weights' bytes; checked before reading
+            limit = 16 * sum(p.numel() * p.element_size() for p in ddp.module.parameters()) + (1 << 20)
+            try:
+                raw = read_bounded(path, limit, "The compressor state")
+            except (FileTooLarge, OSError) as e:
+                raise ValueError(f"Cannot resume the compressor at step {state.global_step}: {e}") from None
+            compressor.load_state_dict(serialize.loads(raw))
 
     # Written when the Trainer decides to save, before it writes its own files and rotates old checkpoints: a crash
     # in between leaves a folder without trainer_state.json, which a resume does not pick.

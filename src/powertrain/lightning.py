@@ -91,12 +91,25 @@ class GradientCompression(Callback, Rewrapped):
         assert self.compressor is not None
         group = self.compressor.comm.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        if state.get("world_size") != world or len(state.get("ranks", [])) != world:
+        saved, ranks = (state.get("world_size"), state.get("ranks")) if isinstance(state, dict) else (None, None)
+        if not (
+            type(saved) is int
+            and saved >= 1
+            and isinstance(ranks, list | tuple)
+            and len(ranks) == saved
+            and all(isinstance(b, torch.Tensor) and b.dtype == torch.uint8 and b.dim() == 1 for b in ranks)
+        ):
             raise ValueError(
-                f"The checkpoint's compressor state was written by {state.get('world_size')} workers and this fit has "
-                f"{world}: resume with {state.get('world_size')} (each worker's error feedback is its own)"
+                f"The checkpoint's {self.state_key} state is not what GradientCompression writes (world_size "
+                f"{repr(saved)[:40]}, ranks {type(ranks).__name__}): the checkpoint is damaged, or was written by "
+                "another callback"
             )
-        blob = state["ranks"][rank]
+        if saved != world:
+            raise ValueError(
+                f"The checkpoint's compressor state was written by {saved} workers and this fit has {world}: resume "
+                f"with {saved} (each worker's error feedback is its own)"
+            )
+        blob = ranks[rank]
         self.compressor.load_state_dict(serialize.loads(blob.numpy().tobytes()))
 
 

@@ -145,7 +145,8 @@ TENSOR_GLOBALS = frozenset({"torch._utils._rebuild_tensor_v2", "collections.Orde
 
 def check_torch_pickle(data: bytes, *, allowed: Iterable[str], what: str) -> None:
     """Raise :class:`UnsafeData` unless ``data`` is a ``torch.save`` archive whose members are stored
-    uncompressed and whose pickle names only ``allowed`` globals (``module.name``)."""
+    uncompressed under names that do not collide (equal, or equal ignoring case, as torch's reader compares them)
+    and whose one pickle names only ``allowed`` globals (``module.name``)."""
     allow = frozenset(allowed)
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
@@ -154,7 +155,12 @@ def check_torch_pickle(data: bytes, *, allowed: Iterable[str], what: str) -> Non
         raise UnsafeData(f"{what} is not in torch.save's format") from None
     if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
         raise UnsafeData(f"{what} has compressed members (torch.save stores them uncompressed)")
-    pickles = [i for i in infos if i.filename.rsplit("/", 1)[-1] == "data.pkl"]
+    # torch's zip reader (miniz) looks member names up ignoring case: beside archive/data.pkl, it reads an
+    # archive/DATA.PKL stored after it. Names that collide (equal, or equal ignoring case) could show this check one
+    # member and torch another: refused, whichever torch would pick
+    if len({i.filename.casefold() for i in infos}) != len(infos):
+        raise UnsafeData(f"{what} has members whose names collide (equal, or equal ignoring case)")
+    pickles = [i for i in infos if i.filename.rsplit("/", 1)[-1].casefold() == "data.pkl"]
     if len(pickles) != 1:
         raise UnsafeData(f"{what} has {len(pickles)} pickles, not one")
     try:

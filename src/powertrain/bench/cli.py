@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
+from pathlib import Path
+
+from powertrain._checks import check_int
 
 QUALITY_ONLY = ("mnist1d", "wide", "local")  # bench quality's other workloads, and local updates
+BENCHMARKS = "BENCHMARKS.md"
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
@@ -35,9 +41,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--results", default=None,
                        help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
                        "measuring); cluster --preset paper takes its measured GPU compute figures")  # fmt: skip
-    bench.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    bench.add_argument("--write", default="BENCHMARKS.md", help="Markdown file to update ('' to skip)")
+    bench.add_argument("--repeats", type=int, default=None, help="overhead: timed repetitions per configuration")
+    bench.add_argument("--threads", type=int, default=None, help="overhead: torch threads (default: all cores)")
+    bench.add_argument("--write", default=None,
+                       help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
+                       "checkout of powertrain)")  # fmt: skip
     bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
     bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
     bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
@@ -56,7 +64,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--preset paper is bench cluster's on-paper model, not a preset of {args.suite}")
     if args.results is not None and args.suite not in ("gpu", "cluster"):
         raise ValueError(f"--results is read by bench gpu and bench cluster --preset paper, not by {args.suite}")
-    write = args.write or None
+    for name in ("repeats", "threads"):
+        value = getattr(args, name)
+        if value is not None and args.suite != "overhead":
+            raise ValueError(f"--{name} is read by bench overhead only, not by {args.suite}")
+        if value is not None:
+            check_int(name, value, 1)
+    cores = os.cpu_count() or 1
+    if args.threads is not None and args.threads > cores:
+        raise ValueError(f"Invalid threads={args.threads}: this machine has {cores} cores; use at most {cores}")
+    write = _write_target(args.write)
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
 
@@ -92,3 +109,21 @@ def run(args: argparse.Namespace) -> int:
         module = importlib.import_module(f"powertrain.bench.{args.suite}")
         getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write)
     return 0
+
+
+def _write_target(write: str | None) -> str | None:
+    """The Markdown file a suite updates, checked before it runs (a benchmark takes minutes): ``--write PATH`` (a
+    file, in an existing directory), ``''`` for none, and by default ./BENCHMARKS.md where one exists (a checkout
+    of powertrain); elsewhere the default prints only, rather than leave a BENCHMARKS.md in any directory."""
+    if write == "":
+        return None
+    if write is None:
+        if Path(BENCHMARKS).is_file():
+            return BENCHMARKS
+        print(f"powertrain bench: no {BENCHMARKS} here: the results are printed only (--write PATH writes them)",
+              file=sys.stderr)  # fmt: skip
+        return None
+    path = Path(write)
+    if path.is_dir() or not path.parent.is_dir():
+        raise ValueError(f"--write {write!r} is not a file in an existing directory: give a Markdown file's path")
+    return write

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from powertrain import _json
 from powertrain.bench.report import publish, table
 
 SCHEMA = 1
@@ -228,7 +229,7 @@ def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: 
             if previous is not None:
                 results.update(_merged(previous, new))
             results["elapsed_s"] = round(time.monotonic() - t0, 1)
-            results_path.write_text(json.dumps(results, indent=1))
+            results_path.write_text(_json.dumps(results, indent=1))
             status = "ok" if res["ok"] else res.get("error") or res.get("skipped")
             print(f"[{results['elapsed_s']:6.1f} s] {stage.name}: {status}", flush=True)
     return results
@@ -442,4 +443,4 @@ def _train_table(st: dict[str, Any]) -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["env"]:
-        Path(sys.argv[2]).write_text(json.dumps(env_info(), indent=1))
+        Path(sys.argv[2]).write_text(_json.dumps(env_info(), indent=1))

@@ -18,7 +18,6 @@ rewritten after each, so a stage stopped by its timeout still returns what it me
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from powertrain import _json
 from powertrain._device import synchronize
 from powertrain.models import GPT, GPTConfig
 
@@ -96,7 +96,7 @@ class _Record:
 
     def save(self) -> None:
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
+        tmp.write_text(_json.dumps(self.data, indent=1))
         tmp.replace(self.path)
 
 

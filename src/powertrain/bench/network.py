@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from powertrain import _json
 from powertrain.bench import ddp, plots
 from powertrain.bench.ddp import computed_bytes
 from powertrain.bench.netem import EmulatedCluster, comm_seconds, unavailable, validate
@@ -475,7 +476,7 @@ def _write_out(d: Path, report: Report, text: str) -> None:
     """results.json, table.md and the plots (which read the JSON form) in ``d``."""
     d.mkdir(parents=True, exist_ok=True)
     data = report.to_json()
-    (d / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+    (d / "results.json").write_text(_json.dumps(data, indent=2) + "\n")
     (d / "table.md").write_text(text)
     plots.speedup_vs_bandwidth(data, d / "speedup_vs_bandwidth.png")
     if data["quality"]:

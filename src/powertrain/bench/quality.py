@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from powertrain import _json
 from powertrain._files import write_atomic
 from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
@@ -338,7 +339,7 @@ class _Kept:
         path = self._path(steps, seed, row)
         if not path.exists():
             return None
-        kept = json.loads(path.read_text())
+        kept = _json.loads(path.read_text())
         if kept.get("identity") != _identity(row, self.preset):
             return None  # the row, the preset or the format changed since: run it again
         m = kept["measured"]
@@ -356,7 +357,7 @@ class _Kept:
 def _write(path: Path, obj: Any) -> None:
     """JSON to ``path`` whole or not at all (a stopped run leaves no half-written result)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(obj) + "\n")
+    write_atomic(path, _json.dumps(obj) + "\n")
 
 
 def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
@@ -412,7 +413,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r is not FP32 else None)
                         for s in range(n_seeds)] for r in here}  # fmt: skip
         report["horizons"].append(_summarise(here, runs, steps, target, p, phases, link))
-    (kept.root / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+    (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds, CAP), write, "quality" if name == "default" else f"quality-{name}")
     return report
 

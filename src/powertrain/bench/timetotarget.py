@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from powertrain import _json
 from powertrain._files import write_atomic
 from powertrain.bench.linktime import Timing, seconds_per_step
 from powertrain.bench.sidebyside import Spec
@@ -80,7 +81,7 @@ def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig |
     below :data:`SLOW`). ``model`` None: ``powertrain train``'s 1-D ResNet."""
     shape = "resnet1d" if model is None else json.dumps(dataclasses.asdict(model), sort_keys=True)
     model_id = f"{shape}/b{batch}/w{world}"
-    store: dict[str, float] = json.loads(kept.read_text()) if kept.exists() else {}
+    store: dict[str, float] = _json.loads(kept.read_text()) if kept.exists() else {}
     unique = {timing_key(s): s for s in specs}
     out: dict[float, dict[str, float]] = {}
     for rate in rates:
@@ -100,7 +101,7 @@ def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig |
             for variant, t in zip(group, got, strict=True):
                 store[_store_key(model_id, rate, variant)] = t
             kept.parent.mkdir(parents=True, exist_ok=True)  # kept after every launch: a stopped call loses one
-            write_atomic(kept, json.dumps(store, indent=1) + "\n")
+            write_atomic(kept, _json.dumps(store, indent=1) + "\n")
         out[rate] = {key: min(store[_store_key(model_id, rate, v)] for v in _variants(spec, rate))
                      for key, spec in unique.items()}  # fmt: skip
     return out

@@ -74,6 +74,7 @@ from typing import Any
 
 import torch
 
+from powertrain import _json
 from powertrain._checks import check_int
 from powertrain.bench import netem
 from powertrain.models import GPT, GPTConfig
@@ -200,7 +201,7 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
             why = "still running at the timeout" if workers[r].poll() is None else f"exit {workers[r].returncode}"
             log = _tail(tmp / f"replica{r}.log") or _tail(tmp / "lighthouse.log")
             raise RuntimeError(f"torchft replica {r} failed ({why}); its log ends:\n{log}")
-        return [json.loads((tmp / f"replica{r}.json").read_text()) for r in range(world)]
+        return [_json.loads((tmp / f"replica{r}.json").read_text()) for r in range(world)]
     finally:
         for p in reversed(procs):
             _kill(p)
@@ -414,7 +415,7 @@ def _worker(a: dict[str, Any]) -> None:
                 sent.clear()
             if step + 1 == cfg.steps or (eval_every and (step + 1) % eval_every == 0):
                 evals.append((step + 1, *evaluate()))
-    Path(a["result"]).write_text(json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals,
+    Path(a["result"]).write_text(_json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals,
                                              "syncs": syncs, "meets": meets}))  # fmt: skip
     manager.shutdown(wait=False)
 

@@ -36,10 +36,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from powertrain import checkpoint
-from powertrain._files import write_atomic
+from powertrain._files import FileTooLarge, quote, read_bounded, write_atomic
 from powertrain.checkpoint import CheckpointError, CompressorState
 
-__all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "read_latest", "save_checkpoint"]
+
+#: The most ``checkpoints/latest`` holds: a checkpoint's directory name (``step_00000042``) and a newline.
+LATEST_LIMIT = 256
 
 #: Run-level counters a resume continues from (so a resume into a new directory reports the whole run).
 PROGRESS = ("wall_s", "bytes_total", "first_loss")
@@ -132,12 +135,28 @@ def find_checkpoint(path: str | Path) -> Path:
         return p
     latest = p / "checkpoints" / "latest"
     if latest.is_file():
-        name = latest.read_text().strip()
+        name = read_latest(p)
         ckpt = p / "checkpoints" / name
-        if "/" not in name and (ckpt / ".metadata").is_file():
+        if name and "/" not in name and (ckpt / ".metadata").is_file():
             return ckpt
-        raise CheckpointError(f"{str(latest)!r} names {name!r}, which is not a complete checkpoint in {str(p)!r}")
+        raise CheckpointError(f"{str(latest)!r} names {quote(name)}, which is not a complete checkpoint in {str(p)!r}")
     raise CheckpointError(f"No checkpoint at {str(p)!r}: pass a run directory with checkpoints/latest, or a checkpoint")
+
+
+def read_latest(run: Path) -> str:
+    """The checkpoint name in ``run/checkpoints/latest``, read within :data:`LATEST_LIMIT` bytes (the size is checked
+    first); :class:`CheckpointError` in one line otherwise."""
+    latest = run / "checkpoints" / "latest"
+    try:
+        raw = read_bounded(latest, LATEST_LIMIT, "The checkpoint pointer")
+    except FileTooLarge as e:
+        raise CheckpointError(f"{e}: it names a checkpoint (step_00000042); the run directory is damaged") from None
+    except OSError as e:
+        raise CheckpointError(f"Cannot read {str(latest)!r}: {e.strerror or e}") from None
+    try:
+        return raw.decode().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{str(latest)!r} holds {quote(raw)}, not a checkpoint name") from None
 
 
 def _older_than(ckpt: Path) -> str:

@@ -9,6 +9,7 @@ import datetime
 import fcntl
 import importlib.util
 import os
+import shutil
 import sys
 import typing
 from collections.abc import Iterator
@@ -167,11 +168,49 @@ def _prepare_out(path: str, *, resume: Path | None, restart: bool = False) -> Pa
         probe.unlink()
     except OSError as e:
         raise ValueError(f"Cannot write to out={path!r}: {e.strerror or e}; choose another --out") from None
-    own = restart or (resume is not None and resume.parent.resolve() == (out / "checkpoints").resolve())
-    if not own and any(p.name != LOCK for p in out.iterdir()):
+    if not _own(out, resume, restart) and any(p.name != LOCK for p in out.iterdir()) and not _unstarted(out):
         hint = f", or continue it with --resume {path}" if (out / "checkpoints" / "latest").is_file() else ""
         raise ValueError(f"out={path!r} is not empty (it holds another run): choose a new --out{hint}")
     return out
+
+
+def _own(out: Path, resume: Path | None, restart: bool) -> bool:
+    """Whether the run continues in ``out`` (one of its checkpoints, or torchrun restarting it)."""
+    return restart or (resume is not None and resume.parent.resolve() == (out / "checkpoints").resolve())
+
+
+#: What a run writes before its first logged step (metrics.jsonl still empty): an ``--out`` holding these only
+#: holds a run that failed or was stopped before it produced anything, and a new run takes it over.
+UNSTARTED = frozenset({LOCK, "config.toml", "metrics.jsonl", "pids", "logs", "tensorboard"})
+
+
+def _unstarted(out: Path) -> list[str]:
+    """The names in ``out`` (.lock aside) when it holds only what a run leaves before its first logged step, else
+    an empty list. Links never count: they are not what a run writes."""
+    entries = list(out.iterdir())
+    if not entries or any(p.name not in UNSTARTED or p.is_symlink() for p in entries):
+        return []
+    config, metrics = out / "config.toml", out / "metrics.jsonl"
+    if not config.is_file() or (metrics.exists() and (not metrics.is_file() or metrics.stat().st_size)):
+        return []
+    return sorted(p.name for p in entries if p.name != LOCK)
+
+
+def _clear_unstarted(out: Path, quiet: bool) -> None:
+    """Remove what a run that never logged a step left in ``out`` (called with ``out``'s lock held, so that a run
+    starting there right now is never touched)."""
+    names = _unstarted(out)
+    if not names:
+        return
+    for name in names:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    if not quiet:
+        print(f"out={str(out)!r} held only a run that ended before its first logged step ({', '.join(names)}): "
+              "starting afresh there", flush=True)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -199,7 +238,7 @@ def _config_path(out: Path, resumed: bool) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from powertrain.train.data import check_source
+    from powertrain.train.data import check_sizes, check_source
     from powertrain.train.launch import torchrun_shared_store, under_torchrun
     from powertrain.train.metrics import supersede
 
@@ -214,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package: pip install 'powertrain[tensorboard]'")
     ckpt, world = None, int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.nproc
+    check_sizes(cfg, world)  # before --out exists: a run refused here leaves nothing behind
     restart = cfg.resume is None and _continues_in_place(cfg)
     if restart == "checkpoint":
         cfg = dataclasses.replace(cfg, resume=cfg.out)
@@ -247,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
         return _launch(cfg, Path(str(cfg.out)))
     out = _prepare_out(str(cfg.out), resume=ckpt, restart=restart == "start over")
     with _exclusive(out):
+        if not _own(out, ckpt, restart == "start over"):
+            _clear_unstarted(out, cfg.quiet)
         if restart == "start over":  # the earlier attempt's rows move to metrics.superseded.jsonl
             print(f"torchrun restarted this run before its first checkpoint: starting it over in {out}", flush=True)
             supersede(out, 0)  # every row (steps start at 1); a new run's log must not exist
@@ -284,7 +326,8 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
             os._exit(0)
     except WorkerFailed as e:
         print(f"powertrain train: {e.describe()}", file=sys.stderr)
-        if cfg.checkpoint_every:
+        diverged = all(f.cause.startswith("FloatingPointError") for f in e.failures)  # its line names the checkpoint
+        if cfg.checkpoint_every and not diverged:
             print(f"Resume from the last checkpoint with: powertrain train ... --resume {out}", file=sys.stderr)
         return 1
     except FloatingPointError as e:  # single process: the worker's own error

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from powertrain._files import FileTooLarge, read_bounded
 from powertrain.compress import COMPRESSORS, make_compressor
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
@@ -305,7 +306,7 @@ class TrainConfig:
         if start >= self.steps and self.parallel != "diloco":
             raise ValueError(
                 f"compressor={self.compressor!r} starts compressing after {start} steps and the run has {self.steps}: "
-                "it would send full gradients throughout; lower start= (e.g. start=2) or raise steps"
+                f"it would send full gradients throughout; lower start= below {self.steps} or raise steps"
             )
 
     def _check_local_updates(self) -> None:
@@ -479,15 +480,21 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The most a --config file holds (a few dozen keys take a few KB).
+CONFIG_LIMIT = 1 << 20
+
+
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML config; unknown keys are errors naming them and the valid ones."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ValueError(f"Config file {str(p)!r} does not exist")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(read_bounded(p, CONFIG_LIMIT, "Config file").decode())
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"Config file {str(p)!r} is not valid TOML: {e}") from None
+    except FileTooLarge:
+        raise
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"Config file {str(p)!r} cannot be read: {e}") from None
     valid = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import sysconfig
 from pathlib import Path
@@ -21,10 +22,11 @@ import torch
 
 from powertrain.train.config import TrainConfig
 
-__all__ = ["ClassData", "TokenData", "bin_tokens", "check_source", "load_data", "stdlib_files"]
+__all__ = ["ClassData", "TokenData", "bin_tokens", "check_sizes", "check_source", "load_data", "stdlib_files"]
 
 MB = 1_000_000
 MIN_TOKENS = 64  # below this no split can hold a window of even a tiny block_size
+MNIST1D_MISSING = "data='mnist1d' needs the mnist1d package: pip install 'powertrain[data]'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,14 +47,7 @@ class TokenData:
         return windows[:, :-1], windows[:, 1:]
 
     def _shard(self, split: str, rank: int, world: int, block_size: int) -> tuple[int, int]:
-        n = (self.train if split == "train" else self.val).numel()
-        lo, hi = _shard(n, rank, world)
-        if hi - lo < block_size + 2:
-            raise ValueError(
-                f"The {split} split has {n} tokens: a shard of {world} is too small for block_size={block_size}; use "
-                "more data (data_max_mb) or a smaller block_size"
-            )
-        return lo, hi
+        return _token_shard(split, (self.train if split == "train" else self.val).numel(), rank, world, block_size)
 
     def check(self, rank: int, world: int, block_size: int) -> None:
         """ValueError now if a batch of either split could not be drawn later (before any training)."""
@@ -96,6 +91,17 @@ def _shard(n: int, rank: int, world: int) -> tuple[int, int]:
     return n * rank // world, n * (rank + 1) // world
 
 
+def _token_shard(split: str, n: int, rank: int, world: int, block_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s shard of a split of ``n`` tokens; ValueError if it cannot hold a window of ``block_size``."""
+    lo, hi = _shard(n, rank, world)
+    if hi - lo < block_size + 2:
+        raise ValueError(
+            f"The {split} split has {n} tokens: a shard of {world} is too small for block_size={block_size}; use "
+            "more data (data_max_mb) or a smaller block_size"
+        )
+    return lo, hi
+
+
 def _generator(key: tuple[int, ...]) -> torch.Generator:
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
@@ -104,21 +110,38 @@ def _generator(key: tuple[int, ...]) -> torch.Generator:
 def load_data(cfg: TrainConfig) -> TokenData | ClassData:
     max_bytes = None if cfg.data_max_mb is None else int(cfg.data_max_mb * MB)
     match cfg.data:
-        case "stdlib":
-            root = Path(sysconfig.get_paths()["stdlib"])
-            desc = f"Python {sysconfig.get_python_version()} standard library sources"
-            return _bytes_corpus(root, stdlib_files(), max_bytes, desc)
-        case "textdir":
-            root = Path(str(cfg.data_path))
-            if not root.is_dir():
-                raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads its files)")
-            files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
-            return _bytes_corpus(root, files, max_bytes, f"text files under {root}")
+        case "stdlib" | "textdir":
+            root, plan = _byte_plan(cfg, max_bytes)
+            desc = (f"Python {sysconfig.get_python_version()} standard library sources" if cfg.data == "stdlib"
+                    else f"text files under {root}")  # fmt: skip
+            return _bytes_corpus(plan, desc)
         case "bin":
             return _bin(Path(str(cfg.data_path)), max_bytes)
         case "mnist1d":
             return _mnist1d()
     raise ValueError(f"Unknown data source {cfg.data!r}")
+
+
+def check_sizes(cfg: TrainConfig, world: int) -> None:
+    """ValueError, before any worker starts (and before ``--out`` is made), when a split of a text source is too
+    small for ``world`` workers: the files' sizes decide it, the same plan the workers read (nothing is read)."""
+    max_bytes = None if cfg.data_max_mb is None else int(cfg.data_max_mb * MB)
+    if cfg.data in ("stdlib", "textdir"):
+        train, val = (sum(n for _, _, n in part) for part in _byte_plan(cfg, max_bytes)[1])
+    elif cfg.data == "bin":
+        path = Path(str(cfg.data_path))
+        train_file, val_file = (path / "train.bin", path / "val.bin") if path.is_dir() else (path, None)
+        train = bin_tokens(train_file, max_bytes)
+        if val_file is not None and val_file.exists():
+            val = bin_tokens(val_file, max_bytes)
+        else:
+            train, val = train * 95 // 100, train - train * 95 // 100
+    else:
+        return  # mnist1d: a fixed set, generated in the workers
+    data_world = world // cfg.tp if cfg.parallel == "tp" else world  # a tp group reads one batch
+    for split, n in (("train", train), ("val", val)):
+        for rank in range(data_world):
+            _token_shard(split, n, rank, data_world, cfg.block_size)
 
 
 def stdlib_files() -> list[Path]:
@@ -131,23 +154,42 @@ def stdlib_files() -> list[Path]:
     return [Path(f) for f in sorted(files, key=lambda f: Path(os.path.relpath(f, root)).as_posix())]
 
 
-def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, description: str) -> TokenData:
-    """Byte tokens; a file goes to validation by a hash of its path (5%, stable across runs)."""
-    train: list[bytes] = []
-    val: list[bytes] = []
+#: A piece of a byte corpus: a file, the offset and the number of bytes to read from it.
+Segment = tuple[Path, int, int]
+
+
+def _byte_plan(cfg: TrainConfig, max_bytes: int | None) -> tuple[Path, tuple[list[Segment], list[Segment]]]:
+    """The root of a ``stdlib`` or ``textdir`` source and its :func:`_plan`."""
+    if cfg.data == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return root, _plan(root, stdlib_files(), max_bytes)
+    root = Path(str(cfg.data_path))
+    if not root.is_dir():
+        raise ValueError(f"data_path={cfg.data_path!r} is not a directory (data='textdir' reads its files)")
+    files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
+    return root, _plan(root, files, max_bytes)
+
+
+def _plan(root: Path, files: list[Path], max_bytes: int | None) -> tuple[list[Segment], list[Segment]]:
+    """What a byte corpus reads, from the files' sizes (each opened, so that an unreadable one is left out), as
+    train and validation segments: a file goes to validation by a hash of its path (5%, stable across runs), never
+    more than ``max_bytes`` in all, even from one huge file."""
+    train: list[Segment] = []
+    val: list[Segment] = []
     size = 0
     for path in files:
         try:
-            with path.open("rb") as f:  # never more than the budget left, even from one huge file
-                data = f.read(-1 if max_bytes is None else max(max_bytes - size, 0))
+            with path.open("rb") as f:
+                n = os.fstat(f.fileno()).st_size
         except OSError:
             continue
-        if not data:
+        n = n if max_bytes is None else min(n, max_bytes - size)
+        if n <= 0:
             continue
         rel = path.relative_to(root).as_posix()
         h = int.from_bytes(hashlib.sha1(rel.encode()).digest()[:4], "little") / 2**32
-        (val if h < 0.05 else train).append(data)
-        size += len(data)
+        (val if h < 0.05 else train).append((path, 0, n))
+        size += n
         if max_bytes is not None and size >= max_bytes:
             break
     if not train and not val:
@@ -155,10 +197,28 @@ def _bytes_corpus(root: Path, files: list[Path], max_bytes: int | None, descript
     if not train:  # every file hashed to validation (a corpus of one or two files): split them as below
         train, val = val, []
     if not val:  # tiny corpora: hold out the last file's tail
-        last = train[-1]
-        train[-1], val = last[: len(last) * 9 // 10], [last[len(last) * 9 // 10 :]]
-    as_tensor = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-    tr, va = as_tensor(train), as_tensor(val)
+        path, offset, n = train[-1]
+        train[-1], val = (path, offset, n * 9 // 10), [(path, offset + n * 9 // 10, n - n * 9 // 10)]
+    return train, val
+
+
+def _read(segments: list[Segment]) -> torch.Tensor:
+    """The segments' bytes, one after the other, as uint8 tokens (each read bounded by its planned size)."""
+    buf = bytearray(sum(n for _, _, n in segments))
+    at = 0
+    for path, offset, n in segments:
+        with path.open("rb") as f:
+            f.seek(offset)
+            got = f.readinto(memoryview(buf)[at : at + n])
+        if got != n:
+            raise ValueError(f"{str(path)!r} changed while it was read ({got} of {n} bytes): read it again")
+        at += n
+    return torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+
+
+def _bytes_corpus(plan: tuple[list[Segment], list[Segment]], description: str) -> TokenData:
+    """Byte tokens: the train and validation segments of :func:`_plan`."""
+    tr, va = _read(plan[0]), _read(plan[1])
     return TokenData(tr, va, 256, f"{description} ({(tr.numel() + va.numel()) / MB:.1f} MB, bytes)")
 
 
@@ -195,7 +255,10 @@ def bin_tokens(f: Path, max_bytes: int | None) -> int:
 
 
 def check_source(cfg: TrainConfig) -> None:
-    """A missing, empty or malformed data path is a clear ValueError, before any worker starts."""
+    """A missing, empty or malformed data path (or mnist1d without its package) is a clear ValueError, before any
+    worker starts."""
+    if cfg.data == "mnist1d" and importlib.util.find_spec("mnist1d") is None:
+        raise ValueError(MNIST1D_MISSING)
     if cfg.data not in ("textdir", "bin"):
         return
     path = Path(str(cfg.data_path))
@@ -220,7 +283,7 @@ def _mnist1d() -> ClassData:
     try:
         from mnist1d.data import get_dataset_args, make_dataset
     except ImportError:
-        raise ValueError("data='mnist1d' needs the mnist1d package: pip install 'powertrain[data]'") from None
+        raise ValueError(MNIST1D_MISSING) from None
     args = get_dataset_args()
     args.seed = 42  # the standard mnist1d set, generated here, whatever the training seed
     d = make_dataset(args)  # generates locally; get_dataset would download

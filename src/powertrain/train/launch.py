@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import errno
 import os
 import pickle
 import signal
@@ -36,7 +37,7 @@ from typing import Any, Literal, TypeVar
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["Interrupted", "WorkerFailed", "launch", "leave_world", "under_torchrun"]
+__all__ = ["Interrupted", "WorkerFailed", "disk_full", "launch", "leave_world", "under_torchrun"]
 
 T = TypeVar("T")
 
@@ -109,9 +110,57 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _cause(e: BaseException) -> str:
-    """An exception as one line: its type and message (multi-line messages joined)."""
+    """An exception as one line: its type and message (multi-line messages joined); for DCP's CheckpointException,
+    which gathers every rank's traceback into its message, each rank's own exception instead."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes: dict[str, list[str]] = {}
+        for rank, f in sorted(failures.items()):
+            inner = f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else None
+            causes.setdefault(_cause(inner) if inner is not None else "unknown", []).append(str(rank))
+        return f"{type(e).__name__}: " + "; ".join(f"rank {', '.join(r)}: {c}" for c, r in causes.items())
     text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+#: Below this much free space where a run writes, a failure to write is taken for a full disk: writers that meet
+#: ENOSPC do not all say so (torch.save reports a short write as "unexpected pos").
+NEARLY_FULL = 1 << 20
+
+
+def disk_full(e: BaseException, where: str) -> str | None:
+    """One line when ``e`` comes from a full disk: ENOSPC among its causes (its ``__cause__``/``__context__`` chain,
+    and the failures DCP gathers from every rank), or an error other than a ValueError or FloatingPointError (which
+    carry their own story) while the file system of ``where`` has less than :data:`NEARLY_FULL` bytes free. The
+    line names what was being written (the file, else ``where``) and the fix; None otherwise."""
+    todo: list[BaseException | None] = [e]
+    seen: set[int] = set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            target = x.filename if x.filename else where
+            return f"no space left on device while writing {target}: free space there or choose another --out"
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else None
+                     for f in failures.values()]  # fmt: skip
+    if isinstance(e, ValueError | FloatingPointError | KeyboardInterrupt):
+        return None
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= NEARLY_FULL:
+        return None
+    return (
+        f"no space left on device in {where} ({free:,} bytes free; {_cause(e)[:200]}): free space there or "
+        "choose another --out"
+    )
 
 
 def _die_with(parent: int) -> None:
@@ -144,18 +193,27 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, 
             pickle.dump(result, f)
     except BaseException as e:
         code = 1
-        cause = _cause(e)
-        if not isinstance(e, ValueError | FloatingPointError):  # those carry their whole story in the message
+        full = disk_full(e, str(Path(trace_dir).parent) if trace_dir is not None else "the run directory")
+        cause = _cause(e) if full is None else f"OSError: {full}"
+        # ValueError and FloatingPointError carry their whole story in the message; a full disk takes no traceback
+        if full is None and not isinstance(e, ValueError | FloatingPointError):
             trace = traceback.format_exc()
             if trace_dir is None:
                 sys.stderr.write(f"[rank {rank}] {trace}")
             else:
                 path = Path(trace_dir) / f"rank{rank}.traceback"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(trace)
-                cause += f" (traceback: {path})"
-        with open(f"{tmp}/error_{rank}.txt", "w") as f:
-            f.write(cause)
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(trace)
+                    cause += f" (traceback: {path})"
+                except OSError as w:  # the report must not replace the error it reports, nor leave an empty file
+                    path.unlink(missing_ok=True)
+                    cause += f" (its traceback could not be written to {path}: {w.strerror or w})"
+        try:
+            with open(f"{tmp}/error_{rank}.txt", "w") as f:
+                f.write(cause)
+        except OSError:  # the launcher then reports the exit code; the cause is on stderr
+            sys.stderr.write(f"[rank {rank}] {cause}\n")
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -69,7 +69,7 @@ class Heartbeat:
             time.sleep(wait)
             after = [self._ask.add(f"beat/{r}", 0) for r in range(self.world)]
             silent = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
-            where = {r: (self._ask.get(f"who/{r}").decode().split(" ", 1) if self._ask.check([f"who/{r}"])
+            where = {r: (_who(self._ask.get(f"who/{r}")) if self._ask.check([f"who/{r}"])
                          else ("?", "never started its heartbeat")) for r in silent}  # fmt: skip
         except Exception as e:  # the store failed us
             store = f"the rendezvous store at {self.host}:{self.port}"
@@ -90,6 +90,14 @@ class Heartbeat:
             for (node, address), rs in sorted(nodes.items())
         )
         return f"no heartbeat for {wait:g} s from {lost}"
+
+
+def _who(raw: bytes) -> tuple[str, str]:
+    """A ``who/RANK`` value, ``"NODE ADDRESS"``, as (node, address); whatever a store holds there (any process that
+    reaches it can write it) gives a short, printable pair rather than an error."""
+    text = "".join(c if c.isprintable() else "?" for c in raw[:200].decode(errors="replace"))
+    node, _, address = text.partition(" ")
+    return node[:40] or "?", address[:80] or "unknown address"
 
 
 def _local_address(host: str, port: int) -> str:

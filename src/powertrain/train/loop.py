@@ -96,13 +96,23 @@ def run_worker(cfg: TrainConfig) -> dict[str, Any]:
     try:
         return _train(cfg, device)
     except RuntimeError as e:  # a failed collective: name the peers that are gone, if any are
-        lost = heartbeat.diagnose() if heartbeat is not None else ""
+        lost = _diagnose(heartbeat)
         if lost:
             e.add_note(f"powertrain: {lost}")  # the error keeps its type and message; tracebacks show the note
         raise
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+
+
+def _diagnose(heartbeat: Heartbeat | None) -> str:
+    """:meth:`Heartbeat.diagnose`, which explains an error and so must never replace it."""
+    if heartbeat is None:
+        return ""
+    try:
+        return heartbeat.diagnose()
+    except Exception as e:
+        return f"(which peers are lost is unknown: the diagnosis failed with {type(e).__name__})"
 
 
 def _heartbeat(cfg: TrainConfig) -> Heartbeat | None:
@@ -286,59 +296,89 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     total_sent, first_loss = int(counters["bytes_total"]), counters["first_loss"]
     last_loss, val = math.nan, math.nan
     dense_bytes = run.dense_bytes if world > 1 else 0
-    for step in range(start, cfg.steps):
-        before = CommStats.combined(run.sources)
-        last_loss, compute_s, step_time = _step(run, step)
-        if math.isnan(first_loss):
-            first_loss = last_loss
-        after = CommStats.combined(run.sources)
-        sent = after.bytes_sent - before.bytes_sent
-        wall += step_time
-        total_sent += sent
-        done = step + 1
-        if writer:
-            writer.every_step(done, last_loss, wall, total_sent)
-        evaluated = bool(cfg.eval_every and done % cfg.eval_every == 0)
-        if evaluated and done != cfg.steps:
-            val = _evaluate(run.strategy, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
-        logged = done % cfg.log_every == 0 or done == cfg.steps or evaluated
-        if logged:
-            if done == cfg.steps:
-                val = _evaluate(run.strategy, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
-            row = {
-                "step": done, "loss": last_loss, "lr": run.scheduler.get_last_lr()[0], "step_time_s": step_time,
-                "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
-                "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
-                "bytes_uncompressed": dense_bytes, "wall_s": wall, "bytes_total": total_sent,
-            }  # fmt: skip
-            if not math.isnan(val) and (done == cfg.steps or evaluated):
-                row["val_loss"] = val
-            if writer:
-                writer.log(row)
-        rate = per_step * cfg.grad_accum * data_world / step_time
-        progress.update(done, last_loss, rate, unit, sent / MB, dense_bytes / MB, logged=logged)
-        if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
-            from powertrain.train.checkpoint import save_checkpoint
+    done = start  # steps completed
 
-            counts = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
-            save_checkpoint(out, done, run.model, run.dcp_optimizer, run.per_rank, counts, dataclasses.asdict(cfg))
+    def summary(**more: Any) -> dict[str, Any]:
+        """summary.json: the run so far, and ``more``."""
+        return {
+            "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
+            "steps": cfg.steps, "steps_done": done,
+            "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
+            "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * done,
+            f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (done - start) / max(wall - prev_wall, 1e-9),
+            "params": run.n_params, "device": str(device), **more,
+        }  # fmt: skip
+
+    try:
+        for step in range(start, cfg.steps):
+            before = CommStats.combined(run.sources)
+            last_loss, compute_s, step_time = _step(run, step)
+            if math.isnan(first_loss):
+                first_loss = last_loss
+            after = CommStats.combined(run.sources)
+            sent = after.bytes_sent - before.bytes_sent
+            wall += step_time
+            total_sent += sent
+            done = step + 1
+            if writer:
+                writer.every_step(done, last_loss, wall, total_sent)
+            evaluated = bool(cfg.eval_every and done % cfg.eval_every == 0)
+            validated = evaluated or done == cfg.steps
+            if validated:
+                val = _evaluate(run.strategy, data, cfg, data_rank, data_world, run.metrics, device, run.autocast)
+            logged = done % cfg.log_every == 0 or validated
+            if logged:
+                row = {
+                    "step": done, "loss": last_loss, "lr": run.scheduler.get_last_lr()[0], "step_time_s": step_time,
+                    "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
+                    "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
+                    "bytes_uncompressed": dense_bytes, "wall_s": wall, "bytes_total": total_sent,
+                    **({"val_loss": val} if validated else {}),
+                }  # fmt: skip
+                if writer:
+                    writer.log(row)
+            if validated and not math.isfinite(val):  # every rank: the mean is the same everywhere
+                raise FloatingPointError(_nonfinite_message(step, f"validation loss {val}", out, cfg))
+            rate = per_step * cfg.grad_accum * data_world / step_time
+            progress.update(done, last_loss, rate, unit, sent / MB, dense_bytes / MB, logged=logged)
+            if cfg.checkpoint_every and done % cfg.checkpoint_every == 0:
+                from powertrain.train.checkpoint import save_checkpoint
+
+                _check_weights(run, step)  # a checkpoint is a good one
+                counts = {"wall_s": wall, "bytes_total": total_sent, "first_loss": first_loss}
+                save_checkpoint(out, done, run.model, run.dcp_optimizer, run.per_rank, counts, dataclasses.asdict(cfg))
+    except FloatingPointError as e:  # divergence is never success: summary.json says where it stopped and why
+        if writer:
+            try:
+                writer.finish(summary(status="diverged", stopped=str(e)))
+            except Exception as w:  # the report must not replace the error it reports
+                e.add_note(f"powertrain: summary.json was not written ({type(w).__name__}: {w})")
+        raise
 
     roots = _root_stats(run.optimizer, device)
-    summary = {
-        "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
-        "steps": cfg.steps,
-        "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
-        "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * cfg.steps,
-        f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (cfg.steps - start) / max(wall - prev_wall, 1e-9),
-        "params": run.n_params, "device": str(device),
-        **({"shampoo_roots": roots} if roots is not None else {}),
-        **run.strategy.report(),
-    }  # fmt: skip
+    result = summary(status="completed", **({"shampoo_roots": roots} if roots is not None else {}),
+                     **run.strategy.report())  # fmt: skip
     if writer:
-        writer.finish(summary)
-        progress.message(_summary_text(summary, cfg, data, world, run.n_params, out))
+        writer.finish(result)
+        progress.message(_summary_text(result, cfg, data, world, run.n_params, out))
     leave_world()
-    return summary
+    return result
+
+
+def _check_weights(run: _Run, step: int) -> None:
+    """Raise FloatingPointError (every rank) when a parameter of any rank holds a non-finite number."""
+    finite = [torch.isfinite(_local(p)).all().to(run.device) for p in run.model.parameters()]  # offload: any device
+    bad = ~torch.stack(finite).all() if finite else torch.tensor(False)  # one device sync for all, not one each
+    flag = bad.to(device=run.device, dtype=torch.float64).reshape(1)
+    run.metrics.all_reduce_mean_(flag)
+    if flag.item() > 0:
+        raise FloatingPointError(_nonfinite_message(step, "non-finite weights after the update", run.out, run.cfg))
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``p`` (a DTensor's local shard)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
 
 
 def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData | ClassData, comm: Communicator,
@@ -401,12 +441,21 @@ def _evaluate(strategy: Strategy, data: TokenData | ClassData, cfg: TrainConfig,
 
 
 def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str:
-    latest = out / "checkpoints" / "latest"
-    kept = (
-        f"the last good checkpoint is {out / 'checkpoints' / latest.read_text().strip()}"
-        if latest.exists()
-        else ("no checkpoint was written (use --checkpoint-every)")
-    )
+    """The one line of a run that diverged at ``step`` (0-based): where, what, and the checkpoint to go back to."""
+    if (out / "checkpoints" / "latest").exists():
+        from powertrain.checkpoint import CheckpointError
+        from powertrain.train.checkpoint import read_latest
+
+        try:
+            kept = f"the last good checkpoint is {out / 'checkpoints' / read_latest(out)}"
+        except CheckpointError as e:
+            kept = f"the last good checkpoint cannot be named ({e})"
+    elif cfg.resume:
+        kept = f"the last good checkpoint is the one this run resumed from ({cfg.resume})"
+    elif cfg.checkpoint_every:
+        kept = "there is no good checkpoint (none was saved before this step)"
+    else:
+        kept = "there is no checkpoint (use --checkpoint-every)"
     what = str(what).rstrip(". ")
     return f"training stopped at step {step + 1}: {what}; {kept}; try a lower --lr (now {cfg.lr})"
 

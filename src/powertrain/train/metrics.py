@@ -11,15 +11,16 @@ DeMo's all-gathers, DeMo's compression, GaLore's refresh).
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from powertrain._files import write_atomic
+from powertrain import _json
+from powertrain._files import quote, write_atomic
 
 
 class Progress:
@@ -84,15 +85,48 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines]
-    kept = [r for r in rows if r["step"] <= step]
-    later = [line for line, r in zip(lines, rows, strict=True) if r["step"] > step]
+    kept: list[dict[str, Any]] = []
+    later = 0
+    for line in _lines(path):  # the file may be another run's: its rows are checked and bounded one by one
+        row = _row(line, path)
+        if row["step"] > step:
+            later += 1
+        elif len(kept) < step:
+            kept.append(row)
+        else:
+            raise ValueError(f"{str(path)!r} has more rows up to step {step} than steps: not this run's log; "
+                             "choose another --out")  # fmt: skip
     if later:
         with (out / "metrics.superseded.jsonl").open("a") as f:
-            f.write("".join(line + "\n" for line in later))
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
+            f.writelines(line + "\n" for line in _lines(path) if _row(line, path)["step"] > step)
+        write_atomic(path, "".join(_json.dumps(r) + "\n" for r in kept))
     return kept
+
+
+#: The longest row metrics.jsonl holds (a row is ~400 bytes).
+ROW_LIMIT = 64 << 10
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """The non-empty lines of ``path``, read one at a time within :data:`ROW_LIMIT` bytes each."""
+    with path.open("rb") as f:
+        while raw := f.readline(ROW_LIMIT + 1):
+            if len(raw) > ROW_LIMIT:
+                raise ValueError(f"{str(path)!r} has a line longer than {ROW_LIMIT:,} bytes: not a metrics log; "
+                                 "choose another --out")  # fmt: skip
+            if line := raw.decode(errors="replace").strip():
+                yield line
+
+
+def _row(line: str, path: Path) -> dict[str, Any]:
+    """One metrics row; ValueError in one line (quoting a short prefix) if it is not one."""
+    try:
+        row = _json.loads(line)
+    except (ValueError, RecursionError):
+        row = None
+    if not isinstance(row, dict) or type(row.get("step")) is not int:
+        raise ValueError(f"{str(path)!r} holds {quote(line)}, not a metrics row; choose another --out")
+    return row
 
 
 class RunWriter:
@@ -122,14 +156,14 @@ class RunWriter:
     def log(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(_json.dumps(row) + "\n")
         if self.tb is not None:
             for key, value in row.items():
                 if key != "step" and isinstance(value, int | float) and math.isfinite(value):
                     self.tb.add_scalar(key, value, row["step"])
 
     def finish(self, summary: dict[str, Any]) -> None:
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(self.out / "summary.json", _json.dumps(summary, indent=2) + "\n")
         if self.tb is not None:
             self.tb.close()
         self.plot()
