@@ -5,12 +5,28 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from powertrain.bench.report import machine_info, table
+from powertrain.models import GPTConfig
 
-if TYPE_CHECKING:
-    from powertrain.bench.quality import Preset
+
+class Preset(Protocol):
+    """What the Markdown says of a :class:`powertrain.bench.quality.Preset` (that module imports this one)."""
+
+    @property
+    def model(self) -> GPTConfig | None: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def eval_every(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def rates(self) -> tuple[float, ...]: ...
+
 
 __all__ = ["markdown"]
 
