@@ -72,6 +72,14 @@ def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]
     return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
 
 
+def _torchft_text(seconds: dict[str, float]) -> str:
+    """torchft's DiLoCo's seconds per step on the link, at each rate it was timed at."""
+    if not seconds:
+        return ""
+    at = ", ".join(f"{t:.3g} s at {float(r):g} Mbit/s" for r, t in seconds.items())
+    return f" torchft's DiLoCo (the paper's outer step, fp32, an all-reduce per parameter after a quorum): {at}."
+
+
 def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
     """The report of :func:`powertrain.bench.quality.run_quality_bench` as BENCHMARKS.md's section."""
     parts = []
@@ -127,9 +135,6 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         "the link (torch's hook).\n\n"
         + "\n\n".join(parts)
         + _link_text(report["link_s"], p.rates)
-        + "".join(
-            f" torchft's DiLoCo (paper outer step, fp32, per-parameter all-reduces): {t:.3g} s at {r} Mbit/s."
-            for r, t in report.get("torchft_s", {}).items()
-        )
+        + _torchft_text(report.get("torchft_s", {}))
         + f"\n\nMachine: {machine_info()}.\n"
     )
