@@ -61,6 +61,7 @@ __all__ = [
     "CompressorState",
     "load",
     "never_stepped",
+    "read_checkpoint_file",
     "read_manifest",
     "read_metadata",
     "save",
@@ -330,6 +331,17 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
         dist.barrier(group=group)
 
 
+def read_checkpoint_file(path: Path, limit: int, what: str, too_large: str) -> bytes:
+    """``path``'s bytes, read within ``limit`` (its size checked first); :class:`CheckpointError` in one line when it
+    is larger (saying ``too_large``: what that means) or cannot be read."""
+    try:
+        return read_bounded(path, limit, what)
+    except FileTooLarge as e:
+        raise CheckpointError(f"{e}: {too_large}") from None
+    except OSError as e:
+        raise CheckpointError(f"Cannot read {str(path)!r}: {e.strerror or e}") from None
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The checkpoint's ``manifest.json`` (plain JSON, checked field by field), or a :class:`CheckpointError`."""
     f = Path(path) / MANIFEST
@@ -338,12 +350,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
             f"Checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete, or was written by a powertrain older "
             f"than checkpoint format {FORMAT}, whose per-rank state cannot be loaded safely"
         )
-    try:
-        raw = read_bounded(f, MANIFEST_LIMIT, "Checkpoint manifest")
-    except FileTooLarge as e:
-        raise CheckpointError(f"{e}: the checkpoint is damaged or not powertrain's") from None
-    except OSError as e:
-        raise CheckpointError(f"Cannot read {str(f)!r}: {e.strerror or e}") from None
+    damaged = "the checkpoint is damaged or not powertrain's"
+    raw = read_checkpoint_file(f, MANIFEST_LIMIT, "Checkpoint manifest", damaged)
     try:
         manifest = json.loads(raw)
     except (ValueError, RecursionError):

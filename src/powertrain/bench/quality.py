@@ -279,7 +279,7 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, float]:
     if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
         return {}
     h = int(paper.optimizer_options["sync_every"])
-    kept: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    kept: dict[str, float] = _json.loads(path.read_text()) if path.exists() else {}
     for rate in p.rates:
         key = f"{rate:g}/h{h}/w{p.workers}"
         if key not in kept:

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from powertrain import checkpoint
-from powertrain._files import FileTooLarge, quote, read_bounded, write_atomic
+from powertrain._files import quote, write_atomic
 from powertrain.checkpoint import CheckpointError, CompressorState
 
 __all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "read_latest", "save_checkpoint"]
@@ -147,12 +147,8 @@ def read_latest(run: Path) -> str:
     """The checkpoint name in ``run/checkpoints/latest``, read within :data:`LATEST_LIMIT` bytes (the size is checked
     first); :class:`CheckpointError` in one line otherwise."""
     latest = run / "checkpoints" / "latest"
-    try:
-        raw = read_bounded(latest, LATEST_LIMIT, "The checkpoint pointer")
-    except FileTooLarge as e:
-        raise CheckpointError(f"{e}: it names a checkpoint (step_00000042); the run directory is damaged") from None
-    except OSError as e:
-        raise CheckpointError(f"Cannot read {str(latest)!r}: {e.strerror or e}") from None
+    damaged = "it names a checkpoint (step_00000042); the run directory is damaged"
+    raw = checkpoint.read_checkpoint_file(latest, LATEST_LIMIT, "The checkpoint pointer", damaged)
     try:
         return raw.decode().strip()
     except UnicodeDecodeError:
