@@ -94,7 +94,9 @@ def test_a_full_disk_is_named_in_one_line(small_disk, nproc):
     assert r.returncode == 1, r.stderr[-3000:]
     lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
     assert len(lines) == 1, r.stderr[-3000:]
-    assert "no space left on device while writing" in lines[0] and str(out) in lines[0], lines
+    # ENOSPC itself names the file; a writer that reports a short write instead (torch.save's zip writer: "unexpected
+    # pos") is caught by the free space left, and the line names --out: which one a run meets depends on timing.
+    assert "no space left on device" in lines[0] and str(out) in lines[0], lines
     assert "free space there or choose another --out" in lines[0], lines
     assert not list(out.glob("logs/*.traceback")), "no empty traceback files"
     if (out / "checkpoints" / "latest").exists():  # what a resume would take is complete
