@@ -82,8 +82,8 @@ def test_a_restart_before_the_first_checkpoint_starts_over_and_other_settings_ar
     assert _continues_in_place(cfg) is False  # not a restart: the directory is another run's
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert _continues_in_place(cfg) == "start over"
-    with pytest.raises(ValueError, match=r"other settings \(lr=0.001 -> 0.01\)"):
-        _continues_in_place(dataclasses.replace(cfg, lr=0.01))
+    with pytest.raises(ValueError, match=r"other settings \(weight_decay=0.1 -> 0.5\)"):
+        _continues_in_place(dataclasses.replace(cfg, weight_decay=0.5))
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
     assert _continues_in_place(cfg) == "checkpoint"

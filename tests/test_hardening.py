@@ -316,9 +316,9 @@ def test_a_new_run_never_overwrites_an_old_one_and_the_same_command_continues_it
     restarts need, with no flag changed), other settings are refused naming them, and nothing is touched."""
     out = _copy(run2, tmp_path)
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    r = _run(*TINY, "--steps", "4", "--lr", "0.01", "--out", str(out))
+    r = _run(*TINY, "--steps", "4", "--weight-decay", "0.5", "--out", str(out))
     assert r.returncode == 2 and "holds a run that this command would continue" in r.stderr, r.stderr[-2000:]
-    assert "lr=0.001 -> 0.01" in r.stderr, r.stderr[-2000:]
+    assert "weight_decay=0.1 -> 0.5" in r.stderr, r.stderr[-2000:]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     other = tmp_path / "other"  # files but no checkpoint: another run's, never taken over
     shutil.copytree(out, other, ignore=shutil.ignore_patterns("checkpoints"))
@@ -389,7 +389,8 @@ def test_worker_failures_reach_the_user_as_one_line(run2, tmp_path):
     assert r.returncode == 1
     lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
     assert len(lines) == 1 and "training stopped at step 2: QuantizedCompressor: non-finite gradient" in lines[0]
-    assert "the last good checkpoint is" in lines[0] and "try a lower --lr" in lines[0], lines
+    assert "the last good checkpoint is" in lines[0], lines
+    assert "at a lower learning rate with the same command and --resume" in lines[0], lines
     # too little data for two workers: refused before any worker starts (and before --out exists), once
     texts = tmp_path / "texts"
     texts.mkdir()

@@ -185,6 +185,19 @@ def check_state_tensors(owner: str, what: str, saved: Any, shapes: Sequence[Sequ
             raise ValueError(f"{owner} state_dict's {what}[{i}] holds NaN or Inf: refusing to resume from it")
 
 
+def check_state_counts(owner: str, what: str, saved: Any, n: int) -> list[int]:
+    """A saved list of ``n`` step counters (one per parameter): each a non-negative int (not a bool); returns it as
+    a new list. Raises ValueError naming the first misfit: a shorter list would fail inside a later step, a negative
+    count would restart a warm-up."""
+    if not isinstance(saved, list | tuple) or len(saved) != n:
+        got = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
+        raise ValueError(f"{owner} state_dict has {got} {what}, expected one per parameter ({n})")
+    for i, x in enumerate(saved):
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"{owner} state_dict's {what}[{i}] is {x!r:.40}, expected a count (an int >= 0)")
+    return list(saved)
+
+
 def named_trainable(
     params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
 ) -> tuple[list[str], list[torch.Tensor]]:

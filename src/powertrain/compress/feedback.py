@@ -31,6 +31,7 @@ from powertrain.compress.base import (
     Program,
     Request,
     Rows,
+    check_state_counts,
     check_state_tensors,
     guard_nonfinite,
     slice_rows,
@@ -141,9 +142,13 @@ class ErrorFeedbackCompressor(Compressor):
                 f"{type(self).__name__} for {shapes}"
             )
         check_state_tensors(type(self).__name__, "errors", state["errors"], self._shapes)
+        steps = check_state_counts(type(self).__name__, "steps", state["steps"], len(self._shapes))
+        seed = state["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"{type(self).__name__} state_dict's seed is {seed!r:.40}, expected an int")
         self._errors = [None if e is None else e.to(self.device, self.error_dtype, copy=True) for e in state["errors"]]
-        self._steps = [int(s) for s in state["steps"]]
-        self.seed = int(state["seed"])
+        self._steps = steps
+        self.seed = seed
 
 
 def padded_to_chunks(parts: list[torch.Tensor], chunk: int) -> tuple[torch.Tensor, list[int]]:

@@ -58,6 +58,7 @@ from powertrain.compress.base import (
     Program,
     ReduceRequest,
     Rows,
+    check_state_counts,
     check_state_tensors,
     guard_nonfinite,
 )
@@ -525,8 +526,9 @@ class PowerSGDCompressor(Compressor):
         check_state_tensors("PowerSGD", "p", state["p"], [None if m is None else (m[0], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", "errors", state["errors"], [None if m is None else m[:2] for m in self._mat])
+        steps = check_state_counts("PowerSGD", "steps", state["steps"], len(self._mat))
         copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
-        self._steps = [int(x) for x in state["steps"]]
+        self._steps = steps
         self._p = [copy(t) for t in state["p"]]
         self._q = [copy(t) for t in state["q"]]
         self._errors = [copy(t) for t in state["errors"]]

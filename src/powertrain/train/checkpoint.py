@@ -20,6 +20,7 @@ instead: DCP's optimizer flattening assumes replicated or DTensor-sharded state,
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -39,7 +40,15 @@ from powertrain import checkpoint
 from powertrain._files import quote, write_atomic
 from powertrain.checkpoint import CheckpointError, CompressorState
 
-__all__ = ["check_resumable", "check_settings", "find_checkpoint", "load_checkpoint", "read_latest", "save_checkpoint"]
+__all__ = [
+    "check_resumable",
+    "check_settings",
+    "find_checkpoint",
+    "load_checkpoint",
+    "read_latest",
+    "resume_changes",
+    "save_checkpoint",
+]
 
 #: The most ``checkpoints/latest`` holds: a checkpoint's directory name (``step_00000042``) and a newline.
 LATEST_LIMIT = 256
@@ -171,10 +180,16 @@ def _older_than(ckpt: Path) -> str:
 
 
 #: Settings a resume may change; every other one is part of what the run is (the model, the data, the optimizer's
-#: hyperparameters, which the checkpoint restores anyway), so a resume asking for another value is refused.
+#: other hyperparameters, which the checkpoint restores anyway), so a resume asking for another value is refused.
+#: The learning rate and its schedule (lr, warmup_steps, min_lr_ratio, steps) may change: a lower --lr is what one
+#: tries after a divergence, more --steps extend a run; the schedule is a function of the step and these settings
+#: (:class:`powertrain.train.optimizers.Schedule`), so the change takes effect from the resumed step on.
 #: backend: a run saved on GPUs (nccl) may continue on CPUs (gloo) and back; checkpoints hold CPU-loadable tensors.
-RESUME_MAY_CHANGE = frozenset({"steps", "out", "resume", "log_every", "eval_every", "eval_batches", "checkpoint_every",
-                               "quiet", "tensorboard", "timeout_s", "threads", "nproc", "backend"})  # fmt: skip
+RESUME_MAY_CHANGE = frozenset({"steps", "lr", "warmup_steps", "min_lr_ratio", "out", "resume", "log_every",
+                               "eval_every", "eval_batches", "checkpoint_every", "quiet", "tensorboard", "timeout_s",
+                               "threads", "nproc", "backend"})  # fmt: skip
+#: Of those, the ones that change what the run computes or records: a resume that changes them says so in its log.
+RESUME_CHANGES_SAID = ("steps", "lr", "warmup_steps", "min_lr_ratio", "eval_every", "eval_batches")
 
 
 def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
@@ -222,6 +237,15 @@ def check_settings(path: Path, manifest: dict[str, Any], config: dict[str, Any])
         )
 
 
+def resume_changes(manifest: dict[str, Any], config: dict[str, Any]) -> str:
+    """The settings of :data:`RESUME_CHANGES_SAID` that ``config`` changes from the run that wrote ``manifest``, as
+    ``"lr=0.001 -> 0.0005, ..."``, or ``""``."""
+    saved = manifest.get("config")
+    saved = saved if isinstance(saved, dict) else {}
+    changed = [k for k in RESUME_CHANGES_SAID if k in saved and k in config and saved[k] != config[k]]
+    return ", ".join(f"{k}={saved[k]!r:.40} -> {config[k]!r}" for k in changed)
+
+
 def config_changes(saved: dict[str, Any], config: dict[str, Any]) -> str:
     """The settings of ``config`` that a continuation of the run with ``saved`` settings may not change, as
     ``"key=old -> new, ..."`` (up to four), or ``""``."""
@@ -267,7 +291,32 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     except (ValueError, TypeError, KeyError, RuntimeError, MemoryError) as e:  # a state that does not fit
         reason = " ".join(str(e).split())[:300]  # one bounded line: a message may quote what a crafted state holds
         raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {type(e).__name__}: {reason}") from None
-    return int(state["step"]), {k: float(v) for k, v in state["progress"].items()}
+    return _checked_step(path, state["step"], manifest), _checked_progress(path, state["progress"])
+
+
+def _checked_step(path: Path, value: torch.Tensor, manifest: dict[str, Any]) -> int:
+    """The checkpoint's step: a count of completed steps (>= 1: a run saves after a step), the one its manifest
+    names. A crafted -3 would otherwise train steps -2 ... and name checkpoints step_-0000002."""
+    step = int(value)
+    named = manifest.get("step")
+    if step < 1:
+        why = f"holds step {step}, which no run saves (a run saves after a step)"
+    elif named is not None and named != step:
+        why = f"holds step {step} and its manifest names step {quote(str(named))}"
+    else:
+        return step
+    raise CheckpointError(f"Checkpoint {str(path)!r} {why}: it is damaged; resume from another checkpoint")
+
+
+def _checked_progress(path: Path, progress: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The run's counters at the checkpoint: time and bytes finite and >= 0, the first loss finite (or NaN: not
+    logged yet)."""
+    out = {k: float(v) for k, v in progress.items()}
+    for k, v in out.items():
+        if (math.isnan(v) and k != "first_loss") or math.isinf(v) or (k != "first_loss" and v < 0):
+            raise CheckpointError(f"Checkpoint {str(path)!r} holds {k}={v}, which no run writes: it is damaged; "
+                                  "resume from another checkpoint")  # fmt: skip
+    return out
 
 
 class _Deferred:

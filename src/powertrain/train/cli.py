@@ -261,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"out={cfg.out!r} holds this run's checkpoints: continuing from the latest", flush=True)
     if cfg.resume is not None:  # every check a worker would make, here, once, with a one-line error
         from powertrain.checkpoint import CheckpointError  # DCP: imported by runs that resume only
-        from powertrain.train.checkpoint import check_resumable, check_settings, find_checkpoint
+        from powertrain.train.checkpoint import check_resumable, check_settings, find_checkpoint, resume_changes
 
         ckpt = find_checkpoint(cfg.resume)
         try:
@@ -269,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             # what the run keeps from its checkpoint first (a default that depends on --steps must not differ)
             cfg = _continued(cfg, manifest.get("config", {}), {**(toml or {}), **flags})
             check_settings(ckpt, manifest, dataclasses.asdict(cfg))
+            changed = resume_changes(manifest, dataclasses.asdict(cfg))
         except CheckpointError as e:
             if restart != "checkpoint":
                 raise
@@ -277,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
                   "--steps to train further.")  # fmt: skip
             return 0
+        if rank0 and changed:
+            print(f"Resuming {ckpt} with changed settings: {changed} (from step {manifest.get('step')} on)",
+                  flush=True)  # fmt: skip
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if rank0 and restarts and torchrun_shared_store() == "nodes":  # see powertrain.train.loop._restart_store
         warning = ("powertrain train: warning: torchrun --max-restarts across nodes needs "

@@ -32,7 +32,7 @@ from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.liveness import Heartbeat
 from powertrain.train.metrics import Progress, RunWriter
-from powertrain.train.optimizers import build_optimizer, build_scheduler
+from powertrain.train.optimizers import Schedule, build_optimizer, build_scheduler
 from powertrain.train.strategy import Strategy, build_strategy
 
 MB = 1e6
@@ -138,7 +138,7 @@ class _Run:
     model: torch.nn.Module
     strategy: Strategy
     optimizer: torch.optim.Optimizer
-    scheduler: Any
+    scheduler: Schedule
     per_rank: dict[str, Any]  # each rank's own state in a checkpoint
     dcp_optimizer: torch.optim.Optimizer | None  # the optimizer, where DCP saves it (its state is not per rank)
     # what this rank sends and the time it spends on it: the gradients' communication and the optimizer's own
@@ -213,10 +213,15 @@ def _resume(run: _Run) -> tuple[int, dict[str, float]]:
     if not cfg.resume:
         return 0, {"wall_s": 0.0, "bytes_total": 0.0, "first_loss": math.nan}
     # DCP (and DTensor with it) is imported by runs that resume or save only: ~1 s per worker
+    from powertrain.checkpoint import CheckpointError
     from powertrain.train.checkpoint import find_checkpoint, load_checkpoint, set_latest
 
     ckpt = find_checkpoint(cfg.resume)
     start, counters = load_checkpoint(ckpt, run.model, run.dcp_optimizer, run.per_rank)
+    try:
+        run.scheduler.resume(start)  # the learning rate from this run's settings (--lr may change on resume)
+    except ValueError as e:
+        raise CheckpointError(f"Cannot load checkpoint {str(ckpt)!r}: {e}") from None
     if run.rank == 0 and ckpt.parent.resolve() == (run.out / "checkpoints").resolve():
         set_latest(run.out, ckpt)  # it loaded: this run continues from here, later checkpoints in out are superseded
     return start, counters
@@ -447,17 +452,21 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
         from powertrain.train.checkpoint import read_latest
 
         try:
-            kept = f"the last good checkpoint is {out / 'checkpoints' / read_latest(out)}"
+            good: str | None = str(out / "checkpoints" / read_latest(out))
+            kept = f"the last good checkpoint is {good}"
         except CheckpointError as e:
-            kept = f"the last good checkpoint cannot be named ({e})"
+            good, kept = None, f"the last good checkpoint cannot be named ({e})"
     elif cfg.resume:
-        kept = f"the last good checkpoint is the one this run resumed from ({cfg.resume})"
+        good, kept = str(cfg.resume), f"the last good checkpoint is the one this run resumed from ({cfg.resume})"
     elif cfg.checkpoint_every:
-        kept = "there is no good checkpoint (none was saved before this step)"
+        good, kept = None, "there is no good checkpoint (none was saved before this step)"
     else:
-        kept = "there is no checkpoint (use --checkpoint-every)"
+        good, kept = None, "there is no checkpoint (use --checkpoint-every)"
     what = str(what).rstrip(". ")
-    return f"training stopped at step {step + 1}: {what}; {kept}; try a lower --lr (now {cfg.lr})"
+    lower = f"{cfg.lr / 2:g}"
+    advice = (f"continue from it at a lower learning rate with the same command and --resume {good} --lr {lower}"
+              if good else f"try a lower --lr (now {cfg.lr:g}, e.g. {lower})")  # fmt: skip
+    return f"training stopped at step {step + 1}: {what}; {kept}; {advice}"
 
 
 def _freeze_text(cfg: TrainConfig) -> str:

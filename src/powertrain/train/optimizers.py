@@ -26,7 +26,7 @@ from powertrain.comm import CommStats
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
 
-__all__ = ["Built", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
+__all__ = ["Built", "Schedule", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -38,9 +38,72 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> Schedule:
     """``powertrain train``'s schedule (:func:`lr_factor`) on ``optimizer``; step it once per optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+    return Schedule(cfg, optimizer)
+
+
+class Schedule:
+    """``powertrain train``'s learning rate: ``--lr`` x :func:`lr_factor` of the step on every parameter group (a
+    LambdaLR underneath), and its part of a checkpoint.
+
+    What it holds is derived from the step and the settings ``--lr``, ``--warmup-steps``, ``--min-lr-ratio`` and
+    ``--steps``, which a resume may change (what one changes after a divergence, or to extend a run). So a
+    checkpoint's copy is checked, not trusted: :meth:`load_state_dict` accepts only the form this class writes (the
+    same keys, each value of the type it has here), :meth:`resume` requires it to be at the checkpoint's step and
+    sets the learning rate from this run's settings; a crafted rate in the checkpoint never reaches the optimizer."""
+
+    def __init__(self, cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
+        self.cfg, self.optimizer = cfg, optimizer
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+        self._loaded_step: int | None = None
+
+    def step(self) -> None:
+        self.scheduler.step()
+
+    def get_last_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, object]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: object) -> None:
+        form = self.scheduler.state_dict()
+        if not isinstance(state, dict) or set(state) != set(form):
+            keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"the schedule's state holds {keys!s:.200}, expected {sorted(form)}")
+        for key, like in form.items():
+            _check_like(f"the schedule's {key}", state[key], like)
+        if state["last_epoch"] < 0 or state["_step_count"] < 1:
+            raise ValueError(f"the schedule's state is at step {state['last_epoch']}, expected a count (>= 0)")
+        self.scheduler.load_state_dict(state)
+        self._loaded_step = state["last_epoch"]
+
+    def resume(self, step: int) -> None:
+        """After :meth:`load_state_dict`: check that the schedule was saved at ``step`` and set each group's
+        learning rate for it from this run's settings (bitwise what the scheduler would set with unchanged
+        settings: ``--lr`` x ``lr_factor(step)``)."""
+        if self._loaded_step != step:
+            raise ValueError(f"the schedule's state is at step {self._loaded_step} and the checkpoint at {step}")
+        lr = self.cfg.lr
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = lr
+            group["lr"] = lr * lr_factor(step, self.cfg)
+        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+
+
+def _check_like(what: str, value: object, like: object) -> None:
+    """``value`` has the form of ``like`` (the value this run would write): the same type (a bool is not an int),
+    and for a list the same length with elements of the same types. ValueError in one line otherwise."""
+    if type(value) is not type(like):
+        raise ValueError(f"{what} is of type {type(value).__name__}, expected {type(like).__name__}")
+    if isinstance(like, list) and isinstance(value, list):
+        if len(value) != len(like):
+            raise ValueError(f"{what} has {len(value)} entries, expected {len(like)} (one per parameter group)")
+        for i, (v, w) in enumerate(zip(value, like, strict=True)):
+            _check_like(f"{what}[{i}]", v, w)
+    elif isinstance(like, float) and isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what} is {value}, expected a finite number")
 
 
 def galore_split(

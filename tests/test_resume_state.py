@@ -1,0 +1,209 @@
+"""What a resume may change, and what it checks in the state it restores (issue 35, items 3 and 6).
+
+The learning rate and its schedule may change on resume (the advice after a divergence is a lower ``--lr``); every
+field of the per-rank state a checkpoint restores is checked at load against the form this run would have written,
+so a crafted one is refused in one line instead of failing later, or being taken silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cli_utils import run_cli
+from powertrain.checkpoint import CheckpointError
+from powertrain.compress import make_compressor
+from powertrain.train.checkpoint import load_checkpoint, save_checkpoint
+from powertrain.train.config import resolve
+from powertrain.train.optimizers import build_scheduler, lr_factor
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if line.strip() and not line.startswith(" ") and "Warning" not in line]  # fmt: skip
+
+
+def _metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- item 3: the advice after a divergence can be taken
+
+
+def test_the_advice_after_a_divergence_is_followed_and_the_lower_lr_takes_effect(tmp_path):
+    """A run continued at a far too high --lr (a change a resume accepts, and logs) diverges; its one line says how
+    to continue from a checkpoint at a lower --lr; doing so (with a sane lr, from the step before) is accepted and
+    sets the new rate from the resumed step on: lr x the schedule's factor at each step, exactly as a run started
+    with it would have."""
+    out = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--nproc", "1", "--compressor", "none", "--checkpoint-every", "1",
+              "--out", str(out), "--log-every", "1"]  # fmt: skip
+    assert run_cli(*common, "--steps", "1", "--quiet").returncode == 0
+    r = run_cli(*common, "--steps", "3", "--lr", "1e30")  # the same command continues the run in --out
+    assert "with changed settings: steps=1 -> 3, lr=0.001 -> 1e+30 (from step 1 on)" in r.stdout, r.stdout
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = _lines(r.stderr)
+    assert len(lines) == 1 and "training stopped at step" in lines[0], lines
+    named = lines[0].split("the last good checkpoint is ")[1].split(";")[0]
+    advice = f"continue from it at a lower learning rate with the same command and --resume {named} --lr 5e+29"
+    assert advice in lines[0], lines
+    first = out / "checkpoints" / "step_00000001"
+    r = run_cli(*common, "--steps", "3", "--resume", str(first), "--lr", "0.002", "--quiet")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = resolve("tiny", None, {"steps": 3, "lr": 0.002})
+    logged = {row["step"]: row["lr"] for row in _metrics(out) if "lr" in row}
+    assert logged[2] == 0.002 * lr_factor(2, cfg) and logged[3] == 0.002 * lr_factor(3, cfg), logged
+    # what a resume may not change is still refused, in one line, before any worker starts
+    r = run_cli(*common, "--steps", "3", "--resume", str(first), "--weight-decay", "0.5", "--quiet")
+    assert r.returncode == 2 and "weight_decay=0.1 -> 0.5" in r.stderr and len(_lines(r.stderr)) == 1, r.stderr
+
+
+# ---------------------------------------------------------------- item 6: crafted per-rank state, refused at load
+
+
+class _Crafted:
+    """A per-rank part whose saved state is whatever the attacker chose."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:  # pragma: no cover - only saved
+        raise AssertionError
+
+
+def _run_parts(lr: float = 0.1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    cfg = resolve("tiny", None, {"steps": 10, "lr": lr})
+    return model, opt, build_scheduler(cfg, opt)
+
+
+def _stepped(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model, opt, schedule = _run_parts()
+    for _ in range(steps):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        schedule.step()
+    return model, opt, schedule
+
+
+def _refused(tmp_path: Path, step: int, saved: dict[str, Any], match: str, progress: dict | None = None) -> str:
+    model, opt, _ = _stepped(2)
+    ckpt = save_checkpoint(tmp_path / f"c{len(list(tmp_path.iterdir()))}", step, model, opt,
+                           {k: _Crafted(v) for k, v in saved.items()}, progress)  # fmt: skip
+    fresh_model, fresh_opt, schedule = _run_parts()
+    with pytest.raises((CheckpointError, ValueError), match=match) as e:  # the run maps resume's ValueError
+        load_checkpoint(ckpt, fresh_model, fresh_opt, {"scheduler": schedule})
+        schedule.resume(step)  # what the run does next
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500, str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("optimizer", 5, "optimizer"),
+        ("get_lr", 0, "get_lr"),
+        ("last_epoch", "x", "last_epoch is of type str, expected int"),
+        ("last_epoch", True, "last_epoch is of type bool"),
+        ("last_epoch", -1, "at step -1"),
+        ("base_lrs", [0.1, 0.1], "base_lrs has 2 entries, expected 1"),
+        ("base_lrs", [math.inf], "base_lrs\\[0\\] is inf"),
+        ("_last_lr", "0.1", "_last_lr is of type str"),
+    ],
+)
+def test_a_crafted_schedule_is_refused_at_load(tmp_path, field, value, match):
+    """LambdaLR restores its state through ``__dict__.update``: an ``optimizer=5`` or ``get_lr=0`` crashed
+    mid-run, ``last_epoch="x"`` too. The schedule's state must have exactly the keys and types this run writes."""
+    _, _, schedule = _stepped(2)
+    state = schedule.state_dict()
+    if field in state:
+        state[field] = value
+    else:
+        state = {**state, field: value}
+    _refused(tmp_path, 2, {"scheduler": state}, match)
+
+
+def test_a_crafted_rate_never_reaches_the_optimizer_and_the_schedule_must_be_at_the_checkpoints_step(tmp_path):
+    """``base_lrs=[1e30]`` was applied: the rate now comes from this run's --lr and the step. A schedule saved at
+    another step than the checkpoint's is refused."""
+    model, opt, schedule = _stepped(2)
+    state = schedule.state_dict()
+    ckpt = save_checkpoint(tmp_path / "a", 2, model, opt, {"scheduler": _Crafted({**state, "base_lrs": [1e30],
+                                                                                   "_last_lr": [1e30]})})  # fmt: skip
+    fresh_model, fresh_opt, fresh = _run_parts()
+    step, _ = load_checkpoint(ckpt, fresh_model, fresh_opt, {"scheduler": fresh})
+    fresh.resume(step)
+    cfg = resolve("tiny", None, {"steps": 10, "lr": 0.1})
+    assert fresh.get_last_lr() == [0.1 * lr_factor(2, cfg)] == [g["lr"] for g in fresh_opt.param_groups]
+    fresh.step()
+    assert fresh.get_last_lr() == [0.1 * lr_factor(3, cfg)]
+    # the same, unchanged, is bitwise what the uninterrupted schedule does
+    schedule.step()
+    assert schedule.get_last_lr() == fresh.get_last_lr()
+    _refused(tmp_path, 3, {"scheduler": state}, "the schedule's state is at step 2 and the checkpoint at 3")
+
+
+@pytest.mark.parametrize(
+    ("step", "match"),
+    [
+        (-3, "manifest.json' is not a format-3 powertrain manifest: step is not a valid count"),
+        (0, "holds step 0, which no run saves"),
+    ],
+)
+def test_a_step_counter_that_no_run_writes_is_refused(tmp_path, step, match):
+    """A step of -3 trained steps -2 ... and wrote step_-0000002; a run saves after its first step at the earliest.
+    (A step that differs from the manifest's: the next test.)"""
+    model, opt, _ = _stepped(2)
+    ckpt = save_checkpoint(tmp_path / "a", step, model, opt, {})
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(ckpt, *_run_parts()[:2], {})
+
+
+def test_a_step_that_differs_from_the_manifest_and_damaged_counters_are_refused(tmp_path):
+    model, opt, _ = _stepped(2)
+    ckpt = save_checkpoint(tmp_path / "a", 2, model, opt, {})
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["step"] = 7
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="holds step 2 and its manifest names step '7'"):
+        load_checkpoint(ckpt, *_run_parts()[:2], {})
+    for progress, name in (({"wall_s": -1.0}, "wall_s=-1.0"), ({"bytes_total": math.inf}, "bytes_total=inf"),
+                           ({"wall_s": math.nan}, "wall_s=nan")):  # fmt: skip
+        ckpt = save_checkpoint(tmp_path / name, 2, model, opt, {}, progress)
+        with pytest.raises(CheckpointError, match=f"holds {name}, which no run writes"):
+            load_checkpoint(ckpt, *_run_parts()[:2], {})
+    ckpt = save_checkpoint(tmp_path / "ok", 2, model, opt, {}, {"first_loss": math.nan, "wall_s": 1.5})
+    assert load_checkpoint(ckpt, *_run_parts()[:2], {})[1]["wall_s"] == 1.5  # NaN first loss: not logged yet
+
+
+@pytest.mark.parametrize("name", ["powersgd", "int8"])
+@pytest.mark.parametrize(
+    ("steps", "match"),
+    [
+        ([], "has 0 steps, expected one per parameter \\(2\\)"),
+        ([1, -3], "steps\\[1\\] is -3, expected a count"),
+        ([1, True], "steps\\[1\\] is True"),
+        ("12", "has str steps"),
+    ],
+)
+def test_a_compressors_step_counters_are_checked(name, steps, match):
+    """A PowerSGD ``steps`` list shorter than the parameters gave an IndexError inside a later step."""
+    params = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12, 8))]
+    comp = make_compressor(name, params, **({"rank": 2} if name == "powersgd" else {}))
+    for p in params:
+        p.grad = torch.randn_like(p)
+    comp.reduce_gradients()
+    state = comp.state_dict()
+    with pytest.raises(ValueError, match=match):
+        comp.load_state_dict({**state, "steps": steps})
+    comp.load_state_dict(state)  # the real one still loads
