@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-kernels lint bench gpu-check clean
+.PHONY: demo test test-kernels lint docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -23,6 +23,11 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check src tests tools examples
 	$(VENV)/bin/ruff format --check src tests tools examples
 	$(VENV)/bin/mypy
+
+# The guides and the API reference generated from the docstrings (Sphinx, MyST Markdown, furo), warnings as errors;
+# open docs/_build/html/index.html. tests/test_docs.py builds them too.
+docs: $(VENV)/.installed
+	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
 
 # Tolerances must hold on every CPU, not only this one (issue 16): the numerically sensitive tests run again on
 # two other code paths, MKL's generic reproducible path with ATen's scalar kernels, and MKL's Intel AVX-512 path
@@ -61,4 +66,4 @@ gpu-check:
 	PYTHONPATH=$(CURDIR)/src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PY) tools/gpu_check.py --device $(DEVICE) $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache docs/_build

@@ -12,13 +12,19 @@ from powertrain.train import cli as train_cli
 from powertrain.train.launch import disk_full
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``powertrain`` (``train`` and ``bench``); the docs' examples are checked against it."""
     parser = argparse.ArgumentParser(prog="powertrain", description="Communication-efficient distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
     train_cli.add_arguments(
         sub.add_parser("train", help="train a model (default: byte-level GPT on Python's own sources)")
     )
     bench_cli.add_arguments(sub.add_parser("bench", help="benchmarks; results go to a table and BENCHMARKS.md"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return train_cli.run(args) if args.command == "train" else bench_cli.run(args)

@@ -1,0 +1,166 @@
+"""The documentation is part of the build: the docs build with no warnings, every example in README.md and docs/
+runs, and every ``powertrain ...`` command line shown parses with the current flags (issue 37).
+
+Python blocks (```` ```python ````) run as standalone scripts in a temporary directory. The line before a block may
+say how: ``<!-- example: torchrun 2 -->`` runs it under ``torchrun --nproc-per-node 2`` (gloo on CPU);
+``<!-- example: skip (why) -->`` does not run it (a GPU, a cluster, a fragment), and must say why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cli_utils import run_cli, torchrun
+from powertrain.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_LIMIT = 12_288  # bytes: a front page, not the manual (issue 37)
+
+_FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```", re.M | re.S)
+_MARK = re.compile(r"<!--\s*example:\s*(torchrun (\d+)|skip \((.+?)\))\s*-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    lang: str
+    code: str
+    mark: str  # "" (run), "torchrun N", or "skip"
+
+    @property
+    def name(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(text: str, page: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown ``text``, each with the example marker on the line before it."""
+    out = []
+    for m in _FENCE.finditer(text):
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        mark = _MARK.search(before)
+        kind = "" if mark is None else ("skip" if mark.group(3) else f"torchrun {mark.group(2)}")
+        out.append(Block(page, text.count("\n", 0, m.start()) + 1, m.group(1), m.group(2), kind))
+    return out
+
+
+def _all_blocks() -> list[Block]:
+    return [b for page in PAGES for b in blocks(page.read_text(), page)]
+
+
+def command_lines(code: str) -> list[list[str]]:
+    """The arguments after ``powertrain`` of each ``powertrain ...`` command line in a shell block (also ``python -m
+    powertrain`` and ``torchrun ... -m powertrain``; continuation lines joined; ``$ `` prompts and output lines of a
+    console block skipped)."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip().removeprefix("$ ").split(" #", 1)[0]
+        try:
+            words = shlex.split(line)
+        except ValueError:
+            continue
+        while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):  # VAR=value prefixes
+            words.pop(0)
+        if not words:
+            continue
+        if words[0] == "powertrain":
+            out.append(words[1:])
+        elif "-m" in words and words[words.index("-m") + 1 : words.index("-m") + 2] == ["powertrain"]:
+            out.append(words[words.index("-m") + 2 :])
+    return out
+
+
+def test_readme_is_a_front_page():
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT, f"README.md is {size:,} bytes: move detail into docs/ (limit {README_LIMIT:,})"
+
+
+def test_every_skipped_example_says_why_and_markers_sit_on_blocks():
+    for page in PAGES:
+        text = page.read_text()
+        marked = [i for i, line in enumerate(text.splitlines()) if "<!-- example:" in line]
+        for i in marked:
+            assert _MARK.search(text.splitlines()[i]), f"{page.name}:{i + 1}: unknown example marker"
+        fences = {b.line - 1 for b in blocks(text, page)}
+        for i in marked:  # the marker is the line right before a fence
+            assert i + 1 in fences, f"{page.name}:{i + 1}: an example marker not directly above a code block"
+
+
+def test_every_command_line_shown_parses_with_the_current_flags():
+    shown = [(b, argv) for b in _all_blocks() if b.lang in ("bash", "sh", "console", "shell")
+             for argv in command_lines(b.code)]  # fmt: skip
+    assert shown, "no powertrain command line found in README.md or docs/"
+    parser = build_parser()
+    for block, argv in shown:
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:
+            raise AssertionError(f"{block.name}: `powertrain {shlex.join(argv)}` does not parse") from e
+
+
+def test_command_lines_are_found_the_way_a_reader_writes_them():
+    """The extraction the test above relies on, on the forms the docs use."""
+    code = ("$ powertrain train --steps 5\nOMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m powertrain train \\\n"
+            "    --parallel ddp  # two workers\npython -m powertrain bench quality --preset tiny\nls runs/\n")
+    assert command_lines(code) == [["train", "--steps", "5"], ["train", "--parallel", "ddp"],
+                                   ["bench", "quality", "--preset", "tiny"]]  # fmt: skip
+    with pytest.raises(SystemExit):  # and a renamed flag is caught
+        build_parser().parse_args(["train", "--sync-evry", "5"])
+
+
+def _python_blocks() -> list[Block]:
+    return [b for b in _all_blocks() if b.lang == "python"]
+
+
+@pytest.mark.timeout(900)
+def test_every_python_example_runs(tmp_path):
+    """One test for all blocks (each a fresh process): a block that fails names its page and line."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    ran = 0
+    for b in _python_blocks():
+        if b.mark == "skip":
+            continue
+        script = tmp_path / f"{b.page.stem}_{b.line}.py"
+        script.write_text(b.code)
+        if b.mark.startswith("torchrun"):
+            r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300)
+        else:
+            r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=300)  # fmt: skip
+        assert r.returncode == 0, f"{b.name}: the example failed:\n{r.stderr[-3000:]}"
+        ran += 1
+    assert ran, "no runnable example in README.md or docs/"
+
+
+def test_a_broken_example_fails_the_check(tmp_path):
+    """The check bites: a block calling a renamed function fails, naming its page and line."""
+    page = tmp_path / "page.md"
+    page.write_text("text\n\n```python\nimport powertrain.compress as c\nc.make_compresor('int8', [])\n```\n")
+    (b,) = blocks(page.read_text(), page)
+    script = tmp_path / "b.py"
+    script.write_text(b.code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "make_compresor" in r.stderr and b.line == 3
+
+
+@pytest.mark.timeout(300)
+def test_the_docs_build_with_no_warnings(tmp_path):
+    pytest.importorskip("sphinx", reason="pip install -e '.[docs]'")
+    pytest.importorskip("myst_parser", reason="pip install -e '.[docs]'")
+    r = run_cli("-b", "html", "-W", "--keep-going", "-q", str(ROOT / "docs"), str(tmp_path / "html"), module="sphinx",
+                timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    api = (tmp_path / "html" / "api" / "diloco.html").read_text()
+    assert "powertrain.diloco.DiLoCo" in api and "sync_every" in api  # the reference is generated, not empty
