@@ -110,8 +110,10 @@ def test_every_command_line_shown_parses_with_the_current_flags():
 
 def test_command_lines_are_found_the_way_a_reader_writes_them():
     """The extraction the test above relies on, on the forms the docs use."""
-    code = ("$ powertrain train --steps 5\nOMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m powertrain train \\\n"
-            "    --parallel ddp  # two workers\npython -m powertrain bench quality --preset tiny\nls runs/\n")
+    code = (
+        "$ powertrain train --steps 5\nOMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m powertrain train \\\n"
+        "    --parallel ddp  # two workers\npython -m powertrain bench quality --preset tiny\nls runs/\n"
+    )
     assert command_lines(code) == [["train", "--steps", "5"], ["train", "--parallel", "ddp"],
                                    ["bench", "quality", "--preset", "tiny"]]  # fmt: skip
     with pytest.raises(SystemExit):  # and a renamed flag is caught
