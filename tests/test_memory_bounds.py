@@ -8,6 +8,7 @@ files would take if read (2 GB sparse files, 0 bytes on disk; a 1.5 GB bytearray
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import io
@@ -263,3 +264,30 @@ def test_the_item_bound_admits_what_a_large_model_saves(tmp_path):
     opt.step()
     ckpt = save_checkpoint(tmp_path, 1, model, opt, {})
     assert load_checkpoint(ckpt, model, opt, {})[0] == 1
+
+
+@pytest.mark.parametrize(("source", "per_worker"), [("textdir", "2.0"), ("bin", "6.0")])
+def test_a_corpus_larger_than_memory_is_refused_before_any_worker_starts(tmp_path, monkeypatch, source, per_worker):
+    """Every worker holds the whole corpus (a user's directory, a .bin file, or a sparse file in one): more than the
+    machine has available is a line naming --data-max-mb, and the value it names fits."""
+    from powertrain.train import data
+    from powertrain.train.config import resolve
+
+    d = tmp_path / "corpus"
+    d.mkdir()
+    (d / ("a.txt" if source == "textdir" else "train.bin")).write_bytes(b"ab" * 1_000_000)  # 2 MB
+    monkeypatch.setattr(data, "memory_available", lambda: 5_000_000)  # 4 MB to spend
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cfg = dataclasses.replace(resolve("tiny", None, {"data": source, "data_path": str(d)}), data_max_mb=None)
+    with pytest.raises(
+        ValueError,
+        match=rf"data='{source}' would take {per_worker} MB in each of 4 worker\(s\), more "
+        r"than this machine has available \(5.0 MB\): pass --data-max-mb",
+    ) as e:
+        data.check_sizes(cfg, 4)
+    fits = float(str(e.value).rsplit("--data-max-mb ", 1)[1].split()[0])
+    data.check_sizes(dataclasses.replace(cfg, data_max_mb=fits), 4)  # what the line names fits
+    if source == "textdir":
+        data.check_sizes(cfg, 2)  # 2 x 2 MB: fits
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # under torchrun: this machine's workers only
+        data.check_sizes(cfg, 4)

@@ -142,6 +142,39 @@ def check_sizes(cfg: TrainConfig, world: int) -> None:
     for split, n in (("train", train), ("val", val)):
         for rank in range(data_world):
             _token_shard(split, n, rank, data_world, cfg.block_size)
+    # every worker holds the whole corpus: text as uint8 tokens (1 byte a file byte); .bin read as uint16, then
+    # int32 (6 bytes a token, 3 a file byte); --data-max-mb caps the file bytes
+    file_bytes, per_byte = ((train + val) * 2, 3) if cfg.data == "bin" else (train + val, 1)
+    check_memory(cfg, file_bytes, per_byte, world)
+
+
+def check_memory(cfg: TrainConfig, file_bytes: int, per_byte: int, world: int) -> None:
+    """ValueError when this machine's workers (``LOCAL_WORLD_SIZE`` under torchrun, else all ``world``), each holding
+    ``file_bytes`` of corpus at ``per_byte`` bytes of memory each, would take more than 80% of the memory available
+    (``MemAvailable``; no check where it is unknown): a clear line naming the ``--data-max-mb`` that fits, instead
+    of the kernel's OOM killer mid-start."""
+    available = memory_available()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    need = file_bytes * per_byte
+    if available is None or local * need <= 0.8 * available:
+        return
+    fits = 0.8 * available / local / per_byte / MB
+    raise ValueError(
+        f"data={cfg.data!r} would take {need / MB:,.1f} MB in each of {local} worker(s), more than this machine "
+        f"has available ({available / MB:,.1f} MB): pass --data-max-mb {float(f'{fits:.2g}'):g} or less"
+    )
+
+
+def memory_available() -> int | None:
+    """Linux's ``MemAvailable`` in bytes (/proc/meminfo), None where unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f.read(1 << 16).splitlines():
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def stdlib_files() -> list[Path]:
