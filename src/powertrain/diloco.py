@@ -51,14 +51,15 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
+from powertrain._diloco_state import Layout, check_state
 from powertrain.comm import CommStats, Communicator, group_of_its_own
-from powertrain.compress.base import Compressor, check_state_tensors, placeholder, run_program
+from powertrain.compress.base import Compressor, placeholder, run_program
 from powertrain.compress.chain import Chain, Sequencer
 
 __all__ = ["DiLoCo", "OuterOptimizer", "nesterov", "schedule", "split_by_size"]
@@ -385,29 +386,6 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ state
 
-    def _check_outer(self, outer: Mapping[str, Any]) -> None:
-        """ValueError unless ``outer`` is the state of this outer optimizer: its hyperparameters (a resume with another
-        outer learning rate or momentum is refused, as with other settings), and per-anchor tensors of the anchor's
-        shape, finite."""
-        groups = outer.get("param_groups")
-        mine = _hyper(self.outer.state_dict()["param_groups"])
-        if not isinstance(groups, list) or len(groups) != len(mine) or _hyper(groups) != mine:
-            raise ValueError(f"DiLoCo state_dict's outer optimizer has other settings ({_hyper(groups)!r:.200} -> "
-                             f"{mine!r:.200}): resume with the same outer optimizer")  # fmt: skip
-        saved = outer.get("state")
-        if not isinstance(saved, Mapping):
-            raise ValueError("DiLoCo state_dict's outer optimizer state is not a mapping")
-        for key, per in saved.items():
-            if type(key) is not int or not 0 <= key < len(self.anchors) or not isinstance(per, Mapping):
-                raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
-            for name, value in per.items():
-                shape = self.anchors[key].shape
-                if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != shape:
-                    raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
-                                     f"{tuple(value.shape)}, not {tuple(shape)}")  # fmt: skip
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
-                    raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is not finite")
-
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
         rank's own: save them with it). A sync in flight is waited for and saved with its result."""
@@ -435,40 +413,16 @@ class DiLoCo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; ValueError (nothing changed) if it does not fit this DiLoCo."""
-        if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
-            raise ValueError("Not a DiLoCo state_dict")
-        mine = {"sync_every": self.sync_every, "fragments": [list(f) for f in self.fragments], "delay": self.delay,
-                "mix": self.mix, "warmup": self.warmup}  # fmt: skip
-        saved = {k: state.get(k) for k in mine}
-        if saved != mine:
-            diff = ", ".join(f"{k}={saved[k]!r} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
-            raise ValueError(f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
-                             "fragments, delay, mix and warmup")  # fmt: skip
-        step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
-        if not (type(step) is int and type(syncs) is int and syncs >= 0 and step >= 0):
-            raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r}, syncs={syncs!r}")
-        if not (isinstance(applied, list) and len(applied) == len(self.fragments)
-                and all(type(a) is int and 0 <= a <= max(step, self.warmup) for a in applied)):  # fmt: skip
-            raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
-        local = self._locals()
-        check_state_tensors("DiLoCo", "anchors", state.get("anchors"), [t.shape for t in local])
-        if any(a is None for a in state["anchors"]):
-            raise ValueError("DiLoCo state_dict lacks an anchor")
-        pending = state.get("pending")
-        if pending is not None:
-            f, due = (pending.get("fragment"), pending.get("due")) if isinstance(pending, Mapping) else (None, None)
-            if not (_is_int(f) and _is_int(due) and 0 <= f < len(self.fragments) and step < due <= step + self.delay
-                    and f in self.starting(due - self.delay)):  # fmt: skip
-                raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r}, due {due!r} at step "
-                                 f"{step!r}): not a sync this schedule starts")  # fmt: skip
-            check_state_tensors("DiLoCo", "pending average", pending.get("average"),
-                                [local[i].shape for i in self.fragments[f]])  # fmt: skip
-        warm = state.get("warmup_compressor")
-        if self.warmup_compressor is not None and not isinstance(warm, Mapping):
-            raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
-        if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
-            raise ValueError("DiLoCo state_dict lacks the outer optimizer's or the compressor's state")
-        self._check_outer(state["outer"])
+        check_state(state, Layout(
+            settings={"sync_every": self.sync_every, "fragments": [list(f) for f in self.fragments],
+                      "delay": self.delay, "mix": self.mix, "warmup": self.warmup},
+            shapes=[t.shape for t in self._locals()], outer_groups=self.outer.state_dict()["param_groups"],
+            starting=self.starting, warmup_compressor=self.warmup_compressor is not None,
+        ))  # fmt: skip
+        step: int = state["step"]  # checked above: ints and a list of ints
+        syncs: int = state["syncs"]
+        applied: list[int] = state["applied"]
+        pending, warm = state.get("pending"), state.get("warmup_compressor")
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
         parts: list[Any] = [self.compressor, self.outer]
         given: list[Any] = [state["compressor"], state["outer"]]
@@ -496,16 +450,6 @@ class DiLoCo:
             average = [t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
                        for i, t in zip(self.fragments[f], pending["average"], strict=True)]  # fmt: skip
             self._pending = _Pending(f, pending["due"], None, average)
-
-
-@torch.no_grad()
-def _is_int(x: object) -> TypeGuard[int]:
-    return type(x) is int
-
-
-def _hyper(groups: Any) -> list[dict[str, Any]]:
-    """An optimizer's param_groups without their parameters: its hyperparameters."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in groups] if isinstance(groups, list) else []
 
 
 @torch.no_grad()

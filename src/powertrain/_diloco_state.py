@@ -1,0 +1,98 @@
+"""What a :class:`powertrain.diloco.DiLoCo` state_dict must be before any of it is applied: the settings it was saved
+with, its counters, anchors, the sync in flight and the outer optimizer's state, each checked against the DiLoCo that
+loads it (:class:`Layout`), so that a crafted or mismatched state is refused in one line and changes nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard
+
+import torch
+
+from powertrain.compress.base import check_state_tensors
+
+__all__ = ["Layout", "check_state"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the loading DiLoCo is: the settings a state must have been saved with (``sync_every``, ``fragments``,
+    ``delay``, ``mix``, ``warmup``), its local tensors' shapes, its outer optimizer's param_groups, its fragment
+    schedule (``starting(step)``: the fragments whose sync starts after ``step``) and whether it has a warm-up
+    compressor."""
+
+    settings: dict[str, Any]
+    shapes: list[torch.Size]
+    outer_groups: list[dict[str, Any]]
+    starting: Callable[[int], list[int]]
+    warmup_compressor: bool
+
+
+def check_state(state: Any, layout: Layout) -> None:
+    """ValueError in one line unless ``state`` is a DiLoCo state_dict that ``layout``'s DiLoCo can resume from
+    (the compressors check their own parts as they load)."""
+    if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
+        raise ValueError("Not a DiLoCo state_dict")
+    mine = layout.settings
+    saved = {k: state.get(k) for k in mine}
+    if saved != mine:
+        diff = ", ".join(f"{k}={saved[k]!r:.80} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
+        raise ValueError(f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
+                         "fragments, delay, mix and warmup")  # fmt: skip
+    fragments, delay, warmup = mine["fragments"], mine["delay"], mine["warmup"]
+    step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
+    if not (_is_int(step) and _is_int(syncs) and syncs >= 0 and step >= 0):
+        raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r:.40}, syncs={syncs!r:.40}")
+    if not (isinstance(applied, list) and len(applied) == len(fragments)
+            and all(_is_int(a) and 0 <= a <= max(step, warmup) for a in applied)):  # fmt: skip
+        raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
+    check_state_tensors("DiLoCo", "anchors", state.get("anchors"), layout.shapes)
+    if any(a is None for a in state["anchors"]):
+        raise ValueError("DiLoCo state_dict lacks an anchor")
+    pending = state.get("pending")
+    if pending is not None:
+        f, due = (pending.get("fragment"), pending.get("due")) if isinstance(pending, Mapping) else (None, None)
+        if not (_is_int(f) and _is_int(due) and 0 <= f < len(fragments) and step < due <= step + delay
+                and f in layout.starting(due - delay)):  # fmt: skip
+            raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r:.40}, due {due!r:.40} at "
+                             f"step {step!r}): not a sync this schedule starts")  # fmt: skip
+        check_state_tensors("DiLoCo", "pending average", pending.get("average"),
+                            [layout.shapes[i] for i in fragments[f]])  # fmt: skip
+    if layout.warmup_compressor and not isinstance(state.get("warmup_compressor"), Mapping):
+        raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
+    if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
+        raise ValueError("DiLoCo state_dict lacks the outer optimizer's or the compressor's state")
+    _check_outer(state["outer"], layout)
+
+
+def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:
+    """The outer optimizer's state: its hyperparameters (a resume with another outer learning rate or momentum is
+    refused, as with other settings), and per-anchor tensors of the anchor's shape, finite."""
+    groups = outer.get("param_groups")
+    mine = _hyper(layout.outer_groups)
+    if not isinstance(groups, list) or len(groups) != len(mine) or _hyper(groups) != mine:
+        raise ValueError(f"DiLoCo state_dict's outer optimizer has other settings ({_hyper(groups)!r:.200} -> "
+                         f"{mine!r:.200}): resume with the same outer optimizer")  # fmt: skip
+    saved = outer.get("state")
+    if not isinstance(saved, Mapping):
+        raise ValueError("DiLoCo state_dict's outer optimizer state is not a mapping")
+    for key, per in saved.items():
+        if type(key) is not int or not 0 <= key < len(layout.shapes) or not isinstance(per, Mapping):
+            raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
+        for name, value in per.items():
+            shape = layout.shapes[key]
+            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != shape:
+                raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
+                                 f"{tuple(value.shape)}, not {tuple(shape)}")  # fmt: skip
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is not finite")
+
+
+def _is_int(x: object) -> TypeGuard[int]:
+    return type(x) is int
+
+
+def _hyper(groups: Any) -> list[dict[str, Any]]:
+    """An optimizer's param_groups without their parameters: its hyperparameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in groups] if isinstance(groups, list) else []
