@@ -1,7 +1,7 @@
 """The command under torch's own launcher, and elastic recovery: ``torchrun --max-restarts 1`` trains in the world
-it is given (README), restarts the workers after one is killed with SIGKILL mid-run, and the unchanged
-``powertrain train`` command continues from the latest complete checkpoint in its run directory and ends on its
-own. The losses it logs equal those of the command's own launcher, uninterrupted, bitwise: the same two
+it is given (docs/multi-node.md, "Elastic restart"), restarts the workers after one is killed with SIGKILL mid-run,
+and the unchanged ``powertrain train`` command continues from the latest complete checkpoint in its run directory and
+ends on its own. The losses it logs equal those of the command's own launcher, uninterrupted, bitwise: the same two
 processes, thread count, kernels and data order, and the restarted steps repeat the same operations on the same
 bits (weights, optimizer, error feedback and data streams all come from the checkpoint)."""
 

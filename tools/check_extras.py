@@ -1,7 +1,8 @@
 """Install powertrain alone and with each optional extra, each in a fresh virtual environment, and import what
 the extra is for: ``python tools/check_extras.py [EXTRA ...]`` (default: all). Prints one line per extra and exits
 non-zero if any install or import fails. Needs the package index (torch==2.13.0 first, the CPU build, as the
-README's set-up does: asking for a range would pull CUDA wheels). Minutes per extra; not part of ``make test``.
+set-up does, docs/getting-started.md, "Install": asking for a range would pull CUDA wheels). Minutes per extra; not
+part of ``make test``.
 """
 
 from __future__ import annotations

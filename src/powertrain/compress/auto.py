@@ -28,7 +28,8 @@ from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended
 
 __all__ = ["RANKS", "Choice", "Link", "choose", "measure_link", "slowest"]
 
-#: Ranks ``auto`` chooses from, largest first. Below 4 the loss gap grows fast (README, "What it costs, measured").
+#: Ranks ``auto`` chooses from, largest first. Below 4 the loss gap grows fast (docs/compression.md, "What it costs,
+#: measured").
 RANKS = (64, 32, 16, 8, 4)
 
 

@@ -59,7 +59,8 @@ def _recommended_spec(rank: int) -> str:
 #: The command's PowerSGD on the default GPT when no compressor is named: RECOMMENDED, spelled out.
 RECOMMENDED_POWERSGD = _recommended_spec(RECOMMENDED["rank"])
 #: What the command's default (RECOMMENDED_POWERSGD with AdamW frozen at POWERSGD_ADAM_FREEZE) costs on the default
-#: GPT: bench quality's 300-step section (BENCHMARKS.md, README "What it costs, measured"); the run's summary says it.
+#: GPT: bench quality's 300-step section (BENCHMARKS.md; docs/compression.md, "What it costs, measured"); the run's
+#: summary says it.
 RECOMMENDED_COST = (
     "measured by powertrain bench quality on this model over 300 steps (3 seeds, on its own validation batches, so "
     "not comparable with this run's figure), it ends at validation loss 1.9608 (seeds 1.9407-1.9845) against fp32 "
@@ -68,7 +69,7 @@ RECOMMENDED_COST = (
 
 
 #: AdamW's freeze with PowerSGD when the run does not set one (1-bit Adam's 15-25% of exact Adam first): the
-#: fraction bench quality chose over a tenth (README "What it costs, measured").
+#: fraction bench quality chose over a tenth (docs/compression.md, "How the defaults were chosen").
 POWERSGD_ADAM_FREEZE = 0.25
 
 
