@@ -27,7 +27,7 @@ lint: $(VENV)/.installed
 # The guides and the API reference generated from the docstrings (Sphinx, MyST Markdown, furo), warnings as errors;
 # open docs/_build/html/index.html. tests/test_docs.py builds them too.
 docs: $(VENV)/.installed
-	$(PY) -m sphinx -b html -W --keep-going -q docs docs/_build/html
+	$(PY) -m sphinx -b html -W --keep-going -q -c docs . docs/_build/html
 
 # Tolerances must hold on every CPU, not only this one (issue 16): the numerically sensitive tests run again on
 # two other code paths, MKL's generic reproducible path with ATen's scalar kernels, and MKL's Intel AVX-512 path

@@ -20,8 +20,11 @@ release = version = powertrain.__version__
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.viewcode"]
 source_suffix = {".md": "markdown"}
-root_doc = "index"
-exclude_patterns = ["_build"]
+# The source directory is the repository's root (``sphinx -c docs .``), so that the guides' links to README.md,
+# BENCHMARKS.md, SECURITY.md and DEVELOPERS.md resolve as they do on GitHub; only these files and docs/ are read.
+root_doc = "docs/index"
+include_patterns = ["README.md", "BENCHMARKS.md", "SECURITY.md", "DEVELOPERS.md", "docs/**"]
+exclude_patterns = ["docs/_build"]
 myst_heading_anchors = 3  # GitHub-style links to sections (guide.md#a-section) resolve in Sphinx too
 
 autodoc_member_order = "bysource"
@@ -44,5 +47,13 @@ def _google_sections(app, what, name, obj, options, lines):  # type: ignore[no-u
                                options).lines()  # fmt: skip
 
 
+def _front_door(app, exception):  # type: ignore[no-untyped-def]
+    """index.html at the top of the built site, leading to docs/index.html (the root document lives in docs/)."""
+    if exception is None and app.builder.format == "html":
+        target = '<meta http-equiv="refresh" content="0; url=docs/index.html"><a href="docs/index.html">powertrain</a>'
+        (Path(app.outdir) / "index.html").write_text(f"<!DOCTYPE html><html><head>{target}</head></html>\n")
+
+
 def setup(app):  # type: ignore[no-untyped-def]
     app.connect("autodoc-process-docstring", _google_sections)
+    app.connect("build-finished", _front_door)

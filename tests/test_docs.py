@@ -161,8 +161,8 @@ def test_a_broken_example_fails_the_check(tmp_path):
 def test_the_docs_build_with_no_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="pip install -e '.[docs]'")
     pytest.importorskip("myst_parser", reason="pip install -e '.[docs]'")
-    r = run_cli("-b", "html", "-W", "--keep-going", "-q", str(ROOT / "docs"), str(tmp_path / "html"), module="sphinx",
-                timeout=300)  # fmt: skip
+    r = run_cli("-b", "html", "-W", "--keep-going", "-q", "-c", str(ROOT / "docs"), str(ROOT), str(tmp_path / "html"),
+                module="sphinx", timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
-    api = (tmp_path / "html" / "api" / "diloco.html").read_text()
+    api = (tmp_path / "html" / "docs" / "api" / "diloco.html").read_text()
     assert "powertrain.diloco.DiLoCo" in api and "sync_every" in api  # the reference is generated, not empty
