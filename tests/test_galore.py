@@ -333,7 +333,7 @@ def test_load_refuses_other_layouts():
         return opt
 
     saved = stepped((6, 4)).state_dict()  # tall: moments 6 x 3
-    with pytest.raises(ValueError, match=r"has shape \(.*\), this rank needs"):
+    with pytest.raises(ValueError, match=r"this rank needs .*; resume with the same sharding"):
         stepped((4, 6)).load_state_dict(copy.deepcopy(saved))  # wide: 3 x 6
     with pytest.raises(ValueError, match="Not a GaLoreAdamW state dict"):
         stepped((6, 4)).load_state_dict(torch.optim.AdamW([nn.Parameter(torch.ones(6, 4))]).state_dict())

@@ -207,3 +207,171 @@ def test_a_compressors_step_counters_are_checked(name, steps, match):
     with pytest.raises(ValueError, match=match):
         comp.load_state_dict({**state, "steps": steps})
     comp.load_state_dict(state)  # the real one still loads
+
+
+# ---------------------------------------------------------------- per-rank optimizers and local updates: checked
+
+
+def _stepped_optimizer(make: Any, steps: int = 2) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    opt = make(model.parameters())
+    for _ in range(steps):
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _set(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
+    """``state`` with the entry at ``path`` replaced by ``value`` (or removed: ``...``)."""
+    import copy
+
+    out = copy.deepcopy(state)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is ...:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        (("param_groups", 0, "weight_decay"), 50.0, "weight_decay \\(group 0\\) is 50.0 and this run's 0.01"),
+        (("param_groups", 0, "lr"), "0.1", "lr \\(group 0\\) is of type str, expected float"),
+        (("param_groups", 0, "lr"), math.nan, "lr \\(group 0\\) is nan"),
+        (("param_groups", 0, "extra"), 1, "parameter group 0 holds .*'extra'"),
+        (("param_groups", 0, "betas"), [0.9, 0.999], "betas \\(group 0\\) is of type list, expected tuple"),
+        (("state", 0, "exp_avg"), torch.zeros(3), "exp_avg for parameter 0 is \\(3,\\), expected a tensor of shape"),
+        (("state", 0, "exp_avg_sq"), ..., "state for parameter 0 holds \\['exp_avg', 'step'\\]"),
+        (("state", 0, "step"), 2, "step for parameter 0 is int, expected a tensor of shape \\(\\)"),
+        (("state", 0, "exp_avg"), torch.full((6, 8), math.inf), "non-finite or complex"),
+        (("state", 7), {}, "entry 7 for none of its 4 parameters"),
+        (("state", -1), {}, "entry -1 for none of its 4 parameters"),
+    ],
+)
+def test_a_per_rank_optimizers_crafted_state_is_refused_at_load(path, value, match):
+    """A per-rank optimizer (shampoo, galore, demo; local updates' inner AdamW) loaded through torch's
+    ``load_state_dict`` as it was saved: a momentum of the wrong shape failed steps later, a group's
+    ``weight_decay=50`` (a setting a resume may not change) or a missing moment (restarted from zeros) were taken."""
+    from powertrain.train.optimizers import RankOptimizer
+
+    make = lambda ps: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.01)
+    _, saved = _stepped_optimizer(make)
+    state = saved.state_dict()
+    _, fresh = _stepped_optimizer(make, steps=0)
+    part = RankOptimizer(fresh)
+    with pytest.raises(ValueError, match=match) as e:
+        part.load_state_dict(_set(state, path, value))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500, str(e.value)
+    assert not fresh.state  # nothing was taken
+    part.load_state_dict(state)  # the real one loads
+    assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], state["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        (("state", 0, "step"), ..., "with step None"),
+        (("state", 0, "step"), "x", "with step 'x'"),
+        (("state", 0, "step"), True, "with step True"),
+        (("state", 0, "exp_avg_sq"), ..., "holds \\['exp_avg', 'proj_left', 'step'\\]"),
+        (("state", -1), {}, "entry -1 for none of its 4 parameters"),
+        (("galore", "seed"), 1.5, "its seed is 1.5"),
+    ],
+)
+def test_a_galore_state_is_checked_at_load(path, value, match):
+    """GaLore's ``st["step"] += 1`` met a string step, or a missing ``exp_avg_sq``, in a later step (a traceback); a
+    missing step restarted the bias correction and a negative index loaded into another parameter, silently."""
+    from powertrain.optim import GaLoreAdamW
+
+    make = lambda ps: GaLoreAdamW(ps, lr=1e-2, rank=2, update_proj_gap=2)
+    _, saved = _stepped_optimizer(make)
+    state = saved.state_dict()
+    _, fresh = _stepped_optimizer(make, steps=0)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(_set(state, path, value))
+    fresh.load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "match"),
+    [
+        (("shampoo", "steps"), "7", "step count is '7', expected an int >= 0"),
+        (("shampoo", "steps"), -1, "step count is -1"),
+        (("state", 0, "blocks", 0, "graft"), torch.zeros(3), "graft of block 0 of parameter 0 is \\(3,\\), the block"),
+        (("state", 0, "blocks", 0, "roots"), [torch.zeros(3, 3)], r"roots of block 0 of parameter 0 is \[\(3, 3\)\]"),
+        (("state", 0, "blocks", 0, "failures"), ..., "factors without their failure count"),
+        (("state", 0, "blocks", 0, "extra"), torch.zeros(1), "holds 'extra', which no block keeps"),
+        (("state", 0, "blocks", 5), {}, "holds block 5 of parameter 0, which this rank does not own"),
+        (("state", 0, "momentum"), torch.zeros(3), r"momentum of parameter 0 is \(3,\), the parameter is \(6, 8\)"),
+    ],
+)
+def test_a_shampoo_state_is_checked_at_load(path, value, match):
+    """DistributedShampoo checked its factors' shapes only: a graft of the wrong shape failed in a later step, a step
+    count ``"7"`` was taken through ``int()``."""
+    from powertrain.optim import DistributedShampoo
+
+    make = lambda ps: DistributedShampoo(ps, lr=1e-2, precondition_frequency=1, grafting="adam", momentum=0.9)
+    _, saved = _stepped_optimizer(make)
+    state = saved.state_dict()
+    _, fresh = _stepped_optimizer(make, steps=0)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(_set(state, path, value))
+    fresh.load_state_dict(state)
+
+
+def test_complex_tensors_and_a_scalar_outer_momentum_are_refused():
+    """A complex tensor's Inf passed the finite check (``is_floating_point`` is False for it) and survived the cast
+    to the buffer's dtype; DiLoCo's outer momentum of one element was taken for any anchor and failed at the sync."""
+    from powertrain.diloco import DiLoCo, nesterov
+
+    params = [torch.nn.Parameter(torch.randn(16, 12)), torch.nn.Parameter(torch.randn(12, 8))]
+    comp = make_compressor("int8", params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    comp.reduce_gradients()
+    state = comp.state_dict()
+    bad = torch.full((16, 12), complex(math.inf, 0))
+    with pytest.raises(ValueError, match=r"errors\[0\] is a torch\.complex64 tensor, expected real numbers"):
+        comp.load_state_dict({**state, "errors": [bad, state["errors"][1]]})
+    model = torch.nn.Linear(4, 3)
+    diloco = DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1,
+                    outer_optimizer=nesterov())  # fmt: skip
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        diloco.step()
+    state = diloco.state_dict()
+    assert state["outer"]["state"], "the outer optimizer has stepped"
+    crafted = _set(state, ("outer", "state", 0, "momentum_buffer"), torch.zeros(1))
+    with pytest.raises(ValueError, match="outer 'momentum_buffer' of anchor 0 has shape \\(1,\\), not \\(3, 4\\)"):
+        diloco.load_state_dict(crafted)
+    crafted = _set(state, ("outer", "state", 0, "momentum_buffer"), torch.full((3, 4), complex(math.inf, 0)))
+    with pytest.raises(ValueError, match="outer 'momentum_buffer' of anchor 0 is not finite"):
+        diloco.load_state_dict(crafted)
+    diloco.load_state_dict(state)
+
+
+def test_the_run_checks_a_per_rank_optimizer_at_load(tmp_path):
+    """``powertrain train`` stores a per-rank optimizer through :class:`RankOptimizer`: a DeMo momentum of the wrong
+    shape is refused in one line at load (it was a traceback in the step after the resume)."""
+    r = run_cli("train", "--preset", "tiny", "--nproc", "1", "--compressor", "none", "--optimizer", "demo",
+                "--steps", "1", "--checkpoint-every", "1", "--out", str(tmp_path / "run"), "--quiet")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    from powertrain.train import loop
+    from powertrain.train.optimizers import RankOptimizer
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000001"
+    cfg = resolve("tiny", None, {**json.loads((ckpt / "manifest.json").read_text())["config"], "out": str(tmp_path)})
+    run = loop._setup(cfg, torch.device("cpu"))
+    assert isinstance(run.per_rank["optimizer"], RankOptimizer)
+    load_checkpoint(ckpt, run.model, run.dcp_optimizer, run.per_rank)
+    saved = {name: part.state_dict() for name, part in run.per_rank.items()}
+    saved["optimizer"]["state"][0]["momentum"] = torch.zeros(3)
+    crafted = save_checkpoint(tmp_path / "crafted", 1, run.model, None, {k: _Crafted(v) for k, v in saved.items()})
+    with pytest.raises(CheckpointError, match="momentum for parameter 0 is \\(3,\\), expected a tensor of shape"):
+        load_checkpoint(crafted, run.model, run.dcp_optimizer, run.per_rank)

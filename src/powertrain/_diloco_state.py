@@ -82,10 +82,11 @@ def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:
             raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
         for name, value in per.items():
             shape = layout.shapes[key]
-            if isinstance(value, torch.Tensor) and value.numel() > 1 and value.shape != shape:
+            scalar_step = name == "step" and isinstance(value, torch.Tensor) and value.numel() == 1
+            if isinstance(value, torch.Tensor) and value.shape != shape and not scalar_step:
                 raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
                                  f"{tuple(value.shape)}, not {tuple(shape)}")  # fmt: skip
-            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+            if isinstance(value, torch.Tensor) and (value.is_complex() or not torch.isfinite(value).all()):
                 raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is not finite")
 
 

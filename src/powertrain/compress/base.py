@@ -181,6 +181,8 @@ def check_state_tensors(owner: str, what: str, saved: Any, shapes: Sequence[Sequ
             raise ValueError(
                 f"{owner} state_dict's {what}[{i}] is {got}, expected {None if shape is None else list(shape)}"
             )
+        if t.is_complex():  # its NaN or Inf would pass the check below and survive the cast to the buffer's dtype
+            raise ValueError(f"{owner} state_dict's {what}[{i}] is a {t.dtype} tensor, expected real numbers")
         if t.is_floating_point() and not all_finite([t]):
             raise ValueError(f"{owner} state_dict's {what}[{i}] holds NaN or Inf: refusing to resume from it")
 

@@ -32,7 +32,7 @@ from powertrain.train.data import ClassData, TokenData, load_data
 from powertrain.train.launch import leave_world, torchrun_shared_store
 from powertrain.train.liveness import Heartbeat
 from powertrain.train.metrics import Progress, RunWriter
-from powertrain.train.optimizers import Schedule, build_optimizer, build_scheduler
+from powertrain.train.optimizers import RankOptimizer, Schedule, build_optimizer, build_scheduler
 from powertrain.train.strategy import Strategy, build_strategy
 
 MB = 1e6
@@ -196,7 +196,7 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
     per_rank = {"compressor": strategy.state, "scheduler": scheduler, **strategy.own_state}
     own_optimizer = built.per_rank or strategy.own_optimizer  # its state differs per rank
     if own_optimizer:
-        per_rank["optimizer"] = built.optimizer
+        per_rank["optimizer"] = RankOptimizer(built.optimizer)  # checked at load
     return _Run(
         cfg, device, out, metrics, data, model, strategy, built.optimizer, scheduler, per_rank,
         None if own_optimizer else built.optimizer,

@@ -26,7 +26,7 @@ from powertrain.comm import CommStats
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
 
-__all__ = ["Built", "Schedule", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
+__all__ = ["Built", "RankOptimizer", "Schedule", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
@@ -104,6 +104,105 @@ def _check_like(what: str, value: object, like: object) -> None:
             _check_like(f"{what}[{i}]", v, w)
     elif isinstance(like, float) and isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{what} is {value}, expected a finite number")
+
+
+class RankOptimizer:
+    """An optimizer whose state travels per rank (``shampoo``, ``galore``, ``demo``; local updates' inner optimizer):
+    its part of a checkpoint, checked at load against the form this run would write before the optimizer takes it.
+
+    torch's ``Optimizer.load_state_dict`` restores the saved hyperparameters and tensors as they are: a group with
+    another ``weight_decay`` (a setting a resume may not change), a string ``lr`` or a momentum of the wrong shape was
+    taken, and failed (or silently changed the run) steps later. So the saved state must have this optimizer's
+    keys, its parameter groups the same hyperparameters (``lr``, ``initial_lr``: a finite number >= 0, the schedule
+    sets the rate; ``freeze_after``: follows ``--steps``, an int >= 1) and each parameter's tensors real, finite and
+    of the shape this rank's parameter gives them (GaLore and Shampoo check their own layouts as they load)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, object]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: object) -> None:
+        check_optimizer_state(self.optimizer, state)
+        self.optimizer.load_state_dict(state)  # type: ignore[arg-type]
+
+
+#: Per-parameter state of torch-style optimizers: the keys each parameter's entry holds once it stepped ("step" a
+#: scalar tensor, the others the shape of the rank's own parameter).
+_PARAM_STATE = {"AdamW": {"step", "exp_avg", "exp_avg_sq"}, "FrozenVarianceAdamW": {"step", "exp_avg", "exp_avg_sq"},
+                "SGD": {"momentum_buffer"}, "DeMo": {"momentum"}}  # fmt: skip
+#: Group entries that follow the schedule, not a fixed setting: their type is checked, their value is this run's.
+_SCHEDULED = ("lr", "initial_lr", "freeze_after")
+_RENAMED = {"epsilon": "eps", "grafting_epsilon": "grafting_eps"}
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> None:
+    """ValueError in one line unless ``state`` has the form ``optimizer.state_dict()`` writes in this run (see
+    :class:`RankOptimizer`)."""
+    from powertrain.ops.flat import local_tensor
+
+    form = optimizer.state_dict()
+    if not isinstance(state, dict) or set(state) != set(form):
+        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"the optimizer's state holds {keys!s:.200}, expected {sorted(form)}")
+    groups, mine = state["param_groups"], form["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(mine):
+        got = len(groups) if isinstance(groups, list) else type(groups).__name__
+        raise ValueError(f"the optimizer's state has {got} parameter groups, expected {len(mine)}")
+    for i, (group, like) in enumerate(zip(groups, mine, strict=True)):
+        if isinstance(group, dict):  # Shampoo's options' names before they followed torch's (its loader renames them)
+            group = {_RENAMED.get(k, k) if isinstance(k, str) else k: v for k, v in group.items()}
+        if not isinstance(group, dict) or set(group) != set(like):
+            keys = sorted(map(str, group))[:12] if isinstance(group, dict) else type(group).__name__
+            raise ValueError(f"the optimizer's parameter group {i} holds {keys!s:.300}, expected {sorted(like)}")
+        for key, value in like.items():
+            what = f"the optimizer's {key} (group {i})"
+            _check_like(what, group[key], value)
+            if key in _SCHEDULED:
+                if group[key] < (key == "freeze_after"):
+                    raise ValueError(f"{what} is {group[key]!r:.40}, expected a number >= 0")
+            elif group[key] != value:
+                raise ValueError(f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
+                                 "the run with its settings; drop the flags that change it, or start a new "
+                                 "run")  # fmt: skip
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = state["state"]
+    if not isinstance(saved, dict):
+        raise ValueError(f"the optimizer's state is of type {type(saved).__name__}, expected dict")
+    expected = _PARAM_STATE.get(type(optimizer).__name__)
+    for index, per in saved.items():
+        if type(index) is not int or not 0 <= index < len(params) or not isinstance(per, dict):
+            raise ValueError(f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} "
+                             "parameters")  # fmt: skip
+        _check_tensors(f"the optimizer's state for parameter {index}", per)
+        if expected is None or not per:
+            continue
+        if set(per) != expected:
+            raise ValueError(f"the optimizer's state for parameter {index} holds {sorted(map(str, per))!s:.200}, "
+                             f"expected {sorted(expected)}")  # fmt: skip
+        shape = tuple(local_tensor(params[index]).shape)
+        for name, value in per.items():
+            want = () if name == "step" else shape
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+                shape_got: object = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"the optimizer's {name} for parameter {index} is {shape_got}, expected a tensor of "
+                                 f"shape {want}")  # fmt: skip
+
+
+def _check_tensors(what: str, value: object, depth: int = 0) -> None:
+    """Every tensor in ``value`` (nested dicts and lists) real and, if floating, finite."""
+    if depth > 8:
+        raise ValueError(f"{what} is nested deeper than any optimizer's state")
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or (value.is_floating_point() and not bool(torch.isfinite(value).all())):
+            raise ValueError(f"{what} holds a {value.dtype} tensor with non-finite or complex values")
+    elif isinstance(value, dict):
+        for v in value.values():
+            _check_tensors(what, v, depth + 1)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_tensors(what, v, depth + 1)
 
 
 def galore_split(

@@ -380,14 +380,27 @@ class GaLoreAdamW(torch.optim.Optimizer):
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         for g in self.param_groups:
             _check_group(g)
-        self.seed = int(meta["seed"])
+        seed = meta.get("seed") if isinstance(meta, dict) else None
+        if type(seed) is not int or seed < 0:
+            raise ValueError(f"Invalid GaLoreAdamW state: its seed is {seed!r:.40}, expected an int >= 0")
+        self.seed = seed
         self._layouts.clear()
         params = list(self._indexed())
         for key, saved in state_dict["state"].items():
-            index = int(key)
+            if type(key) is not int or not 0 <= key < len(params) or not isinstance(saved, dict):
+                raise ValueError(f"Invalid GaLoreAdamW state: an entry {key!r:.40} for none of its {len(params)} "
+                                 "parameters")  # fmt: skip
+            index = key
             _, p, group = params[index]
             lay = self._layout(p, group, index)
             want = self._state_shapes(p, lay)
+            step = saved.get("step")
+            if saved and (set(saved) != {"step", *want} or type(step) is not int or step < 0):
+                raise ValueError(
+                    f"Invalid state for parameter {index}: it holds {sorted(map(str, saved))!s:.120} with step "
+                    f"{step!r:.40}, this rank needs {sorted({'step', *want})} and a step count (an int >= 0); resume "
+                    "with the same sharding (world size), rank and proj_type"
+                )
             st: dict[str, Any] = {}
             for name, value in saved.items():
                 if isinstance(value, torch.Tensor):

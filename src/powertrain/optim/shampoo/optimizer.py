@@ -457,14 +457,18 @@ class DistributedShampoo(torch.optim.Optimizer):
                 "assignment (max_preconditioner_dim, precondition_1d, preconditioner, precondition_frequency) "
                 "differ from the run that wrote it; resume with the same ones"
             )
+        steps = meta.get("steps")
+        if type(steps) is not int or steps < 0:
+            raise ValueError(f"This DistributedShampoo state's step count is {steps!r:.40}, expected an int >= 0")
         self._check_factors(state_dict)
+        self._check_blocks(state_dict)
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         for group in state_dict.get("param_groups", []):  # the options' names before they followed torch's (eps)
             for old, new in (("epsilon", "eps"), ("grafting_epsilon", "grafting_eps")):
                 if old in group:
                     group[new] = group.pop(old)
         super().load_state_dict(state_dict)
-        self.steps = int(meta["steps"])
+        self.steps = steps
         self._root_counter.load_state_dict(meta.get("root_stats"))  # absent from states written before the counters
 
     def _check_factors(self, state_dict: dict[str, Any]) -> None:
@@ -482,6 +486,54 @@ class DistributedShampoo(torch.optim.Optimizer):
                     "version that merged small matrices into one vector (a matrix now keeps one factor per side); "
                     "restart the optimizer state, or resume with the version that wrote it"
                 )
+
+    def _check_blocks(self, state_dict: dict[str, Any]) -> None:
+        """Refuse, before any state is replaced, per-block state this rank would not write: an entry for a block it
+        does not own, a key a block does not keep, a tensor of another shape than the block's (the moments and the
+        eigenvalue-corrected second moment: the block's; factors, roots and bases: d x d per dimension; failures: a
+        scalar), or factors without their failure count. torch's loader takes any of them, and a step failed later."""
+        state = state_dict.get("state", {})
+        if not isinstance(state, dict):
+            raise ValueError(f"This DistributedShampoo state's 'state' is a {type(state).__name__}, not a dict")
+        owned = {(b.param, b.index): b for b in self._dist.owned(self.blocks)}
+        per_dim, whole = ("factors", "roots", "bases"), ("filtered", "graft", "corrected")
+        for param, entry in state.items():
+            if not (isinstance(entry, dict) and set(entry) <= {"blocks", "momentum"}
+                    and isinstance(entry.get("blocks", {}), dict)
+                    and type(param) is int and 0 <= param < len(self._params)):  # fmt: skip
+                raise ValueError(f"This DistributedShampoo state's entry {param!r:.40} is not a parameter's blocks "
+                                 "and momentum")  # fmt: skip
+            momentum, shape = entry.get("momentum"), tuple(local_tensor(self._params[param]).shape)
+            if momentum is not None and not (isinstance(momentum, torch.Tensor) and tuple(momentum.shape) == shape):
+                got_m = tuple(momentum.shape) if isinstance(momentum, torch.Tensor) else type(momentum).__name__
+                raise ValueError(f"This DistributedShampoo state's momentum of parameter {param} is {got_m}, the "
+                                 f"parameter is {shape} here")  # fmt: skip
+            blocks = entry.get("blocks", {})
+            for index, st in blocks.items():
+                blk = owned.get((param, index))
+                if blk is None or not isinstance(st, dict):
+                    raise ValueError(f"This DistributedShampoo state holds block {index!r:.40} of parameter "
+                                     f"{param!r:.40}, which this rank does not own; resume with the same "
+                                     "settings")  # fmt: skip
+                for name, value in st.items():
+                    if name in whole:
+                        want: list[tuple[int, ...]] | tuple[int, ...] = tuple(blk.shape)
+                        got: Any = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    elif name in per_dim:
+                        want = [(d, d) for d in blk.shape]
+                        got = ([tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in value]
+                               if isinstance(value, list) else type(value).__name__)  # fmt: skip
+                    elif name == "failures":
+                        want, got = (), tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    else:
+                        raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} holds "
+                                         f"{name!r:.40}, which no block keeps")  # fmt: skip
+                    if got != want:
+                        raise ValueError(f"This DistributedShampoo state's {name} of block {index} of parameter "
+                                         f"{param} is {got!s:.80}, the block needs {want!s:.80}")  # fmt: skip
+                if ("factors" in st) != ("failures" in st):
+                    raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} holds "
+                                     "factors without their failure count, or the count without them")  # fmt: skip
 
     # -- step ----------------------------------------------------------------------------------------------
 
