@@ -375,3 +375,20 @@ def test_the_run_checks_a_per_rank_optimizer_at_load(tmp_path):
     crafted = save_checkpoint(tmp_path / "crafted", 1, run.model, None, {k: _Crafted(v) for k, v in saved.items()})
     with pytest.raises(CheckpointError, match="momentum for parameter 0 is \\(3,\\), expected a tensor of shape"):
         load_checkpoint(crafted, run.model, run.dcp_optimizer, run.per_rank)
+
+
+def test_the_replicated_optimizers_hyperparameters_are_this_runs(tmp_path):
+    """adamw and sgd travel through DCP, which restored the saved param_groups as they were: a weight_decay of 50 in
+    the file was taken silently. The saved groups must be this run's; the learning rate is the schedule's."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    crafted = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=50.0)
+    model(torch.randn(2, 4)).sum().backward()
+    crafted.step()
+    ckpt = save_checkpoint(tmp_path / "a", 1, model, crafted, {})
+    fresh = torch.nn.Linear(4, 3)
+    with pytest.raises(CheckpointError, match=r"weight_decay \(group 0\) is 50.0 and this run's 0.1: a resume"):
+        load_checkpoint(ckpt, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1, weight_decay=0.1), {})
+    opt = torch.optim.AdamW(fresh.parameters(), lr=0.1, weight_decay=50.0)  # the same settings, another lr: loads
+    load_checkpoint(ckpt, fresh, opt, {})
+    assert opt.param_groups[0]["weight_decay"] == 50.0 and torch.equal(fresh.weight, model.weight)

@@ -20,6 +20,7 @@ instead: DCP's optimizer flattening assumes replicated or DTensor-sharded state,
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import shutil
@@ -274,9 +275,17 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if missing:
         raise CheckpointError(f"Checkpoint {str(path)!r} was made for another model: it lacks {missing[:5]}")
     ranks = _Deferred()  # the per-rank parts load after the model: a replica's own weights (local updates) win
+    groups = copy.deepcopy(optim_sd.get("param_groups"))  # this run's, to compare the saved ones with
     state = _state(model_sd, optim_sd, {}, 0, {})
     state["rank"] = CompressorState(ranks)
     checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"), manifest=manifest)
+    if groups is not None:  # torch would take the saved hyperparameters as they are (weight_decay=50 included)
+        from powertrain.train.optimizers import check_param_groups
+
+        try:
+            check_param_groups(state["optim"].get("param_groups"), groups)
+        except ValueError as e:
+            raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {e}") from None
     try:
         if optimizer is None:
             set_model_state_dict(model, state["model"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -146,26 +146,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
     if not isinstance(state, dict) or set(state) != set(form):
         keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"the optimizer's state holds {keys!s:.200}, expected {sorted(form)}")
-    groups, mine = state["param_groups"], form["param_groups"]
-    if not isinstance(groups, list) or len(groups) != len(mine):
-        got = len(groups) if isinstance(groups, list) else type(groups).__name__
-        raise ValueError(f"the optimizer's state has {got} parameter groups, expected {len(mine)}")
-    for i, (group, like) in enumerate(zip(groups, mine, strict=True)):
-        if isinstance(group, dict):  # Shampoo's options' names before they followed torch's (its loader renames them)
-            group = {_RENAMED.get(k, k) if isinstance(k, str) else k: v for k, v in group.items()}
-        if not isinstance(group, dict) or set(group) != set(like):
-            keys = sorted(map(str, group))[:12] if isinstance(group, dict) else type(group).__name__
-            raise ValueError(f"the optimizer's parameter group {i} holds {keys!s:.300}, expected {sorted(like)}")
-        for key, value in like.items():
-            what = f"the optimizer's {key} (group {i})"
-            _check_like(what, group[key], value)
-            if key in _SCHEDULED:
-                if group[key] < (key == "freeze_after"):
-                    raise ValueError(f"{what} is {group[key]!r:.40}, expected a number >= 0")
-            elif group[key] != value:
-                raise ValueError(f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
-                                 "the run with its settings; drop the flags that change it, or start a new "
-                                 "run")  # fmt: skip
+    check_param_groups(state["param_groups"], form["param_groups"])
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = state["state"]
     if not isinstance(saved, dict):
@@ -188,6 +169,32 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
                 shape_got: object = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"the optimizer's {name} for parameter {index} is {shape_got}, expected a tensor of "
                                  f"shape {want}")  # fmt: skip
+
+
+def check_param_groups(groups: object, mine: list[dict[str, Any]]) -> None:
+    """ValueError in one line unless the saved parameter ``groups`` are this run's (``mine``, as the optimizer's
+    state_dict writes them): the same keys, the same hyperparameters, and for the entries that follow the schedule
+    (:data:`_SCHEDULED`) a value of the same type. Also for the optimizers a checkpoint restores through DCP (adamw,
+    sgd), whose groups torch would otherwise take as saved."""
+    if not isinstance(groups, list) or len(groups) != len(mine):
+        got = len(groups) if isinstance(groups, list) else type(groups).__name__
+        raise ValueError(f"the optimizer's state has {got} parameter groups, expected {len(mine)}")
+    for i, (group, like) in enumerate(zip(groups, mine, strict=True)):
+        if isinstance(group, dict):  # Shampoo's options' names before they followed torch's (its loader renames them)
+            group = {_RENAMED.get(k, k) if isinstance(k, str) else k: v for k, v in group.items()}
+        if not isinstance(group, dict) or set(group) != set(like):
+            keys = sorted(map(str, group))[:12] if isinstance(group, dict) else type(group).__name__
+            raise ValueError(f"the optimizer's parameter group {i} holds {keys!s:.300}, expected {sorted(like)}")
+        for key, value in like.items():
+            what = f"the optimizer's {key} (group {i})"
+            _check_like(what, group[key], value)
+            if key in _SCHEDULED:
+                if group[key] < (key == "freeze_after"):
+                    raise ValueError(f"{what} is {group[key]!r:.40}, expected a number >= 0")
+            elif group[key] != value:
+                raise ValueError(f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
+                                 "the run with its settings; drop the flags that change it, or start a new "
+                                 "run")  # fmt: skip
 
 
 def _check_tensors(what: str, value: object, depth: int = 0) -> None:
