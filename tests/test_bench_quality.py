@@ -182,3 +182,33 @@ def test_the_second_workload_trains_the_resnet_on_mnist1d():
     accs = [a for curve in r0["acc_curve"] for _, a in curve]
     assert len(accs) == 4 and all(0 <= a <= 1 and abs(a * n_val - round(a * n_val)) < 1e-6 for a in accs)
     assert r0["acc_curve"] == res[1]["acc_curve"]
+
+
+def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
+    """--horizon-only: every row but fp32 (which sets the target) trains its horizon only: its spec has no extra
+    steps and no stopping loss."""
+    seen: list[tuple[str, bool, int, object]] = []
+
+    class Stop(Exception):
+        pass
+
+    def recording(p, rows, steps, seed, target):
+        if rows[0] is quality.FP32:  # fp32 first: pretend it ran (its curve sets the target)
+            return [{"curve": [[steps, 2.0]]} for _ in rows]
+        for r in rows:
+            spec = quality._spec(r, steps, p.start, target if r.to_target else None)
+            seen.append((r.key, r.to_target, spec.extra_steps, spec.stop_below))
+        raise Stop
+
+    monkeypatch.setattr(quality, "_launch", recording)
+    monkeypatch.setattr(quality, "_measured", lambda row, res, p, model: {**res, "row": row.key})
+    monkeypatch.setattr(quality._Kept, "put", lambda self, steps, seed, row, m: None)
+    monkeypatch.setattr(quality._Kept, "get", lambda self, steps, seed, row, target: (
+        {"curve": [[steps, 2.0]]} if row is quality.FP32 else None))  # fmt: skip
+    with pytest.raises(Stop):
+        run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="", horizon_only=True)
+    assert seen == [("int4", False, 0, None)]
+    seen.clear()
+    with pytest.raises(Stop):
+        run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="")
+    assert seen and seen[0][:2] == ("int4", True) and seen[0][2] > 0 and seen[0][3] is not None

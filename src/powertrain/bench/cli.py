@@ -51,6 +51,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
     bench.add_argument("--workers", type=int, default=None,
                        help="quality: data-parallel workers, replicas of local updates (default: 2)")  # fmt: skip
+    bench.add_argument("--horizon-only", action="store_true",
+                       help="quality: no row runs on to the target loss (losses and bytes at the horizon; steps and "
+                            "time to target only where a row reached it within the horizon)")  # fmt: skip
     bench.add_argument("--rates", default=None,
                        help="quality: link rates in Mbit/s the time to target is measured at, on an emulated link "
                        "(needs root; default: 1,10,100; 'none': no time to target)")  # fmt: skip
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise ValueError(f"Invalid --rates {args.rates!r}: use Mbit/s such as 1,10,100, or none") from None
         run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, workers=args.workers,
-                          rates=rates, out=args.out, write=write)  # fmt: skip
+                          rates=rates, out=args.out, write=write, horizon_only=args.horizon_only)  # fmt: skip
     elif args.suite == "gpu":
         from powertrain.bench.gpu import run_gpu_bench
 

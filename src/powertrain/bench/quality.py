@@ -363,12 +363,13 @@ def _write(path: Path, obj: Any) -> None:
 def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
                       horizons: Sequence[int] | None = None, seeds: int | None = None, workers: int | None = None,
                       rates: Sequence[float] | None = None, out: str | None = None,
-                      write: str | None = "BENCHMARKS.md") -> dict[str, Any]:  # fmt: skip
+                      write: str | None = "BENCHMARKS.md", horizon_only: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run what is missing of ``rows`` (keys of :data:`ROWS`, :data:`GRID`, ``local``, ``diloco-paper``; the preset's
     by default) at ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s
     (the preset's by default; empty: no time to target, and no root needed), keeping results in ``out`` (default
     ``runs/bench-quality``), and publish the tables. Returns the report (also written to
-    ``out/<preset>[-w<workers>]/report.json``)."""
+    ``out/<preset>[-w<workers>]/report.json``). ``horizon_only``: no row runs on to the target (a quick comparison
+    of losses and bytes; steps and time to target only for rows that reach it within the horizon)."""
     p = PRESETS[preset]
     if workers is not None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
@@ -379,6 +380,8 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
             raise ValueError(f"Invalid rates={list(rates)!r}: link rates are positive Mbit/s, e.g. 1,10,100")
         p = dataclasses.replace(p, rates=tuple(float(r) for r in rates))
     chosen = select_rows(p.rows if rows is None else rows)
+    if horizon_only:
+        chosen = [r if r is FP32 else dataclasses.replace(r, to_target=False) for r in chosen]
     horizons = tuple(horizons or p.horizons)
     n_seeds = p.seeds if seeds is None else seeds
     bad = [h for h in horizons if h < 1 or h % p.eval_every]
