@@ -353,6 +353,13 @@ def test_complex_tensors_and_a_scalar_outer_momentum_are_refused():
     crafted = _set(state, ("outer", "state", 0, "momentum_buffer"), torch.full((3, 4), complex(math.inf, 0)))
     with pytest.raises(ValueError, match="outer 'momentum_buffer' of anchor 0 is not finite"):
         diloco.load_state_dict(crafted)
+    # a value torch's SGD would take and fail on at the next sync, and a key it never writes (found by the probe)
+    crafted = _set(state, ("outer", "state", 0, "momentum_buffer"), "x")
+    with pytest.raises(ValueError, match="outer 'momentum_buffer' of anchor 0 is a str, not a tensor"):
+        diloco.load_state_dict(crafted)
+    crafted = _set(state, ("outer", "state", 0, "exp_avg"), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"outer optimizer has \['exp_avg'\] for anchor 0, which it never writes"):
+        diloco.load_state_dict(crafted)
     diloco.load_state_dict(state)
 
 

@@ -27,6 +27,8 @@ class Layout:
     outer_groups: list[dict[str, Any]]
     starting: Callable[[int], list[int]]
     warmup_compressor: bool
+    #: the per-anchor state keys the outer optimizer writes (torch's SGD: momentum_buffer), None where unknown
+    outer_keys: frozenset[str] | None = None
 
 
 def check_state(state: Any, layout: Layout) -> None:
@@ -80,8 +82,15 @@ def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:
     for key, per in saved.items():
         if type(key) is not int or not 0 <= key < len(layout.shapes) or not isinstance(per, Mapping):
             raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
+        unknown = set(per) - layout.outer_keys if layout.outer_keys is not None else set()
+        if unknown:
+            raise ValueError(f"DiLoCo state_dict's outer optimizer has {sorted(map(str, unknown))!s:.100} for anchor "
+                             f"{key}, which it never writes")  # fmt: skip
         for name, value in per.items():
             shape = layout.shapes[key]
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is a "
+                                 f"{type(value).__name__}, not a tensor")  # fmt: skip
             scalar_step = name == "step" and isinstance(value, torch.Tensor) and value.numel() == 1
             if isinstance(value, torch.Tensor) and value.shape != shape and not scalar_step:
                 raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "

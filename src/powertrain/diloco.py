@@ -418,6 +418,7 @@ class DiLoCo:
                       "delay": self.delay, "mix": self.mix, "warmup": self.warmup},
             shapes=[t.shape for t in self._locals()], outer_groups=self.outer.state_dict()["param_groups"],
             starting=self.starting, warmup_compressor=self.warmup_compressor is not None,
+            outer_keys=frozenset({"momentum_buffer"}) if type(self.outer) is torch.optim.SGD else None,
         ))  # fmt: skip
         step: int = state["step"]  # checked above: ints and a list of ints
         syncs: int = state["syncs"]
