@@ -307,6 +307,9 @@ def test_a_galore_state_is_checked_at_load(path, value, match):
         (("state", 0, "blocks", 0, "roots"), [torch.zeros(3, 3)], r"roots of block 0 of parameter 0 is \[\(3, 3\)\]"),
         (("state", 0, "blocks", 0, "failures"), ..., "factors without their failure count"),
         (("state", 0, "blocks", 0, "extra"), torch.zeros(1), "holds 'extra', which no block keeps"),
+        # a block that stepped without what it keeps from its first step: torch took it and restarted those
+        (("state", 0, "blocks", 0, "graft"), ..., r"block 0 of parameter 0 lacks \['graft'\], which every block"),
+        (("state", 0, "blocks", 0, "filtered"), ..., r"lacks \['filtered'\]"),
         (("state", 0, "blocks", 5), {}, "holds block 5 of parameter 0, which this rank does not own"),
         (("state", 0, "momentum"), torch.zeros(3), r"momentum of parameter 0 is \(3,\), the parameter is \(6, 8\)"),
     ],

@@ -534,6 +534,20 @@ class DistributedShampoo(torch.optim.Optimizer):
                 if ("factors" in st) != ("failures" in st):
                     raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} holds "
                                      "factors without their failure count, or the count without them")  # fmt: skip
+                missing = sorted(self._kept_by_every_block(blk, param) - set(st)) if st else []
+                if missing:  # a block that stepped keeps these from its first step: torch would restart them
+                    raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} lacks "
+                                     f"{missing}, which every block of it keeps from its first step")  # fmt: skip
+
+    def _kept_by_every_block(self, blk: Block, param: int) -> set[str]:
+        """What a block's state holds from its first step on, whatever the step (roots, bases and the corrected
+        second moment come later): the filtered gradient (beta1 > 0), the graft (grafting), the factors and their
+        failure count (a preconditioned block)."""
+        p = self._params[param]
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        kept = {"filtered"} if group["betas"][0] > 0 else set()
+        kept |= {"graft"} if group["grafting"] != "none" else set()
+        return kept | ({"factors", "failures"} if self._preconditioned(blk.shape) else set())
 
     # -- step ----------------------------------------------------------------------------------------------
 
