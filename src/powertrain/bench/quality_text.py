@@ -115,6 +115,22 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
             f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
         )
+    others = [r for h in report["horizons"] for r in h["rows"] if r["key"] != "fp32"]
+    if others and not any(r.get("to_target", True) for r in others):  # bench quality --horizon-only
+        on = "every row trained its horizon only (`--horizon-only`): steps to target where it reached it within that"
+    else:
+        on = (f"rows run on past the horizon at the final learning rate until they reach it (at most {cap}x the "
+              "horizon)")  # fmt: skip
+    if p.rates:
+        timed = (
+            "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
+            "**measured on an emulated link** of that rate (a network namespace per worker, tc tbf; the real overlap "
+            "with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local updates over "
+            "whole sync periods); '-' where some seed did not reach the target or the row is not timed on the link "
+            "(torch's hook)."
+        )
+    else:
+        timed = "No time to target: this run timed no link (`--rates none`)."
     return (
         f"## {title}\n\n"
         f"{what}, AdamW with `powertrain train`'s "
@@ -123,16 +139,11 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         f"validation every {p.eval_every} steps on the same held-out "
         f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
         f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
-        "included. Target: fp32's mean validation "
-        f"loss at the horizon + 1%; rows run on past the horizon at the final learning rate until they reach it (at "
-        f"most {cap}x the horizon). Steps to target: the median over seeds of the first evaluation at or below it. "
+        f"included. Target: fp32's mean validation loss at the horizon + 1%; {on}. Steps to target: the median over "
+        "seeds of the first evaluation at or below it. "
         "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
         "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "
-        "are amortised over the steps. Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at "
-        "its seconds per step **measured on an emulated link** of that rate (a network namespace per worker, tc tbf; "
-        "the real overlap with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local "
-        "updates over whole sync periods); '-' where some seed did not reach the target or the row is not timed on "
-        "the link (torch's hook).\n\n"
+        f"are amortised over the steps. {timed}\n\n"
         + "\n\n".join(parts)
         + _link_text(report["link_s"], p.rates)
         + _torchft_text(report.get("torchft_s", {}))
