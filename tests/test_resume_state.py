@@ -289,13 +289,7 @@ def test_a_galore_state_is_checked_at_load(path, value, match):
     missing step restarted the bias correction and a negative index loaded into another parameter, silently."""
     from powertrain.optim import GaLoreAdamW
 
-    make = lambda ps: GaLoreAdamW(ps, lr=1e-2, rank=2, update_proj_gap=2)
-    _, saved = _stepped_optimizer(make)
-    state = saved.state_dict()
-    _, fresh = _stepped_optimizer(make, steps=0)
-    with pytest.raises(ValueError, match=match):
-        fresh.load_state_dict(_set(state, path, value))
-    fresh.load_state_dict(state)
+    _refused_then_loads(lambda ps: GaLoreAdamW(ps, lr=1e-2, rank=2, update_proj_gap=2), path, value, match)
 
 
 @pytest.mark.parametrize(
@@ -320,6 +314,12 @@ def test_a_shampoo_state_is_checked_at_load(path, value, match):
     from powertrain.optim import DistributedShampoo
 
     make = lambda ps: DistributedShampoo(ps, lr=1e-2, precondition_frequency=1, grafting="adam", momentum=0.9)
+    _refused_then_loads(make, path, value, match)
+
+
+def _refused_then_loads(make: Any, path: tuple[Any, ...], value: Any, match: str) -> None:
+    """An optimizer built by ``make`` refuses its stepped state with ``value`` at ``path`` (``match``), and then
+    loads the real one."""
     _, saved = _stepped_optimizer(make)
     state = saved.state_dict()
     _, fresh = _stepped_optimizer(make, steps=0)

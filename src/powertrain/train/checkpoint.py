@@ -279,17 +279,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     state = _state(model_sd, optim_sd, {}, 0, {})
     state["rank"] = CompressorState(ranks)
     checkpoint.load(state, path, optional=checkpoint.never_stepped("optim"), manifest=manifest)
-    if groups is not None:  # torch would take the saved hyperparameters as they are (weight_decay=50 included)
-        from powertrain.train.optimizers import check_param_groups
-
-        try:
-            check_param_groups(state["optim"].get("param_groups"), groups)
-        except ValueError as e:
-            raise CheckpointError(f"Cannot load checkpoint {str(path)!r}: {e}") from None
     try:
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
+            from powertrain.train.optimizers import check_param_groups
+
+            # torch would take the saved hyperparameters as they are (weight_decay=50 included)
+            check_param_groups(state["optim"].get("param_groups"), groups or [])
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"Checkpoint {str(path)!r} does not fit this model or optimizer: {e}"[:400]) from None

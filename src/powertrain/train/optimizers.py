@@ -56,7 +56,6 @@ class Schedule:
     def __init__(self, cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
         self.cfg, self.optimizer = cfg, optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
-        self._loaded_step: int | None = None
 
     def step(self) -> None:
         self.scheduler.step()
@@ -69,27 +68,34 @@ class Schedule:
 
     def load_state_dict(self, state: object) -> None:
         form = self.scheduler.state_dict()
-        if not isinstance(state, dict) or set(state) != set(form):
-            keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"the schedule's state holds {keys!s:.200}, expected {sorted(form)}")
+        state = _check_keys("the schedule's state", state, form)
         for key, like in form.items():
             _check_like(f"the schedule's {key}", state[key], like)
         if state["last_epoch"] < 0 or state["_step_count"] < 1:
             raise ValueError(f"the schedule's state is at step {state['last_epoch']}, expected a count (>= 0)")
         self.scheduler.load_state_dict(state)
-        self._loaded_step = state["last_epoch"]
 
     def resume(self, step: int) -> None:
         """After :meth:`load_state_dict`: check that the schedule was saved at ``step`` and set each group's
         learning rate for it from this run's settings (bitwise what the scheduler would set with unchanged
         settings: ``--lr`` x ``lr_factor(step)``)."""
-        if self._loaded_step != step:
-            raise ValueError(f"the schedule's state is at step {self._loaded_step} and the checkpoint at {step}")
+        if self.scheduler.last_epoch != step:  # the step the loaded state is at
+            raise ValueError(
+                f"the schedule's state is at step {self.scheduler.last_epoch} and the checkpoint at {step}"
+            )
         lr = self.cfg.lr
         for group in self.optimizer.param_groups:
             group["initial_lr"] = lr
             group["lr"] = lr * lr_factor(step, self.cfg)
         self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+
+
+def _check_keys(what: str, state: object, form: dict[str, Any]) -> dict[str, Any]:
+    """``state``, a dict with exactly the keys of ``form`` (what this run writes). ValueError in one line."""
+    if not isinstance(state, dict) or set(state) != set(form):
+        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{what} holds {keys!s:.200}, expected {sorted(form)}")
+    return state
 
 
 def _check_like(what: str, value: object, like: object) -> None:
@@ -143,9 +149,7 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
     from powertrain.ops.flat import local_tensor
 
     form = optimizer.state_dict()
-    if not isinstance(state, dict) or set(state) != set(form):
-        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"the optimizer's state holds {keys!s:.200}, expected {sorted(form)}")
+    state = _check_keys("the optimizer's state", state, form)
     check_param_groups(state["param_groups"], form["param_groups"])
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = state["state"]
