@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-kernels lint docs bench gpu-check clean
+.PHONY: demo test test-slow test-kernels lint docs bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -40,10 +40,20 @@ KERNEL_PATHS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default" "LD_PRELOAD=$(
 $(SHIM): tools/mkl_intel_path.c
 	-cc -shared -fPIC -O2 -o $@ $< || echo "no C compiler: MKL's Intel path is not tested here"
 
+# The suite on 2 pytest workers (pytest-xdist), which overlap one test's waits with another's work; the tests of a
+# module with a module-scoped fixture stay together (tests/conftest.py). `make test` leaves out the end-to-end tests
+# marked slow (the benchmarks' commands, emulated nodes, torch.compile, the docs; tests/conftest.py says which):
+# `make test-slow` runs them, and CI runs both.
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: lint $(SHIM)
-	$(PY) -m pytest -q
+	$(PYTEST) -m "not slow"
 	for paths in $(KERNEL_PATHS); do echo "== $$paths"; env $$paths $(PY) -m pytest -q -p no:cacheprovider \
 		$(NUMERIC_TESTS) || exit 1; done
+
+test-slow: $(VENV)/.installed
+	$(PYTEST) -m slow
 
 # The whole suite on each code path this machine can select (slow: about 10 minutes a path).
 test-kernels: lint $(SHIM)

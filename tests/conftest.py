@@ -53,3 +53,41 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"device: runs on the device {DEVICE_ENV} names (cpu by default; cuda: make gpu-check's test leg)"
     )
+    config.addinivalue_line(
+        "markers", "slow: end to end through a benchmark, a second node, torch.compile or the docs (make test-slow)"
+    )
+    config.addinivalue_line("markers", "slow_unless(*ids): slow but for the parametrized cases named (corners)")
+    config.addinivalue_line(
+        "markers", "netem: creates network namespaces (needs root); under pytest-xdist such tests share one worker"
+    )
+
+
+#: ``make test`` runs the suite but these (``-m "not slow"``), ``make test-slow`` runs these; CI runs both. They
+#: go end to end through what the rest of the suite tests part by part: the benchmarks' commands, emulated nodes
+#: and torchrun's restarts, the docs' build and examples, the integrations' trainers (tests marked ``slow`` in other
+#: modules: torch.compile's).
+SLOW_MODULES = {
+    "test_bench_optimizers", "test_bench_parallel", "test_bench_quality", "test_bench_torchft", "test_gpu_check",
+    "test_multinode", "test_elastic", "test_netem", "test_docs", "test_examples", "test_hf", "test_lightning",
+}  # fmt: skip
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests of a module that has a
+    module-scoped fixture (one launch of ranks that serves all of them) run on one worker, so that the fixture
+    runs once; so do the tests marked ``netem``, which check that they leave no namespace behind; every other test
+    goes wherever a worker is free."""
+    for item in items:
+        if item.module is not None and item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        corners = item.get_closest_marker("slow_unless")  # a matrix: the corners fast, the rest slow
+        if corners is not None and getattr(item, "callspec", None) is not None and item.callspec.id not in corners.args:
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("netem") is not None:
+            item.add_marker(pytest.mark.xdist_group("netem"))
+            continue
+        info = getattr(item, "_fixtureinfo", None)
+        defs = [] if info is None else [d for ds in info.name2fixturedefs.values() for d in ds]
+        if any(d.scope == "module" for d in defs) and item.module is not None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

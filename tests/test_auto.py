@@ -88,6 +88,7 @@ def _measure(rate: float | None) -> list[dict[str, float]]:
     return outs
 
 
+@pytest.mark.netem
 @pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
 @pytest.mark.timeout(120)
 def test_measured_link_picks_smaller_ranks_on_slower_links():

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,13 @@ from powertrain.models import GPT
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import load_data
 
-needs_root = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+_ROOT = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+
+
+def needs_root(fn: Any) -> Any:  # the namespaces tests: skipped without root, one xdist worker
+    return pytest.mark.netem(_ROOT(fn))
+
+
 #: local updates at the tiny horizon: H 4, int4 on the outer step (two syncs in 8 steps)
 TINY_LOCAL = quality.Row("h4-int4", "local updates H 4, int4 outer", "int4",
                          optimizer_options={"sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},

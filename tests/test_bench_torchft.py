@@ -129,6 +129,7 @@ def test_streaming_matches_powertrain_until_its_final_sync(powertrain_rows: dict
 
 
 @needs_torchft
+@pytest.mark.netem
 @pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
 @pytest.mark.timeout(240)
 def test_emulated_link(diloco: TorchftResult) -> None:

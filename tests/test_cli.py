@@ -120,6 +120,9 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
          "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming"],
 )  # fmt: skip
+# make test runs the corners (DDP with a compressor, SimpleFSDP with PowerSGD and a frozen AdamW, FSDP2 with an
+# optimizer whose state differs per rank, local updates with a sync in flight); make test-slow every mode
+@pytest.mark.slow_unless("ddp-int8", "simple_fsdp-powersgd", "fsdp-galore", "diloco-streaming")
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
     momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own. The
@@ -194,6 +197,7 @@ def test_shampoo_vectors_reach_the_optimizer(vectors, preconditioned):
     assert built.optimizer.precondition_1d is preconditioned
 
 
+@pytest.mark.slow
 def test_simple_fsdp_compiled_matches_eager(tmp_path):
     """--parallel simple_fsdp --compile: the whole step (communication included) compiles with fullgraph and
     trains like eager. The first loss is computed from the same weights on the same batch: inductor may reorder
@@ -408,6 +412,17 @@ def test_the_mnist1d_workload_is_bench_quality_s_only(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "parallel", "--preset", "wide"])
     assert "--preset wide is a workload of bench quality only, not of parallel" in capsys.readouterr().err
+
+
+def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):
+    """The workers' fork server listens on a Unix socket in TMPDIR; where that path would be longer than a socket
+    address takes (108 bytes), the launcher spawns its workers instead of failing."""
+    long = tmp_path / ("x" * 100)
+    long.mkdir()
+    r = _run("train", "--preset", "tiny", "--steps", "4", "--quiet", "--out", str(tmp_path / "run"),
+             env={"TMPDIR": str(long)})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(_metrics(tmp_path / "run")) == 4
 
 
 def _returns(marker: str) -> int:

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from cli_utils import run_cli
+from cli_utils import children, run_cli
 from powertrain import checkpoint
 from powertrain.checkpoint import CheckpointError, CompressorState
 from powertrain.cli import main
@@ -274,16 +274,29 @@ def test_launcher_and_workers_listen_on_loopback_only_and_sigterm_stops_cleanly(
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def test_ctrl_c_stops_every_worker_with_one_line(tmp_path):
+def _fork_server_started(launcher: int) -> bool:
+    return any(b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes() for c in children(launcher)
+               if Path(f"/proc/{c}/cmdline").exists())  # fmt: skip
+
+
+@pytest.mark.parametrize("when", ["training", "starting"])
+def test_ctrl_c_stops_every_worker_with_one_line(tmp_path, when):
+    """Also while the workers' fork server still imports torch (it ignores Ctrl-C from its start, as the launcher
+    handles it)."""
     out = tmp_path / "run"
     args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        if when == "training":
+            while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
+                time.sleep(0.2)
+        else:
+            while not _fork_server_started(proc.pid):
+                assert proc.poll() is None and time.monotonic() < deadline, "no fork server started"
+                time.sleep(0.02)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
         _, err = proc.communicate(timeout=60)
     finally:

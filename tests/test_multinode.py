@@ -17,7 +17,10 @@ import pytest
 from cli_utils import run_cli
 from powertrain.bench.netem import EmulatedCluster, unavailable
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+pytestmark = [
+    pytest.mark.netem,
+    pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}"),
+]
 
 STEPS = 12
 RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--log-every", "1",

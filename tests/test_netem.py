@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -41,7 +42,11 @@ def _ours() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("pt")]
 
 
-needs_root = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+_ROOT = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
+
+
+def needs_root(fn: Any) -> Any:  # the namespaces tests: skipped without root, one xdist worker
+    return pytest.mark.netem(_ROOT(fn))
 
 
 @needs_root

@@ -453,7 +453,8 @@ def test_bad_input_refused_with_clear_errors(results):
 
 @pytest.mark.skipif(not heap_available(), reason="needs glibc mallinfo2")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("compiled", "bucketed"), [(False, False), (False, True), (True, False)],
+@pytest.mark.parametrize(("compiled", "bucketed"), [(False, False), (False, True),
+                                                   pytest.param(True, False, marks=pytest.mark.slow)],
                          ids=["eager", "eager-bucketed", "compiled"])  # fmt: skip
 def test_reshard_after_forward_frees_gathered_parameters(compiled, bucketed):
     """Memory held between forward and backward drops by about the gathered weights of the resharded blocks
@@ -474,6 +475,7 @@ def test_reshard_after_forward_frees_gathered_parameters(compiled, bucketed):
             assert torch.equal(r["grads/False"], r["grads/True"])  # the same operations on the same values
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_compile_fullgraph_matches_eager():
     """Compiled (inductor, fullgraph) vs eager: inductor fuses and reorders float math, so the last bits
