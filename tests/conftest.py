@@ -58,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "slow_unless(*ids): slow but for the parametrized cases named (corners)")
     config.addinivalue_line(
-        "markers", "netem: creates network namespaces (needs root); under pytest-xdist such tests share one worker"
+        "markers", "netem: creates network namespaces: skipped without root; under pytest-xdist on one worker"
     )
 
 
@@ -76,8 +76,11 @@ SLOW_MODULES = {
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests of a module that has a
     module-scoped fixture (one launch of ranks that serves all of them) run on one worker, so that the fixture
-    runs once; so do the tests marked ``netem``, which check that they leave no namespace behind; every other test
-    goes wherever a worker is free."""
+    runs once; so do the tests marked ``netem``, which check that they leave no namespace behind (and are skipped
+    where namespaces cannot be made); every other test goes wherever a worker is free."""
+    from powertrain.bench.netem import unavailable
+
+    no_namespaces = unavailable()
     for item in items:
         if item.module is not None and item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
@@ -85,6 +88,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if corners is not None and getattr(item, "callspec", None) is not None and item.callspec.id not in corners.args:
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("netem") is not None:
+            if no_namespaces is not None:
+                item.add_marker(pytest.mark.skip(reason=f"namespaces unavailable: {no_namespaces}"))
             item.add_marker(pytest.mark.xdist_group("netem"))
             continue
         info = getattr(item, "_fixtureinfo", None)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from cli_utils import run_cli
-from powertrain.bench.netem import EmulatedCluster, unavailable
+from powertrain.bench.netem import EmulatedCluster
 from powertrain.compress.auto import RANKS, Link, choose
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import parse_compressor
@@ -89,7 +89,6 @@ def _measure(rate: float | None) -> list[dict[str, float]]:
 
 
 @pytest.mark.netem
-@pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
 @pytest.mark.timeout(120)
 def test_measured_link_picks_smaller_ranks_on_slower_links():
     """The probe measures what tbf allows, and the choice made from it follows: bf16 unthrottled, a smaller rank at

@@ -7,24 +7,15 @@ import dataclasses
 import json
 import statistics
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from powertrain.bench import network, quality, timetotarget
-from powertrain.bench.netem import unavailable
 from powertrain.bench.quality import CAP, PRESETS, run_quality_bench, select_rows
 from powertrain.bench.sidebyside import Spec
 from powertrain.models import GPT
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import load_data
-
-_ROOT = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
-
-
-def needs_root(fn: Any) -> Any:  # the namespaces tests: skipped without root, one xdist worker
-    return pytest.mark.netem(_ROOT(fn))
-
 
 #: local updates at the tiny horizon: H 4, int4 on the outer step (two syncs in 8 steps)
 TINY_LOCAL = quality.Row("h4-int4", "local updates H 4, int4 outer", "int4",
@@ -32,7 +23,7 @@ TINY_LOCAL = quality.Row("h4-int4", "local updates H 4, int4 outer", "int4",
                          parallel="diloco")  # fmt: skip
 
 
-@needs_root
+@pytest.mark.netem
 @pytest.mark.timeout(400)
 def test_quality_bench_tiny(tmp_path, monkeypatch):
     launched: list[list[str]] = []

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from powertrain.bench.netem import collective_seconds, unavailable
+from powertrain.bench.netem import collective_seconds
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.bench.torchft_diloco import TorchftResult, _combine, run_torchft
 from powertrain.models import GPT, GPTConfig
@@ -130,7 +130,6 @@ def test_streaming_matches_powertrain_until_its_final_sync(powertrain_rows: dict
 
 @needs_torchft
 @pytest.mark.netem
-@pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
 @pytest.mark.timeout(240)
 def test_emulated_link(diloco: TorchftResult) -> None:
     """On an emulated 2 Mbit/s link the run computes what it computes on loopback, and a sync step takes at least

@@ -15,12 +15,9 @@ from pathlib import Path
 import pytest
 
 from cli_utils import run_cli
-from powertrain.bench.netem import EmulatedCluster, unavailable
+from powertrain.bench.netem import EmulatedCluster
 
-pytestmark = [
-    pytest.mark.netem,
-    pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}"),
-]
+pytestmark = pytest.mark.netem
 
 STEPS = 12
 RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--log-every", "1",

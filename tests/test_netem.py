@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any
 
 import pytest
 
 from dist_utils import within
-from powertrain.bench.netem import FRAMING, EmulatedCluster, collective_seconds, unavailable, validate
+from powertrain.bench.netem import FRAMING, EmulatedCluster, collective_seconds, validate
 
 EPS = sys.float_info.epsilon  # Python floats are IEEE doubles, correctly rounded on every machine
 
@@ -42,14 +41,7 @@ def _ours() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("pt")]
 
 
-_ROOT = pytest.mark.skipif(unavailable() is not None, reason=f"namespaces unavailable: {unavailable()}")
-
-
-def needs_root(fn: Any) -> Any:  # the namespaces tests: skipped without root, one xdist worker
-    return pytest.mark.netem(_ROOT(fn))
-
-
-@needs_root
+@pytest.mark.netem
 @pytest.mark.timeout(120)
 def test_emulated_allreduce_matches_bandwidth_and_cleans_up():
     before = _ours()
@@ -61,7 +53,7 @@ def test_emulated_allreduce_matches_bandwidth_and_cleans_up():
     assert _ours() == before
 
 
-@needs_root
+@pytest.mark.netem
 @pytest.mark.timeout(60)
 def test_cleanup_on_error_kills_processes_and_removes_namespaces():
     before = _ours()
@@ -82,7 +74,7 @@ with EmulatedCluster(2, 100) as c:
 """
 
 
-@needs_root
+@pytest.mark.netem
 @pytest.mark.timeout(60)
 def test_sigterm_removes_namespaces():
     """A benchmark killed with SIGTERM (kill, a CI timeout) still deletes its namespaces."""
@@ -169,6 +161,7 @@ def _val_loss_per_ulp() -> tuple[float, float]:
     return coherent, abs(moved - loss.item())
 
 
+@pytest.mark.xdist_group("netem")  # runs without root too (on loopback), but makes namespaces where it can
 @pytest.mark.timeout(240)
 def test_network_bench_end_to_end_tiny(tmp_path):
     """The short sweep (namespaces where available, else loopback): every configuration has a row, the
