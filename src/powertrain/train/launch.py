@@ -354,10 +354,11 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
     procs: list[Any] = []
     try:
         with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
+            env = dict(os.environ)  # every rank's, as it is at this launch
             for rank in range(nproc):
                 p = ctx.Process(
                     target=_worker,
-                    args=(fn, rank, nproc, port, tmp, trace, os.getpid(), dict(os.environ), args),
+                    args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
                     daemon=False,
                 )
                 p.start()
