@@ -145,7 +145,6 @@ STREAMING = dataclasses.replace(
     key="local-streaming",
     label=LOCAL.label[:-1] + ", streamed: 5 fragments, each sync overlapping 4 steps, half the local progress kept)",
     optimizer_options={**LOCAL.optimizer_options, "fragments": 5, "sync_delay": 4, "sync_mix": 0.5},
-    to_target=False,
 )
 PAPER = Row(
     "diloco-paper",
