@@ -269,25 +269,42 @@ def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float
                                 world=p.workers)  # fmt: skip
 
 
-def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, float]:
-    """torchft's DiLoCo at the paper row's H on the link, per rate (kept in ``path``), when the paper row runs and
-    torchft is installed; else nothing."""
+#: torchft's DiLoCo and powertrain's local-update rows are timed on the link in alternation: a run of torchft, then a
+#: launch of powertrain's rows, this many pairs at a rate (one below timetotarget.SLOW Mbit/s, where a pair takes
+#: about 12 minutes and the link, not the machine's load, sets the step)
+TORCHFT_PAIRS = 3
+
+
+def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict[str, float]]]:
+    """torchft's DiLoCo at the paper row's H on the link, timed side by side with the local-update rows among
+    ``rows`` (kept in ``path``), per rate: a list of pairs, each {"torchft": s, row key: s, ...} seconds per step over
+    one sync period after another; when the paper row runs and torchft is installed; else nothing."""
     from powertrain.bench import torchft_diloco
+    from powertrain.bench.linktime import Timing, seconds_per_step
 
     paper = next((r for r in rows if r.key == PAPER.key), None)
     if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
         return {}
     h = int(paper.optimizer_options["sync_every"])
-    kept: dict[str, float] = _json.loads(path.read_text()) if path.exists() else {}
+    ours = [r for r in rows if r.parallel == "diloco"]
+    specs = [_spec(r, 0, p.start, None) for r in ours]
+    periods = [Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"])) for s in specs]
+    kept: dict[str, Any] = _json.loads(path.read_text()) if path.exists() else {}
     for rate in p.rates:
-        key = f"{rate:g}/h{h}/w{p.workers}"
-        if key not in kept:
-            print(f"[bench quality] torchft's DiLoCo on the link at {rate:g} Mbit/s", file=sys.stderr)
-            kept[key] = torchft_diloco.link_seconds_per_step(
+        key = f"{rate:g}/h{h}/w{p.workers}/" + ",".join(r.key for r in ours)
+        pairs = kept.get(key, [])
+        while len(pairs) < (TORCHFT_PAIRS if rate >= timetotarget.SLOW else 1):
+            print(f"[bench quality] torchft's DiLoCo and {', '.join(r.key for r in ours)} on the link at {rate:g} "
+                  f"Mbit/s, pair {len(pairs) + 1}", file=sys.stderr)  # fmt: skip
+            theirs = torchft_diloco.link_seconds_per_step(
                 model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
             )
-            _write(path, kept)
-    return {str(rate): kept[f"{rate:g}/h{h}/w{p.workers}"] for rate in p.rates}
+            mine = seconds_per_step(specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb,
+                                    world=p.workers)  # fmt: skip
+            pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
+            kept[key] = pairs
+            _write(path, kept)  # after every pair: a stopped call loses one
+    return {str(rate): kept[f"{rate:g}/h{h}/w{p.workers}/" + ",".join(r.key for r in ours)] for rate in p.rates}
 
 
 def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
