@@ -290,12 +290,13 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     specs = [_spec(r, 0, p.start, None) for r in ours]
     periods = [Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"])) for s in specs]
     kept: dict[str, Any] = _json.loads(path.read_text()) if path.exists() else {}
-    for rate in p.rates:
-        key = f"{rate:g}/h{h}/w{p.workers}/" + ",".join(r.key for r in ours)
+    names = ",".join(r.key for r in ours)
+    keys = {rate: f"{rate:g}/h{h}/w{p.workers}/{names}" for rate in p.rates}
+    for rate, key in keys.items():
         pairs = kept.get(key, [])
         while len(pairs) < (TORCHFT_PAIRS if rate >= timetotarget.SLOW else 1):
-            print(f"[bench quality] torchft's DiLoCo and {', '.join(r.key for r in ours)} on the link at {rate:g} "
-                  f"Mbit/s, pair {len(pairs) + 1}", file=sys.stderr)  # fmt: skip
+            print(f"[bench quality] torchft's DiLoCo and {names} on the link at {rate:g} Mbit/s, pair {len(pairs) + 1}",
+                  file=sys.stderr)  # fmt: skip
             theirs = torchft_diloco.link_seconds_per_step(
                 model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
             )
@@ -304,7 +305,7 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
             pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
             kept[key] = pairs
             _write(path, kept)  # after every pair: a stopped call loses one
-    return {str(rate): kept[f"{rate:g}/h{h}/w{p.workers}/" + ",".join(r.key for r in ours)] for rate in p.rates}
+    return {str(rate): kept[key] for rate, key in keys.items()}
 
 
 def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
