@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -248,3 +249,22 @@ def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, mo
     assert "at 1 Mbit/s (one pair) torchft 6 s, local 2 s (0.33x torchft's)" in text
     # without the paper row (the same H and outer step as torchft's) there is nothing to compare with
     assert quality._torchft_link(p, select_rows(["local"]), path) == {} and calls == []
+
+
+def test_kept_results_larger_than_they_can_be_are_refused_before_reading(tmp_path, monkeypatch):
+    """A file in a reused --out that is larger than any kept result (or not a regular file) is refused in one line
+    naming it, before it is read: the bench's kept rows, link timings and torchft pairs alike."""
+    from powertrain._files import FileTooLarge
+
+    p = PRESETS["tiny"]
+    row = select_rows(["int4"])[1]
+    path = tmp_path / "tiny" / "h8" / "s0" / "int4.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(" " * 100 + "{}")
+    monkeypatch.setattr(timetotarget, "KEPT_LIMIT", 64)
+    with pytest.raises(FileTooLarge, match=r"Kept quality result '.*int4\.json' is 102 bytes, more than the 64"):
+        quality._Kept(tmp_path / "tiny", p).get(8, 0, row, None)
+    link = tmp_path / "linktime.json"
+    os.mkfifo(link)  # a pipe would block a plain read
+    with pytest.raises(FileTooLarge, match=r"Kept link timings .* is not a regular file"):
+        timetotarget.measure([], [1.0], model=p.model, batch=p.batch, data_mb=p.data_mb, kept=link)

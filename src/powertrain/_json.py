@@ -11,9 +11,12 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
-__all__ = ["NOTE", "dumps", "loads"]
+from powertrain._files import read_bounded
+
+__all__ = ["NOTE", "dumps", "load", "loads"]
 
 #: The field of a dict that lists its non-finite numbers (path -> "nan", "inf" or "-inf").
 NOTE = "non_finite"
@@ -27,6 +30,12 @@ def dumps(obj: Any, **kwargs: Any) -> str:
 def loads(text: str | bytes) -> Any:
     """Parse what :func:`dumps` wrote, non-finite numbers restored from the notes."""
     return _restore(json.loads(text))
+
+
+def load(path: Path, limit: int, what: str) -> Any:
+    """:func:`loads` of the file ``path``, refused before it is read when it holds more than ``limit`` bytes
+    (:class:`powertrain._files.FileTooLarge`, naming ``what``)."""
+    return loads(read_bounded(path, limit, what))
 
 
 def _word(x: float) -> str:

@@ -289,7 +289,7 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     ours = [r for r in rows if r.parallel == "diloco"]
     specs = [_spec(r, 0, p.start, None) for r in ours]
     periods = [Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"])) for s in specs]
-    kept: dict[str, Any] = _json.loads(path.read_text()) if path.exists() else {}
+    kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft timings") if path.exists() else {}
     names = ",".join(r.key for r in ours)
     keys = {rate: f"{rate:g}/h{h}/w{p.workers}/{names}" for rate in p.rates}
     for rate, key in keys.items():
@@ -356,7 +356,7 @@ class _Kept:
         path = self._path(steps, seed, row)
         if not path.exists():
             return None
-        kept = _json.loads(path.read_text())
+        kept = _json.load(path, timetotarget.KEPT_LIMIT, "Kept quality result")
         if kept.get("identity") != _identity(row, self.preset):
             return None  # the row, the preset or the format changed since: run it again
         m = kept["measured"]

@@ -62,6 +62,9 @@ def seconds_to(k: float, phases: Sequence[Phase], seconds: Mapping[str, float]) 
     return total
 
 
+#: bytes a file of kept bench results may hold (a row's curves and step times over a run to target take well under
+#: 1 MB): a larger one in a reused --out is refused before it is read
+KEPT_LIMIT = 16 << 20
 SLOW = 5.0  # Mbit/s: below this a dense step takes minutes; fewer rounds, one bucket (the link dominates the step)
 
 
@@ -81,7 +84,7 @@ def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig |
     below :data:`SLOW`). ``model`` None: ``powertrain train``'s 1-D ResNet."""
     shape = "resnet1d" if model is None else json.dumps(dataclasses.asdict(model), sort_keys=True)
     model_id = f"{shape}/b{batch}/w{world}"
-    store: dict[str, float] = _json.loads(kept.read_text()) if kept.exists() else {}
+    store: dict[str, float] = _json.load(kept, KEPT_LIMIT, "Kept link timings") if kept.exists() else {}
     unique = {timing_key(s): s for s in specs}
     out: dict[float, dict[str, float]] = {}
     for rate in rates:
