@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,17 @@ def test_results_feed_the_benchmarks_in_one_command(tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["bench", *suite, "--results", str(bad), "--write", str(out)])
         assert exit_.value.code == 2 and f"{bad} was measured on 'cpu'" in capsys.readouterr().err
+    # a results file larger than any run's, or not a regular file, is refused in one line before it is read
+    from powertrain.bench import gpu
+
+    big, pipe = tmp_path / "big.json", tmp_path / "pipe.json"
+    big.write_text(" " * (gpu.RESULTS_LIMIT + 1))
+    os.mkfifo(pipe)
+    for suite in (["gpu"], ["cluster", "--preset", "paper"]):
+        for path, why in ((big, "more than the"), (pipe, "is not a regular file")):
+            with pytest.raises(SystemExit) as exit_:
+                main(["bench", *suite, "--results", str(path), "--write", str(out)])
+            err = capsys.readouterr().err
+            assert exit_.value.code == 2 and "GPU results file" in err and why in err, err
+    with pytest.raises(ValueError, match=r"GPU results file .* more than the"):
+        gpu.load_previous(big, "cuda", "default")

@@ -67,8 +67,9 @@ def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARK
         if preset != "paper":
             raise ValueError("--results feeds the on-paper model: use bench cluster --preset paper --results FILE")
         from powertrain.bench.cluster_gpu import gpu_scale_section
+        from powertrain.bench.gpu import read_results
 
-        gpu = json.loads(Path(gpu_results).read_text()) if gpu_results is not None else None
+        gpu = read_results(gpu_results) if gpu_results is not None else None
         if gpu is not None and gpu.get("device") != "cuda":
             raise ValueError(f"{gpu_results} was measured on {gpu.get('device')!r}: the GPU model takes a CUDA run's "
                              "results (make gpu-check on a GPU)")  # fmt: skip

@@ -239,10 +239,20 @@ def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: 
 SAME_SETUP = ("device_name", "torch", "cuda")
 
 
+#: bytes a results file may hold (a whole run's takes ~12 KB): a larger one, or one that is not a regular file, is
+#: refused before it is read
+RESULTS_LIMIT = 16 << 20
+
+
+def read_results(path: str | Path) -> Any:
+    """A results file handed back (``--results``, ``--merge``), read within :data:`RESULTS_LIMIT`."""
+    return _json.load(Path(path), RESULTS_LIMIT, "GPU results file")
+
+
 def load_previous(path: str | Path, device: str, preset: str) -> dict[str, Any]:
     """An earlier run's results file, to merge with (``make gpu-check --merge FILE``); ValueError for one that
     cannot be (another device type or preset, another schema, no env stage)."""
-    data = json.loads(Path(path).read_text())
+    data = read_results(path)
     if data.get("schema") != SCHEMA or not isinstance(data.get("stages"), dict):
         raise ValueError(f"{path} is not a gpu-check results file of schema {SCHEMA}: pass the gpu_check.json a "
                          "make gpu-check wrote")  # fmt: skip
@@ -290,7 +300,7 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
     ``only``: run just these stages (and env), in this order; ``merge``: an earlier run's results file, whose other
     stages the results keep (:func:`run`)."""
     if results is not None:
-        data = json.loads(Path(results).read_text())
+        data = read_results(results)
         if data.get("device") != "cuda":
             raise ValueError(f"{results} was measured on {data.get('device')!r}: the GPU section takes a CUDA run's "
                              "results (make gpu-check on a GPU)")  # fmt: skip
