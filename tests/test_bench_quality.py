@@ -211,6 +211,13 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="")
     assert seen and seen[0][:2] == ("int4", True) and seen[0][2] > 0 and seen[0][3] is not None
+    # a preset's horizon_only_at does the same at those horizons only (the local preset's 1,000 steps)
+    seen.clear()
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], horizon_only_at=(8,)))
+    with pytest.raises(Stop):
+        run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="")
+    assert seen == [("int4", False, 0, None)]
+    assert PRESETS["local"].horizon_only_at == (1000,)
 
 
 def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, monkeypatch):
