@@ -254,6 +254,41 @@ def test_a_metrics_log_is_read_row_by_row_within_a_bound(tmp_path):
     assert (tmp_path / "metrics.superseded.jsonl").read_text() == '{"step": 5}\n'
 
 
+def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
+    """bench cluster and bench gpu read the run directories of the ``powertrain train`` runs they launch, the torchft
+    bench its replicas' logs: every one of those reads is bounded (2 GiB sparse files are refused, or tailed, in
+    moments and without the memory they would take)."""
+    from powertrain.bench import gpu, torchft_diloco
+    from powertrain.train.metrics import read_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": 0.25}\n')
+    (run / "summary.json").write_text('{"steps": 2}')
+    assert read_run(run) == ([{"step": 1, "step_time_s": 0.5}, {"step": 2, "step_time_s": 0.25}], {"steps": 2})
+    _sparse(run / "summary.json")
+    with pytest.raises(FileTooLarge, match=r"Run summary .* is 2,147,483,648 bytes, more than the 1,048,576"):
+        read_run(run)
+    _sparse(run / "metrics.jsonl")
+    with pytest.raises(ValueError, match="has a line longer than 65,536 bytes"):
+        read_run(run)
+    (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n')
+    (run / "summary.json").write_text('{"steps": 1}')
+    _sparse(run / "config.toml")
+    with pytest.raises(FileTooLarge, match=r"Run config .* more than the 1,048,576"):
+        gpu._train_result(run, "")
+    log = _sparse(tmp_path / "replica0.log")
+    with log.open("r+b") as f:  # the log's last bytes are what a failure shows
+        f.seek(SPARSE - 5)
+        f.write(b"boom\n")
+    assert torchft_diloco._tail(log, 10) == "\x00" * 5 + "boom\n"
+    script = ("import sys; from pathlib import Path; from powertrain.bench.torchft_diloco import _tail; "
+              "sys.exit(0 if _tail(Path(sys.argv[1])).endswith('boom\\n') else 3)")  # fmt: skip
+    code, lines, peak = _refusal(sys.executable, "-c", script, str(log))
+    assert code == 0 and peak < PEAK_MB, (code, lines, peak)
+    assert torchft_diloco._tail(tmp_path / "none.log") == ""
+
+
 def test_the_item_bound_admits_what_a_large_model_saves(tmp_path):
     """The control for the item bound: an optimizer's list of 2,000 parameter names is one ~80 KB item, which loads."""
     from powertrain.train.checkpoint import load_checkpoint, save_checkpoint

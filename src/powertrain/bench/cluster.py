@@ -14,7 +14,6 @@ each other at each rate.
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.train.metrics import read_run
 
 NODES, PER_NODE = 2, 2
 RATES = (100.0, 10.0)
@@ -51,8 +51,7 @@ def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: floa
         if p.returncode != 0:
             raise RuntimeError(f"node {n} failed: {err.strip()[-1500:]}")
     sent = sum(cluster.sent_bytes(n) - b for n, b in zip(range(NODES), before, strict=True))
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((out / "summary.json").read_text())
+    rows, summary = read_run(out)
     times = [r["step_time_s"] for r in rows[WARM:]] or [r["step_time_s"] for r in rows]
     return {"step_s": statistics.median(times), "link_mb_per_step": sent / 1e6 / len(rows),
             "payload_mb_per_step": summary["bytes_sent"] / 1e6 / len(rows), "final_loss": summary["final_loss"],

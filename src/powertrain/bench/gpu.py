@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import re
 import signal
@@ -34,7 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from powertrain import _json
+from powertrain._files import read_bounded
 from powertrain.bench.report import publish, table
+from powertrain.train.config import CONFIG_LIMIT
+from powertrain.train.metrics import read_run
 
 SCHEMA = 1
 MIN_STAGE_S = 20.0  # a stage is not started with less of the budget left
@@ -115,9 +117,9 @@ def stages(preset: str, device: str, work: Path) -> list[Stage]:
 
 def _train_result(run_dir: Path, output: str) -> dict[str, Any]:
     """A train stage's result: its summary, precision and steady tokens/s (``output``: unused, its files say it)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
-    precision = re.search(r'^precision = "(\w+)"', (run_dir / "config.toml").read_text(), re.M)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, summary = read_run(run_dir)
+    config = read_bounded(run_dir / "config.toml", CONFIG_LIMIT, "Run config").decode(errors="replace")
+    precision = re.search(r'^precision = "(\w+)"', config, re.M)
     steady = [r["step_time_s"] for r in rows[10:]] or [r["step_time_s"] for r in rows]
     unit = next(k for k in summary if k.endswith("_per_s"))
     per_step = summary[unit] * summary["wall_s"] / max(summary["steps"], 1)  # tokens (or samples) per step
@@ -184,7 +186,7 @@ def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
                            "returncode": proc.returncode}  # fmt: skip
     try:
         if stage.result is not None and stage.result.exists():
-            res["result"] = json.loads(stage.result.read_text())
+            res["result"] = _json.load(stage.result, RESULTS_LIMIT, f"Stage {stage.name}'s result")
         elif stage.parse is not None and not timed_out:
             res["result"] = stage.parse(output)
     except Exception as e:  # a result that cannot be read is the stage's failure, not the run's

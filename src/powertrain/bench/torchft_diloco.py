@@ -201,7 +201,7 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
             why = "still running at the timeout" if workers[r].poll() is None else f"exit {workers[r].returncode}"
             log = _tail(tmp / f"replica{r}.log") or _tail(tmp / "lighthouse.log")
             raise RuntimeError(f"torchft replica {r} failed ({why}); its log ends:\n{log}")
-        return [_json.loads((tmp / f"replica{r}.json").read_text()) for r in range(world)]
+        return [_json.load(tmp / f"replica{r}.json", RESULT_LIMIT, "torchft replica result") for r in range(world)]
     finally:
         for p in reversed(procs):
             _kill(p)
@@ -243,8 +243,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _tail(path: Path, chars: int = 2000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+#: bytes a replica's result file may hold (one takes ~1 kB)
+RESULT_LIMIT = 1 << 20
+
+
+def _tail(path: Path, size: int = 2000) -> str:
+    """The last ``size`` bytes of a log, decoded (the log itself is never read whole)."""
+    if not path.exists():
+        return ""
+    with path.open("rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+        return f.read(size).decode(errors="replace")
 
 
 def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftResult:

@@ -105,6 +105,16 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
 
 #: The longest row metrics.jsonl holds (a row is ~400 bytes).
 ROW_LIMIT = 64 << 10
+#: The largest summary.json read back (a run's is ~2 kB).
+SUMMARY_LIMIT = 1 << 20
+
+
+def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """What a finished run left in ``out``: its logged rows (each read within :data:`ROW_LIMIT`) and its summary
+    (within :data:`SUMMARY_LIMIT`), for the benches that launch ``powertrain train`` and read its results."""
+    path = out / "metrics.jsonl"
+    rows = [_row(line, path) for line in _lines(path)]
+    return rows, _json.load(out / "summary.json", SUMMARY_LIMIT, "Run summary")
 
 
 def _lines(path: Path) -> Iterator[str]:
