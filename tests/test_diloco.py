@@ -416,6 +416,25 @@ def test_one_process_is_local_training_with_an_outer_step():
         within((got - local).abs(), EPS32 * ((anchor - local).abs() + local.abs()), "outer step at lr 1")
 
 
+def test_the_summary_says_what_the_link_cost_and_when_streaming_pays():
+    """The run's summary: no wait; a small wait (delay 0: --sync-delay named); a wait past STREAM_ABOVE of the
+    training time (streaming named, with the measured settings); a streamed run whose link did not keep up."""
+    from powertrain.train.config import TrainConfig
+    from powertrain.train.loop import STREAM_ABOVE, _wait_text
+
+    plain = TrainConfig(parallel="diloco")
+    streamed = TrainConfig(parallel="diloco", fragments=5, sync_delay=4, sync_mix=0.5)
+    assert STREAM_ABOVE == pytest.approx(75 / 550)  # 550 streamed steps at compute alone = 475 waiting that share
+    assert _wait_text({"late_syncs": 0, "waited_s": 0.0, "wall_s": 9.0}, plain).startswith("the link kept up")
+    small = _wait_text({"late_syncs": 3, "waited_s": 1.3, "wall_s": 10.0}, plain)
+    assert "1.3 s for them in all, 13% of the training time (--sync-delay" in small and "--fragments" not in small
+    large = _wait_text({"late_syncs": 3, "waited_s": 1.4, "wall_s": 10.0}, plain)
+    assert "14% of the training time: past 14%, streamed syncs" in large
+    assert "--fragments 5 --sync-delay 4 --sync-mix 0.5" in large
+    late = _wait_text({"late_syncs": 2, "waited_s": 5.0, "wall_s": 10.0}, streamed)
+    assert "5.0 s for 2 of them: the link did not keep up (raise --sync-every" in late
+
+
 def test_command_settings_are_checked_before_any_worker_starts():
     from powertrain.train.config import TrainConfig
 
