@@ -275,3 +275,24 @@ def test_kept_results_larger_than_they_can_be_are_refused_before_reading(tmp_pat
     os.mkfifo(link)  # a pipe would block a plain read
     with pytest.raises(FileTooLarge, match=r"Kept link timings .* is not a regular file"):
         timetotarget.measure([], [1.0], model=p.model, batch=p.batch, data_mb=p.data_mb, kept=link)
+
+
+def test_the_text_says_which_horizons_ran_no_row_on_to_the_target():
+    """A horizon whose rows trained it only (horizon_only_at) is named as such; the others run on to the target."""
+    from powertrain.bench.quality_text import markdown
+
+    def row(key: str, to_target: bool) -> dict:
+        return {"key": key, "label": key, "to_target": to_target, "hits": [None], "fraction": 0.5,
+                "val_mean": 2.0, "val_min": 2.0, "val_max": 2.0}  # fmt: skip
+
+    p = dataclasses.replace(PRESETS["tiny"], rates=())
+    horizon = [{"steps": 8, "target": 2.02, "rows": [row("fp32", True), row("int4", True)]},
+               {"steps": 16, "target": 2.02, "rows": [row("fp32", True), row("int4", False)]}]  # fmt: skip
+    report = {"preset": "tiny", "params": 1000, "link_s": {}, "horizons": horizon}
+    text = markdown(report, p, 1, CAP)
+    assert f"until they reach it (at most {CAP}x the horizon); at 16 steps every row trained its horizon only" in text
+    assert "| int4 | 2.0000 (2.0000-2.0000) | +0.00% | 1/2.0 | not within 16 |" in text  # not CAP x 16
+    report["horizons"] = horizon[1:]
+    assert "every row trained its horizon only (`--horizon-only`)" in markdown(report, p, 1, CAP)
+    report["horizons"] = horizon[:1]
+    assert "horizon only" not in markdown(report, p, 1, CAP)

@@ -127,12 +127,17 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
             f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
         )
-    others = [r for h in report["horizons"] for r in h["rows"] if r["key"] != "fp32"]
-    if others and not any(r.get("to_target", True) for r in others):  # bench quality --horizon-only
+    # horizons at which every row but fp32 trained its horizon only (--horizon-only, or the preset's horizon_only_at)
+    only = [h["steps"] for h in report["horizons"]
+            if len(h["rows"]) > 1 and not any(r.get("to_target", True) for r in h["rows"][1:])]  # fmt: skip
+    if only and len(only) == len(report["horizons"]):
         on = "every row trained its horizon only (`--horizon-only`): steps to target where it reached it within that"
     else:
         on = (f"rows run on past the horizon at the final learning rate until they reach it (at most {cap}x the "
               "horizon)")  # fmt: skip
+        if only:
+            at = " and ".join(f"{n:,}" for n in only)
+            on += f"; at {at} steps every row trained its horizon only: steps to target where it reached it within it"
     if p.rates:
         timed = (
             "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
