@@ -217,7 +217,13 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="")
     assert seen == [("int4", False, 0, None)]
-    assert PRESETS["local"].horizon_only_at == (1000,)
+    local = PRESETS["local"]
+    chosen = select_rows(local.rows)
+    at300, at1000 = quality.rows_at(local, chosen, 300), quality.rows_at(local, chosen, 1000)
+    assert [(r.key, r.to_target) for r in at1000] == [("fp32", True), ("local", False)]
+    assert [r.key for r in at300] == [r.key for r in chosen] and [r.to_target for r in at300] == [
+        r.to_target for r in chosen]  # fmt: skip
+    assert any(r.to_target for r in at300[1:])  # the rows that run on to the target at 300 still do
 
 
 def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, monkeypatch):

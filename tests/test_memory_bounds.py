@@ -17,6 +17,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -264,19 +265,30 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": 0.25}\n')
+    (run / "summary.json").write_text('{"steps_done": 2}')
+    assert read_run(run) == ([{"step": 1, "step_time_s": 0.5}, {"step": 2, "step_time_s": 0.25}], {"steps_done": 2})
+    (run / "summary.json").write_text('{"steps_done": 1}')  # many short rows: no more than one a step is kept
+    with pytest.raises(ValueError, match="has more rows than the run's 1 steps: not this run's log"):
+        read_run(run)
     (run / "summary.json").write_text('{"steps": 2}')
-    assert read_run(run) == ([{"step": 1, "step_time_s": 0.5}, {"step": 2, "step_time_s": 0.25}], {"steps": 2})
+    with pytest.raises(ValueError, match="has no steps_done count"):
+        read_run(run)
     _sparse(run / "summary.json")
     with pytest.raises(FileTooLarge, match=r"Run summary .* is 2,147,483,648 bytes, more than the 1,048,576"):
         read_run(run)
+    (run / "summary.json").write_text('{"steps_done": 2}')
     _sparse(run / "metrics.jsonl")
     with pytest.raises(ValueError, match="has a line longer than 65,536 bytes"):
         read_run(run)
     (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n')
-    (run / "summary.json").write_text('{"steps": 1}')
+    (run / "summary.json").write_text('{"steps_done": 1}')
     _sparse(run / "config.toml")
     with pytest.raises(FileTooLarge, match=r"Run config .* more than the 1,048,576"):
         gpu._train_result(run, "")
+    # a bench gpu stage's result file: refused before it is read, the stage (not the run) fails in one line
+    stage = gpu.Stage("probe", [sys.executable, "-c", "pass"], 60, result=_sparse(tmp_path / "probe.json"))
+    res = gpu.run_stage(stage, time.monotonic() + 120, io.StringIO())
+    assert not res["ok"] and "FileTooLarge: Stage probe's result" in res["error"] and "16,777,216" in res["error"]
     log = _sparse(tmp_path / "replica0.log")
     with log.open("r+b") as f:  # the log's last bytes are what a failure shows
         f.seek(SPARSE - 5)

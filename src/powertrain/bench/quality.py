@@ -229,6 +229,16 @@ def select_rows(keys: Sequence[str] | None) -> list[Row]:
     return [FP32] + [by_key[k] for k in dict.fromkeys(keys) if k != FP32.key]
 
 
+def rows_at(p: Preset, chosen: list[Row], steps: int) -> list[Row]:
+    """The rows of ``chosen`` that run at horizon ``steps`` (the preset's ``rows_at``; fp32 always), none of them on
+    to the target where the preset's ``horizon_only_at`` says so."""
+    only = p.rows_at.get(steps)
+    here = [r for r in chosen if only is None or r is FP32 or r.key in only]
+    if steps in p.horizon_only_at:
+        here = [r if r is FP32 else dataclasses.replace(r, to_target=False) for r in here]
+    return here
+
+
 def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     if row.optimizer_options.get("sync_warmup"):
         raise ValueError(f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
@@ -418,10 +428,7 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     report["link_s"] = {str(rate): {r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
                                     for r in chosen if phases[r.key]} for rate in p.rates}  # fmt: skip
     for steps in horizons:
-        only = p.rows_at.get(steps)
-        here = [r for r in chosen if only is None or r is FP32 or r.key in only]
-        if steps in p.horizon_only_at:
-            here = [r if r is FP32 else dataclasses.replace(r, to_target=False) for r in here]
+        here = rows_at(p, chosen, steps)
         for seed in range(n_seeds):
             if kept.get(steps, seed, FP32, None) is None:
                 res = _launch(p, [FP32], steps, seed, None)

@@ -365,7 +365,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
                      **run.strategy.report())  # fmt: skip
     if writer:
         writer.finish(result)
-        progress.message(_summary_text(result, cfg, data, world, run.n_params, out))
+        progress.message(_summary_text(result, cfg, data, world, run.n_params, out, wall - prev_wall, start > 0))
     leave_world()
     return result
 
@@ -482,32 +482,37 @@ def _cost_text(cfg: TrainConfig) -> str:
     return f"; {RECOMMENDED_COST}" if default else ""
 
 
-#: Local updates: the share of the training time spent waiting for syncs past which streaming is the sooner to a
-#: target loss. On the default GPT (docs/local-updates.md) the default needs 475 steps to fp32's loss + 1% and the
-#: streamed configuration 550, each costing the compute alone t (its syncs overlap the next steps): streaming wins
-#: when 550 t < 475 (t + w), i.e. when the wait w is more than 1 - 475 / 550 = 14% of the unstreamed run's time.
-STREAM_ABOVE = 1 - 475 / 550
+#: Local updates: the share of its training time an unstreamed run waits for syncs past which streaming is the
+#: sooner to a target loss. Measured on the default GPT (docs/local-updates.md, the same bench run): the default
+#: (H 25) needs 475 steps to fp32's loss + 1%, each costing the compute t = 0.614 s plus its wait w; streamed (5
+#: fragments, tau 4, alpha 0.5) needs 550 steps of 0.657 s (its median over the three links: its syncs overlap the
+#: next steps). Streaming wins when 550 x 0.657 < 475 (t + w), i.e. when w / (t + w) > 1 - 475 x 0.614 / (550 x 0.657).
+STREAM_ABOVE = 1 - 475 * 0.614 / (550 * 0.657)
+#: the streamed configuration it was measured with
+STREAMED = "--sync-every 25 --fragments 5 --sync-delay 4 --sync-mix 0.5"
 
 
-def _wait_text(s: dict[str, Any], cfg: TrainConfig) -> str:
-    """What the link cost a local-update run's compute, and what to change if it cost much."""
+def _wait_text(s: dict[str, Any], cfg: TrainConfig, trained_s: float, resumed: bool) -> str:
+    """What the link cost a local-update run's compute (``s``: its summary; ``trained_s``: the training time of this
+    process, whose wait ``s`` counts), and what to change if it cost much."""
     if not s["late_syncs"]:
         return "the link kept up: compute never waited for a sync"
     waited = s["waited_s"]
     if cfg.sync_delay:
         return (f"compute waited {waited:.1f} s for {s['late_syncs']} of them: the link did not keep up (raise "
                 "--sync-every or --sync-delay, or compress more)")  # fmt: skip
-    share = waited / s["wall_s"] if s["wall_s"] > 0 else 1.0
-    text = f"compute waited {waited:.1f} s for them in all, {share:.0%} of the training time"
+    share = waited / trained_s if trained_s > 0 else 1.0
+    since = " since the resume" if resumed else ""
+    text = f"compute waited {waited:.1f} s for them, {share:.1%} of the {trained_s:.1f} s it trained{since}"
     if share <= STREAM_ABOVE:
         return text + " (--sync-delay lets a sync overlap the next steps)"
-    return (text + f": past {STREAM_ABOVE:.0%}, streamed syncs that overlap the next steps reached a target loss "
-            "sooner on the default GPT, although they need more steps (--fragments 5 --sync-delay 4 --sync-mix 0.5; "
-            "docs/local-updates.md)")  # fmt: skip
+    advice = (f": past {STREAM_ABOVE:.1%}, streamed syncs that overlap the next steps reached a target loss sooner on "
+              f"the default GPT, although they need more steps ({STREAMED}; docs/local-updates.md)")  # fmt: skip
+    return text + advice
 
 
 def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassData, world: int, n_params: int,
-                  out: Path) -> str:  # fmt: skip
+                  out: Path, trained_s: float, resumed: bool) -> str:  # fmt: skip
     sent, dense = s["bytes_sent"], s["bytes_uncompressed"]
     if not sent:
         ratio = "nothing to send with one worker"
@@ -526,7 +531,7 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         what = (f"Local updates{between} (a sync every {s['sync_every']} steps"
                 + (f" of each of {s['fragments']} fragments" if s["fragments"] > 1 else "")
                 + f", {cfg.compressor} pseudo-gradients)")  # fmt: skip
-        late = _wait_text(s, cfg)
+        late = _wait_text(s, cfg, trained_s, resumed)
         per = f"{sent / max(1, s['syncs']) / MB:.2f} MB each on average" + (
             f", the {cfg.sync_warmup} warm-up steps' averaging ({cfg.warmup_compressor}) included" if cfg.sync_warmup
             else "")  # fmt: skip

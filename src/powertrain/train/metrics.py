@@ -110,11 +110,19 @@ SUMMARY_LIMIT = 1 << 20
 
 
 def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """What a finished run left in ``out``: its logged rows (each read within :data:`ROW_LIMIT`) and its summary
-    (within :data:`SUMMARY_LIMIT`), for the benches that launch ``powertrain train`` and read its results."""
-    path = out / "metrics.jsonl"
-    rows = [_row(line, path) for line in _lines(path)]
-    return rows, _json.load(out / "summary.json", SUMMARY_LIMIT, "Run summary")
+    """What a finished run left in ``out``: its summary (read within :data:`SUMMARY_LIMIT`) and its logged rows, each
+    read within :data:`ROW_LIMIT`, at most one per step the summary says it took; for the benches that launch
+    ``powertrain train`` and read its results."""
+    summary = _json.load(out / "summary.json", SUMMARY_LIMIT, "Run summary")
+    steps = summary.get("steps_done") if isinstance(summary, dict) else None
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"{str(out / 'summary.json')!r} has no steps_done count: not a finished run's summary")
+    path, rows = out / "metrics.jsonl", []
+    for line in _lines(path):
+        if len(rows) == steps:
+            raise ValueError(f"{str(path)!r} has more rows than the run's {steps} steps: not this run's log")
+        rows.append(_row(line, path))
+    return rows, summary
 
 
 def _lines(path: Path) -> Iterator[str]:
