@@ -278,7 +278,7 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
         read_run(run)
     (run / "summary.json").write_text('{"steps_done": 2}')
     _sparse(run / "metrics.jsonl")
-    with pytest.raises(ValueError, match="has a line longer than 65,536 bytes"):
+    with pytest.raises(ValueError, match="has a line longer than 65,536 bytes: not a metrics log; a run the bench"):
         read_run(run)
     (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n')
     (run / "summary.json").write_text('{"steps_done": 1}')

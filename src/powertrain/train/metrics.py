@@ -105,6 +105,9 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
 
 #: The longest row metrics.jsonl holds (a row is ~400 bytes).
 ROW_LIMIT = 64 << 10
+#: What a bad metrics log's error tells to do: a run continued in place, and a bench reading a run it launched.
+_RESUME = "choose another --out"
+_BENCH = "a run the bench launched wrote it: a bug, please report it"
 #: The largest summary.json read back (a run's is ~2 kB).
 SUMMARY_LIMIT = 1 << 20
 
@@ -118,32 +121,32 @@ def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if type(steps) is not int or steps < 0:
         raise ValueError(f"{str(out / 'summary.json')!r} has no steps_done count: not a finished run's summary")
     path, rows = out / "metrics.jsonl", []
-    for line in _lines(path):
+    for line in _lines(path, _BENCH):
         if len(rows) == steps:
             raise ValueError(f"{str(path)!r} has more rows than the run's {steps} steps: not this run's log")
-        rows.append(_row(line, path))
+        rows.append(_row(line, path, _BENCH))
     return rows, summary
 
 
-def _lines(path: Path) -> Iterator[str]:
+def _lines(path: Path, fix: str = _RESUME) -> Iterator[str]:
     """The non-empty lines of ``path``, read one at a time within :data:`ROW_LIMIT` bytes each."""
     with path.open("rb") as f:
         while raw := f.readline(ROW_LIMIT + 1):
             if len(raw) > ROW_LIMIT:
                 raise ValueError(f"{str(path)!r} has a line longer than {ROW_LIMIT:,} bytes: not a metrics log; "
-                                 "choose another --out")  # fmt: skip
+                                 f"{fix}")  # fmt: skip
             if line := raw.decode(errors="replace").strip():
                 yield line
 
 
-def _row(line: str, path: Path) -> dict[str, Any]:
+def _row(line: str, path: Path, fix: str = _RESUME) -> dict[str, Any]:
     """One metrics row; ValueError in one line (quoting a short prefix) if it is not one."""
     try:
         row = _json.loads(line)
     except (ValueError, RecursionError):
         row = None
     if not isinstance(row, dict) or type(row.get("step")) is not int:
-        raise ValueError(f"{str(path)!r} holds {quote(line)}, not a metrics row; choose another --out")
+        raise ValueError(f"{str(path)!r} holds {quote(line)}, not a metrics row; {fix}")
     return row
 
 
