@@ -120,7 +120,8 @@ def read_run(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     steps = summary.get("steps_done") if isinstance(summary, dict) else None
     if type(steps) is not int or steps < 0:
         raise ValueError(f"{str(out / 'summary.json')!r} has no steps_done count: not a finished run's summary")
-    path, rows = out / "metrics.jsonl", []
+    path = out / "metrics.jsonl"
+    rows: list[dict[str, Any]] = []
     for line in _lines(path, _BENCH):
         if len(rows) == steps:
             raise ValueError(f"{str(path)!r} has more rows than the run's {steps} steps: not this run's log")
