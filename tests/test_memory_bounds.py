@@ -283,7 +283,7 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1, "step_time_s": 0.5}\n')
     (run / "summary.json").write_text('{"steps_done": 1}')
     _sparse(run / "config.toml")
-    with pytest.raises(FileTooLarge, match=r"Run config .* more than the 1,048,576"):
+    with pytest.raises(FileTooLarge, match=r"Config file .* more than the 1,048,576"):
         gpu._train_result(run, "")
     # a bench gpu stage's result file: refused before it is read, the stage (not the run) fails in one line
     stage = gpu.Stage("probe", [sys.executable, "-c", "pass"], 60, result=_sparse(tmp_path / "probe.json"))

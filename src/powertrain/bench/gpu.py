@@ -33,9 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from powertrain import _json
-from powertrain._files import read_bounded
 from powertrain.bench.report import publish, table
-from powertrain.train.config import CONFIG_LIMIT
+from powertrain.train.config import load_toml
 from powertrain.train.metrics import read_run
 
 SCHEMA = 1
@@ -118,8 +117,7 @@ def stages(preset: str, device: str, work: Path) -> list[Stage]:
 def _train_result(run_dir: Path, output: str) -> dict[str, Any]:
     """A train stage's result: its summary, precision and steady tokens/s (``output``: unused, its files say it)."""
     rows, summary = read_run(run_dir)
-    config = read_bounded(run_dir / "config.toml", CONFIG_LIMIT, "Run config").decode(errors="replace")
-    precision = re.search(r'^precision = "(\w+)"', config, re.M)
+    precision = load_toml(run_dir / "config.toml").get("precision")
     steady = [r["step_time_s"] for r in rows[10:]] or [r["step_time_s"] for r in rows]
     unit = next(k for k in summary if k.endswith("_per_s"))
     per_step = summary[unit] * summary["wall_s"] / max(summary["steps"], 1)  # tokens (or samples) per step
@@ -129,7 +127,7 @@ def _train_result(run_dir: Path, output: str) -> dict[str, Any]:
         "step_s_median": median,
         "unit": unit,
         f"{unit}_steady": per_step / median,
-        "precision": precision and precision[1],
+        "precision": precision,
     }
 
 
