@@ -33,7 +33,7 @@ import torch
 
 from cli_utils import run_cli
 from conftest import DEVICE_ENV
-from dist_utils import EPS64, case, guard, run_ranks, within
+from dist_utils import EPS64, basis_errors, case, guard, run_ranks, within
 from models import batch, loss_fn, make_model
 from powertrain.compress import make_compressor
 from powertrain.compress.base import GatherRequest, Program
@@ -85,12 +85,12 @@ def test_cuda_gives_the_cpus_results(device):
     differ in its last bit and a code at a rounding boundary by one: each output within one quantisation step of
     the other, the largest step of its parameter being max|g| / 127 (2x safety for the scales' own rounding). PowerSGD
     (paper variant, float64, one step from the same initial Q, identical on both: drawn on the CPU) within a bound:
-    each device computes Y = M Q with |dY| <= m u |M| |Q| and an orthonormal basis of Y + F, ||F||_F <= n r u ||Y||_F
-    (Householder QR, Higham Thm 19.4), so its projector is within d = (m u ||M||_F ||Q||_F + n r u ||Y||_F) /
-    sigma_r(Y) of the exact one (Wedin); the approximation P P^T M differs between the devices by <= 2 d ||M||_F,
-    plus the two products' roundings and P's departure from orthonormality (n + r + 2 sqrt(r) n r) u ||M||_F each;
-    u = eps64 / 2, 2x safety. A zero gradient (the model's unused layer; the bound would be 0 / 0) must give exactly
-    equal outputs."""
+    each device computes Y = M Q with |dY| <= m u |M| |Q| and an orthonormal basis of Y + F (the CPU by Householder
+    QR, CUDA by a Cholesky QR: ||F||_F and the departure from orthonormality as dist_utils.basis_errors bounds them),
+    so its projector is within d = (m u ||M||_F ||Q||_F + ||F||_F) / sigma_r(Y) of the exact one (Wedin); the
+    approximation P P^T M differs between the devices by <= (d_cpu + d_cuda) ||M||_F, plus each device's two products'
+    roundings (2 (n + r) u) and P's departure from orthonormality, relative to ||M||_F; u = eps64 / 2, 2x safety.
+    A zero gradient (the model's unused layer; the bound would be 0 / 0) must give exactly equal outputs."""
     _cuda_only(device)
     cases = [("none", {}), ("bf16", {}), ("topk", {"ratio": 0.1})]
     model = make_model()
@@ -126,8 +126,10 @@ def test_cuda_gives_the_cpus_results(device):
             continue
         n, cols, r = mat.shape[0], mat.shape[1], q.shape[1]
         y = mat @ q
-        d = (cols * u * mat.norm() * q.norm() + n * r * u * y.norm()) / torch.linalg.svdvals(y)[r - 1]
-        bound = 2 * (2 * d + 2 * (n + r + 2 * r**0.5 * n * r) * u) * mat.norm()
+        errors = [basis_errors(method, n, r, torch.float64) for method in ("householder", "cholesky")]
+        d = sum((cols * u * mat.norm() * q.norm() + span * y.norm()) / torch.linalg.svdvals(y)[r - 1]
+                for _, span in errors)  # fmt: skip
+        bound = 2 * (d + sum(2 * (n + r) * u + orth for orth, _ in errors)) * mat.norm()
         assert torch.isfinite(bound), f"PowerSGD {pname}: Y = M Q has rank < {r}, the bound is {bound}"
         within((a - b.cpu()).norm(), bound, f"PowerSGD {pname}")
 

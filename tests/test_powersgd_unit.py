@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
 
-from dist_utils import EPS32, EPS64, feedback_bound, within
+from dist_utils import EPS32, EPS64, basis_errors, feedback_bound, within
 from models import batch, loss_fn, make_model
 from powertrain.compress import NonFiniteGradientError, PowerSGDCompressor
 from powertrain.compress.powersgd import Config
-from powertrain.ops.lowrank import matrix_shape, orthonormalize
+from powertrain.ops.lowrank import cholesky_qr, householder_qr, matrix_shape, orthonormalize
 from powertrain.powersgd import PowerSGD, optimizer_step
 
 
@@ -74,6 +75,70 @@ def test_orthonormalize_always_orthonormal(make):
     within((q.transpose(1, 2) @ q - eye).abs(), (2 * r**0.5 * n * r + n) * EPS64, "Q^T Q - I")
 
 
+def _conditioned(n: int, r: int, kappa: float, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    u, _ = torch.linalg.qr(torch.randn(2, n, r, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(2, r, r, generator=gen, dtype=torch.float64))
+    return ((u * torch.logspace(0, -math.log10(kappa), r, dtype=torch.float64)) @ v.transpose(1, 2)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda dt: torch.randn(3, 500, 32, generator=torch.Generator().manual_seed(0), dtype=dt),
+        lambda dt: torch.zeros(2, 100, 8, dtype=dt),  # an unused layer's factor
+        lambda dt: torch.ones(2, 200, 2, dtype=dt) @ torch.ones(2, 2, 16, dtype=dt),  # rank 1 of 16
+        lambda dt: _conditioned(300, 20, 1e12, dt),  # singular values from 1 to 1e-12
+        lambda dt: torch.full((1, 64, 4), 1e-30, dtype=dt),  # tiny: the Gram matrix would underflow unscaled
+    ],
+    ids=["randn", "zeros", "rank-1", "kappa-1e12", "tiny"],
+)
+def test_cholesky_qr_is_an_orthonormal_basis_of_the_span(make, dtype):
+    """The orthonormalisation PowerSGD runs on CUDA, checked here on the CPU: orthonormal whatever the input's rank
+    or conditioning (a rank-deficient input completed by other directions), and a basis of the input's own span.
+    Checked in float64: (I - Q Q^T) Y = (I - Q Q^T) (Y + F) - (I - Q Q^T) F, whose first term is
+    Q (I - Q^T Q) R for the exact factor R of Y + F = Q R, so ||(I - Q Q^T) Y||_F <= (||F||_F + r |Q^T Q - I|_max
+    (1 + ...)) ||Y||_F (basis_errors), plus the check's own products (n + r) u64 ||Y||_F; 2x safety."""
+    x = make(dtype)
+    q = cholesky_qr(x).double()
+    n, r = q.shape[-2:]
+    assert cholesky_qr(x).dtype == dtype and q.isfinite().all()
+    orth, span = basis_errors("cholesky", n, r, dtype)
+    within((q.transpose(1, 2) @ q - torch.eye(r, dtype=q.dtype)).abs(), 2 * orth, "Q^T Q - I")
+    y = x.double()
+    residual = (y - q @ (q.transpose(1, 2) @ y)).norm(dim=(1, 2))
+    within(residual, 2 * (span + r * orth + (n + r) * EPS64 / 2) * y.norm(dim=(1, 2)), "(I - Q Q^T) Y")
+
+
+def test_cholesky_qr_of_zero_is_the_completion_and_cpu_keeps_householder():
+    """An all-zero input (a zero gradient) gets the completion's columns (so the power iteration can start again
+    from them); on the CPU orthonormalize stays torch's Householder QR, bitwise (the CPU figures were measured
+    with it, and it is the faster one there)."""
+    z = cholesky_qr(torch.zeros(1, 10, 3))
+    expect = torch.zeros(10, 3)
+    for j in range(3):
+        expect[j::3, j] = 1 / len(range(j, 10, 3)) ** 0.5
+    within((z[0] - expect).abs(), 2 * EPS32, "the completion")
+    x = torch.randn(2, 40, 5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(orthonormalize(x), torch.linalg.qr(x, mode="reduced").Q)
+    with pytest.raises(ValueError, match="at most as many columns as rows"):
+        cholesky_qr(torch.randn(1, 3, 4))
+
+
+#: PowerSGD's orthonormalisation: the CPU's (Householder QR) and the one it runs on CUDA (Cholesky QR), both tested
+#: here on the CPU through the compressor.
+ORTHO = {"householder": householder_qr, "cholesky": cholesky_qr}
+
+
+@pytest.fixture(params=sorted(ORTHO))
+def ortho(request, monkeypatch):
+    from powertrain.compress import powersgd
+
+    monkeypatch.setattr(powersgd, "orthonormalize", ORTHO[request.param])
+    return request.param
+
+
 def test_matrix_shape_of_conv_weight():
     assert matrix_shape(torch.Size([8, 3, 3, 3])) == (8, 27)
 
@@ -107,7 +172,7 @@ def _tan_angle(x_nr: torch.Tensor, basis_nn: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
 @pytest.mark.parametrize("rank", [1, 3])
-def test_warm_start_converges_to_best_rank_r(variant, rank):
+def test_warm_start_converges_to_best_rank_r(variant, rank, ortho):
     gen = torch.Generator().manual_seed(0)
     u, _ = torch.linalg.qr(torch.randn(40, 40, generator=gen, dtype=torch.float64))
     v, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=torch.float64))
@@ -118,14 +183,18 @@ def test_warm_start_converges_to_best_rank_r(variant, rank):
     approx, start = _fixed_gradient_approximation(variant, g, rank, steps)
     # Subspace iteration: tan(angle to the top-r singular space) shrinks by s[r] / s[r-1] per half-iteration
     # (one matrix product); the last step's subspace has had steps - 1 of them (alternating: one per step) or
-    # 2 steps - 1 (paper: P = M Q, then Q = M^T P). Rounding adds up to n u s[0] / (s[r-1] - s[r]) to the angle
-    # (Wedin: a perturbation of size n u ||g||_2 moves the singular space by that over the gap).
+    # 2 steps - 1 (paper: P = M Q, then Q = M^T P). Rounding adds up to nu s[0] / (s[r-1] - s[r]) to the angle
+    # (Wedin: a perturbation of size nu ||g||_2 moves the singular space by that over the gap), nu = n u for the
+    # product plus the orthonormalisation's own perturbation of the span (basis_errors).
     half_iterations = steps - 1 if variant == "alternating" else 2 * steps - 1
     tan0 = _tan_angle(start, u if variant == "alternating" else v)
-    nu = g.shape[0] * EPS64 / 2  # n u
+    orth, span = basis_errors(ortho, 40, rank, torch.float64)
+    nu = g.shape[0] * EPS64 / 2 + span
     sin_angle = (s[rank] / s[rank - 1]) ** half_iterations * tan0 + nu * s[0] / (s[rank - 1] - s[rank])
-    # approx = P P^T g with P at that angle: ||approx - best||_F <= (sin + n u) ||g||_F; 2x safety.
-    within((approx - best).norm() / best.norm(), 2 * (sin_angle + nu) * g.norm() / best.norm(), "approx")
+    # approx = P P^T g with P at that angle and off orthonormal by r orth: ||approx - best||_F <= (sin + n u +
+    # r orth) ||g||_F; 2x safety.
+    err = sin_angle + nu + rank * orth
+    within((approx - best).norm() / best.norm(), 2 * err * g.norm() / best.norm(), "approx")
     # What remains is the best rank-r error: its norm is off by sin^2 s[0]^2 / (2 ||s[r:]||^2) (second order in
     # the angle) plus n u ||g||_F / ||s[r:]|| for forming g - approx; 2x safety.
     tail = s[rank:].norm()
@@ -134,15 +203,17 @@ def test_warm_start_converges_to_best_rank_r(variant, rank):
 
 
 @pytest.mark.parametrize("variant", ["alternating", "paper"])
-def test_exactly_low_rank_gradient_gives_no_nan(variant):
+def test_exactly_low_rank_gradient_gives_no_nan(variant, ortho):
     g = torch.outer(torch.arange(1.0, 21.0), torch.arange(1.0, 11.0))  # rank 1, compressed at rank 4
     approx, _ = _fixed_gradient_approximation(variant, g, rank=4, steps=3)
     assert approx.isfinite().all()
     # From the second step the factor spans g's column (row) space, so approx = P P^T g = g up to rounding in
-    # float32: P's departure from orthonormality (2 sqrt(r) n r u, Higham Thm 19.4) and the n-, m- and r-term
-    # products, all relative to ||g||_F; u = eps / 2, 2x safety. (n, m, r) = (20, 10, 4)
+    # float32: P's departure from orthonormality (r times basis_errors' entrywise bound) and from g's span, and the
+    # n-, m- and r-term products, all relative to ||g||_F; u = eps / 2, 2x safety. (n, m, r) = (20, 10, 4)
     n, m, r = 20, 10, 4
-    within((approx - g).norm() / g.norm(), (2 * r**0.5 * n * r + n + m + r) * EPS32, "rank-1 reconstruction")
+    orth, span = basis_errors(ortho, n, r, torch.float32)
+    bound = 2 * (r * orth + span + (n + m + r) * EPS32 / 2)
+    within((approx - g).norm() / g.norm(), bound, "rank-1 reconstruction")
 
 
 @pytest.mark.device

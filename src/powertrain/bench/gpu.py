@@ -388,7 +388,8 @@ def _compute_table(measured: dict[str, Any]) -> str:
     return ("Compress + decompress: the compressor's `aggregate` at world size 1 (all its math, no collectives), "
             "median of 10, after 2 warm-up calls; PowerSGD in the recommended config (paper variant, bf16 factors). "
             "`auto`: what `rank=auto` picks for this backward on 2 nodes x 8 GPUs at 100 Gbit/s. TF32: the same "
-            "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off).\n\n"
+            "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off). Householder QR: the same "
+            "with `torch.linalg.qr` as PowerSGD's orthonormalisation (on CUDA powertrain runs a Cholesky QR).\n\n"
             + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows))  # fmt: skip
 
 

@@ -17,12 +17,13 @@ rewritten after each, so a stage stopped by its timeout still returns what it me
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +128,6 @@ def _passes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: to
 
 def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device,
                  repeats: int) -> dict[str, Any]:  # fmt: skip
-    from powertrain.compress import make_compressor
     from powertrain.compress.auto import Link, choose
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -138,29 +138,57 @@ def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device
     specs["PowerSGD auto"] = (choice.name, {**choice.options, **(PSGD if choice.name == "powersgd" else {})})
     if device.type == "cuda":  # torch's default keeps fp32 matmuls exact; TF32 is a user's choice (one flag)
         specs["PowerSGD r32, TF32"] = COMPRESSORS["PowerSGD r32"]
+        specs[HOUSEHOLDER] = COMPRESSORS["PowerSGD r32"]
     out: dict[str, Any] = {"auto_choice": choice.reason}
     for label, (name, options) in specs.items():
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = label.endswith("TF32")
         try:
-            comp = make_compressor(name, model.named_parameters(), **options)
-            for _ in range(2):  # error buffers and factors are allocated by the first calls
-                comp.aggregate(grads)
-            seconds = _median_s(lambda comp=comp: comp.aggregate(grads), device, repeats)  # type: ignore[misc]
-            out[label] = {
-                "compressor": name,
-                "options": options,
-                "seconds": seconds,
-                "of_backward": seconds / backward_s,
-                "bytes_per_step": _bytes(comp),
-                "dense_bytes": dense,
-            }
-            del comp
+            with _householder() if label == HOUSEHOLDER else contextlib.nullcontext():
+                out[label] = _time_compressor(model, grads, name, options, backward_s, dense, device, repeats)
         except Exception:
             out[label] = _error()
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
     return out
+
+
+#: PowerSGD rank 32 with Householder QR on the device too (powertrain.ops.lowrank.householder_qr, the CPU's choice in
+#: its orthonormalize): the A/B of the Cholesky QR that orthonormalize runs on CUDA.
+HOUSEHOLDER = "PowerSGD r32, Householder QR"
+
+
+@contextlib.contextmanager
+def _householder() -> Iterator[None]:
+    """PowerSGD's orthonormalisation as torch.linalg.qr on every device, while the block runs."""
+    from powertrain.compress import powersgd
+    from powertrain.ops.lowrank import householder_qr
+
+    chosen = powersgd.orthonormalize
+    powersgd.orthonormalize = householder_qr
+    try:
+        yield
+    finally:
+        powersgd.orthonormalize = chosen
+
+
+def _time_compressor(model: torch.nn.Module, grads: list[torch.Tensor], name: str, options: dict[str, Any],
+                     backward_s: float, dense: int, device: torch.device, repeats: int) -> dict[str, Any]:  # fmt: skip
+    """One compressor's ``aggregate`` at world size 1: its median time, as a fraction of backward, and its bytes."""
+    from powertrain.compress import make_compressor
+
+    comp = make_compressor(name, model.named_parameters(), **options)
+    for _ in range(2):  # error buffers and factors are allocated by the first calls
+        comp.aggregate(grads)
+    seconds = _median_s(lambda: comp.aggregate(grads), device, repeats)
+    return {
+        "compressor": name,
+        "options": options,
+        "seconds": seconds,
+        "of_backward": seconds / backward_s,
+        "bytes_per_step": _bytes(comp),
+        "dense_bytes": dense,
+    }
 
 
 def _bytes(comp: Any) -> int:
