@@ -301,6 +301,29 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
     assert torchft_diloco._tail(tmp_path / "none.log") == ""
 
 
+CHATTY = """
+import sys
+block = (b"x" * 1023 + b"\\n") * 1024  # 1 MiB of 1 KiB lines
+for _ in range(700):
+    sys.stdout.buffer.write(block)
+sys.stdout.buffer.write(b"ValueError: the end\\n")
+sys.exit(1)
+"""
+
+
+def test_a_bench_gpu_stage_s_output_is_read_back_from_its_end_only():
+    """bench gpu keeps a stage's output on disk and reads back its last OUTPUT_TAIL bytes: a stage that prints 700 MiB
+    (held whole, with its lines, it would take over twice the bound) fails in its one error line and its tail, within
+    the memory bound."""
+    script = ("import io, sys, time; from powertrain.bench import gpu; "
+              f"stage = gpu.Stage('chatty', [sys.executable, '-c', {CHATTY!r}], 120); "
+              "res = gpu.run_stage(stage, time.monotonic() + 300, io.StringIO()); "
+              "ok = res['error'] == 'ValueError: the end' and res['tail'].splitlines()[-2] == 'x' * 1023; "
+              "sys.exit(0 if ok and not res['ok'] else 3)")  # fmt: skip
+    code, lines, peak = _refusal(sys.executable, "-c", script)
+    assert code == 0 and peak < PEAK_MB, (code, lines, peak)
+
+
 def test_the_item_bound_admits_what_a_large_model_saves(tmp_path):
     """The control for the item bound: an optimizer's list of 2,000 parameter names is one ~80 KB item, which loads."""
     from powertrain.train.checkpoint import load_checkpoint, save_checkpoint

@@ -1,10 +1,11 @@
-"""Files written whole or not at all, and files read within a bound checked before the read."""
+"""Files written whole or not at all, and files read within a bound checked before the read (or only their end)."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:
@@ -45,6 +46,13 @@ def read_bounded(path: Path, limit: int, what: str) -> bytes:
     if len(data) > limit:
         raise FileTooLarge(f"{what} {str(path)!r} grew past {limit:,} bytes while it was read")
     return data
+
+
+def read_tail(f: BinaryIO, size: int) -> str:
+    """The last ``size`` bytes of the open binary file ``f``, decoded (bytes that do not decode are replaced): a log's
+    end, never the whole of it."""
+    f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+    return f.read(size).decode(errors="replace")
 
 
 def quote(data: bytes | str, limit: int = 40) -> str:

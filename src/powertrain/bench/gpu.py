@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from powertrain import _json
+from powertrain._files import read_tail
 from powertrain.bench.report import publish, table
 from powertrain.train.config import load_toml
 from powertrain.train.metrics import read_run
@@ -43,8 +44,8 @@ MIN_STAGE_S = 20.0  # a stage is not started with less of the budget left
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """A command and its timeout; ``result``: the JSON file it writes; ``parse``: its result from its output (or from
-    the files it wrote)."""
+    """A command and its timeout; ``result``: the JSON file it writes; ``parse``: its result from its output's end (the
+    last OUTPUT_TAIL bytes) or from the files it wrote."""
 
     name: str
     argv: list[str]
@@ -158,6 +159,11 @@ def env_info() -> dict[str, Any]:
     return info
 
 
+#: The most of a stage's output read back, from its end: the log's last 300 lines, the error line and the tail of a
+#: failure come from it (a stage's output is its own child's, but a chatty compile or test leg must not fill memory).
+OUTPUT_TAIL = 1 << 20
+
+
 def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
     """Run one stage within the budget; its result, or its error in one line with its output's tail."""
     left = deadline - time.monotonic()
@@ -166,17 +172,19 @@ def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
     timeout = min(stage.timeout_s, left)
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **stage.env}
-    proc = subprocess.Popen(stage.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=env)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the stage and everything it started (ranks, compile workers)
-        output, _ = proc.communicate()
-        timed_out = True
+    with tempfile.TemporaryFile() as out:  # its output on disk: only its end is read back (OUTPUT_TAIL)
+        proc = subprocess.Popen(stage.argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        try:
+            proc.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the stage and everything it started (ranks, compile workers)
+            proc.wait()
+            timed_out = True
+        cut = out.seek(0, os.SEEK_END) > OUTPUT_TAIL
+        output = read_tail(out, OUTPUT_TAIL)
     seconds = time.monotonic() - t0
-    lines = output.splitlines()
+    lines = output.splitlines()[1 if cut else 0 :]  # a cut output's first line is not whole
     log.write(f"\n===== {stage.name} ({seconds:.1f} s, exit {proc.returncode}): {' '.join(stage.argv)}\n")
     log.write("\n".join(lines[-300:]) + "\n")
     log.flush()

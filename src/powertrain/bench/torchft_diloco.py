@@ -76,6 +76,7 @@ import torch
 
 from powertrain import _json
 from powertrain._checks import check_int
+from powertrain._files import read_tail
 from powertrain.bench import netem
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
@@ -252,8 +253,7 @@ def _tail(path: Path, size: int = 2000) -> str:
     if not path.exists():
         return ""
     with path.open("rb") as f:
-        f.seek(max(0, f.seek(0, os.SEEK_END) - size))
-        return f.read(size).decode(errors="replace")
+        return read_tail(f, size)
 
 
 def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftResult:
