@@ -146,15 +146,15 @@ EPS64 = torch.finfo(torch.float64).eps  # 2**-52
 def basis_errors(method: str, n: int, r: int, dtype: torch.dtype) -> tuple[float, float]:
     """Bounds on an orthonormalisation's output Q of an n x r input Y: (max |Q^T Q - I|, ||F||_F / ||Y||_F where Q
     is an exact orthonormal-up-to-the-first basis of Y + F), in absolute terms. Householder QR in ``dtype``: 2 sqrt(r)
-    n r u and n r u (Higham, Thm 19.4). :func:`cholesky_qr`: its three float64 passes end with CholQR2, whose
-    departure from orthonormality is at most 6 (n r + r (r + 1)) u64 (Yamamoto et al., ETNA 44, 2015), then the cast
-    to ``dtype`` adds 2 u (each entry off by u, columns of norm 1); its span: the completion sqrt(r) u, the scaling
-    u64 and three triangular solves 3 r^2 u64 (the function's docstring), and the cast moves the projector by
-    2 sqrt(r) u."""
+    n r u and n r u (Higham, Thm 19.4). :func:`cholesky_qr`: its float64 passes end with two plain ones (CholQR2),
+    whose departure from orthonormality is at most 6 (n r + r (r + 1)) u64 (Yamamoto et al., ETNA 44, 2015) once the
+    shifted passes have made the condition number small, then the cast to ``dtype`` adds 2 u (each entry off by u,
+    columns of norm 1); its span: the completion sqrt(r) u64, the two scalings 2 u64 and four triangular solves
+    4 r^2 u64 (the function's docstring), and the cast moves the projector by 2 sqrt(r) u."""
     u, u64 = torch.finfo(dtype).eps / 2, EPS64 / 2
     if method == "householder":
         return 2 * r**0.5 * n * r * u, n * r * u
-    return 6 * (n * r + r * (r + 1)) * u64 + 2 * u, 3 * r**0.5 * u + (1 + 3 * r * r) * u64
+    return 6 * (n * r + r * (r + 1)) * u64 + 2 * u, 2 * r**0.5 * u + (r**0.5 + 2 + 4 * r * r) * u64
 
 
 def within(err: torch.Tensor | float, bound: torch.Tensor | float, what: str) -> None:

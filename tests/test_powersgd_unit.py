@@ -82,6 +82,17 @@ def _conditioned(n: int, r: int, kappa: float, dtype: torch.dtype) -> torch.Tens
     return ((u * torch.logspace(0, -math.log10(kappa), r, dtype=torch.float64)) @ v.transpose(1, 2)).to(dtype)
 
 
+def _low_rank(n: int, r: int, k: int, dtype: torch.dtype, seed: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    left = torch.randn(1, n, k, generator=gen, dtype=torch.float64)
+    return (left @ torch.randn(1, k, r, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def _scale(dtype: torch.dtype, exp: int) -> float:
+    """10**exp in float64, 10**(exp // 7) in float32 (within range either way, far from 1)."""
+    return 10.0 ** (exp if dtype == torch.float64 else exp // 7)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize(
     "make",
@@ -89,32 +100,69 @@ def _conditioned(n: int, r: int, kappa: float, dtype: torch.dtype) -> torch.Tens
         lambda dt: torch.randn(3, 500, 32, generator=torch.Generator().manual_seed(0), dtype=dt),
         lambda dt: torch.zeros(2, 100, 8, dtype=dt),  # an unused layer's factor
         lambda dt: torch.ones(2, 200, 2, dtype=dt) @ torch.ones(2, 2, 16, dtype=dt),  # rank 1 of 16
+        lambda dt: _low_rank(4096, 16, 8, dt),  # rank-deficient at PowerSGD's sizes
+        lambda dt: _low_rank(16384, 32, 1, dt),
+        # a GPT's embedding at rank 64: three passes leave it 1.1e-7 from orthonormal in float64, four 1.3e-14
+        lambda dt: _low_rank(50000, 64, 32, dt, seed=1),
         lambda dt: _conditioned(300, 20, 1e12, dt),  # singular values from 1 to 1e-12
-        lambda dt: torch.full((1, 64, 4), 1e-30, dtype=dt),  # tiny: the Gram matrix would underflow unscaled
+        lambda dt: torch.randn(2, 100, 4, generator=torch.Generator().manual_seed(3), dtype=dt) * _scale(dt, 200),
+        lambda dt: torch.randn(2, 100, 4, generator=torch.Generator().manual_seed(3), dtype=dt) * _scale(dt, -170),
+        lambda dt: torch.randn(30, 4, generator=torch.Generator().manual_seed(4), dtype=dt),  # one matrix, no batch
+        lambda dt: torch.randn(2, 3, 30, 4, generator=torch.Generator().manual_seed(4), dtype=dt),  # 2 batch dims
+        lambda dt: torch.tensor([[[-(2.0**-24), 1.0], [0.0, -(2.0**-24)]]], dtype=dt),  # square, near-singular
     ],
-    ids=["randn", "zeros", "rank-1", "kappa-1e12", "tiny"],
+    ids=[
+        "randn",
+        "zeros",
+        "rank-1",
+        "rank-8-of-16",
+        "rank-1-of-32",
+        "rank-32-of-64",
+        "kappa-1e12",
+        "huge",
+        "tiny",
+        "2-d",
+        "4-d",
+        "sq",
+    ],
 )
 def test_cholesky_qr_is_an_orthonormal_basis_of_the_span(make, dtype):
-    """The orthonormalisation PowerSGD runs on CUDA, checked here on the CPU: orthonormal whatever the input's rank
-    or conditioning (a rank-deficient input completed by other directions), and a basis of the input's own span.
-    Checked in float64: (I - Q Q^T) Y = (I - Q Q^T) (Y + F) - (I - Q Q^T) F, whose first term is
-    Q (I - Q^T Q) R for the exact factor R of Y + F = Q R, so ||(I - Q Q^T) Y||_F <= (||F||_F + r |Q^T Q - I|_max
-    (1 + ...)) ||Y||_F (basis_errors), plus the check's own products (n + r) u64 ||Y||_F; 2x safety."""
+    """The orthonormalisation PowerSGD runs on CUDA, checked here on the CPU: orthonormal whatever the input's rank,
+    conditioning or magnitude (a rank-deficient input completed by other directions), and a basis of the input's own
+    span. Checked in float64 on the input scaled by its largest entry (the huge and tiny ones would overflow the
+    check): (I - Q Q^T) Y = (I - Q Q^T) (Y + F) - (I - Q Q^T) F, whose first term is Q (I - Q^T Q) R for the exact
+    factor R of Y + F = Q R, so ||(I - Q Q^T) Y||_F <= (||F||_F / ||Y||_F + ||Q^T Q - I||_F (1 + ...)) ||Y||_F with F
+    as basis_errors bounds it and Q's measured departure from orthonormality, plus the check's own products
+    (n + r) u64 ||Y||_F; 2x safety."""
     x = make(dtype)
     q = cholesky_qr(x).double()
     n, r = q.shape[-2:]
-    assert cholesky_qr(x).dtype == dtype and q.isfinite().all()
+    assert cholesky_qr(x).dtype == dtype and q.shape == x.shape and q.isfinite().all()
     orth, span = basis_errors("cholesky", n, r, dtype)
-    within((q.transpose(1, 2) @ q - torch.eye(r, dtype=q.dtype)).abs(), 2 * orth, "Q^T Q - I")
-    y = x.double()
-    residual = (y - q @ (q.transpose(1, 2) @ y)).norm(dim=(1, 2))
-    within(residual, 2 * (span + r * orth + (n + r) * EPS64 / 2) * y.norm(dim=(1, 2)), "(I - Q Q^T) Y")
+    departure = q.mT @ q - torch.eye(r, dtype=q.dtype)
+    within(departure.abs(), 2 * orth, "Q^T Q - I")
+    y = x.double() / x.double().abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    residual = (y - q @ (q.mT @ y)).norm(dim=(-2, -1))
+    measured = departure.norm(dim=(-2, -1))
+    within(residual, 2 * (span + measured + (n + r) * EPS64 / 2) * y.norm(dim=(-2, -1)), "(I - Q Q^T) Y")
+
+
+def test_cholesky_qr_of_an_input_that_cancels_the_completion_is_finite():
+    """Scaled and completed, [[-u64, 1], [0, -u64]] becomes [[0, 1], [0, 0]] exactly: singular, the plain passes'
+    Cholesky factorisations fail, and those passes leave the matrix as the shifted ones made it (no gradient is
+    such an input: this is the guard against NaN, not a basis). The result is finite and spans the input to within
+    u64 of its norm (its second direction is u64 long: what the completion cancelled), in one nonzero column."""
+    x = torch.tensor([[[-(2.0**-53), 1.0], [0.0, -(2.0**-53)]]], dtype=torch.float64)
+    q = cholesky_qr(x)
+    assert q.isfinite().all()
+    e = q[0, :, 1] / q[0, :, 1].norm()  # the nonzero column
+    within((x[0] - torch.outer(e, e) @ x[0]).norm(), 2 * EPS64 * x[0].norm(), "(I - e e^T) Y")  # u64 ||Y||, 4x
 
 
 def test_cholesky_qr_of_zero_is_the_completion_and_cpu_keeps_householder():
     """An all-zero input (a zero gradient) gets the completion's columns (so the power iteration can start again
-    from them); on the CPU orthonormalize stays torch's Householder QR, bitwise (the CPU figures were measured
-    with it, and it is the faster one there)."""
+    from them); off CUDA orthonormalize stays torch's Householder QR, bitwise (the CPU figures were measured with it,
+    and it is the faster one there)."""
     z = cholesky_qr(torch.zeros(1, 10, 3))
     expect = torch.zeros(10, 3)
     for j in range(3):

@@ -29,67 +29,74 @@ def orthonormalize(x_bnr: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of the column span of each matrix in a batch, as a new tensor.
 
     Always orthonormal columns: a rank-deficient or all-zero input (an exactly low-rank gradient) gives a valid basis
-    (completed by other directions) instead of the NaN that Gram-Schmidt with a zero epsilon produces. On the CPU,
-    Householder QR (LAPACK's blocked QR is fast there); on other devices :func:`cholesky_qr`, because CUDA's QR of a
-    batch of tall, thin matrices runs an unblocked kernel per matrix: on an H100 it was 65% of PowerSGD rank 32's GPU
-    time on the 350M GPT (benchmarks/powersgd_profile_h100.txt), where a Cholesky QR is a few batched products.
+    (completed by other directions) instead of the NaN that Gram-Schmidt with a zero epsilon produces. Householder QR
+    (LAPACK's blocked QR is fast on the CPU), except on CUDA: :func:`cholesky_qr`, because CUDA's QR of a batch of
+    tall, thin matrices runs an unblocked kernel per matrix: on an H100 it was 65% of PowerSGD rank 32's GPU time on
+    the 350M GPT (benchmarks/powersgd_profile_h100.txt), where a Cholesky QR is a few batched products.
     """
-    if x_bnr.device.type == "cpu" or x_bnr.shape[-1] > x_bnr.shape[-2]:
-        return householder_qr(x_bnr)
-    return cholesky_qr(x_bnr)
+    if x_bnr.device.type == "cuda" and x_bnr.shape[-1] <= x_bnr.shape[-2]:
+        return cholesky_qr(x_bnr)
+    return householder_qr(x_bnr)
 
 
 def householder_qr(x_bnr: torch.Tensor) -> torch.Tensor:
-    """:func:`orthonormalize` by torch's Householder QR on any device (the CPU's choice)."""
+    """:func:`orthonormalize` by torch's Householder QR on any device (the choice everywhere but CUDA)."""
     return torch.linalg.qr(x_bnr, mode="reduced").Q
 
 
-#: The shift of cholesky_qr's first pass, in units of u ||Y||_F^2 per (n r + r (r + 1)): Fukaya et al.'s bound
+#: The shift of cholesky_qr's shifted passes, in units of u64 ||Y||_F^2 per (n r + r (r + 1)): Fukaya et al.'s bound
 #: (SIAM J. Sci. Comput. 42(1), 2020, "Shifted Cholesky QR for computing the QR factorization of ill-conditioned
 #: matrices") under which Y^T Y + s I stays positive definite in floating point.
 _SHIFT = 11.0
+_U64 = torch.finfo(torch.float64).eps / 2
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _completion(n: int, r: int, device: torch.device) -> torch.Tensor:
-    """``n x r`` orthonormal columns that fill what a rank-deficient input lacks: column j is 1 on rows j, j + r,
-    j + 2r, ... (normalised), so disjoint columns spread over all the rows."""
+    """``n x r`` orthonormal columns (float64) that fill what a rank-deficient input lacks: column j is 1 on rows j,
+    j + r, j + 2r, ... (normalised), so disjoint columns spread over all the rows. Cached per shape and device (a
+    handful of shapes per model: a few MB at most on the device)."""
     rows = torch.arange(n, device=device)
     e = (rows[:, None] % r == torch.arange(r, device=device)[None, :]).to(torch.float64)
     return e / e.sum(0, keepdim=True).sqrt()
 
 
 def cholesky_qr(x_bnr: torch.Tensor) -> torch.Tensor:
-    """:func:`orthonormalize` by a shifted Cholesky QR, three passes in float64 (sCholQR3, Fukaya et al. 2020),
-    without a host synchronisation (``cholesky_ex``: no check of the factorisation on the host).
+    """:func:`orthonormalize` by Cholesky QR in float64, four passes, the first two shifted (Fukaya et al. 2020's
+    shifted Cholesky QR), without a host synchronisation (``cholesky_ex`` does not check on the host).
 
-    Each matrix is scaled to unit Frobenius norm and a completion of relative size u (the input dtype's unit
-    roundoff) is added, so that an all-zero or rank-deficient input still yields ``r`` orthonormal columns (the
-    completion's directions where the input has none) and a full-rank one a basis of its own span perturbed by
-    less than its own rounding: ``||F||_F <= sqrt(r) u ||Y||_F``. The first pass shifts the Gram matrix by
-    ``11 (n r + r (r + 1)) u64 ||Y||_F^2`` so that its Cholesky factorisation exists for any input (condition
-    numbers up to ~1/u64); two unshifted passes then make the columns orthonormal to float64's rounding. The span
-    is set by the triangular solves alone (any triangular factor keeps it): each is row-wise backward stable, so
-    the basis spans ``Y + F`` with ``||F||_F <= (sqrt(r) + 1 + 3 r^2) u ||Y||_F`` to first order in u (the
-    filler, the scaling, and three solves each within ``r u`` of every row's ``||L||``)."""
+    Each matrix (the last two dimensions; ``n >= r``) is scaled to unit Frobenius norm (by its largest entry first, so
+    that no float64 input overflows or underflows) and the completion is added at u64 of it, so that an all-zero or
+    rank-deficient input still yields ``r`` orthonormal columns (the completion's directions where the input has
+    none), and a full-rank one a basis of its own span perturbed by ``||F||_F <= sqrt(r) u64 ||Y||_F``. A shifted
+    pass (Gram matrix + ``11 (n r + r (r + 1)) u64 ||Y||_F^2 I``) has a Cholesky factor for any input and divides
+    the condition number by about ``1 / sqrt(shift)``: two of them take the ~1e16 of a rank-deficient input into
+    the range where two plain passes (CholQR2) end orthonormal to float64's rounding. The span is set by the
+    triangular solves alone (any triangular factor keeps it), each row-wise backward stable: the basis spans ``Y + F``
+    with ``||F||_F <= (sqrt(r) + 2 + 4 r^2) u64 ||Y||_F`` to first order (the completion, the two scalings, four
+    solves each within ``r u64`` of every row's ``||L||``), before the cast back to the input's dtype. A pass whose
+    Cholesky factorisation fails (possible only for an input that exactly cancels the completion, which no
+    gradient does) leaves that matrix as the previous pass made it: finite, not NaN."""
     n, r = x_bnr.shape[-2:]
     if r > n:
-        raise ValueError(f"cholesky_qr needs at most as many columns as rows, got {n} x {r}: use torch.linalg.qr")
+        raise ValueError(f"cholesky_qr needs at most as many columns as rows, got {n} x {r}: use householder_qr")
     y = x_bnr.to(torch.float64)
-    norm = torch.linalg.vector_norm(y, dim=(1, 2), keepdim=True)
+    amax = y.abs().amax(dim=(-2, -1), keepdim=True)
+    y = y / torch.where(amax > 0, amax, 1.0)
+    norm = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
     nonzero = norm > 0
     y = y / torch.where(nonzero, norm, 1.0)
-    unit = torch.finfo(x_bnr.dtype).eps / 2
-    fill = torch.where(nonzero, unit, 1.0)  # an all-zero input: the completion alone
+    fill = torch.where(nonzero, _U64, 1.0)  # an all-zero input: the completion alone
     y = y + fill * _completion(n, r, y.device)
     eye = torch.eye(r, dtype=y.dtype, device=y.device)
-    shift = _SHIFT * (n * r + r * (r + 1)) * (torch.finfo(torch.float64).eps / 2)
-    for k in range(3):
-        gram = y.transpose(1, 2) @ y
-        if k == 0:
-            gram = gram + (shift * gram.diagonal(dim1=1, dim2=2).sum(-1))[:, None, None] * eye
-        lower = torch.linalg.cholesky_ex(gram).L
-        y = torch.linalg.solve_triangular(lower.transpose(1, 2), y, upper=True, left=False)
+    for k in range(4):
+        gram = y.mT @ y
+        if k < 2:
+            trace = gram.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+            gram = gram + (_SHIFT * (n * r + r * (r + 1)) * _U64) * trace * eye
+        lower, info = torch.linalg.cholesky_ex(gram)
+        solved = torch.linalg.solve_triangular(lower.mT, y, upper=True, left=False)
+        y = torch.where((info == 0)[..., None, None], solved, y)
     return y.to(x_bnr.dtype)
 
 
