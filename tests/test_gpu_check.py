@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,20 @@ def test_stages_fail_alone_and_within_the_budget(tmp_path):
     raises = Stage("raises", [sys.executable, "-c", "raise ValueError('Invalid x=3: must be 2')"], 30)
     hangs = Stage("hangs", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2)
     late = Stage("late", [sys.executable, "-c", "pass"], 30)
+    leaves = Stage("leaves", [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
+                              "'-c', 'import time; time.sleep(60)']); print('child', p.pid)"], 30)  # fmt: skip
     results_path, log = tmp_path / "r.json", tmp_path / "r.log"
+    t0 = time.monotonic()
+    data = run([leaves], results_path, log, device="cpu", preset="tiny", budget_s=120)
+    assert data["stages"]["leaves"]["ok"] and time.monotonic() - t0 < 30  # not held up by what it left running
+    child = int(log.read_text().split("child ")[-1].split()[0])
+    for _ in range(100):  # and that is gone (killed, or a zombie until its new parent reaps it)
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"stage 'leaves' left process {child} running")
     data = run([raises, hangs, train], results_path, log, device="cpu", preset="tiny", budget_s=120)
     st = data["stages"]
     assert json.loads(results_path.read_text()) == data

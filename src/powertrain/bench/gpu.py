@@ -16,6 +16,7 @@ cluster --preset paper --results FILE`` feeds its compute figures to the cluster
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -181,6 +182,8 @@ def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)  # the stage and everything it started (ranks, compile workers)
             proc.wait()
             timed_out = True
+        with contextlib.suppress(ProcessLookupError):  # what the stage left running, in the session it started
+            os.killpg(proc.pid, signal.SIGKILL)
         cut = out.seek(0, os.SEEK_END) > OUTPUT_TAIL
         output = read_tail(out, OUTPUT_TAIL)
     seconds = time.monotonic() - t0
