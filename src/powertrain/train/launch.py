@@ -289,6 +289,9 @@ def _context() -> Any:
     ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs (an earlier launch started it)
     # The server ignores Ctrl-C once it has imported; it inherits the disposition across exec, so that it also
     # ignores a Ctrl-C while it imports (which would print its traceback and fail the launch): the launcher stops.
+    # Dispositions are the whole process's, so a Ctrl-C in the milliseconds of the spawn itself is lost (blocking
+    # SIGINT instead does not protect the server: its signal mask is reset at its exec, measured); the launcher's
+    # handler (installed before this) is back as soon as the server is spawned, and records any later one.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
@@ -344,7 +347,6 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
         return {0: fn(*args)}
     store, port = _loopback_store(store_timeout_s)
     trace = None if trace_dir is None else str(trace_dir)
-    ctx = _context()
     interrupted: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -353,6 +355,9 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     procs: list[Any] = []
     try:
+        ctx = _context()
+        if interrupted:
+            raise Interrupted(interrupted[0])
         with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
             env = dict(os.environ)  # every rank's, as it is at this launch
             for rank in range(nproc):
