@@ -283,22 +283,23 @@ def _context() -> Any:
     socket lives in TMPDIR, and a path longer than a socket address takes (108 bytes on Linux) fails to bind."""
     if "forkserver" not in mp.get_all_start_methods():  # not POSIX
         return mp.get_context("spawn")
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))  # no effect once the server runs (an earlier launch started it)
-    # The server ignores Ctrl-C once it has imported; it inherits the disposition across exec, so that it also
-    # ignores a Ctrl-C while it imports (which would print its traceback and fail the launch): the launcher stops.
-    # Dispositions are the whole process's, so a Ctrl-C in the milliseconds of the spawn itself is lost (blocking
-    # SIGINT instead does not protect the server: its signal mask is reset at its exec, measured); the launcher's
-    # handler (installed before this) is back as soon as the server is spawned, and records any later one.
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The server ignores Ctrl-C once it has imported (CPython's forkserver sets SIG_IGN, which also discards one
+    # pending); while it imports, a Ctrl-C would print its traceback and fail the launch. So it starts with SIGINT
+    # blocked: a child inherits this thread's signal mask. Blocked, not ignored: the launcher's handler still records a
+    # Ctrl-C in this window (another thread takes it, or this one when it unblocks); ignored, it was lost and the run
+    # went on to exit 0. The resource tracker is started first because starting it unblocks SIGINT on the way.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         forkserver.ensure_running()
     except OSError:
         return mp.get_context("spawn")
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if not _server_stopper:
         _server_stopper.append(True)
         atexit.register(_stop_server)
@@ -366,7 +367,12 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
                     args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
                     daemon=False,
                 )
-                p.start()
+                try:
+                    p.start()
+                except (EOFError, OSError):  # the fork server died: of a SIGTERM or SIGHUP while it imports, say
+                    if interrupted:
+                        raise Interrupted(interrupted[0]) from None
+                    raise
                 procs.append(p)
             failures: list[Failure] = []
             while any(p.exitcode is None for p in procs) and not failures and not interrupted:
