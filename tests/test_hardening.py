@@ -309,33 +309,15 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
     assert r.returncode == 0 and "a worker ran" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
-def test_sigterm_while_the_fork_server_imports_is_one_line(tmp_path):
-    """SIGTERM to the whole group while the fork server imports torch kills the server (only SIGINT is kept from it):
-    the launcher, waiting on it for its first worker, says it was interrupted in one line (it printed EOFError's
-    traceback and exited 1)."""
-    out = tmp_path / "run"
-    args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 90
-        while not _fork_server_started(proc.pid):
-            assert proc.poll() is None and time.monotonic() < deadline, "no fork server started"
-            time.sleep(0.02)
-        time.sleep(0.3)  # inside the server's import of torch (seconds), past the spawn
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    lines = _lines(err)
-    assert proc.returncode == 130 and len(lines) == 1 and "interrupted (SIGTERM)" in lines[0], err[-2000:]
-
-
-@pytest.mark.parametrize("when", ["training", "starting"])
-def test_ctrl_c_stops_every_worker_with_one_line(tmp_path, when):
-    """Also while the workers' fork server still imports torch (it ignores Ctrl-C from its start, as the launcher
-    handles it)."""
+@pytest.mark.parametrize(
+    ("when", "sig"),
+    [("training", signal.SIGINT), ("starting", signal.SIGINT), ("importing", signal.SIGTERM)],
+)
+def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
+    """Ctrl-C (to the whole group, as a terminal sends it) while training, and also just as the workers' fork
+    server is spawned (it keeps Ctrl-C from its start, as the launcher handles it). SIGTERM to the group while the
+    server imports torch kills the server (only SIGINT is kept from it): the launcher, waiting on it for its first
+    worker, says it was interrupted in one line (it printed EOFError's traceback and exited 1)."""
     out = tmp_path / "run"
     args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -350,14 +332,16 @@ def test_ctrl_c_stops_every_worker_with_one_line(tmp_path, when):
             while not _fork_server_started(proc.pid):
                 assert proc.poll() is None and time.monotonic() < deadline, "no fork server started"
                 time.sleep(0.02)
-        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+            if when == "importing":
+                time.sleep(0.3)  # inside the server's import of torch (seconds), past the spawn
+        os.killpg(proc.pid, sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-2000:]
     lines = _lines(err)
-    assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], err[-2000:]
+    assert len(lines) == 1 and f"interrupted ({sig.name})" in lines[0], err[-2000:]
 
 
 # ---------------------------------------------------------------- 3-6. resumes that lose nothing, clear errors
