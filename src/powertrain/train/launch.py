@@ -292,14 +292,15 @@ def _context() -> Any:
     # blocked: a child inherits this thread's signal mask. Blocked, not ignored: the launcher's handler still records a
     # Ctrl-C in this window (another thread takes it, or this one when it unblocks); ignored, it was lost and the run
     # went on to exit 0. The resource tracker is started first because starting it unblocks SIGINT on the way.
-    resource_tracker.ensure_running()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        forkserver.ensure_running()
+        resource_tracker.ensure_running()  # inside the try as when forkserver.ensure_running started it
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except OSError:
         return mp.get_context("spawn")
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if not _server_stopper:
         _server_stopper.append(True)
         atexit.register(_stop_server)
