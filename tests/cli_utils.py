@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,13 +32,18 @@ def _descendants(pid: int) -> list[int]:
     return [d for child in children(pid) for d in (child, *_descendants(child))]
 
 
+# faulthandler's list of loaded C extensions after a fatal signal's stacks: over 4 kB here (scipy, PIL...), so a test's
+# tail of stderr showed only it when a worker aborted (CI, test_lightning); the lines above it are the story
+_EXTENSIONS = re.compile(r"^Extension modules: .*?\(total: \d+\)\n?", re.MULTILINE | re.DOTALL)
+
+
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: str = "powertrain",
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     """``python -m MODULE ARGS`` (``powertrain`` by default), with ``env`` added to the environment.
 
     If it is still running after ``timeout`` seconds, every process of the run gets SIGABRT, which (with
     PYTHONFAULTHANDLER) prints each one's Python stack of every thread to the stderr the test shows, and the test
-    fails naming the command."""
+    fails naming the command. The stderr returned leaves out faulthandler's list of loaded extension modules."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     cmd = [sys.executable, "-m", module, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
@@ -51,8 +57,9 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: s
         time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+        err = _EXTENSIONS.sub("", err)
         pytest.fail(f"still running after {timeout:g} s: {' '.join(cmd)}\n--- stderr (stacks)\n{err[-20000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, _EXTENSIONS.sub("", err))
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> subprocess.CompletedProcess[str]:
