@@ -99,7 +99,7 @@ if dist.get_rank() == 0:
 # finished collective's tensor while the interpreter finalises takes the GIL and aborts the process (pytorch/pytorch
 # #190489; backtrace here: ProcessGroupGloo::runLoop -> decref_pyobject -> PyEval_AcquireThread -> pthread_exit),
 # after the results were written (tests/lightning_fit.py: 2 runs in 22 with barrier + destroy_process_group, 1 in 25
-# without)
+# without either, none in 25 as it ends now)
 dist.barrier()
 sys.stdout.flush()
 sys.stderr.flush()
