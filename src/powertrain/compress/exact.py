@@ -50,7 +50,11 @@ class AllReduceCompressor(Compressor):
 
         def run() -> Program:
             yield ReduceRequest(buf, "mean")
-            out = [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
+            dtypes = {g.dtype for g in grads}
+            if len(dtypes) == 1:  # one cast of the buffer, not one per gradient
+                out = flat_views(buf.to(dtypes.pop()), [g.shape for g in grads])
+            else:
+                out = [v.to(g.dtype) for v, g in zip(flat_views(buf, [g.shape for g in grads]), grads, strict=True)]
             return slice_rows(out, rows)
 
         return guard_nonfinite(run(), local_ok=finite_flag([buf]), error=lambda: self._nonfinite_error(names, grads))

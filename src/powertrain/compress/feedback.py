@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
-from powertrain._compat import foreach_add_
+from powertrain._compat import foreach_add_, foreach_copy_
 from powertrain.compress.base import (
     Compressor,
     Program,
@@ -69,6 +69,7 @@ class ErrorFeedbackCompressor(Compressor):
         self.error_dtype = error_dtype
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
         self._steps = [0] * len(self.params)
+        self._generators: dict[int, torch.Generator] = {}
 
     @abc.abstractmethod
     def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
@@ -84,7 +85,10 @@ class ErrorFeedbackCompressor(Compressor):
         compressor's device: drawing on the CPU and copying would make the host wait on CUDA."""
         rank = -1 if self._shared_randomness else self.comm.rank
         digest = hashlib.blake2b(repr((self.seed, rank, i, self._steps[i])).encode(), digest_size=8).digest()
-        generator = torch.Generator() if self.device.type == "cpu" else torch.Generator(device=self.device)
+        generator = self._generators.get(i)
+        if generator is None:  # made once per parameter and seeded again at each step
+            generator = torch.Generator() if self.device.type == "cpu" else torch.Generator(device=self.device)
+            self._generators[i] = generator
         return generator.manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
 
     @torch.no_grad()
@@ -156,8 +160,8 @@ def padded_to_chunks(parts: list[torch.Tensor], chunk: int) -> tuple[torch.Tenso
     parameters); also return each part's padded length."""
     lengths = [-(-p.numel() // chunk) * chunk for p in parts]
     out = torch.zeros(sum(lengths), dtype=torch.float32, device=parts[0].device if parts else "cpu")
-    for p, view in zip(parts, out.split(lengths), strict=True):
-        view[: p.numel()].copy_(p)
+    if parts:  # one fused call, not a copy per parameter (on CUDA one launch per ~hundred tensors)
+        foreach_copy_([v[: p.numel()] for p, v in zip(parts, out.split(lengths), strict=True)], parts)
     return out, lengths
 
 
@@ -171,6 +175,7 @@ def unpad(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -
 def repad(real: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
     """Inverse of :func:`unpad` (padding positions get zeros): padding is never sent."""
     out = real.new_zeros(sum(lengths))
-    for src, dst, p in zip(real.split([p.numel() for p in parts]), out.split(lengths), parts, strict=True):
-        dst[: p.numel()].copy_(src)
+    if parts:
+        foreach_copy_([v[: p.numel()] for p, v in zip(parts, out.split(lengths), strict=True)],
+                      list(real.split([p.numel() for p in parts])))  # fmt: skip
     return out

@@ -68,9 +68,9 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         x, lengths = padded_to_chunks(parts, self.chunk)
         noise = None
         if self.stochastic:
-            noise = torch.zeros_like(x)
+            noise = torch.zeros_like(x)  # drawn in place: the numbers torch.rand(n, generator=...) would return
             for i, p, view in zip(idx, parts, noise.split(lengths), strict=True):
-                view[: p.numel()] = torch.rand(p.numel(), generator=self._rng(i), device=x.device)
+                view[: p.numel()].uniform_(generator=self._rng(i))
         codes, scales = quantize(x, self.bits, self.chunk, noise)
         real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
         gathered = yield GatherRequest(pack_codes(real, scales, self.bits))

@@ -30,24 +30,27 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Copy ``tensors`` (any shapes, any floating dtypes) into one new 1-D buffer of ``dtype``."""
+    """Copy ``tensors`` (any shapes, any floating dtypes) into one new 1-D buffer of ``dtype``, on their device.
+
+    One concatenation that casts as it copies (the values ``.to(dtype)`` gives), not a cast per tensor before it: a
+    bucket holds a hundred parameters or more, and per-tensor calls, not bytes, are what packing costs."""
     if not tensors:
         return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+    flat = [t.reshape(-1) for t in tensors]
+    return torch.cat(flat, out=torch.empty(sum(f.numel() for f in flat), dtype=dtype, device=flat[0].device))
 
 
 def flat_views(buffer: torch.Tensor, shapes: Sequence[torch.Size | tuple[int, ...]]) -> list[torch.Tensor]:
     """Views of ``shapes`` laid out one after the other in the 1-D ``buffer`` (no copies)."""
-    views = []
-    offset = 0
+    sizes = []
     for shape in shapes:
         numel = 1
         for d in shape:
             numel *= d
-        views.append(buffer[offset : offset + numel].view(shape))
-        offset += numel
-    assert offset == buffer.numel(), f"buffer holds {buffer.numel()} elements, shapes need {offset}"
-    return views
+        sizes.append(numel)
+    assert sum(sizes) == buffer.numel(), f"buffer holds {buffer.numel()} elements, shapes need {sum(sizes)}"
+    # one split for all the offsets, then a view per shape (a slice and a view each cost twice the calls)
+    return [part.view(shape) for part, shape in zip(buffer.split(sizes), shapes, strict=True)]
 
 
 def pack_payload(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -25,7 +25,8 @@ __all__ = [
 
 def _chunks(x: torch.Tensor, chunk: int) -> torch.Tensor:
     pad = (-x.numel()) % chunk
-    return torch.nn.functional.pad(x, (0, pad)).view(-1, chunk)
+    # a view when no padding is needed (the compressors pad each parameter to whole chunks): F.pad copies even then
+    return (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(-1, chunk)
 
 
 def quantize(
