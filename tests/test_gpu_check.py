@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from powertrain.bench import cluster_gpu
-from powertrain.bench.gpu import Stage, load_previous, run, section, select, stages
-from powertrain.bench.gpu_measure import COMPRESSORS, measure
+from powertrain.bench.gpu import Stage, load_previous, run, section, select, stages, write_profiles
+from powertrain.bench.gpu_measure import COMPRESSORS, PROFILED, measure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,7 +28,7 @@ def test_a_sizes_measurements_and_their_report(tmp_path):
     path = tmp_path / "tiny.json"
     import torch.distributed as dist
 
-    data = measure("tiny", torch.device("cpu"), path, repeats=2, memory=("ddp", "rtp"))
+    data = measure("tiny", torch.device("cpu"), path, repeats=2, memory=("ddp", "rtp"), profile_above=0.0)
     assert not dist.is_initialized()  # its world of one is left again
     assert json.loads(path.read_text()) == data  # the file is what was measured, item by item
     assert data["passes"]["backward_s"] > 0 and data["passes"]["forward_s"] > 0
@@ -47,6 +47,13 @@ def test_a_sizes_measurements_and_their_report(tmp_path):
     text = section(results)
     assert "| measure:tiny | ok |" in text and "PowerSGD r32 (powersgd, rank 32)" in text
     assert "| tiny | rtp |" in text and "Target (issue 36)" in text
+    # a profile for each profiled compressor above profile_above (here 0: every one), each in its file
+    assert all(isinstance(data[key], str) for key, _ in PROFILED.values())
+    written = write_profiles(results, tmp_path)
+    assert sorted(p.name for p in written) == sorted(name for _, name in PROFILED.values())
+    for label in PROFILED:
+        text = (tmp_path / PROFILED[label][1]).read_text()
+        assert text.startswith(f"measure:tiny: {label}, top operations") and "Self CPU" in text, text[:300]
 
 
 def test_stages_fail_alone_and_within_the_budget(tmp_path):

@@ -9,7 +9,8 @@ Files, in ``$OUT`` if set (what a device run returns), else ``runs/gpu-check``:
 * ``gpu_check.log``: each stage's command and the tail of its output;
 * ``gpu_section.md`` and ``cluster_gpu.md``: the two Markdown sections this run's figures give;
 * ``BENCHMARKS.md``: the repository's, with the GPU section replaced (CUDA runs only);
-* ``powersgd_profile.txt``: PowerSGD rank 32's top operations, when it is above its target share of backward.
+* ``powersgd_profile.txt``, ``int8_profile.txt``: PowerSGD rank 32's and int8's top operations, when above the target
+  share of backward.
 
 ``DEVICE=cpu`` is the dry run: the same stages on stand-in sizes, in a minute or two, and BENCHMARKS.md untouched.
 Exit status 1 when any stage failed or did not start.

@@ -337,10 +337,7 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
                budget_s=budget, previous=previous)  # fmt: skip
     if (data.get("merge") or {}).get("refused"):
         print(f"not merged with {merge}: {data['merge']['refused']}", file=sys.stderr, flush=True)
-    for name, res in data["stages"].items():
-        profile = (res.get("result") or {}).get("powersgd_r32_profile")
-        if isinstance(profile, str):
-            (outdir / "powersgd_profile.txt").write_text(f"{name}: PowerSGD rank 32, top operations\n\n{profile}\n")
+    write_profiles(data, outdir)
     text = section(data)
     (outdir / "gpu_section.md").write_text(text + "\n")
     # a CPU dry run never replaces the GPU section of the repository's BENCHMARKS.md
@@ -402,6 +399,21 @@ def _compute_table(measured: dict[str, Any]) -> str:
             "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off). Householder QR: the same "
             "with `torch.linalg.qr` as PowerSGD's orthonormalisation (on CUDA powertrain runs a Cholesky QR).\n\n"
             + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows))  # fmt: skip
+
+
+def write_profiles(data: dict[str, Any], outdir: Path) -> list[Path]:
+    """The profiler tables a run's measure stages recorded (:data:`powertrain.bench.gpu_measure.PROFILED`), each in
+    its file in ``outdir`` (a later size's replaces an earlier's, as the check measures 124m first)."""
+    from powertrain.bench.gpu_measure import PROFILED
+
+    written = []
+    for name, res in data["stages"].items():
+        for label, (key, filename) in PROFILED.items():
+            profile = (res.get("result") or {}).get(key)
+            if isinstance(profile, str):
+                (outdir / filename).write_text(f"{name}: {label}, top operations\n\n{profile}\n")
+                written.append(outdir / filename)
+    return written
 
 
 def _target_line(measured: dict[str, Any]) -> str:

@@ -6,8 +6,8 @@ Under bf16 autocast, one micro-batch of ``batch x block_size`` tokens, at world 
 1. forward and backward time (medians, the device synchronised around each);
 2. each compressor's compress + decompress time: ``aggregate`` at world size 1 runs all of its math and none of its
    collectives (PowerSGD ranks 4, 32 and what ``rank=auto`` picks for this backward on a 100 Gbit/s link between
-   2 nodes of 8 GPUs; int8; bf16), as a fraction of backward; PowerSGD rank 32 above :data:`TARGET` of backward
-   gets a ``torch.profiler`` table of its top operations;
+   2 nodes of 8 GPUs; int8; bf16), as a fraction of backward; PowerSGD rank 32 and int8 above :data:`TARGET` of
+   backward get a ``torch.profiler`` table of their top operations (:data:`PROFILED`);
 3. peak memory of a training step (AdamW) with each way to train (``powertrain train``'s own strategies on a world
    of one: DDP, DDP with PowerSGD, FSDP2, RTP, SimpleFSDP compiled) and GaLore's optimizer state against AdamW's.
 
@@ -50,6 +50,13 @@ COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
     "PowerSGD r32": ("powersgd", {"rank": 32, **PSGD}),
     "int8": ("int8", {}),
     "bf16": ("bf16", {}),
+}
+#: Compressors whose top operations are profiled (``torch.profiler``) when above :data:`TARGET` of backward, with the
+#: result's key and the file ``bench gpu`` writes it to: the target's rank 32, and int8 (99.8% of backward on the
+#: H100's first run, a compressor whose math is a few passes over the gradients: per-parameter calls were suspected).
+PROFILED: dict[str, tuple[str, str]] = {
+    "PowerSGD r32": ("powersgd_r32_profile", "powersgd_profile.txt"),
+    "int8": ("int8_profile", "int8_profile.txt"),
 }
 #: The link rank=auto is asked about: 100 Gbit/s between nodes, 2 nodes x 8 GPUs in one ring (the link carries a
 #: GPU's whole ring traffic), 20 us per message.
@@ -201,14 +208,15 @@ def _bytes(comp: Any) -> int:
     return n * comp.dtype.itemsize
 
 
-def _profile(model: torch.nn.Module, device: torch.device) -> str:
-    """The top operations of PowerSGD rank 32's compress + decompress (3 calls), by their own device time."""
+def _profile(model: torch.nn.Module, device: torch.device, label: str) -> str:
+    """The top operations of the compressor ``label``'s compress + decompress (3 calls), by their own device time."""
     from torch.profiler import ProfilerActivity, profile
 
     from powertrain.compress import make_compressor
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    comp = make_compressor("powersgd", model.named_parameters(), **COMPRESSORS["PowerSGD r32"][1])
+    name, options = COMPRESSORS[label]
+    comp = make_compressor(name, model.named_parameters(), **options)
     comp.aggregate(grads)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
@@ -306,9 +314,10 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10,
-            memory: tuple[str, ...] = tuple(MEMORY)) -> dict[str, Any]:  # fmt: skip
-    """Every measurement of one size (module docstring; ``memory``: which :data:`MEMORY` ways to train), written to
+def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10, memory: tuple[str, ...] = tuple(MEMORY),
+            profile_above: float = TARGET) -> dict[str, Any]:  # fmt: skip
+    """Every measurement of one size (module docstring; ``memory``: which :data:`MEMORY` ways to train;
+    ``profile_above``: the share of backward past which a :data:`PROFILED` compressor is profiled), written to
     ``path`` as it goes."""
     cfg, batch = SIZES[size]
     if device.type == "cuda":
@@ -325,7 +334,7 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10,
         head = {"size": size, "batch": batch, "block_size": cfg.block_size, "tokens": batch * cfg.block_size,
                 "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab": cfg.vocab_size}  # fmt: skip
         rec = _Record(path, **head)
-        _compute(rec, cfg, batch, device, repeats)  # its model is gone when it returns
+        _compute(rec, cfg, batch, device, repeats, profile_above)  # its model is gone when it returns
         _free(device)
         rec.item("galore", lambda: _galore_state(cfg, batch, device))
         for kind in memory:
@@ -340,7 +349,8 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10,
             dist.destroy_process_group()
 
 
-def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, repeats: int) -> None:
+def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, repeats: int,
+             profile_above: float) -> None:  # fmt: skip
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     rec.data["params"] = model.num_params()
@@ -349,9 +359,10 @@ def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, rep
     if "backward_s" not in passes:
         return
     comps = rec.item("compressors", lambda: _compressors(model, passes["backward_s"], device, repeats))
-    r32 = comps.get("PowerSGD r32", {}) if isinstance(comps, dict) else {}
-    if r32.get("of_backward", 0) > TARGET:
-        rec.item("powersgd_r32_profile", lambda: _profile(model, device))
+    for label, (key, _) in PROFILED.items():
+        timed = comps.get(label, {}) if isinstance(comps, dict) else {}
+        if timed.get("of_backward", 0) > profile_above:
+            rec.item(key, lambda label=label: _profile(model, device, label))  # type: ignore[misc]
 
 
 if __name__ == "__main__":
