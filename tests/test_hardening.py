@@ -309,25 +309,45 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
     assert r.returncode == 0 and "a worker ran" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
+def _spawned_workers(launcher: int) -> int:
+    count = 0
+    for child in children(launcher):
+        with contextlib.suppress(OSError):
+            count += b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
+    return count
+
+
 @pytest.mark.parametrize(
     ("when", "sig"),
-    [("training", signal.SIGINT), ("starting", signal.SIGINT), ("importing", signal.SIGTERM)],
-)
+    [("training", signal.SIGINT), ("starting", signal.SIGINT), ("importing", signal.SIGTERM),
+     ("spawned", signal.SIGINT)],
+)  # fmt: skip
 def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
     """Ctrl-C (to the whole group, as a terminal sends it) while training, and also just as the workers' fork
     server is spawned (it keeps Ctrl-C from its start, as the launcher handles it). SIGTERM to the group while the
     server imports torch kills the server (only SIGINT is kept from it): the launcher, waiting on it for its first
-    worker, says it was interrupted in one line (it printed EOFError's traceback and exited 1)."""
+    worker, says it was interrupted in one line (it printed EOFError's traceback and exited 1). Without a fork server
+    (a TMPDIR too long for its socket: workers spawned), a Ctrl-C while the workers import torch: each printed its
+    KeyboardInterrupt's traceback (67 lines, measured) before they started with SIGINT blocked."""
     out = tmp_path / "run"
     args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if when == "spawned":  # a Unix socket's path takes at most 108 bytes
+        (tmp_path / ("t" * 110)).mkdir()
+        env["TMPDIR"] = str(tmp_path / ("t" * 110))
     proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)  # fmt: skip
+                            text=True, env=env, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         if when == "training":
             while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text():
                 assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
                 time.sleep(0.2)
+        elif when == "spawned":
+            while _spawned_workers(proc.pid) < 2:
+                assert proc.poll() is None and time.monotonic() < deadline, "no workers spawned"
+                time.sleep(0.02)
+            time.sleep(0.3)  # inside their import of torch (seconds)
         else:  # the fork server has just been spawned, perhaps still in the launcher's window (launch._context)
             while not _fork_server_started(proc.pid):
                 assert proc.poll() is None and time.monotonic() < deadline, "no fork server started"

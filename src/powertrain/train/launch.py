@@ -220,6 +220,9 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, 
     _release_fork_server()
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
+    # started with SIGINT blocked (launch), so that a Ctrl-C while a spawned worker imported stayed pending: now
+    # ignored, it is dropped; unblocked, later ones are ignored too
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.environ != env:  # the fork server's is the launcher's when the server started
         os.environ.clear()
         os.environ.update(env)
@@ -362,19 +365,28 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
             raise Interrupted(interrupted[0])
         with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
             env = dict(os.environ)  # every rank's, as it is at this launch
-            for rank in range(nproc):
-                p = ctx.Process(
-                    target=_worker,
-                    args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
-                    daemon=False,
-                )
-                try:
-                    p.start()
-                except (EOFError, OSError):  # the fork server died: of a SIGTERM or SIGHUP while it imports, say
-                    if interrupted:
-                        raise Interrupted(interrupted[0]) from None
-                    raise
-                procs.append(p)
+            # Workers start with SIGINT blocked (a child inherits this thread's mask), as the fork server does:
+            # spawned ones (no fork server) import torch before _worker ignores SIGINT, and a Ctrl-C then printed
+            # each one's KeyboardInterrupt traceback. The launcher's handler gets a Ctrl-C of this window at the
+            # unblock; the workers started are then stopped.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                for rank in range(nproc):
+                    p = ctx.Process(
+                        target=_worker,
+                        args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
+                        daemon=False,
+                    )
+                    try:
+                        p.start()
+                    except (EOFError, OSError):  # the fork server died: of a SIGTERM or SIGHUP while it imports, say
+                        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending Ctrl-C is recorded first
+                        if interrupted:
+                            raise Interrupted(interrupted[0]) from None
+                        raise
+                    procs.append(p)
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             failures: list[Failure] = []
             while any(p.exitcode is None for p in procs) and not failures and not interrupted:
                 time.sleep(0.05)
