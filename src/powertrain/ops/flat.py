@@ -37,6 +37,8 @@ def pack(tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.devi
     if not tensors:
         return torch.empty(0, dtype=dtype, device=device)
     flat = [t.reshape(-1) for t in tensors]
+    if torch.is_grad_enabled() and any(f.requires_grad for f in flat):  # out= takes no part in autograd
+        return torch.cat([f.to(dtype) for f in flat])
     return torch.cat(flat, out=torch.empty(sum(f.numel() for f in flat), dtype=dtype, device=flat[0].device))
 
 
