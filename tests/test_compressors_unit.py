@@ -7,9 +7,13 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import EPS32, feedback_bound, within
+from powertrain.comm import Communicator
 from powertrain.compress import COMPRESSORS, NonFiniteGradientError, make_compressor
+from powertrain.compress.base import GatherRequest, Program, ReduceRequest, guard_nonfinite, run_program
+from powertrain.ops.flat import pack
 from powertrain.ops.quantize import dequantize, pack_bits, pack_int4, quantize, unpack_bits, unpack_int4
 
 EF = [
@@ -222,3 +226,88 @@ def test_the_registry_names_each_compressors_class_and_its_reduce_scatter_form()
     assert sharded >= {"none", "powersgd", "int8"} and "topk" not in sharded  # the layouts test_fsdp trains
     with pytest.raises(ValueError, match="Unknown compressor 'zstd'"):
         compressor_class("zstd")
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (``bool(t)``, ``t.item()``: a synchronisation on CUDA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
+
+
+def test_powersgd_reads_one_finiteness_flag_a_call():
+    """PowerSGD's exact part, P and Q are three collectives (bf16 factors: the exact part is not fused), and the host
+    reads whether to raise once, at the last (guard_nonfinite): the other two results' flags stay on the device and
+    travel in the next message. It read one per collective (3) before."""
+    params = [torch.nn.Parameter(torch.randn(64, 48)), torch.nn.Parameter(torch.randn(48, 32)),
+              torch.nn.Parameter(torch.randn(7))]  # fmt: skip
+    comp = make_compressor("powersgd", params, rank=2, start_compressing_after_num_steps=0)
+    comp.aggregate(_grads(params, 0))
+    with _HostReads() as reads:
+        comp.aggregate(_grads(params, 1))
+    assert reads.n == 1
+
+
+def test_a_deferred_check_raises_at_the_next_collective_before_the_commit():
+    """A result not read on the host (check=False) that came back non-finite poisons the next message (its own
+    input was finite), so the next, checked, collective raises, before the program commits; a program whose last
+    collective is not checked is a bug, said as such."""
+    committed: list[bool] = []
+
+    def program(last_checked: bool) -> Program:
+        yield ReduceRequest(torch.tensor([1.0, float("inf")]), "sum", check=False)
+        yield ReduceRequest(torch.ones(3), "sum", check=last_checked)
+        committed.append(True)
+        return []
+
+    def error() -> NonFiniteGradientError:
+        return NonFiniteGradientError("not finite")
+
+    comm = Communicator()
+    with pytest.raises(NonFiniteGradientError, match="not finite"):
+        run_program(guard_nonfinite(program(True), local_ok=True, error=error), comm)
+    assert not committed
+    with pytest.raises(AssertionError, match="last collective must be checked"):
+        run_program(guard_nonfinite(program(False), local_ok=True, error=error), comm)
+
+    # a finite deferred result: nothing raised, and the host read one flag for two collectives
+    def finite() -> Program:
+        a, b = torch.ones(2), torch.ones(3)
+        yield ReduceRequest(a, "sum", check=False)
+        yield GatherRequest(torch.zeros(8, dtype=torch.uint8))
+        return [a, b]
+
+    with _HostReads() as reads:
+        out = run_program(guard_nonfinite(finite(), local_ok=torch.tensor(True), error=error), comm)
+    assert reads.n == 1 and torch.equal(out[0], torch.ones(2))
+
+
+def test_pack_keeps_autograd_and_reduce_gradients_owns_new_grads():
+    """pack concatenates into a buffer of the target dtype in one call, except where autograd must see it (RTP's
+    double backward); a gradient reduce_gradients creates (the parameter had none) is not a view that would keep the
+    call's whole buffer alive."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, 2, requires_grad=True)
+    pack([a, b], torch.float32, a.device).square().sum().backward()
+    assert torch.equal(a.grad, 2 * a.detach()) and torch.equal(b.grad, 2 * b.detach())
+    with torch.no_grad():
+        assert torch.equal(pack([a, b], torch.bfloat16, a.device), torch.cat([a.bfloat16(), b.bfloat16().view(-1)]))
+    params = [torch.nn.Parameter(torch.randn(1000)), torch.nn.Parameter(torch.randn(10))]
+    params[0].grad = torch.randn(1000)
+    make_compressor("bf16", params).reduce_gradients()
+    assert params[1].grad is not None and params[1].grad.untyped_storage().nbytes() == 10 * 4
+
+
+def test_stochastic_rounding_draws_what_torch_rand_draws():
+    """int8's noise is drawn in place into its padded buffer: the numbers torch.rand(n) gives from the same
+    generator state (a resumed run from a checkpoint of an older version draws the same)."""
+    for n in (1, 7, 1023, 1025, 65537):
+        g = torch.Generator().manual_seed(n)
+        expected = torch.rand(n, generator=g, dtype=torch.float32)
+        buf = torch.zeros(n + 5)
+        buf[3 : 3 + n].uniform_(generator=g.manual_seed(n))
+        assert torch.equal(buf[3 : 3 + n], expected) and not buf[:3].any() and not buf[3 + n :].any()

@@ -210,10 +210,11 @@ SYNC_CASES = [("none", {}), ("bf16", {}), ("int8", {}), ("int4", {"chunk": 64}),
 
 
 def test_no_host_sync_in_hot_paths(device):
-    """Under ``torch.cuda.set_sync_debug_mode``: a compressor's call reads at most one flag per collective, all in
-    :func:`powertrain.ops.finite.read_flag` (whether to raise NonFiniteGradientError: every rank must decide before
-    committing); an optimizer's step (not a refresh step of Shampoo's roots or GaLore's subspace, whose eigh / SVD
-    check their results on the host) makes none, except DeMo's one layout check per step (its comment says why)."""
+    """Under ``torch.cuda.set_sync_debug_mode``: a compressor's call reads at most one flag per collective (PowerSGD
+    one a call), all in :func:`powertrain.ops.finite.read_flag` (whether to raise NonFiniteGradientError: every rank
+    must decide before committing); an optimizer's step (not a refresh step of Shampoo's roots or GaLore's subspace,
+    whose eigh / SVD check their results on the host) makes none, except DeMo's one layout check per step (its
+    comment says why)."""
     _cuda_only(device)
     # the harness itself: an .item() is one synchronisation, reported at its line here; "error" mode raises
     line = sys._getframe().f_lineno + 1
@@ -237,8 +238,10 @@ def test_no_host_sync_in_hot_paths(device):
         counts: list[int] = []
         sites = _sync_sites(lambda comp=comp, counts=counts: counts.append(_drive(comp.program(grads), comp.comm)[1]))
         stray = [s for s in sites if FLAG_READS not in s]
-        if stray or len(sites) > counts[0]:
-            failures.append(f"{name} {opts}: {len(sites)} syncs for {counts[0]} collectives, not in read_flag: {stray}")
+        allowed = 1 if name == "powersgd" else counts[0]  # its earlier collectives' flags stay on the device
+        if stray or len(sites) > allowed:
+            failures.append(f"{name} {opts}: {len(sites)} syncs for {counts[0]} collectives ({allowed} allowed), "
+                            f"not in read_flag: {stray}")  # fmt: skip
     for name, build, allowed in _optimizers():
         model.zero_grad()
         opt = build(model)

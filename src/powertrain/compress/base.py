@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.comm import Communicator, ReduceKind
-from powertrain.ops.finite import all_finite, read_flag
+from powertrain.ops.finite import all_finite, finite_flag, read_flag
 
 __all__ = [
     "Compressor",
@@ -50,11 +50,14 @@ class NonFiniteGradientError(FloatingPointError):
 @dataclasses.dataclass(frozen=True)
 class ReduceRequest:
     """All-reduce ``tensor`` in place (``"sum"`` or ``"mean"``); the program receives None. ``comm``: where
-    (None: the compressor's own communicator; see :meth:`Compressor.communicators`)."""
+    (None: the compressor's own communicator; see :meth:`Compressor.communicators`). ``check``: whether
+    :func:`guard_nonfinite` reads the result's finiteness on the host as it comes back; False defers that to the
+    program's next collective (a program's last collective is always checked)."""
 
     tensor: torch.Tensor
     op: ReduceKind
     comm: Communicator | None = None
+    check: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +65,12 @@ class GatherRequest:
     """All-gather ``tensor`` (uint8, same size on every rank); the program receives ``(world, size)``.
 
     The last byte is reserved for :func:`guard_nonfinite`: a rank with non-finite input sets it to 1.
-    ``comm`` as for :class:`ReduceRequest`.
+    ``comm`` and ``check`` as for :class:`ReduceRequest`.
     """
 
     tensor: torch.Tensor
     comm: Communicator | None = None
+    check: bool = True
 
 
 Request = ReduceRequest | GatherRequest
@@ -120,31 +124,54 @@ def guard_nonfinite(
     The first collective carries the news: a NaN written into a reduced buffer (NaN survives any sum),
     or the reserved last byte of a gathered payload. Every rank checks what comes back, so all raise at
     the same collective, and the wrapped program is abandoned before it commits anything. That check is a
-    host synchronisation on CUDA (:func:`~powertrain.ops.finite.read_flag`), one per collective, and cannot be
-    avoided: whether to raise is a decision of the host, and every rank must make it before the program commits.
+    host synchronisation on CUDA (:func:`~powertrain.ops.finite.read_flag`), and cannot be avoided: whether to raise
+    is a decision of the host, and every rank must make it before the program commits. A request with
+    ``check=False`` is not read: whether its result is finite stays a device flag, written into the next request as
+    the input's is, so the next checked collective raises for both; a program then synchronises once, at its last
+    collective (which must be checked: the program commits right after it).
     """
-    poison = local_ok is not True  # a tensor flag is always written: its value stays on the device
+    pending: bool | torch.Tensor = local_ok  # still to be sent: False (or a device flag) poisons the next request
     try:
         request = next(program)
     except StopIteration as stop:
-        if poison and not read_flag(local_ok):
+        if pending is not True and not read_flag(pending):
             raise error() from None
         return stop.value
     while True:
-        if poison:
-            poison = not _poison(request, local_ok)
+        if pending is not True and _poison(request, pending):
+            pending = True
         result = yield request
         if isinstance(request, GatherRequest):
             assert result is not None, "a gather must return the gathered payloads"
-            bad = read_flag(result[:, -1].any())
-        else:
+            if request.check:
+                bad = read_flag(result[:, -1].any())
+            else:
+                pending = _and(pending, result[:, -1].any().logical_not())
+        elif request.check:
             bad = not all_finite([request.tensor])
-        if bad:
+        else:
+            pending = _and(pending, finite_flag([request.tensor]))
+        if request.check and bad:
             raise error()
+        last = request
         try:
             request = program.send(result)
         except StopIteration as stop:
+            if not last.check:  # the program committed after a result nobody read: a bug in the program
+                raise AssertionError("a program's last collective must be checked (check=True)") from None
+            if pending is not True and not read_flag(pending):  # no request had room for it (all empty)
+                raise error() from None
             return stop.value
+
+
+def _and(a: bool | torch.Tensor, b: bool | torch.Tensor) -> bool | torch.Tensor:
+    """Both flags, on the device where either is a tensor (nothing is read on the host)."""
+    if a is True or b is False:
+        return b
+    if b is True or a is False:
+        return a
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return torch.logical_and(a, b)
 
 
 def _poison(request: Request, ok: bool | torch.Tensor) -> bool:
@@ -348,8 +375,8 @@ class Compressor(abc.ABC):
                 return False
             raise
         for p, avg in zip(self.params, averaged, strict=True):
-            if p.grad is None:
-                p.grad = avg.to(p.dtype)
+            if p.grad is None:  # its own storage: an output may be a view of the call's whole buffer
+                p.grad = avg.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(avg)
         return True

@@ -348,10 +348,12 @@ class PowerSGDCompressor(Compressor):
         algorithm = self._alternating if self.config.variant == "alternating" else self._paper
 
         def collectives() -> Program:
+            # The host reads finiteness once, at the last collective (the factors' last): the others' results stay
+            # device flags passed on in the next message (guard_nonfinite), so the exact part goes first.
+            if fused is None and ubuf.numel():
+                yield ReduceRequest(ubuf, "mean", check=not batches)
             if batches:
                 yield from algorithm(batches, fused)
-            if fused is None and ubuf.numel():
-                yield ReduceRequest(ubuf, "mean")
             out = self._commit(grads, idx, exact, batches, ubuf)
             if rows is not None:  # compressed outputs already hold just their rows
                 for j in exact:
@@ -425,15 +427,15 @@ class PowerSGDCompressor(Compressor):
             torch.mul(fused, scale, out=views[-1])
         return buf, views[: len(sizes)]
 
-    def _reduce(self, buf: torch.Tensor, op: ReduceKind) -> _Collectives:
+    def _reduce(self, buf: torch.Tensor, op: ReduceKind, check: bool) -> _Collectives:
         """All-reduce ``buf`` in place, as ``self._wire`` on the wire. In 16 bits every rank gets the same rounded
         result, and what the rounding misses stays in the error buffers (the paper variant's residual is
-        ``M`` minus the shared approximation), so the invariant holds as in fp32."""
+        ``M`` minus the shared approximation), so the invariant holds as in fp32. ``check``: the request's."""
         if self._wire == buf.dtype:
-            yield ReduceRequest(buf, op)
+            yield ReduceRequest(buf, op, check=check)
             return
         wire = (buf / self.comm.world_size if op == "mean" else buf).to(self._wire)  # one rounding, not two
-        yield ReduceRequest(wire, "sum")
+        yield ReduceRequest(wire, "sum", check=check)
         buf.copy_(wire)
 
     def _alternating(self, batches: list[_Batch], fused: torch.Tensor | None) -> _Collectives:
@@ -456,7 +458,7 @@ class PowerSGDCompressor(Compressor):
                     b.q_bmr = out_bmr
                 else:
                     b.p_bnr = out_bmr
-            yield ReduceRequest(send, "sum")
+            yield ReduceRequest(send, "sum", check=it == k - 1)
             if last is not None:
                 last.copy_(send[sum(sizes) :])
             for b, e in zip(batches, even, strict=True):
@@ -479,13 +481,13 @@ class PowerSGDCompressor(Compressor):
             p_buf, p_views = self._send_buffer([b.p_bnr.numel() for b in batches], None, 1.0)
             for b, view in zip(batches, p_views, strict=True):
                 b.p_bnr = torch.bmm(b.m_bnm, b.q_bmr, out=view.view_as(b.p_bnr))
-            yield from self._reduce(p_buf, "sum")  # only its span matters: orthonormalised next, so no division
+            yield from self._reduce(p_buf, "sum", False)  # only its span matters: orthonormalised next, no division
             last = fused if it == k - 1 else None
             q_buf, q_views = self._send_buffer([b.q_bmr.numel() for b in batches], last, 1.0)  # mean: as is
             for b, view in zip(batches, q_views, strict=True):
                 b.p_bnr = orthonormalize(b.p_bnr)
                 b.q_bmr = torch.bmm(b.m_bnm.transpose(1, 2), b.p_bnr, out=view.view_as(b.q_bmr))
-            yield from self._reduce(q_buf, "mean")
+            yield from self._reduce(q_buf, "mean", it == k - 1)
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
         for b in batches:

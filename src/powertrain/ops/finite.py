@@ -2,7 +2,7 @@
 
 :func:`finite_flag` stays on the tensors' device (no host synchronisation on CUDA). :func:`read_flag` is where a
 device value becomes a Python bool: on CUDA the host waits there for everything queued before it. Compressors
-read a flag once per collective, to decide together whether to raise
+read a flag at most once per collective (PowerSGD once per call), to decide together whether to raise
 (:func:`powertrain.compress.base.guard_nonfinite`); keeping every such read here lets the sync-debug test
 (tests/test_device.py) allow exactly these and refuse any other.
 """
