@@ -275,6 +275,17 @@ def test_a_deferred_check_raises_at_the_next_collective_before_the_commit():
     with pytest.raises(AssertionError, match="last collective must be checked"):
         run_program(guard_nonfinite(program(False), local_ok=True, error=error), comm)
 
+    def empty_after_unchecked() -> Program:  # the flag of the first result would have nowhere to go
+        yield ReduceRequest(torch.ones(2), "sum", check=False)
+        yield ReduceRequest(torch.ones(0), "sum")
+        committed.append(True)
+        return []
+
+    committed.clear()  # the unchecked last collective's program did commit (the bug it reports)
+    with pytest.raises(AssertionError, match="must not be empty"):
+        run_program(guard_nonfinite(empty_after_unchecked(), local_ok=True, error=error), comm)
+    assert not committed
+
     # a finite deferred result: nothing raised, and the host read one flag for two collectives
     def finite() -> Program:
         a, b = torch.ones(2), torch.ones(3)

@@ -137,20 +137,24 @@ def guard_nonfinite(
         if pending is not True and not read_flag(pending):
             raise error() from None
         return stop.value
+    deferred = False  # pending holds an unchecked result's flag
     while True:
-        if pending is not True and _poison(request, pending):
-            pending = True
+        if pending is not True:
+            if _poison(request, pending):
+                pending, deferred = True, False
+            elif deferred:  # nothing else would carry it before the program commits: a bug in the program
+                raise AssertionError("the collective after an unchecked one (check=False) must not be empty")
         result = yield request
         if isinstance(request, GatherRequest):
             assert result is not None, "a gather must return the gathered payloads"
             if request.check:
                 bad = read_flag(result[:, -1].any())
             else:
-                pending = _and(pending, result[:, -1].any().logical_not())
+                pending, deferred = _and(pending, result[:, -1].any().logical_not()), True
         elif request.check:
             bad = not all_finite([request.tensor])
         else:
-            pending = _and(pending, finite_flag([request.tensor]))
+            pending, deferred = _and(pending, finite_flag([request.tensor])), True
         if request.check and bad:
             raise error()
         last = request
@@ -159,7 +163,7 @@ def guard_nonfinite(
         except StopIteration as stop:
             if not last.check:  # the program committed after a result nobody read: a bug in the program
                 raise AssertionError("a program's last collective must be checked (check=True)") from None
-            if pending is not True and not read_flag(pending):  # no request had room for it (all empty)
+            if pending is not True and not read_flag(pending):  # the input's flag: every request was empty
                 raise error() from None
             return stop.value
 
