@@ -161,21 +161,25 @@ def padded_to_chunks(parts: list[torch.Tensor], chunk: int) -> tuple[torch.Tenso
     lengths = [-(-p.numel() // chunk) * chunk for p in parts]
     out = torch.zeros(sum(lengths), dtype=torch.float32, device=parts[0].device if parts else "cpu")
     if parts:  # one fused call, not a copy per parameter (on CUDA one launch per ~hundred tensors)
-        foreach_copy_([v[: p.numel()] for p, v in zip(parts, out.split(lengths), strict=True)], parts)
+        foreach_copy_(real_views(out, parts, lengths), parts)
     return out, lengths
+
+
+def real_views(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+    """The views of a :func:`padded_to_chunks` layout that hold each part's real values (its padding left out)."""
+    return [v[: p.numel()] for p, v in zip(parts, padded.split(lengths), strict=True)]
 
 
 def unpad(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
     """Inverse of :func:`padded_to_chunks`: the real values, concatenated."""
     if not parts:
         return padded[:0]
-    return torch.cat([v[: p.numel()] for p, v in zip(parts, padded.split(lengths), strict=True)])
+    return torch.cat(real_views(padded, parts, lengths))
 
 
 def repad(real: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
     """Inverse of :func:`unpad` (padding positions get zeros): padding is never sent."""
     out = real.new_zeros(sum(lengths))
     if parts:
-        foreach_copy_([v[: p.numel()] for p, v in zip(parts, out.split(lengths), strict=True)],
-                      list(real.split([p.numel() for p in parts])))  # fmt: skip
+        foreach_copy_(real_views(out, parts, lengths), list(real.split([p.numel() for p in parts])))
     return out

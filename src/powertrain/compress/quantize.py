@@ -9,7 +9,14 @@ import torch.distributed as dist
 
 from powertrain._checks import check_int
 from powertrain.compress.base import GatherRequest
-from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
+from powertrain.compress.feedback import (
+    ErrorFeedbackCompressor,
+    Exchange,
+    padded_to_chunks,
+    real_views,
+    repad,
+    unpad,
+)
 from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
 
@@ -69,8 +76,8 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         noise = None
         if self.stochastic:
             noise = torch.zeros_like(x)  # drawn in place: the numbers torch.rand(n, generator=...) would return
-            for i, p, view in zip(idx, parts, noise.split(lengths), strict=True):
-                view[: p.numel()].uniform_(generator=self._rng(i))
+            for i, view in zip(idx, real_views(noise, parts, lengths), strict=True):
+                view.uniform_(generator=self._rng(i))
         codes, scales = quantize(x, self.bits, self.chunk, noise)
         real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
         gathered = yield GatherRequest(pack_codes(real, scales, self.bits))
