@@ -145,18 +145,12 @@ def guard_nonfinite(
             elif deferred:  # nothing else would carry it before the program commits: a bug in the program
                 raise AssertionError("the collective after an unchecked one (check=False) must not be empty")
         result = yield request
-        if isinstance(request, GatherRequest):
-            assert result is not None, "a gather must return the gathered payloads"
-            if request.check:
-                bad = read_flag(result[:, -1].any())
-            else:
-                pending, deferred = _and(pending, result[:, -1].any().logical_not()), True
-        elif request.check:
-            bad = not all_finite([request.tensor])
+        ok = _result_ok(request, result)
+        if request.check:
+            if not read_flag(ok):
+                raise error()
         else:
-            pending, deferred = _and(pending, finite_flag([request.tensor])), True
-        if request.check and bad:
-            raise error()
+            pending, deferred = _and(pending, ok), True
         last = request
         try:
             request = program.send(result)
@@ -166,6 +160,15 @@ def guard_nonfinite(
             if pending is not True and not read_flag(pending):  # the input's flag: every request was empty
                 raise error() from None
             return stop.value
+
+
+def _result_ok(request: Request, result: torch.Tensor | None) -> bool | torch.Tensor:
+    """Whether a collective's result is finite, as a device flag: a reduced buffer holds no NaN/Inf, no rank set a
+    gathered payload's reserved byte."""
+    if isinstance(request, GatherRequest):
+        assert result is not None, "a gather must return the gathered payloads"
+        return result[:, -1].any().logical_not()
+    return finite_flag([request.tensor])
 
 
 def _and(a: bool | torch.Tensor, b: bool | torch.Tensor) -> bool | torch.Tensor:
