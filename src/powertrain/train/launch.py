@@ -39,7 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -297,17 +297,26 @@ def _context() -> Any:
     # went on to exit 0. The resource tracker is started first because starting it unblocks SIGINT on the way.
     try:
         resource_tracker.ensure_running()  # inside the try as when forkserver.ensure_running started it
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
+        with _sigint_blocked():
             forkserver.ensure_running()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     except OSError:
         return mp.get_context("spawn")
     if not _server_stopper:
         _server_stopper.append(True)
         atexit.register(_stop_server)
     return ctx
+
+
+@contextlib.contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while the block runs (a child started here inherits the mask); on the way out
+    the mask is restored, and the handler of a Ctrl-C that arrived meanwhile runs before the next statement
+    (pthread_sigmask runs pending handlers before it returns)."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 _server_stopper: list[bool] = []
@@ -365,28 +374,23 @@ def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path |
             raise Interrupted(interrupted[0])
         with tempfile.TemporaryDirectory(prefix="powertrain-launch-") as tmp:
             env = dict(os.environ)  # every rank's, as it is at this launch
-            # Workers start with SIGINT blocked (a child inherits this thread's mask), as the fork server does:
-            # spawned ones (no fork server) import torch before _worker ignores SIGINT, and a Ctrl-C then printed
-            # each one's KeyboardInterrupt traceback. The launcher's handler gets a Ctrl-C of this window at the
-            # unblock; the workers started are then stopped.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            # Workers start with SIGINT blocked, as the fork server does: spawned ones (no fork server) import torch
+            # before _worker ignores SIGINT, and a Ctrl-C then printed each one's KeyboardInterrupt traceback. The
+            # launcher's handler gets a Ctrl-C of this window at the unblock; the workers started are then stopped.
             try:
-                for rank in range(nproc):
-                    p = ctx.Process(
-                        target=_worker,
-                        args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
-                        daemon=False,
-                    )
-                    try:
+                with _sigint_blocked():
+                    for rank in range(nproc):
+                        p = ctx.Process(
+                            target=_worker,
+                            args=(fn, rank, nproc, port, tmp, trace, os.getpid(), env, args),
+                            daemon=False,
+                        )
                         p.start()
-                    except (EOFError, OSError):  # the fork server died: of a SIGTERM or SIGHUP while it imports, say
-                        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)  # a pending Ctrl-C is recorded first
-                        if interrupted:
-                            raise Interrupted(interrupted[0]) from None
-                        raise
-                    procs.append(p)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+                        procs.append(p)
+            except (EOFError, OSError):  # the fork server died: of a SIGTERM or SIGHUP while it imports, say
+                if interrupted:  # recorded at the unblock
+                    raise Interrupted(interrupted[0]) from None
+                raise
             failures: list[Failure] = []
             while any(p.exitcode is None for p in procs) and not failures and not interrupted:
                 time.sleep(0.05)
