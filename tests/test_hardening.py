@@ -275,12 +275,13 @@ def test_launcher_and_workers_listen_on_loopback_only_and_sigterm_stops_cleanly(
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
 
 
-def _fork_server_started(launcher: int) -> bool:
+def _children_running(launcher: int, marker: bytes) -> int:
+    """The launcher's children whose command line holds ``marker`` (the fork server's, spawned workers')."""
+    count = 0
     for child in children(launcher):
-        with contextlib.suppress(OSError):  # a child that exits while we look is not the server
-            if b"forkserver" in Path(f"/proc/{child}/cmdline").read_bytes():
-                return True
-    return False
+        with contextlib.suppress(OSError):  # a child that exits while we look is not counted
+            count += marker in Path(f"/proc/{child}/cmdline").read_bytes()
+    return count
 
 
 CTRL_C_IN_START = """
@@ -307,14 +308,6 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
     handler, and the launch stops before any worker starts."""
     r = subprocess.run([sys.executable, "-c", CTRL_C_IN_START], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "a worker ran" not in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
-
-
-def _spawned_workers(launcher: int) -> int:
-    count = 0
-    for child in children(launcher):
-        with contextlib.suppress(OSError):
-            count += b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()
-    return count
 
 
 @pytest.mark.parametrize(
@@ -344,12 +337,12 @@ def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
                 assert proc.poll() is None and time.monotonic() < deadline, "training did not start"
                 time.sleep(0.2)
         elif when == "spawned":
-            while _spawned_workers(proc.pid) < 2:
+            while _children_running(proc.pid, b"spawn_main") < 2:
                 assert proc.poll() is None and time.monotonic() < deadline, "no workers spawned"
                 time.sleep(0.02)
             time.sleep(0.3)  # inside their import of torch (seconds)
         else:  # the fork server has just been spawned, perhaps still in the launcher's window (launch._context)
-            while not _fork_server_started(proc.pid):
+            while not _children_running(proc.pid, b"forkserver"):
                 assert proc.poll() is None and time.monotonic() < deadline, "no fork server started"
                 time.sleep(0.02)
             if when == "importing":
