@@ -6,7 +6,6 @@ compressed and not. Rank 0 writes the logged losses and the bytes the compressor
 from __future__ import annotations
 
 import json
-import os
 import sys
 import sysconfig
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
+from dist_utils import leave_without_teardown
 from powertrain.hf import compress_gradients
 
 OUT = Path(sys.argv[1])
@@ -95,12 +95,4 @@ if dist.get_rank() == 0:
     result = {"full": full, "resumed": resumed, "plain": plain, "sent": sent, "dense": 4 * n_params * STEPS,
               "accelerate": acc, "accelerate_plain": acc_plain, "accelerate_sent": acc_sent}  # fmt: skip
     (OUT / "result.json").write_text(json.dumps(result))
-# No interpreter teardown (as `powertrain train` under torchrun and tests/dist_utils.py): a gloo thread that frees a
-# finished collective's tensor while the interpreter finalises takes the GIL and aborts the process (pytorch/pytorch
-# #190489; backtrace here: ProcessGroupGloo::runLoop -> decref_pyobject -> PyEval_AcquireThread -> pthread_exit),
-# after the results were written (tests/lightning_fit.py: 2 runs in 22 with barrier + destroy_process_group, 1 in 25
-# without either, none in 25 as it ends now)
-dist.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_without_teardown()  # the results are written: no interpreter teardown (pytorch/pytorch#190489)

@@ -5,7 +5,6 @@ task (DDP on gloo): compressed for 4 epochs; compressed for 2 epochs, then resum
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dist_utils import leave_without_teardown
 from powertrain.lightning import GradientCompression
 
 OUT = Path(sys.argv[1])
@@ -76,12 +76,4 @@ result = {"full": full, "resumed": first + rest, "plain": plain, "sent": full_se
           "saved_world": state["world_size"], "saved_ranks": len(state["ranks"]), "refusal": refusal,
           "refit": refit}  # fmt: skip
 (OUT / f"rank{rank}.json").write_text(json.dumps(result))
-# No interpreter teardown (as `powertrain train` under torchrun and tests/dist_utils.py): a gloo thread that frees a
-# finished collective's tensor while the interpreter finalises takes the GIL and aborts the process (pytorch/pytorch
-# #190489; backtrace here: ProcessGroupGloo::runLoop -> decref_pyobject -> PyEval_AcquireThread -> pthread_exit),
-# after the results were written: 2 runs in 22 of this script with barrier + destroy_process_group, 1 in 25 without
-# either, none in 25 as it ends now
-torch.distributed.barrier()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
+leave_without_teardown()  # the results are written: no interpreter teardown (pytorch/pytorch#190489)
