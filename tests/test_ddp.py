@@ -7,6 +7,7 @@ unused layer), so the hook's ordering of dependent collectives across many bucke
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -128,6 +129,20 @@ def _conservation(rank: int, name: str, opts: dict[str, Any], device: str = "cpu
     return {"records": records}
 
 
+def _train_on_worker(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
+    """:func:`_train` with every checked result read, and its program continued, on the chain's worker: what NCCL on
+    CUDA gets (its callbacks run inline in backward's thread). Also returns how many programs went there."""
+    from powertrain.compress import chain
+
+    moved = []
+    saved = chain._read_would_hold
+    chain._read_would_hold = lambda device, inline: moved.append(inline) or True
+    try:
+        return {**_train(rank, name, opts), "moved": len(moved)}
+    finally:
+        chain._read_would_hold = saved
+
+
 def _no_sync(rank: int, name: str | None, opts: dict[str, Any]) -> dict[str, Any]:
     model = make_model()
     ddp, _ = _ddp(model, name, opts)
@@ -214,6 +229,11 @@ MECHANICS_WORLDS = (2,)
 WIDE_CASES = ("none", "powersgd", "powersgd_paper_k2", "int8", "topk")
 
 
+#: Trained again with their programs continued on the chain's worker after each checked collective: PowerSGD's
+#: alternating (one checked all-reduce) and paper (two per iteration, the last checked) programs, int8's gather.
+ON_WORKER = ("powersgd", "powersgd_paper_k2", "int8")
+
+
 def _trained(world: int, name: str) -> None:
     if world not in MECHANICS_WORLDS and name not in WIDE_CASES:
         pytest.skip(f"{name} runs a program that {', '.join(WIDE_CASES)} run at {world} ranks")
@@ -230,6 +250,8 @@ def ddp_cases(rank: int, world_size: int) -> dict[str, Any]:
     for case_name, (name, opts) in CASES.items():
         if world_size in MECHANICS_WORLDS or case_name in WIDE_CASES:
             res[f"train/{case_name}"] = guard(_train, rank, name, opts)
+    for case_name in ON_WORKER:
+        res[f"worker/{case_name}"] = guard(_train_on_worker, rank, *CASES[case_name])
     for case_name in CONSERVING:
         res[f"conserve/{case_name}"] = guard(_conservation, rank, *CASES[case_name])
     if world_size in MECHANICS_WORLDS:
@@ -272,6 +294,17 @@ def test_lossless_equals_plain_ddp_bitwise(results):
 # random-k 25% 21% (10-21% over four seeds: the noisiest). Bounds ~2x the worst measured.
 LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper_k2": 0.005, "int8": 0.005,
             "int4": 0.005, "int8_loco": 0.005, "topk": 0.18, "randk": 0.4, "sign": 0.1}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ON_WORKER)
+def test_programs_continued_on_the_worker_train_bitwise_as_inline(results, name):
+    """The worker runs the same program steps in the same order on the same streams: parameters and losses equal
+    the usual run's bit for bit (gloo sums the same messages in the same order), at 2 and 4 ranks."""
+    world, runs = results
+    for usual, moved in zip(case(runs, f"train/{name}"), case(runs, f"worker/{name}"), strict=True):
+        assert moved["moved"] >= STEPS, f"{name}: only {moved['moved']} programs went to the worker in {STEPS} steps"
+        assert torch.equal(usual["params"], moved["params"]), f"{name} at {world} ranks: parameters differ"
+        assert usual["losses"] == moved["losses"], f"{name} at {world} ranks: losses differ"
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -428,3 +461,74 @@ def test_more_collectives_than_declared_fail_the_call_not_hang_it():
     assert len(seen) == 1 and "issued 2 collectives in one call but declared at most 1" in str(seen[0]), seen
     with pytest.raises(RuntimeError, match="max_collectives_per_call"):
         fut.wait()
+
+
+class _Loopback:
+    """A communicator whose collectives complete at once: their callbacks run inline, in the issuing thread, as
+    NCCL's do (its futures complete when the collective is queued)."""
+
+    from powertrain.comm import CommStats
+
+    stats = CommStats()
+
+    def all_reduce_(self, tensor, op, async_op):
+        fut = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+
+def test_a_check_that_would_wait_for_the_device_does_not_hold_the_issuing_thread(monkeypatch):
+    """On NCCL a callback runs in the thread that issued the collective (DDP's backward), and a program's check of the
+    result there, a host read of a CUDA flag, would hold that thread until the collective is done. Where the read would
+    wait (forced here on the CPU), each call's program goes on on the chain's worker after its checked collective; the
+    caller gets its futures at once, unchecked results are still taken inline, the calls finish in call order, and a
+    failure there fails that call's future (recorded first) without stopping the calls after it."""
+    import threading
+
+    from powertrain.compress import NonFiniteGradientError
+    from powertrain.compress import chain as chain_mod
+    from powertrain.compress.base import ReduceRequest
+
+    monkeypatch.setattr(chain_mod, "_read_would_hold", lambda device, inline: inline)
+    release = threading.Event()
+    where: list[tuple[str, int, int]] = []
+
+    def program(k: int):
+        yield ReduceRequest(torch.full((2,), float(k)), "sum", check=False)
+        where.append(("unchecked", k, threading.get_ident()))
+        yield ReduceRequest(torch.ones(2), "sum")
+        where.append(("checked", k, threading.get_ident()))
+        assert release.wait(60), "never released"
+        if k == 1:
+            raise NonFiniteGradientError(f"call {k}")
+        return [torch.full((1,), float(k))]
+
+    seq = chain_mod.Sequencer([_Loopback(), _Loopback()])
+    finished: list[int] = []
+    failed: list[tuple[BaseException, bool]] = []
+    chains: list[chain_mod.Chain] = []
+
+    def done(k: int, averaged: list[torch.Tensor]) -> None:
+        finished.append(k)
+        chains[k].future.set_result(averaged)
+
+    def record(e: BaseException) -> None:  # whether the future had completed before the failure was recorded
+        failed.append((e, chains[1].future.done()))
+
+    for k in range(3):
+        chains.append(chain_mod.Chain(program(k), seq, k, functools.partial(done, k), record))
+    futures = [chain.start() for chain in chains]
+    assert not any(f.done() for f in futures), "a call waited for its check in the issuing thread"
+    release.set()
+    waiter = threading.Thread(target=lambda: [f.wait() if i != 1 else None for i, f in enumerate(futures)])
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive(), "the worker never finished the calls"
+    me = threading.get_ident()
+    assert [k for what, k, t in where if what == "unchecked" and t == me] == [0, 1, 2], where
+    checked = [(k, t) for what, k, t in where if what == "checked"]
+    assert [k for k, _ in checked] == [0, 1, 2] and all(t != me for _, t in checked), (checked, me)
+    assert finished == [0, 2] and [float(futures[k].value()[0]) for k in (0, 2)] == [0.0, 2.0]
+    assert len(failed) == 1 and isinstance(failed[0][0], NonFiniteGradientError) and failed[0][1] is False, failed
+    with pytest.raises(NonFiniteGradientError, match="call 1"):
+        futures[1].wait()

@@ -256,6 +256,44 @@ def test_no_host_sync_in_hot_paths(device):
     assert not failures, "\n".join(failures)
 
 
+def test_a_chained_call_leaves_the_issuing_thread_free(device):
+    """NCCL completes a collective's future as soon as it is queued, so a chained program (DDP's hook, DiLoCo's outer
+    step) runs in the thread that issued it up to its checked collective, whose host read goes to the chain's worker
+    (:mod:`powertrain.compress.chain`). With about a second of GPU work queued ahead, each compressor's chained call
+    (world size 1: its futures complete at once, as NCCL's) returns while the GPU still runs that work: the issuing
+    thread waited for nothing. Its result equals a synchronous call's on a twin compressor up to rounding (the worker
+    thread has its own cuBLAS handle, which may pick another kernel: fp32's default tolerance)."""
+    _cuda_only(device)
+    from powertrain.compress.chain import Chain, Sequencer
+    from powertrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(64, 16, 2, 2, 32)).to(device)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+
+    def chained(comp: Any) -> torch.futures.Future:
+        chains: list[Chain] = []
+        seq = Sequencer([comp.comm] * comp.max_collectives_per_call())
+        chains.append(Chain(comp.program(grads), seq, 0, lambda out: chains[0].future.set_result(out),
+                            lambda e: None, device))  # fmt: skip
+        return chains[0].start()
+
+    held = []
+    for name, opts in SYNC_CASES:
+        sync, chain = (make_compressor(name, model.named_parameters(), **opts) for _ in range(2))
+        for _ in range(2):  # warm-up: state, caches, the allocator's blocks
+            sync.aggregate(grads)
+            chained(chain).wait()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s at the H100's clock
+        fut = chained(chain)
+        if torch.cuda.current_stream().query():
+            held.append(f"{name} {opts}")
+        for got, want in zip(fut.wait(), sync.aggregate(grads), strict=True):
+            torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+    assert not held, f"these calls waited for the GPU in the issuing thread: {held}"
+
+
 def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
     from powertrain.optim import DeMo, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW
 

@@ -10,15 +10,23 @@ order the collectives complete. A :class:`Sequencer` therefore gives the c-th co
 of its own (a process group) and issues the calls' collectives on each strictly in call order (a call whose program
 ends early releases its later slots). Drivers: :mod:`powertrain.ddp` (one call per gradient bucket) and
 :mod:`powertrain.diloco` (one call per outer synchronisation).
+
+NCCL completes a collective's future as soon as the collective is queued, so a callback runs inline, in the thread
+that issued the collective (DDP's backward, the inner steps), and a program's check of a result's finiteness there
+(:func:`~powertrain.ops.finite.read_flag`, a host read of a CUDA value) would hold that thread until the collective is
+done: no overlap. A checked result that arrives inline on a device whose host reads wait (CUDA) is therefore read, and
+the program continued, on a :class:`_Worker` thread, on the callback's stream; the caller goes on at once. gloo runs
+callbacks on its own threads, where waiting costs the caller nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -33,6 +41,7 @@ class Sequencer:
 
     def __init__(self, comms: list[Communicator]) -> None:
         self.comms = comms
+        self.worker = _Worker()  # continues the programs whose result check would hold the caller
         self._lock = threading.Lock()
         self._next = [0] * len(comms)  # next call number allowed to issue on each phase
         self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
@@ -78,6 +87,54 @@ class Sequencer:
             self._next[phase] = n + 1
 
 
+class _Worker:
+    """Runs functions in the order given, on a thread of its own that exists only while it has some to run (no
+    thread is left waiting for work: a driver that is dropped, or rebuilt on an elastic restart, leaves none)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
+        self._running = False
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` after the functions submitted before it; ``fn`` must not raise."""
+        with self._lock:
+            self._queue.append(fn)
+            if self._running:
+                return
+            self._running = True
+        try:
+            threading.Thread(target=self._run, name="powertrain-chain", daemon=True).start()
+        except RuntimeError:  # no thread to be had: run them here (the caller waits, as it would without a worker)
+            self._run()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    return
+                fn = self._queue.popleft()
+            fn()
+
+
+def _read_would_hold(device: torch.device | None, inline: bool) -> bool:
+    """Whether a host read of a result on ``device``, in a completion callback, would hold the thread that issued the
+    collective: the callback runs in that thread (``inline``) and the read waits for the work queued on the device
+    (CUDA; the CPU computed it already)."""
+    return inline and device is not None and device.type == "cuda"
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    """``stream`` (and its device) current in this thread; nothing to set for None (the CPU)."""
+    if stream is None:
+        yield
+        return
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
+
+
 def future_on(device: torch.device | None) -> torch.futures.Future:
     """A future for a value on ``device``. On CUDA it records an event on the current streams when its result is
     set and makes a waiter's streams wait for it: a program's later steps run in callbacks on the streams a CUDA
@@ -92,6 +149,7 @@ class Chain:
     def __init__(self, program: Program, seq: Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
                  failed: Callable[[BaseException], None], device: torch.device | None = None) -> None:  # fmt: skip
         self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
+        self.device = device
         self.future = future_on(device)
         self.phase = 0  # collectives issued so far
         self.used: set[int] = set()  # the communicators they used
@@ -157,11 +215,32 @@ class Chain:
             return functools.partial(self._abort, e)
 
         def attach() -> None:
-            fut.then(lambda f: self._completed(f, out))
+            caller = threading.get_ident()
+            fut.then(lambda f: self._completed(f, out, request.check, threading.get_ident() == caller))
 
         return attach
 
-    def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None) -> None:
+    def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None, checked: bool, inline: bool) -> None:
+        """The collective ``fut`` is done (or, on NCCL, queued): advance the program. ``checked``: the program reads
+        this result's finiteness on the host next; ``inline``: this callback runs in the thread that attached it (the
+        future was complete already: NCCL's always are). Where that read would hold this thread, the worker continues
+        the program instead, on this callback's stream, and this thread goes on."""
+        if checked and _read_would_hold(self.device, inline):
+            cuda = self.device is not None and self.device.type == "cuda"
+            stream = torch.cuda.current_stream(self.device) if cuda else None
+            self.seq.worker.submit(lambda: self._continue(fut, out, stream))
+            return
+        self._continue(fut, out, None)
+
+    def _continue(self, fut: torch.futures.Future, out: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
+        try:
+            with _on_stream(stream):
+                self._resume(fut, out)
+        except BaseException as e:  # switching streams failed (the program's own failures end its call in _resume)
+            if not self.future.done():
+                self._abort(e)
+
+    def _resume(self, fut: torch.futures.Future, out: torch.Tensor | None) -> None:
         try:
             fut.value()  # re-raises a failed collective (timeout, lost peer)
         except BaseException as e:
