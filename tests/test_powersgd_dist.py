@@ -213,22 +213,33 @@ def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
     comp = PowerSGDCompressor(model.named_parameters(), config=Config(rank=2, start_compressing_after_num_steps=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     applied = []
-    for step in range(5):
+    for step in range(6):
         opt.zero_grad()
         loss_fn(model, *batch(rank, step)).backward()
         if step == 3 and rank == bad_rank:
             model.odd.weight.grad[1, 2] = float("nan")
+        if step == 4 and rank == bad_rank:  # finite, but beyond what PowerSGD can take without overflowing
+            model.big.weight.grad[0, 1] = 1e37
         state_before = _snapshot(comp.state_dict())
         errors_before = [e.clone() for e in comp.residuals()]
         grads_before = [p.grad.clone() for p in model.parameters() if p.grad is not None]
-        ok = comp.reduce_gradients(skip_nonfinite=True)
+        if step == 4:  # raising, for its message
+            try:
+                ok = comp.reduce_gradients()
+            except NonFiniteGradientError as e:
+                ok = False
+                result["too_large"] = str(e)
+        else:
+            ok = comp.reduce_gradients(skip_nonfinite=True)
         applied.append(ok)
         if not ok:
-            result["state_unchanged"] = _same(state_before, comp.state_dict()) and all(
-                torch.equal(a, b) for a, b in zip(errors_before, comp.residuals(), strict=True)
+            result["state_unchanged"] = (
+                result.get("state_unchanged", True)
+                and _same(state_before, comp.state_dict())
+                and all(torch.equal(a, b) for a, b in zip(errors_before, comp.residuals(), strict=True))
             )
             grads_now = [p.grad for p in model.parameters() if p.grad is not None]
-            result["grads_untouched"] = all(
+            result["grads_untouched"] = result.get("grads_untouched", True) and all(
                 torch.equal(a, b) or (a.isnan() == b.isnan()).all().item()
                 for a, b in zip(grads_before, grads_now, strict=True)
             )
@@ -585,7 +596,11 @@ def test_nonfinite_gradient_on_one_rank(results):
     world_size, _ = results
     runs = case(results[1], "nonfinite")
     for rank, r in enumerate(runs):
-        assert r["applied"] == [True, True, True, False, True]
+        assert r["applied"] == [True, True, True, False, False, True]
+        if rank == world_size - 1:
+            assert f"too large on rank {rank}: big.weight reaches 1e+37" in r["too_large"], r["too_large"]
+        else:
+            assert f"gradients on rank {rank} are finite: another rank's were not (or too large" in r["too_large"]
         assert r["state_unchanged"] and r["grads_untouched"] and r["params_finite"]
         for warm in (0, 5):
             msg = r[f"raised_warm{warm}"]

@@ -320,6 +320,137 @@ def test_nonfinite_at_world_size_1_raises_or_skips(device):
     assert model.big.weight.grad[0, 0].isnan()
 
 
+LIMIT_CASES = [("alternating", 1, "fp32"), ("alternating", 2, "fp32"), ("paper", 1, "fp32"), ("paper", 2, "fp32"),
+               ("paper", 1, "bf16")]  # fmt: skip
+
+
+def _pattern(kind: str, n: int, m: int, device: torch.device) -> torch.Tensor:
+    """An ``n x m`` matrix with entries in [-1, 1]: random, all ones, one column of ones, or random signs."""
+    if kind == "rand":
+        return torch.empty(n, m, device=device).uniform_(-1, 1)
+    if kind == "ones":
+        return torch.ones(n, m, device=device)
+    if kind == "column":
+        out = torch.zeros(n, m, device=device)
+        out[:, 0] = 1
+        return out
+    return torch.randint(0, 2, (n, m), device=device).float() * 2 - 1
+
+
+def _limit_of(comp: PowerSGDCompressor, i: int) -> float:
+    from powertrain.compress.powersgd import _Batch
+
+    n, m, r = comp._mat[i]  # type: ignore[misc]
+    return comp._limit(_Batch([0], [i], n, m, r, 0, None, None, None))  # type: ignore[arg-type]
+
+
+@pytest.mark.device
+@pytest.mark.parametrize(("variant", "iters", "factors"), LIMIT_CASES)
+def test_gradients_just_below_the_limit_never_overflow(variant, iters, factors, device):
+    """:meth:`PowerSGDCompressor._limit` is a bound on what any factor, sum, approximation or residual can reach: with
+    gradient + residual at 98% of it in every entry, in shapes tall, wide and square, ranks 1 to 16, random, constant,
+    one-column and sign patterns, over 4 steps (so the paper variant's ``P = M Q`` meets a ``Q`` of the size of such a
+    step), no output or residual is NaN or Inf. Then, with the residuals dropped, an ordinary gradient goes through
+    (before ``Q`` was scaled, the paper variant's ``P = M Q`` overflowed on it: the last large step's ``Q`` stays)."""
+    torch.manual_seed(0)
+    for n, m in ((64, 32), (8, 300), (50, 50)):
+        for rank in (1, 4, 16):
+            for kind in ("rand", "ones", "column", "sign"):
+                p = torch.nn.Parameter(torch.zeros(n, m, device=device))
+                config = Config(rank=rank, variant=variant, num_iters_per_step=iters, factor_dtype=factors,
+                                start_compressing_after_num_steps=0, min_compression_rate=0)  # fmt: skip
+                comp = PowerSGDCompressor([("w", p)], config=config)
+                limit = _limit_of(comp, 0)
+                for _ in range(4):
+                    target = _pattern(kind, n, m, device)
+                    (out,) = comp.aggregate([0.98 * limit * target - comp.residuals()[0]])
+                    what = f"{variant} k={iters} {factors} {n}x{m} rank {rank} {kind}"
+                    assert out.isfinite().all() and comp.residuals()[0].isfinite().all(), what
+                comp.pop_residuals()  # those can be beyond the limit themselves: the next test
+                (out,) = comp.aggregate([torch.randn(n, m, device=device)])
+                assert out.isfinite().all(), f"{what}: an ordinary step after large ones"
+
+
+@pytest.mark.device
+@pytest.mark.parametrize(("variant", "iters", "factors"), LIMIT_CASES)
+def test_a_gradient_beyond_the_limit_raises_naming_it_and_changes_nothing(variant, iters, factors, device):
+    """A finite gradient + residual above the limit on a compressed matrix raises NonFiniteGradientError naming the
+    parameter, its size and the limit (before, a 3.3e38 entry raised "another rank sent non-finite values" at world
+    size 1, or committed an Inf residual that failed every later step); the state is as before, and the next ordinary
+    step goes through."""
+    torch.manual_seed(0)
+    model = make_model().to(device)
+    config = Config(rank=2, variant=variant, num_iters_per_step=iters, factor_dtype=factors,
+                    start_compressing_after_num_steps=0)  # fmt: skip
+    comp = PowerSGDCompressor(model.named_parameters(), config=config)
+    i = comp.names.index("big.weight")
+    grads = [torch.randn_like(p) for p in comp.params]
+    comp.aggregate(grads)
+    state = comp.state_dict()
+    before = {
+        k: [t.clone() if isinstance(t, torch.Tensor) else t for t in v] for k, v in state.items() if isinstance(v, list)
+    }
+    grads[i] = grads[i].clone()
+    grads[i][0, 0] = 1.5 * _limit_of(comp, i)
+    with pytest.raises(
+        NonFiniteGradientError, match=r"too large on rank 0: big\.weight reaches .*\(limit .*likely diverged"
+    ):
+        comp.aggregate(grads)
+    after = comp.state_dict()
+    for key, saved in before.items():
+        for a, b in zip(saved, after[key], strict=True):
+            assert (a is None and b is None) or (a == b if not isinstance(a, torch.Tensor) else torch.equal(a, b)), key
+    grads[i][0, 0] = 1.0
+    assert all(o.isfinite().all() for o in comp.aggregate(grads))
+    # gradient + residual at 98% of the limit: the step goes through, and its residual may be beyond the limit on its
+    # own; then every later step must say that no step can go through any more
+    limit = _limit_of(comp, i)
+    grads[i] = 0.98 * limit * torch.sign(torch.randn_like(grads[i])) - comp.residuals()[i]
+    comp.aggregate(grads)
+    grads[i] = torch.randn_like(grads[i])
+    if float(comp.residuals()[i].abs().max()) > limit:
+        with pytest.raises(NonFiniteGradientError, match="residual owed from earlier steps alone is beyond it"):
+            comp.aggregate(grads)
+
+
+def test_unit_scaled_is_an_exact_power_of_two_scaling():
+    """Entries at most 1, the largest in [1/2, 1]; a product with it is the product with the input scaled by the same
+    power of two, to the bit; zero stays zero; float32 inputs near its largest number and float64 ones far beyond it
+    scale without overflow."""
+    from powertrain.ops.lowrank import unit_scaled
+
+    torch.manual_seed(0)
+    for dtype, big in ((torch.float32, 5e37), (torch.float64, 1e300), (torch.float32, 1e-30), (torch.float32, 3.0)):
+        x = torch.randn(3, 40, 5, dtype=dtype) * big
+        y = unit_scaled(x)
+        top = float(y.abs().max())
+        assert 0.5 <= top <= 1.0, (dtype, big, top)
+        scale = y[0, 0, 0] / x[0, 0, 0]
+        assert torch.equal(y, x * scale), "not one scale for all"
+        assert math.log2(float(scale)).is_integer(), float(scale)
+        m = torch.randn(3, 7, 40, dtype=dtype)
+        product = torch.bmm(m, x)
+        if product.isfinite().all():  # the float32 5e37 one overflows: why the scaling
+            assert torch.equal(torch.bmm(m, y), product * scale)
+        assert torch.bmm(m, y).isfinite().all()
+    zero = torch.zeros(2, 4, 3)
+    assert torch.equal(unit_scaled(zero), zero)
+
+
+def test_bounded_flag_fails_nan_inf_and_entries_above_their_bound():
+    from powertrain.ops.finite import bounded_flag, read_flag
+
+    x, y = torch.tensor([1.0, -3.0]), torch.tensor([[2.0]], dtype=torch.float64)
+    assert read_flag(bounded_flag([x, y], [3.0, 2.0]))
+    assert not read_flag(bounded_flag([x, y], [2.9, 2.0]))  # -3 is beyond 2.9: magnitudes count
+    assert not read_flag(bounded_flag([x, y], [3.0, 1.5]))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        assert not read_flag(bounded_flag([torch.tensor([0.0, bad]), y], [1e38, 2.0])), bad
+    assert read_flag(bounded_flag([torch.empty(0), y], [0.5, 2.0]))  # an empty tensor has nothing to exceed
+    assert bounded_flag([], []) is True
+    assert read_flag(bounded_flag([torch.tensor([1e300], dtype=torch.float64)], [1e301]))  # no float32 detour
+
+
 def test_step_counts_and_bytes_advance_under_per_bucket_calls():
     """DDP averages a bucket at a time (indices=): each parameter counts its own steps, so the warm-up ends and
     bytes_per_step() reports the compressed message for a model only ever averaged in parts (one counter,

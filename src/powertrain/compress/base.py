@@ -420,7 +420,8 @@ class Compressor(abc.ABC):
         where = (
             f"non-finite gradient in {names_} on rank {rank}"
             if bad
-            else f"gradients on rank {rank} are finite, another rank sent non-finite values"
+            else f"gradients on rank {rank} are finite: another rank's were not (or too large to compress), or a sum "
+            "overflowed"
         )
         return NonFiniteGradientError(
             f"{type(self).__name__}: {where}; nothing was applied and the compressor state is unchanged "

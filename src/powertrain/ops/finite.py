@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["all_finite", "finite_flag", "read_flag"]
+__all__ = ["all_finite", "bounded_flag", "finite_flag", "read_flag"]
 
 
 def finite_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor | bool:
@@ -25,6 +25,17 @@ def finite_flag(tensors: Iterable[torch.Tensor]) -> torch.Tensor | bool:
     if extrema:
         return torch.isfinite(torch.cat(extrema)).all()
     return torch.ones((), dtype=torch.bool, device=tensors[0].device) if tensors else True
+
+
+def bounded_flag(tensors: Iterable[torch.Tensor], bounds: Iterable[float]) -> torch.Tensor | bool:
+    """Whether every entry of each tensor is finite and at most its bound in magnitude (``bounds``: one finite number
+    per tensor), as :func:`finite_flag` gives it: a 0-dim bool tensor on their device, read by nothing. NaN fails every
+    comparison and Inf exceeds any finite bound, so this is also a finiteness check."""
+    pairs = list(zip(tensors, bounds, strict=True))
+    scaled = [(torch.stack(torch.aminmax(t)).abs() / bound).float() for t, bound in pairs if t.numel()]
+    if scaled:
+        return (torch.cat(scaled) <= 1).all()
+    return torch.ones((), dtype=torch.bool, device=pairs[0][0].device) if pairs else True
 
 
 def read_flag(flag: torch.Tensor | bool) -> bool:

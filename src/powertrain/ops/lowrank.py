@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-__all__ = ["cholesky_qr", "householder_qr", "low_rank", "matrix_shape", "orthonormalize"]
+__all__ = ["cholesky_qr", "householder_qr", "low_rank", "matrix_shape", "orthonormalize", "unit_scaled"]
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -98,6 +98,16 @@ def cholesky_qr(x_bnr: torch.Tensor) -> torch.Tensor:
         solved = torch.linalg.solve_triangular(lower.mT, y, upper=True, left=False)
         y = torch.where((info == 0)[..., None, None], solved, y)
     return y.to(x_bnr.dtype)
+
+
+def unit_scaled(x: torch.Tensor) -> torch.Tensor:
+    """``x`` divided by the power of two at or just above its largest magnitude (one scale for a whole batch), so that
+    no entry exceeds 1, without a host synchronisation. Scaling by a power of two is exact in floating point (short of
+    underflow), so a product with the result is the product with ``x``, scaled, to the bit: the span PowerSGD's paper
+    variant takes from ``P = M Q`` is unchanged, and ``P`` cannot overflow because the previous step's ``Q`` was large.
+    An all-zero ``x`` stays zero."""
+    _, exponent = torch.frexp(x.abs().amax())
+    return torch.ldexp(x, -exponent)
 
 
 def low_rank(p_bnr: torch.Tensor, q_bmr: torch.Tensor) -> torch.Tensor:
