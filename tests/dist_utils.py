@@ -9,14 +9,16 @@ are killed and the test fails: a hang never eats the CI budget.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -127,6 +129,27 @@ def run_ranks(
 
 
 # ---------------------------------------------------------------- sub-case helpers shared by the test modules
+
+
+@contextlib.contextmanager
+def programs_finished_on_the_worker() -> Iterator[list[str]]:
+    """Inside: every chained program (DDP's hook, DiLoCo's outer step) is finished on its chain's worker after its last
+    (checked) collective, as NCCL on CUDA gets it (gloo's callbacks, on threads of their own, would not go there).
+    Yields the list of the threads' names that finished one, filled as they do."""
+    from powertrain.compress import chain
+
+    names: list[str] = []
+    finish, hold = chain.Chain._finish, chain._read_would_hold
+
+    def recorded(self: Any, *args: Any) -> None:
+        names.append(threading.current_thread().name)
+        finish(self, *args)
+
+    chain.Chain._finish, chain._read_would_hold = recorded, lambda device, inline: True  # type: ignore[method-assign]
+    try:
+        yield names
+    finally:
+        chain.Chain._finish, chain._read_would_hold = finish, hold  # type: ignore[method-assign]
 
 
 def guard(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ from dist_utils import (
     feedback_bound,
     final_loss,
     guard,
+    programs_finished_on_the_worker,
     run_ranks,
     same_on_all_ranks,
     value_errors,
@@ -130,17 +131,11 @@ def _conservation(rank: int, name: str, opts: dict[str, Any], device: str = "cpu
 
 
 def _train_on_worker(rank: int, name: str, opts: dict[str, Any]) -> dict[str, Any]:
-    """:func:`_train` with every checked result read, and its program continued, on the chain's worker: what NCCL on
-    CUDA gets (its callbacks run inline in backward's thread). Also returns how many programs went there."""
-    from powertrain.compress import chain
-
-    moved = []
-    saved = chain._read_would_hold
-    chain._read_would_hold = lambda device, inline: moved.append(inline) or True
-    try:
-        return {**_train(rank, name, opts), "moved": len(moved)}
-    finally:
-        chain._read_would_hold = saved
+    """:func:`_train` with every program finished on its chain's worker (what NCCL on CUDA gets); also returns how
+    many calls the worker thread finished."""
+    with programs_finished_on_the_worker() as threads:
+        out = _train(rank, name, opts)
+    return {**out, "moved": sum(t == "powertrain-chain" for t in threads), "calls": len(threads)}
 
 
 def _no_sync(rank: int, name: str | None, opts: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +297,9 @@ def test_programs_continued_on_the_worker_train_bitwise_as_inline(results, name)
     the usual run's bit for bit (gloo sums the same messages in the same order), at 2 and 4 ranks."""
     world, runs = results
     for usual, moved in zip(case(runs, f"train/{name}"), case(runs, f"worker/{name}"), strict=True):
-        assert moved["moved"] >= STEPS, f"{name}: only {moved['moved']} programs went to the worker in {STEPS} steps"
+        assert moved["moved"] == moved["calls"] >= STEPS, (
+            f"{name}: the worker finished {moved['moved']} of {moved['calls']}"
+        )
         assert torch.equal(usual["params"], moved["params"]), f"{name} at {world} ranks: parameters differ"
         assert usual["losses"] == moved["losses"], f"{name} at {world} ranks: losses differ"
 
@@ -498,7 +495,7 @@ def test_a_check_that_would_wait_for_the_device_does_not_hold_the_issuing_thread
         where.append(("unchecked", k, threading.get_ident()))
         yield ReduceRequest(torch.ones(2), "sum")
         where.append(("checked", k, threading.get_ident()))
-        assert release.wait(60), "never released"
+        assert release.wait(5), "never released"
         if k == 1:
             raise NonFiniteGradientError(f"call {k}")
         return [torch.full((1,), float(k))]
@@ -532,3 +529,40 @@ def test_a_check_that_would_wait_for_the_device_does_not_hold_the_issuing_thread
     assert len(failed) == 1 and isinstance(failed[0][0], NonFiniteGradientError) and failed[0][1] is False, failed
     with pytest.raises(NonFiniteGradientError, match="call 1"):
         futures[1].wait()
+
+
+def test_only_a_programs_last_collective_is_checked_and_the_worker_issues_none(monkeypatch):
+    """A checked collective is a program's last: guard_nonfinite refuses a program that goes on after one, and a chain
+    finishing a program on its worker refuses to issue a collective there (its order against the caller's would
+    differ between ranks) and fails the call instead of hanging it. A function that raises on the worker is printed,
+    and the ones queued after it still run."""
+    import threading
+
+    from powertrain.comm import Communicator
+    from powertrain.compress import chain as chain_mod
+    from powertrain.compress.base import ReduceRequest, guard_nonfinite, run_program
+
+    def two_checked():
+        yield ReduceRequest(torch.ones(2), "sum")
+        yield ReduceRequest(torch.ones(2), "sum")
+        return []
+
+    program = guard_nonfinite(two_checked(), local_ok=True, error=lambda: AssertionError("not this"))
+    with pytest.raises(AssertionError, match="must be the program's last"):
+        run_program(program, Communicator(None))
+
+    monkeypatch.setattr(chain_mod, "_read_would_hold", lambda device, inline: inline)
+    failed: list[BaseException] = []
+    fut = chain_mod.Chain(two_checked(), chain_mod.Sequencer([_Loopback(), _Loopback()]), 0, lambda _: None,
+                          failed.append).start()  # fmt: skip
+    done = threading.Event()
+    fut.add_done_callback(lambda _: done.set())
+    assert done.wait(10), "the call never completed"
+    assert len(failed) == 1 and "after a checked one" in str(failed[0]), failed
+
+    worker, ran = chain_mod._Worker(), threading.Event()
+    printed: list[type] = []
+    monkeypatch.setattr("sys.excepthook", lambda kind, value, tb: printed.append(kind))
+    worker.submit(lambda: 1 / 0)
+    worker.submit(ran.set)
+    assert ran.wait(10) and printed == [ZeroDivisionError], printed

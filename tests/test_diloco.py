@@ -592,3 +592,28 @@ def test_a_state_that_does_not_fit_changes_nothing():
                 saved["outer"]["state"][k]["momentum_buffer"]) for k in now["outer"]["state"]]  # fmt: skip
     assert moments and all(torch.equal(a, n) for a, n, _ in moments)
     assert any(not torch.equal(n, s) for _, n, s in moments)
+
+
+def test_loading_waits_for_the_sync_in_flight():
+    """A sync still in flight when a state is loaded finishes first: its program would otherwise commit the
+    compressor's state over the loaded one (on NCCL it now ends on the chain's worker, later than the call); its failure
+    is not raised by the resumed run."""
+    import threading
+
+    from powertrain.diloco import _Pending
+
+    model = make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, compressor="int8")
+    _train(model, diloco, 0, range(3))
+    saved = from_blob(to_blob(diloco.state_dict()))
+    for outcome in ("result", "failure"):
+        fut: torch.futures.Future = torch.futures.Future()
+        diloco._pending = _Pending(0, diloco.step_count + 1, fut)
+        end = lambda fut=fut, outcome=outcome: (fut.set_result([]) if outcome == "result"
+                                                 else fut.set_exception(RuntimeError("lost peer")))  # fmt: skip
+        timer = threading.Timer(0.3, end)
+        timer.start()
+        diloco.load_state_dict(saved)
+        assert fut.done(), f"load returned with the sync ({outcome}) still in flight"
+        timer.join()
+        _train(model, diloco, 0, range(3, 5))  # the resumed run goes on, the lost sync's error forgotten

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, within
+from dist_utils import EPS32, EPS64, case, feedback_bound, guard, programs_finished_on_the_worker, run_ranks, within
 from models import batch, loss_fn, make_model
 from powertrain.checkpoint import from_blob, to_blob
 from powertrain.compress import NonFiniteGradientError
@@ -47,6 +47,14 @@ def _conservation(rank: int) -> dict[str, Any]:
         out = comp.aggregate(grads)
         steps.append({"grads": grads, "old": old, "out": out, "new": [r.clone() for r in comp.residuals()]})
     return {"steps": steps}
+
+
+def _ddp_finished_on_the_worker(rank: int) -> dict[str, Any]:
+    """:func:`_ddp_matches_program` with each call finished on its chain's worker after the node gather, its last
+    collective (what NCCL on CUDA gets): the inner program's collectives stay with the caller."""
+    with programs_finished_on_the_worker() as threads:
+        out = _ddp_matches_program(rank)
+    return {**out, "threads": threads}
 
 
 def _ddp_matches_program(rank: int) -> dict[str, Any]:
@@ -166,7 +174,8 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     assert world == NODES * LOCAL
     torch.manual_seed(0)
     return {name: guard(fn, rank) for name, fn in
-            {"exact": _exact, "conservation": _conservation, "ddp": _ddp_matches_program, "nonfinite": _nonfinite,
+            {"exact": _exact, "conservation": _conservation, "ddp": _ddp_matches_program,
+             "ddp_worker": _ddp_finished_on_the_worker, "nonfinite": _nonfinite,
              "state": _state, "hsdp": _hsdp}.items()}  # fmt: skip
 
 
@@ -214,6 +223,15 @@ def test_ddp_hook_runs_the_same_program(results):
     # identical operations in identical order on identical inputs: bitwise
     for r in runs:
         assert max(r["diffs"]) == 0.0, r["diffs"]
+
+
+def test_ddp_hook_finished_on_the_worker_is_the_same_program(results):
+    """Each call's program, finished on the worker after its node gather (its only checked collective: the inner
+    PowerSGD's are unchecked for the driver, so no collective is issued from the worker), is still bitwise the
+    synchronous program."""
+    for r in case(results, "ddp_worker"):
+        assert r["calls"] >= 3 and max(r["diffs"]) == 0.0, r["diffs"]
+        assert r["threads"] and set(r["threads"]) == {"powertrain-chain"}, r["threads"]
 
 
 def test_nonfinite_on_one_rank_raises_everywhere(results):

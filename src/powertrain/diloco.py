@@ -46,6 +46,7 @@ which is each replica's own) with :meth:`DiLoCo.state_dict`; DCP keeps one copy 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -424,6 +425,11 @@ class DiLoCo:
         syncs: int = state["syncs"]
         applied: list[int] = state["applied"]
         pending, warm = state.get("pending"), state.get("warmup_compressor")
+        in_flight = self._pending.future if self._pending is not None else None
+        if in_flight is not None:  # its program would commit the compressor's state over the loaded one: let it end
+            with contextlib.suppress(BaseException):  # what it brings is replaced by the loaded state anyway
+                in_flight.wait()
+            self._error = None
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
         parts: list[Any] = [self.compressor, self.outer]
         given: list[Any] = [state["compressor"], state["outer"]]

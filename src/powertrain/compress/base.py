@@ -50,9 +50,10 @@ class NonFiniteGradientError(FloatingPointError):
 @dataclasses.dataclass(frozen=True)
 class ReduceRequest:
     """All-reduce ``tensor`` in place (``"sum"`` or ``"mean"``); the program receives None. ``comm``: where
-    (None: the compressor's own communicator; see :meth:`Compressor.communicators`). ``check``: whether
-    :func:`guard_nonfinite` reads the result's finiteness on the host as it comes back; False defers that to the
-    program's next collective (a program's last collective is always checked)."""
+    (None: the compressor's own communicator; see :meth:`Compressor.communicators`). ``check``: the program reads the
+    result's finiteness on the host as it comes back (:func:`guard_nonfinite`), and issues no collective after it, so
+    a driver may finish the program on another thread (:mod:`powertrain.compress.chain`); False: a later collective
+    follows, and carries whether this result was finite (a program's last collective is always checked)."""
 
     tensor: torch.Tensor
     op: ReduceKind
@@ -127,8 +128,8 @@ def guard_nonfinite(
     host synchronisation on CUDA (:func:`~powertrain.ops.finite.read_flag`), and cannot be avoided: whether to raise
     is a decision of the host, and every rank must make it before the program commits. A request with
     ``check=False`` is not read: whether its result is finite stays a device flag, written into the next request as
-    the input's is, so the next checked collective raises for both; a program then synchronises once, at its last
-    collective (which must be checked: the program commits right after it).
+    the input's is, so the next checked collective raises for both. A program synchronises once, at its last
+    collective, which must be checked (the program commits right after it), and only its last is.
     """
     pending: bool | torch.Tensor = local_ok  # still to be sent: False (or a device flag) poisons the next request
     try:
@@ -154,6 +155,8 @@ def guard_nonfinite(
         last = request
         try:
             request = program.send(result)
+            if last.check:  # a driver may have moved the program to a thread that must not issue collectives
+                raise AssertionError("a checked collective (check=True) must be the program's last")
         except StopIteration as stop:
             if not last.check:  # the program committed after a result nobody read: a bug in the program
                 raise AssertionError("a program's last collective must be checked (check=True)") from None
@@ -420,8 +423,8 @@ class Compressor(abc.ABC):
         where = (
             f"non-finite gradient in {names_} on rank {rank}"
             if bad
-            else f"gradients on rank {rank} are finite: another rank's were not (or too large to compress), or a sum "
-            "overflowed"
+            else f"gradients on rank {rank} are finite: another rank's were non-finite (or too large to compress), or "
+            "a sum overflowed"
         )
         return NonFiniteGradientError(
             f"{type(self).__name__}: {where}; nothing was applied and the compressor state is unchanged "

@@ -14,8 +14,10 @@ ends early releases its later slots). Drivers: :mod:`powertrain.ddp` (one call p
 NCCL completes a collective's future as soon as the collective is queued, so a callback runs inline, in the thread
 that issued the collective (DDP's backward, the inner steps), and a program's check of a result's finiteness there
 (:func:`~powertrain.ops.finite.read_flag`, a host read of a CUDA value) would hold that thread until the collective is
-done: no overlap. A checked result that arrives inline on a device whose host reads wait (CUDA) is therefore read, and
-the program continued, on a :class:`_Worker` thread, on the callback's stream; the caller goes on at once. gloo runs
+done: no overlap. A checked result (a program's last collective: ``check`` says no collective follows) that arrives
+inline on CUDA is therefore read, and the program finished (committed, its outputs written), on a :class:`_Worker`
+thread, on the callback's stream; the caller goes on at once. The worker never issues a collective, so every
+collective is still issued in the same order on every rank (NCCL needs that across its communicators too). gloo runs
 callbacks on its own threads, where waiting costs the caller nothing.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -89,7 +92,8 @@ class Sequencer:
 
 class _Worker:
     """Runs functions in the order given, on a thread of its own that exists only while it has some to run (no
-    thread is left waiting for work: a driver that is dropped, or rebuilt on an elastic restart, leaves none)."""
+    thread is left waiting for work: a driver that is dropped, or rebuilt on an elastic restart, leaves none). Not a
+    daemon: the interpreter waits for it at exit rather than stop it inside a CUDA call (which aborts the process)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,15 +101,16 @@ class _Worker:
         self._running = False
 
     def submit(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` after the functions submitted before it; ``fn`` must not raise."""
+        """Run ``fn()`` after the functions submitted before it. ``fn`` reports its own failures: an exception that
+        escapes it is printed (``sys.excepthook``) and the functions after it still run."""
         with self._lock:
             self._queue.append(fn)
             if self._running:
                 return
             self._running = True
         try:
-            threading.Thread(target=self._run, name="powertrain-chain", daemon=True).start()
-        except RuntimeError:  # no thread to be had: run them here (the caller waits, as it would without a worker)
+            threading.Thread(target=self._run, name="powertrain-chain").start()
+        except BaseException:  # no thread to be had: run them here (the caller waits, as it would without a worker)
             self._run()
 
     def _run(self) -> None:
@@ -115,7 +120,10 @@ class _Worker:
                     self._running = False
                     return
                 fn = self._queue.popleft()
-            fn()
+            try:
+                fn()
+            except BaseException:  # a bug in fn: say so, and keep the calls queued after it going
+                sys.excepthook(*sys.exc_info())
 
 
 def _read_would_hold(device: torch.device | None, inline: bool) -> bool:
@@ -153,6 +161,7 @@ class Chain:
         self.future = future_on(device)
         self.phase = 0  # collectives issued so far
         self.used: set[int] = set()  # the communicators they used
+        self.on_worker = False  # the program is being finished on the worker: no more collectives
 
     def _fail(self, e: BaseException) -> None:
         # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
@@ -188,6 +197,10 @@ class Chain:
             self._fail(e)
             return
         try:
+            if self.on_worker:  # issued here, its order against the caller's collectives would differ between ranks
+                raise RuntimeError(
+                    "a compressor's program issued a collective after a checked one (check=True must mark its last)"
+                )
             phase = self.phase if request.comm is None else self.seq.key(request.comm)
             if phase >= len(self.seq.comms) or phase in self.used:
                 raise RuntimeError(
@@ -221,18 +234,24 @@ class Chain:
         return attach
 
     def _completed(self, fut: torch.futures.Future, out: torch.Tensor | None, checked: bool, inline: bool) -> None:
-        """The collective ``fut`` is done (or, on NCCL, queued): advance the program. ``checked``: the program reads
-        this result's finiteness on the host next; ``inline``: this callback runs in the thread that attached it (the
-        future was complete already: NCCL's always are). Where that read would hold this thread, the worker continues
-        the program instead, on this callback's stream, and this thread goes on."""
+        """The collective ``fut`` is done (or, on NCCL, queued): advance the program. ``checked``: it was the program's
+        last, whose finiteness the program reads on the host next; ``inline``: this callback runs in the thread that
+        attached it (the future was complete already: NCCL's always are). Where that read would hold this thread, the
+        worker finishes the program instead, on this callback's stream, and this thread goes on."""
         if checked and _read_would_hold(self.device, inline):
-            cuda = self.device is not None and self.device.type == "cuda"
-            stream = torch.cuda.current_stream(self.device) if cuda else None
-            self.seq.worker.submit(lambda: self._continue(fut, out, stream))
+            try:
+                cuda = self.device is not None and self.device.type == "cuda"
+                stream = torch.cuda.current_stream(self.device) if cuda else None
+            except BaseException as e:
+                self._abort(e)
+                return
+            self.seq.worker.submit(lambda: self._finish(fut, out, stream))
             return
-        self._continue(fut, out, None)
+        self._resume(fut, out)
 
-    def _continue(self, fut: torch.futures.Future, out: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
+    def _finish(self, fut: torch.futures.Future, out: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
+        """On the worker: the program after its last collective (it must issue none: :meth:`_advance` refuses)."""
+        self.on_worker = True
         try:
             with _on_stream(stream):
                 self._resume(fut, out)

@@ -156,7 +156,7 @@ class HierarchicalCompressor(Compressor):
     def _run(self, grads: Sequence[torch.Tensor], idx: list[int]) -> Program:
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
-        yield ReduceRequest(flat, "mean", comm=self._node[0])  # exact: the fast link
+        yield ReduceRequest(flat, "mean", comm=self._node[0], check=False)  # exact: the fast link; not the last
         node_means = flat.split([g.numel() for g in grads])
         mine = [(self._inner_index[i], m.view(g.shape)) for g, i, m in zip(grads, idx, node_means, strict=True)
                 if self.owner[i] == self.local_rank]  # fmt: skip
@@ -205,7 +205,8 @@ class HierarchicalCompressor(Compressor):
                 if phase >= len(self._cross):
                     raise RuntimeError(f"the inner compressor issued more than {len(self._cross)} collectives in a "
                                        "call (its max_collectives_per_call)")  # fmt: skip
-                value = yield dataclasses.replace(request, comm=self._cross[phase])
+                # unchecked for the driver: the gather follows (the inner program still reads its own last result)
+                value = yield dataclasses.replace(request, comm=self._cross[phase], check=False)
                 phase += 1
                 request = program.send(value)
         except StopIteration as stop:
