@@ -10,6 +10,7 @@ are killed and the test fails: a hang never eats the CI budget.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -131,25 +132,45 @@ def run_ranks(
 # ---------------------------------------------------------------- sub-case helpers shared by the test modules
 
 
+@dataclasses.dataclass
+class WorkerRecord:
+    """What :func:`programs_finished_on_the_worker` saw: the threads that finished a call, and the threads that
+    issued each collective."""
+
+    finished: list[str] = dataclasses.field(default_factory=list)
+    issued: list[str] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
-def programs_finished_on_the_worker() -> Iterator[list[str]]:
+def programs_finished_on_the_worker() -> Iterator[WorkerRecord]:
     """Inside: every chained program (DDP's hook, DiLoCo's outer step) is finished on its chain's worker after its last
     (checked) collective, as NCCL on CUDA gets it (gloo's callbacks, on threads of their own, would not go there).
-    Yields the list of the threads' names that finished one, filled as they do."""
+    Records which threads finished calls and which issued collectives (the worker must issue none)."""
+    from powertrain.comm import Communicator
     from powertrain.compress import chain
 
-    names: list[str] = []
+    record = WorkerRecord()
     finish, hold = chain.Chain._finish, chain._read_would_hold
+    reduce, gather = Communicator.all_reduce_, Communicator.all_gather
 
-    def recorded(self: Any, *args: Any) -> None:
-        names.append(threading.current_thread().name)
+    def finished(self: Any, *args: Any) -> None:
+        record.finished.append(threading.current_thread().name)
         finish(self, *args)
 
-    chain.Chain._finish, chain._read_would_hold = recorded, lambda device, inline: True  # type: ignore[method-assign]
+    def issued(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            record.issued.append(threading.current_thread().name)
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    chain.Chain._finish, chain._read_would_hold = finished, lambda device, inline: True  # type: ignore[method-assign]
+    Communicator.all_reduce_, Communicator.all_gather = issued(reduce), issued(gather)  # type: ignore[method-assign]
     try:
-        yield names
+        yield record
     finally:
         chain.Chain._finish, chain._read_would_hold = finish, hold  # type: ignore[method-assign]
+        Communicator.all_reduce_, Communicator.all_gather = reduce, gather  # type: ignore[method-assign]
 
 
 def guard(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

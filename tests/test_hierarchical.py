@@ -52,9 +52,9 @@ def _conservation(rank: int) -> dict[str, Any]:
 def _ddp_finished_on_the_worker(rank: int) -> dict[str, Any]:
     """:func:`_ddp_matches_program` with each call finished on its chain's worker after the node gather, its last
     collective (what NCCL on CUDA gets): the inner program's collectives stay with the caller."""
-    with programs_finished_on_the_worker() as threads:
+    with programs_finished_on_the_worker() as record:
         out = _ddp_matches_program(rank)
-    return {**out, "threads": threads}
+    return {**out, "finished": record.finished, "issued": record.issued}
 
 
 def _ddp_matches_program(rank: int) -> dict[str, Any]:
@@ -231,7 +231,8 @@ def test_ddp_hook_finished_on_the_worker_is_the_same_program(results):
     synchronous program."""
     for r in case(results, "ddp_worker"):
         assert r["calls"] >= 3 and max(r["diffs"]) == 0.0, r["diffs"]
-        assert r["threads"] and set(r["threads"]) == {"powertrain-chain"}, r["threads"]
+        assert r["finished"] and set(r["finished"]) == {"powertrain-chain"}, r["finished"]
+        assert r["issued"] and "powertrain-chain" not in r["issued"], "a collective was issued from the worker"
 
 
 def test_nonfinite_on_one_rank_raises_everywhere(results):

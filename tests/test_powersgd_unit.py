@@ -353,7 +353,7 @@ def test_gradients_just_below_the_limit_never_overflow(variant, iters, factors, 
     step), no output or residual is NaN or Inf. Then, with the residuals dropped, an ordinary gradient goes through
     (before ``Q`` was scaled, the paper variant's ``P = M Q`` overflowed on it: the last large step's ``Q`` stays)."""
     torch.manual_seed(0)
-    for n, m in ((64, 32), (8, 300), (50, 50)):
+    for n, m in ((64, 32), (8, 300), (50, 50), (256, 256)):
         for rank in (1, 4, 16):
             for kind in ("rand", "ones", "column", "sign"):
                 p = torch.nn.Parameter(torch.zeros(n, m, device=device))
@@ -408,26 +408,28 @@ def test_a_gradient_beyond_the_limit_raises_naming_it_and_changes_nothing(varian
     grads[i] = 0.98 * limit * torch.sign(torch.randn_like(grads[i])) - comp.residuals()[i]
     comp.aggregate(grads)
     grads[i] = torch.randn_like(grads[i])
-    if float(comp.residuals()[i].abs().max()) > limit:
-        with pytest.raises(NonFiniteGradientError, match="residual owed from earlier steps alone is beyond it"):
-            comp.aggregate(grads)
+    assert float(comp.residuals()[i].abs().max()) > limit, "the case below did not arise: make it"
+    with pytest.raises(NonFiniteGradientError, match=r"residual owed from earlier steps alone .*pop_residuals\(\)"):
+        comp.aggregate(grads)
+    comp.pop_residuals()
+    assert all(o.isfinite().all() for o in comp.aggregate(grads))
 
 
 def test_unit_scaled_is_an_exact_power_of_two_scaling():
-    """Entries at most 1, the largest in [1/2, 1]; a product with it is the product with the input scaled by the same
-    power of two, to the bit; zero stays zero; float32 inputs near its largest number and float64 ones far beyond it
-    scale without overflow."""
+    """Entries at most 1, each matrix's largest in [1/2, 1]; a product with it is the product with the input scaled by
+    that matrix's power of two, to the bit; zero stays zero; float32 inputs near its largest number and float64 ones
+    far beyond it scale without overflow; one tiny matrix beside a large one is not pushed into subnormals."""
     from powertrain.ops.lowrank import unit_scaled
 
     torch.manual_seed(0)
     for dtype, big in ((torch.float32, 5e37), (torch.float64, 1e300), (torch.float32, 1e-30), (torch.float32, 3.0)):
         x = torch.randn(3, 40, 5, dtype=dtype) * big
         y = unit_scaled(x)
-        top = float(y.abs().max())
-        assert 0.5 <= top <= 1.0, (dtype, big, top)
-        scale = y[0, 0, 0] / x[0, 0, 0]
-        assert torch.equal(y, x * scale), "not one scale for all"
-        assert math.log2(float(scale)).is_integer(), float(scale)
+        tops = y.abs().amax(dim=(1, 2))
+        assert ((tops >= 0.5) & (tops <= 1.0)).all(), (dtype, big, tops)
+        scale = y[:, :1, :1] / x[:, :1, :1]  # one per matrix
+        assert torch.equal(y, x * scale), "not one scale per matrix"
+        assert all(math.log2(float(s)).is_integer() for s in scale.flatten()), scale.flatten()
         m = torch.randn(3, 7, 40, dtype=dtype)
         product = torch.bmm(m, x)
         if product.isfinite().all():  # the float32 5e37 one overflows: why the scaling
@@ -435,6 +437,11 @@ def test_unit_scaled_is_an_exact_power_of_two_scaling():
         assert torch.bmm(m, y).isfinite().all()
     zero = torch.zeros(2, 4, 3)
     assert torch.equal(unit_scaled(zero), zero)
+    mixed = torch.stack([torch.ones(4, 3), torch.full((4, 3), 2.0**-140)])  # one scale each: no subnormal
+    assert torch.equal(unit_scaled(mixed), torch.full((2, 4, 3), 0.5))
+    # LAPACK's QR does not scale a column's norm: 256 entries of 2.2e37 overflowed float32 before scaling
+    q = householder_qr(torch.full((1, 256, 1), 2.2e37))
+    assert torch.allclose(q.abs(), torch.full_like(q, 1 / 16))
 
 
 def test_bounded_flag_fails_nan_inf_and_entries_above_their_bound():

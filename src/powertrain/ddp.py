@@ -54,7 +54,10 @@ class DDPCompressionHook:
         :class:`~powertrain.compress.NonFiniteGradientError`), and forget it.
 
         DDP turns a failed hook into a ``RuntimeError`` that loses the exception's type (``Unable to cast ...``);
-        catch that around ``backward()`` and ask here what happened."""
+        catch that around ``backward()`` and ask here what happened. Returns once the calls the chain's worker was
+        still finishing (on CUDA with NCCL, the buckets after the one that failed) have ended, so that nothing writes
+        into the gradients or the compressor's state after it."""
+        self._seq.worker.wait_idle()
         error, self._error = self._error, None
         return error
 

@@ -90,15 +90,25 @@ class Sequencer:
             self._next[phase] = n + 1
 
 
+_THREAD = "powertrain-chain"  # the worker thread's name
+
+
 class _Worker:
     """Runs functions in the order given, on a thread of its own that exists only while it has some to run (no
     thread is left waiting for work: a driver that is dropped, or rebuilt on an elastic restart, leaves none). Not a
     daemon: the interpreter waits for it at exit rather than stop it inside a CUDA call (which aborts the process)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._running = False
+
+    def wait_idle(self) -> None:
+        """Return once every function submitted so far has run (at once when called from the worker itself)."""
+        if threading.current_thread().name == _THREAD:
+            return
+        with self._lock:
+            self._lock.wait_for(lambda: not self._running)
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` after the functions submitted before it. ``fn`` reports its own failures: an exception that
@@ -109,7 +119,7 @@ class _Worker:
                 return
             self._running = True
         try:
-            threading.Thread(target=self._run, name="powertrain-chain").start()
+            threading.Thread(target=self._run, name=_THREAD).start()
         except BaseException:  # no thread to be had: run them here (the caller waits, as it would without a worker)
             self._run()
 
@@ -118,6 +128,7 @@ class _Worker:
             with self._lock:
                 if not self._queue:
                     self._running = False
+                    self._lock.notify_all()
                     return
                 fn = self._queue.popleft()
             try:
@@ -161,7 +172,7 @@ class Chain:
         self.future = future_on(device)
         self.phase = 0  # collectives issued so far
         self.used: set[int] = set()  # the communicators they used
-        self.on_worker = False  # the program is being finished on the worker: no more collectives
+        self.released = False  # its unused slots went to the calls after it: it issues no more collectives
 
     def _fail(self, e: BaseException) -> None:
         # ``failed`` first: a waiter on the future (DDP's backward) may ask what failed as soon as it is set
@@ -172,8 +183,15 @@ class Chain:
         """Fail mid-program: its later collective slots are released (other calls go on), then the future fails."""
         with contextlib.suppress(BaseException):  # the program's own clean-up failed too: ``e`` is what to report
             self.program.close()
-        self.seq.finish(self.call, self.used)
+        self._release()
         self._fail(e)
+
+    def _release(self) -> None:
+        """This call issues no more collectives: its unused slots go to the calls after it, whose collectives waiting
+        for them are issued now, by this thread (once: later calls do nothing)."""
+        if not self.released:
+            self.released = True
+            self.seq.finish(self.call, self.used)
 
     def start(self) -> torch.futures.Future:
         self._advance(None)
@@ -186,19 +204,19 @@ class Chain:
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
         except StopIteration as stop:
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
-            self.seq.finish(self.call, self.used)
+            self._release()
             try:
                 self.done(stop.value)
             except BaseException as e:
                 self._fail(e)
             return
         except BaseException as e:
-            self.seq.finish(self.call, self.used)
+            self._release()
             self._fail(e)
             return
         try:
-            if self.on_worker:  # issued here, its order against the caller's collectives would differ between ranks
-                raise RuntimeError(
+            if self.released:  # its slots are given away, and it may be on the worker: a collective now would be
+                raise RuntimeError(  # issued out of order
                     "a compressor's program issued a collective after a checked one (check=True must mark its last)"
                 )
             phase = self.phase if request.comm is None else self.seq.key(request.comm)
@@ -212,6 +230,8 @@ class Chain:
             return
         self.phase += 1
         self.used.add(phase)
+        if request.check:  # the last: release the other slots here, in the issuing thread, not where the program ends
+            self._release()  # (the worker, which must issue no collective, not even the calls' after this one)
         self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
 
     def _launch(self, phase: int, request: Request) -> Callable[[], None]:
@@ -251,7 +271,6 @@ class Chain:
 
     def _finish(self, fut: torch.futures.Future, out: torch.Tensor | None, stream: torch.cuda.Stream | None) -> None:
         """On the worker: the program after its last collective (it must issue none: :meth:`_advance` refuses)."""
-        self.on_worker = True
         try:
             with _on_stream(stream):
                 self._resume(fut, out)

@@ -404,8 +404,9 @@ class PowerSGDCompressor(Compressor):
             return None
         what = ", ".join(over[:3]) + (f" and {len(over) - 3} more" if len(over) > 3 else "")
         cure = (
-            "the residual owed from earlier steps alone is beyond it, so no later step can go through: resume from an "
-            "earlier checkpoint with a lower learning rate"
+            "the residual owed from earlier steps alone is beyond it, so no later step can go through until it is "
+            "dropped (compressor.pop_residuals()) or the run resumes from an earlier checkpoint with a lower learning "
+            "rate"
             if owed_before
             else "the run has likely diverged (lower the learning rate, clip gradients, or resume from an earlier "
             "checkpoint)"

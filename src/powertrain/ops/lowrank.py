@@ -40,8 +40,10 @@ def orthonormalize(x_bnr: torch.Tensor) -> torch.Tensor:
 
 
 def householder_qr(x_bnr: torch.Tensor) -> torch.Tensor:
-    """:func:`orthonormalize` by torch's Householder QR on any device (the choice everywhere but CUDA)."""
-    return torch.linalg.qr(x_bnr, mode="reduced").Q
+    """:func:`orthonormalize` by torch's Householder QR on any device (the choice everywhere but CUDA). Each matrix is
+    scaled to entries <= 1 first (:func:`unit_scaled`: exact, and the span is what counts): LAPACK's QR on the CPU
+    does not scale a column's norm, which overflowed for float32 columns of 256 entries of 2.2e37."""
+    return torch.linalg.qr(unit_scaled(x_bnr), mode="reduced").Q
 
 
 #: The shift of cholesky_qr's shifted passes, in units of u64 ||Y||_F^2 per (n r + r (r + 1)): Fukaya et al.'s bound
@@ -101,12 +103,12 @@ def cholesky_qr(x_bnr: torch.Tensor) -> torch.Tensor:
 
 
 def unit_scaled(x: torch.Tensor) -> torch.Tensor:
-    """``x`` divided by the power of two at or just above its largest magnitude (one scale for a whole batch), so that
-    no entry exceeds 1, without a host synchronisation. Scaling by a power of two is exact in floating point (short of
-    underflow), so a product with the result is the product with ``x``, scaled, to the bit: the span PowerSGD's paper
-    variant takes from ``P = M Q`` is unchanged, and ``P`` cannot overflow because the previous step's ``Q`` was large.
-    An all-zero ``x`` stays zero."""
-    _, exponent = torch.frexp(x.abs().amax())
+    """Each matrix of ``x`` (the last two dimensions) divided by the power of two at or just above its largest
+    magnitude, so that no entry exceeds 1, without a host synchronisation. Scaling by a power of two is exact in
+    floating point (short of underflow), so a product with the result is the product with ``x``, scaled: the span
+    PowerSGD's paper variant takes from ``P = M Q`` is unchanged, and ``P`` cannot overflow because the previous step's
+    ``Q`` was large. An all-zero matrix stays zero; NaN and Inf stay non-finite."""
+    _, exponent = torch.frexp(x.abs().amax(dim=(-2, -1), keepdim=True))
     return torch.ldexp(x, -exponent)
 
 
