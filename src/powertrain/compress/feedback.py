@@ -54,6 +54,9 @@ class ErrorFeedbackCompressor(Compressor):
 
     #: True if every rank must draw the same random numbers (random-k); False gives each rank its own.
     _shared_randomness = False
+    #: True if :meth:`_new_error` needs the error buffers as they were (LoCo's moving average); else they are added to
+    #: the gradients directly, without a copy of their own.
+    _keeps_old = False
 
     def __init__(
         self,
@@ -76,8 +79,9 @@ class ErrorFeedbackCompressor(Compressor):
         """Send compressed ``parts`` (views of ``x``, one per parameter ``idx``) in one collective; return
         (own message decoded, mean of all decoded messages), both flat like ``x``."""
 
-    def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor, idx: list[int]) -> torch.Tensor:
-        """The error to keep; classic error feedback keeps exactly what was not sent."""
+    def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor | None, idx: list[int]) -> torch.Tensor:
+        """The error to keep (``old``: the error buffers as they were, if :attr:`_keeps_old`); classic error feedback
+        keeps exactly what was not sent."""
         return x - sent
 
     def _rng(self, i: int) -> torch.Generator:
@@ -97,18 +101,20 @@ class ErrorFeedbackCompressor(Compressor):
     ) -> Program:
         idx = self._resolve(grads, indices, rows)
         x = pack(grads, torch.float32, self.device)
-        old = torch.zeros_like(x)
-        pairs = [(v, e) for v, i in zip(flat_views(old, [self._shapes[i] for i in idx]), idx, strict=True)
+        old = torch.zeros_like(x) if self._keeps_old else None
+        owed = x if old is None else old
+        pairs = [(v, e) for v, i in zip(flat_views(owed, [self._shapes[i] for i in idx]), idx, strict=True)
                  if (e := self._errors[i]) is not None]  # fmt: skip
         if pairs:
             foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs])
-            x.add_(old)
+            if old is not None:
+                x.add_(old)
         names = [self.names[i] for i in idx]
         error = lambda: self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
         return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=finite_flag([x]), error=error)
 
     def _run(
-        self, x: torch.Tensor, old: torch.Tensor, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows
+        self, x: torch.Tensor, old: torch.Tensor | None, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows
     ) -> Program:
         parts = list(x.split([self._shapes[i].numel() for i in idx]))
         sent, mean = yield from self._exchange(parts, idx)

@@ -70,6 +70,7 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group, seed=seed, error_dtype=error_dtype)
         self.bits, self.chunk, self.stochastic = bits, chunk, stochastic
         self.loco_beta, self.loco_reset_every = loco_beta, loco_reset_every
+        self._keeps_old = loco_beta > 0
 
     def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         x, lengths = padded_to_chunks(parts, self.chunk)
@@ -82,15 +83,20 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         real = unpad(codes, parts, lengths)  # chunks start at each parameter; their padding is not sent
         gathered = yield GatherRequest(pack_codes(real, scales, self.bits))
         assert gathered is not None, "a gather returns the gathered payloads"
-        mean = torch.zeros_like(x)
-        for row in gathered:  # same order on every rank: identical results everywhere
+        total: torch.Tensor | None = None
+        sent: torch.Tensor | None = None
+        for j, row in enumerate(gathered):  # same order on every rank: identical results everywhere
             c, s = unpack_codes(row, real.numel(), scales.numel(), self.bits)
-            mean.add_(dequantize(repad(c, parts, lengths), s, self.chunk))
-        mean.div_(gathered.shape[0])
-        return unpad(dequantize(codes, scales, self.chunk), parts, lengths), unpad(mean, parts, lengths)
+            values = dequantize(repad(c, parts, lengths), s, self.chunk)
+            if j == self.comm.rank:  # this rank's own codes and scales, round-tripped exactly: what it sent
+                sent = values
+            # the first row starts the sum (a new tensor next: the rows stay as they are)
+            total = values if total is None else (total + values if j == 1 else total.add_(values))
+        assert total is not None and sent is not None, "a gather returns one row per rank, this rank's too"
+        return unpad(sent, parts, lengths), unpad(total / gathered.shape[0], parts, lengths)
 
-    def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor, idx: list[int]) -> torch.Tensor:
-        if self.loco_beta == 0:
+    def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor | None, idx: list[int]) -> torch.Tensor:
+        if old is None:  # loco_beta == 0
             return x - sent
         new = old.mul(self.loco_beta).add_(x - sent, alpha=1 - self.loco_beta)
         if idx and (self._steps[idx[0]] + 1) % self.loco_reset_every == 0:

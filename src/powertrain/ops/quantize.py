@@ -39,9 +39,13 @@ def quantize(
     assert bits in (4, 8), f"bits must be 4 or 8, got {bits}"
     qmax = 2 ** (bits - 1) - 1
     x_c = _chunks(x.float(), chunk)
-    scales = x_c.abs().amax(dim=1) / qmax
-    y = x_c / torch.where(scales > 0, scales, 1.0)[:, None]
-    y = y.round() if noise is None else (y + _chunks(noise.to(y.device, torch.float32), chunk)).floor_()
+    lo, hi = torch.aminmax(x_c, dim=1)  # the largest magnitude in one pass, no |x| temporary; + 0: never -0
+    scales = torch.maximum(hi, lo.neg()).add_(0.0).div_(qmax)
+    divisor = torch.where(scales > 0, scales, 1.0)[:, None]
+    if noise is None:
+        y = torch.div(x_c, divisor).round_()
+    else:  # noise + x / scale, with one temporary instead of two (the same two roundings)
+        y = torch.addcdiv(_chunks(noise.to(x_c.device, torch.float32), chunk), x_c, divisor).floor_()
     codes = y.clamp_(-qmax, qmax).to(torch.int8).view(-1)[: x.numel()]
     return codes, scales
 

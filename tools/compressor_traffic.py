@@ -1,0 +1,72 @@
+"""Bytes one compressor call reads and writes on the 124m GPT's gradients, counted per ATen operation on the CPU.
+
+A device-independent figure for what a GPU cannot hide: on an H100 (~3 TB/s of HBM) every pass over the 163M
+float32 gradients (0.65 GB) costs about 0.2 ms whatever the kernels, so the passes a call makes bound its time from
+below. Counted as the sizes of each operation's tensor arguments (read) and results (written; an in-place one is
+both, an ``out=`` one counts as read too), views not at all: the true traffic for elementwise work, a floor for matrix
+products (each operand read once). World size 1, no collectives. Usage:
+``python tools/compressor_traffic.py powersgd rank=32 start=0``.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from powertrain.bench.gpu_measure import SIZES
+from powertrain.compress import make_compressor
+from powertrain.models import GPT
+
+#: Operations that move no data (views, allocations, the host's reads of a flag).
+FREE = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "slice", "select", "unbind", "split", "t",
+                  "split_with_sizes", "transpose", "expand", "alias", "detach", "unsqueeze", "squeeze", "permute",
+                  "narrow", "view_as", "lift_fresh", "_reshape_alias", "empty", "empty_like", "new_empty",
+                  "empty_strided", "_local_scalar_dense"})  # fmt: skip
+
+
+class Traffic(TorchDispatchMode):
+    """Counts, per operation name, the calls and the bytes of their tensor inputs and outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in FREE:  # reads: every tensor argument; writes: every tensor returned (in place: both)
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
+            self.calls[name] += 1
+        return out
+
+
+def main(argv: list[str]) -> None:
+    name, options = argv[0], dict(kv.split("=", 1) for kv in argv[1:])
+    opts: dict[str, Any] = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in options.items()}
+    if "start" in opts:
+        opts["start_compressing_after_num_steps"] = opts.pop("start")
+    config, _ = SIZES["124m"]
+    torch.manual_seed(0)
+    model = GPT(config)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    comp = make_compressor(name, model.named_parameters(), **opts)
+    for _ in range(2):  # warm-up: error buffers, factors
+        comp.aggregate(grads)
+    with Traffic() as traffic:
+        comp.aggregate(grads)
+    total, gradient = sum(traffic.bytes.values()), 4 * sum(g.numel() for g in grads)
+    print(f"{name} {opts}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, {total / gradient:.1f} "
+          "passes over the float32 gradients")  # fmt: skip
+    for op, n in traffic.bytes.most_common(10):
+        print(f"  {op:20s} {traffic.calls[op]:4d} calls {n / 1e9:6.2f} GB")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
