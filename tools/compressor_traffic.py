@@ -41,7 +41,8 @@ class Traffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
         if name not in FREE:  # reads: every tensor argument; writes: every tensor returned (in place: both)
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            written = out if out is not None or not name.endswith("_") else args[0]  # in-place foreach: None
+            tensors = [t for t in tree_flatten((args, kwargs, written))[0] if isinstance(t, torch.Tensor)]
             self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
             self.calls[name] += 1
         return out
