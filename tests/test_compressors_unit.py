@@ -172,12 +172,13 @@ def test_bad_options_are_value_errors(name, opts, message):
 
 @pytest.mark.device
 def test_every_listed_compressor_builds_and_averages_one_rank(device):
-    """Every name in COMPRESSORS builds and averages over one rank: one output per parameter, of its shape, dtype
-    and device; zeros stay zeros (there is nothing to send and no error to feed back); a random gradient gives
-    finite values, unchanged by the exact one."""
+    """Every name in COMPRESSORS builds and averages over one rank: an empty call gives nothing; one output per
+    parameter, of its shape, dtype and device; zeros stay zeros (there is nothing to send and no error to feed
+    back); a random gradient gives finite values, unchanged by the exact one."""
     params = _params(device)
     for name in COMPRESSORS:
         opts = {"rank": 2, "start_compressing_after_num_steps": 0} if name == "powersgd" else {}
+        assert make_compressor(name, params, **opts).aggregate([], []) == [], f"{name}: an empty call"  # (top-k raised)
         zeros = make_compressor(name, params, **opts).aggregate([torch.zeros_like(p) for p in params])
         assert [(z.shape, z.dtype, z.device) for z in zeros] == [(p.shape, p.dtype, p.device) for p in params], name
         assert all(not z.any() for z in zeros), name

@@ -44,6 +44,9 @@ class TopKCompressor(ErrorFeedbackCompressor):
         ks = [_k(self.ratio, p.numel()) for p in parts]
         itype = index_dtype(max((p.numel() for p in parts), default=0))
         picked = [p.abs().topk(k, sorted=False).indices for p, k in zip(parts, ks, strict=True)]
+        if not parts:  # an empty call still takes part in the gather (every rank issues the same collectives)
+            parts, ks = [torch.zeros(0, device=self.device)], [0]
+            picked = [torch.zeros(0, dtype=torch.long, device=self.device)]
         values = torch.cat([p[i] for p, i in zip(parts, picked, strict=True)])
         positions = torch.cat(picked).to(itype)
         gathered = yield GatherRequest(pack_payload([values, positions]))
