@@ -610,3 +610,51 @@ def test_the_worker_issues_no_later_calls_collectives_either(monkeypatch):
     release.set()
     waiter.join(10)
     assert not waiter.is_alive() and all(chain.future.done() for chain in chains)
+
+
+def test_take_error_returns_once_every_call_in_flight_has_ended():
+    """DDP stops waiting at the first bucket whose future failed; the buckets after it still run (on gloo's threads,
+    or the chain's worker on NCCL) and write their gradients and the compressor's state. take_error() waits for them,
+    so that a caller who skips the step sees nothing change after it (review: it returned while a later bucket was
+    still 0.3 s from writing)."""
+    import threading
+
+    from powertrain.comm import CommStats
+    from powertrain.compress.chain import Sequencer
+    from powertrain.ddp import DDPCompressionHook
+
+    class Later:  # gloo-like: each all-reduce completes on another thread, after a delay
+        stats = CommStats()
+
+        def __init__(self) -> None:
+            self.delays = [0.01, 0.3]
+
+        def all_reduce_(self, tensor, op, async_op):
+            fut = torch.futures.Future()
+            threading.Timer(self.delays.pop(0), lambda: fut.set_result([tensor])).start()
+            return fut
+
+    class Bucket:
+        def __init__(self, p, g):
+            self.p, self.g = p, g
+
+        def parameters(self):
+            return [self.p]
+
+        def gradients(self):
+            return [self.g]
+
+        def buffer(self):
+            return self.g
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    hook = DDPCompressionHook(make_compressor("none", params), Sequencer([Later()]))
+    grads = [torch.tensor([float("nan"), 0.0, 0.0]), torch.ones(3)]
+    futures = [hook(Bucket(p, g)) for p, g in zip(params, grads, strict=True)]
+    with pytest.raises(Exception, match="non-finite"):
+        futures[0].wait()  # what DDP's backward does: the first failure ends its wait
+    assert not futures[1].done(), "the second bucket should still be in flight here"
+    from powertrain.compress import NonFiniteGradientError
+
+    assert isinstance(hook.take_error(), NonFiniteGradientError)
+    assert futures[1].done(), "take_error returned while a bucket was still in flight"

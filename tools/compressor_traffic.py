@@ -3,8 +3,9 @@
 A device-independent figure for what a GPU cannot hide: on an H100 (~3 TB/s of HBM) every pass over the 163M
 float32 gradients (0.65 GB) costs about 0.2 ms whatever the kernels, so the passes a call makes bound its time from
 below. Counted as the sizes of each operation's tensor arguments (read) and results (written; an in-place one is
-both, an ``out=`` one counts as read too), views not at all: the true traffic for elementwise work, a floor for matrix
-products (each operand read once). World size 1, no collectives. Usage:
+both, unless the operation only overwrites it: a fill, a random draw, a copy's destination, an ``out=``), views not at
+all: the true traffic for elementwise work, a floor for matrix products (each operand read once). World size 1 (no
+collectives; an all-gather compressor decodes one message per rank, so its traffic grows with the ranks). Usage:
 ``python tools/compressor_traffic.py powersgd rank=32 start=0``.
 """
 
@@ -29,6 +30,14 @@ FREE = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "slice", "sel
                   "empty_strided", "_local_scalar_dense"})  # fmt: skip
 
 
+#: Operations that overwrite their first argument without reading it (their other tensor arguments are read).
+WRITE_ONLY_FIRST = frozenset({"zero_", "fill_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_",
+                              "copy_", "_foreach_copy_", "_foreach_zero_"})  # fmt: skip
+#: Operations that take only the shape of their tensor argument.
+SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_zeros", "new_ones",
+                        "new_full"})  # fmt: skip
+
+
 class Traffic(TorchDispatchMode):
     """Counts, per operation name, the calls and the bytes of their tensor inputs and outputs."""
 
@@ -38,11 +47,14 @@ class Traffic(TorchDispatchMode):
         self.calls: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if name not in FREE:  # reads: every tensor argument; writes: every tensor returned (in place: both)
+        if name not in FREE:
             written = out if out is not None or not name.endswith("_") else args[0]  # in-place foreach: None
-            tensors = [t for t in tree_flatten((args, kwargs, written))[0] if isinstance(t, torch.Tensor)]
+            inputs = {k: v for k, v in kwargs.items() if k != "out"}  # an out= is written, not read
+            read = [] if name in SHAPE_ONLY else (args[1:] if name in WRITE_ONLY_FIRST else args, inputs)
+            tensors = [t for t in tree_flatten((read, written))[0] if isinstance(t, torch.Tensor)]
             self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
             self.calls[name] += 1
         return out

@@ -21,6 +21,7 @@ different bucketing on resume, loses nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -48,15 +49,20 @@ class DDPCompressionHook:
     _seq: Sequencer
     _calls: int = 0
     _error: BaseException | None = None
+    _inflight: list[torch.futures.Future] = dataclasses.field(default_factory=list)  # the calls not known done
 
     def take_error(self) -> BaseException | None:
         """The exception a hook call failed with since the last call of this method (e.g. a
         :class:`~powertrain.compress.NonFiniteGradientError`), and forget it.
 
         DDP turns a failed hook into a ``RuntimeError`` that loses the exception's type (``Unable to cast ...``);
-        catch that around ``backward()`` and ask here what happened. Returns once the calls the chain's worker was
-        still finishing (on CUDA with NCCL, the buckets after the one that failed) have ended, so that nothing writes
-        into the gradients or the compressor's state after it."""
+        catch that around ``backward()`` and ask here what happened. Returns once every call still in flight (DDP
+        stops waiting at the first bucket that failed: the buckets after it, on gloo's threads or the chain's worker)
+        has ended, failed or not, so that nothing writes into the gradients or the compressor's state after it."""
+        inflight, self._inflight = self._inflight, []
+        for fut in inflight:
+            with contextlib.suppress(BaseException):  # a call that failed too: the first error is the one kept
+                fut.wait()
         self._seq.worker.wait_idle()
         error, self._error = self._error, None
         return error
@@ -81,6 +87,7 @@ class DDPCompressionHook:
 
         chain = Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed, buffer.device)
         self._calls += 1
+        self._inflight = [f for f in self._inflight if not f.done()] + [chain.future]
         return chain.start()
 
     def state_dict(self) -> dict[str, Any]:

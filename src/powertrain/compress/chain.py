@@ -102,10 +102,11 @@ class _Worker:
         self._lock = threading.Condition()
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._running = False
+        self._runner: int | None = None  # the thread running the functions now
 
     def wait_idle(self) -> None:
-        """Return once every function submitted so far has run (at once when called from the worker itself)."""
-        if threading.current_thread().name == _THREAD:
+        """Return once every function submitted so far has run (at once when called from one of them)."""
+        if threading.get_ident() == self._runner:
             return
         with self._lock:
             self._lock.wait_for(lambda: not self._running)
@@ -124,10 +125,11 @@ class _Worker:
             self._run()
 
     def _run(self) -> None:
+        self._runner = threading.get_ident()
         while True:
             with self._lock:
                 if not self._queue:
-                    self._running = False
+                    self._running, self._runner = False, None
                     self._lock.notify_all()
                     return
                 fn = self._queue.popleft()
