@@ -29,6 +29,7 @@ from dist_utils import (
     within,
 )
 from models import batch, flat_params, make_model
+from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
 
@@ -415,6 +416,18 @@ def test_bad_registration_is_refused(results):
         assert "needs a powertrain Compressor" in r["not_compressor"]
 
 
+class _Loopback:
+    """A communicator whose collectives complete at once: their callbacks run inline, in the issuing thread, as
+    NCCL's do (its futures complete when the collective is queued)."""
+
+    stats = CommStats()
+
+    def all_reduce_(self, tensor, op, async_op):
+        fut = torch.futures.Future()
+        fut.set_result([tensor])
+        return fut
+
+
 def test_a_failed_hook_is_recorded_before_backward_can_see_it():
     """DDP's backward raises as soon as a hook's future fails, with a RuntimeError that has lost the exception's
     type; ``take_error()`` must already hold the original then. (It was once recorded by a done-callback, which
@@ -438,41 +451,18 @@ def test_a_failed_hook_is_recorded_before_backward_can_see_it():
 def test_more_collectives_than_declared_fail_the_call_not_hang_it():
     """A program that issues more collectives than its compressor declared fails its call's future (and is
     recorded first), instead of raising in a completion callback where nobody sees it while backward waits."""
-    from powertrain.comm import CommStats
     from powertrain.compress.base import ReduceRequest
     from powertrain.compress.chain import Chain, Sequencer
-
-    class Loopback:  # one declared communicator whose all-reduce completes at once
-        stats = CommStats()
-
-        def all_reduce_(self, tensor, op, async_op):
-            fut = torch.futures.Future()
-            fut.set_result([tensor])
-            return fut
 
     def program():
         yield ReduceRequest(torch.ones(2), "sum", check=False)
         yield ReduceRequest(torch.ones(2), "sum")  # a second collective: one was declared
 
     seen: list[BaseException] = []
-    fut = Chain(program(), Sequencer([Loopback()]), 0, lambda _: None, seen.append).start()
+    fut = Chain(program(), Sequencer([_Loopback()]), 0, lambda _: None, seen.append).start()
     assert len(seen) == 1 and "issued 2 collectives in one call but declared at most 1" in str(seen[0]), seen
     with pytest.raises(RuntimeError, match="max_collectives_per_call"):
         fut.wait()
-
-
-class _Loopback:
-    """A communicator whose collectives complete at once: their callbacks run inline, in the issuing thread, as
-    NCCL's do (its futures complete when the collective is queued)."""
-
-    from powertrain.comm import CommStats
-
-    stats = CommStats()
-
-    def all_reduce_(self, tensor, op, async_op):
-        fut = torch.futures.Future()
-        fut.set_result([tensor])
-        return fut
 
 
 def test_a_check_that_would_wait_for_the_device_does_not_hold_the_issuing_thread(monkeypatch):
@@ -620,7 +610,6 @@ def test_take_error_returns_once_every_call_in_flight_has_ended():
     still 0.3 s from writing)."""
     import threading
 
-    from powertrain.comm import CommStats
     from powertrain.compress.chain import Sequencer
     from powertrain.ddp import DDPCompressionHook
 
