@@ -254,7 +254,8 @@ def test_blocks_are_balanced_by_their_estimated_time(precondition_1d):
     """The default GPT's blocks (max_preconditioner_dim 256) over 2 and 4 ranks: every rank's estimated time per
     step is within 2% of the mean, and a vector the graft alone updates costs a small part of a matrix block."""
     from powertrain.models import GPT, GPTConfig
-    from powertrain.optim.shampoo.distributor import assign, block_cost
+    from powertrain.optim.distributor import assign
+    from powertrain.optim.shampoo.blocks import block_cost
 
     model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=128))
     opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=256, precondition_frequency=50,

@@ -16,6 +16,11 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+# torch.optim.AdamW's functional form and the dtype of its step counter (torch.optim.optimizer's private helper): a
+# composite optimizer (powertrain.optim.Muon, Dion) steps its AdamW groups with exactly AdamW's code and state.
+from torch.optim.adamw import adamw as adamw_functional
+from torch.optim.optimizer import _get_scalar_dtype as optimizer_scalar_dtype
+
 # Fused in-place list ops (what torch.optim's foreach implementations use); stable since torch 2.0.
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
@@ -23,7 +28,7 @@ foreach_copy_ = torch._foreach_copy_
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; 2.11 has only the old name.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-__all__ = ["all_gather_single", "foreach_add_", "foreach_copy_"]
+__all__ = ["adamw_functional", "all_gather_single", "foreach_add_", "foreach_copy_", "optimizer_scalar_dtype"]
 
 
 def fsdp_param_groups(module: Any) -> list[Any]:

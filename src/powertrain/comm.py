@@ -46,7 +46,7 @@ class CommStats:
     num_collectives: int = 0
     comm_s: float = 0.0
     compress_s: float = 0.0
-    #: payload bytes per kind of collective ("all_reduce", "all_gather", "reduce_scatter"): cost models
+    #: payload bytes per kind of collective ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"): cost models
     #: need the kind, since a ring all-gather of P bytes sends (W-1) P and an all-reduce of N sends 2 (W-1)/W N.
     by_op: dict[str, int] = dataclasses.field(default_factory=dict)
     # Collectives may be issued from communication threads (DDP hooks): updates take this lock.
@@ -162,6 +162,29 @@ class Communicator:
         if not async_op:
             self.stats.add_time(comm_s=time.perf_counter() - t0)
         return out, work.get_future() if async_op and work is not None else None
+
+    def all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+        """Personalised exchange: the 1-D ``send`` holds, one after the other, ``send_sizes[r]`` elements for each
+        rank ``r`` of the group; returns a new 1-D tensor with what each rank sent this one, in rank order
+        (``recv_sizes[r]`` elements from rank ``r``, which must equal that rank's ``send_sizes`` entry for this one).
+
+        Counted as the bytes that leave this rank (its part for itself stays), under ``"all_to_all"``. Alone, the
+        only part is this rank's own and is copied."""
+        world = self.world_size
+        if len(send_sizes) != world or len(recv_sizes) != world or sum(send_sizes) != send.numel():
+            raise ValueError(
+                f"all_to_all got {len(send_sizes)} send and {len(recv_sizes)} receive sizes for {world} ranks and "
+                f"{send.numel()} elements to send ({sum(send_sizes)} in the sizes): give one size per rank"
+            )
+        out = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        if not self.is_distributed:
+            return out.copy_(send)
+        me = self.rank
+        self.stats.record_bytes((sum(send_sizes) - send_sizes[me]) * send.element_size(), "all_to_all")
+        t0 = time.perf_counter()
+        dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
+        self.stats.add_time(comm_s=time.perf_counter() - t0)
+        return out
 
     def shift(self, send: list[torch.Tensor], recv: list[torch.Tensor], *, tag: int = 0) -> Callable[[], None]:
         """One hop around the ring: ``send`` goes to the next rank of the group, ``recv`` is filled from the

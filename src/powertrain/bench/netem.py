@@ -41,10 +41,16 @@ def collective_seconds(
 
     ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
     for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it, all-gather ``(W-1)`` times it,
-    reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there).
+    reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there); for
+    all-to-all the payload is what leaves the rank (:meth:`powertrain.comm.Communicator.all_to_all`), sent once.
     ``framing``: wire bytes per payload byte (TCP over Ethernet by default; 1 counts payload only).
     """
-    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
+    factor = {
+        "all_reduce": 2 * (world - 1) / world,
+        "all_gather": world - 1,
+        "reduce_scatter": (world - 1) / world,
+        "all_to_all": 1.0,
+    }
     if op not in factor:
         raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(factor)}")
     if world < 2 or payload_bytes <= 0:

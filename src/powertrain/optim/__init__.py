@@ -1,5 +1,6 @@
-"""Optimizers: Distributed Shampoo (and its eigenvalue-corrected form), GaLore, DeMo / FlexDeMo, and AdamW with a
-frozen second moment (the optimizer side of error feedback).
+"""Optimizers: Muon (orthogonalized updates of the hidden matrices, the work split across ranks), Distributed Shampoo
+(and its eigenvalue-corrected form), GaLore, DeMo / FlexDeMo, and AdamW with a frozen second moment (the optimizer
+side of error feedback).
 
 Each is imported on first use: the command's launcher reads the optimizers' option types without loading
 DTensor."""
@@ -14,9 +15,10 @@ if TYPE_CHECKING:
     from powertrain.optim.demo import DeMo, FlexDeMo
     from powertrain.optim.frozen_adamw import FrozenVarianceAdamW
     from powertrain.optim.galore import GaLoreAdamW
+    from powertrain.optim.muon import Muon
     from powertrain.optim.shampoo import DistributedShampoo
 
-__all__ = ["DeMo", "DistributedShampoo", "FlexDeMo", "FrozenVarianceAdamW", "GaLoreAdamW"]
+__all__ = ["DeMo", "DistributedShampoo", "FlexDeMo", "FrozenVarianceAdamW", "GaLoreAdamW", "Muon"]
 
 __getattr__ = lazy_exports(__name__, {
     "DeMo": "powertrain.optim.demo",
@@ -24,4 +26,5 @@ __getattr__ = lazy_exports(__name__, {
     "FrozenVarianceAdamW": "powertrain.optim.frozen_adamw",
     "GaLoreAdamW": "powertrain.optim.galore",
     "DistributedShampoo": "powertrain.optim.shampoo",
+    "Muon": "powertrain.optim.muon",
 })  # fmt: skip

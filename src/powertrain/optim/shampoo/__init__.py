@@ -1,10 +1,10 @@
 """Distributed Shampoo (Shi et al., arXiv 2309.06497).
 
 - :mod:`.matrix`: inverse matrix roots and eigenbases (eigh with a float64 retry, coupled Newton).
-- :mod:`.blocks`: how a parameter is cut into blocks of at most ``max_preconditioner_dim``.
+- :mod:`.blocks`: how a parameter is cut into blocks of at most ``max_preconditioner_dim``, and a block's cost.
 - :mod:`.preconditioner`: per-block factor statistics, roots, eigenvalue-corrected (SOAP) rotation.
-- :mod:`.distributor`: which rank computes each block, and the all-gather that shares the directions.
-- :mod:`.optimizer`: :class:`DistributedShampoo`: filtering, grafting, the two preconditioners, the update.
+- :mod:`.optimizer`: :class:`DistributedShampoo`: filtering, grafting, the two preconditioners, the update;
+  the blocks spread over ranks by :mod:`powertrain.optim.distributor`.
 - :mod:`.stats`: :class:`RootStats`, the counts of root computations, failures and fallbacks to the graft.
 """
 

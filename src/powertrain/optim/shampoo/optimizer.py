@@ -45,8 +45,9 @@ from torch.distributed.tensor import DTensor
 from powertrain._checks import check_int
 from powertrain.comm import Communicator
 from powertrain.ops.flat import local_tensor
+from powertrain.optim.distributor import Block, Gather, Local
 from powertrain.optim.shampoo import blocks as blocking
-from powertrain.optim.shampoo.distributor import Block, Gather, Local, block_cost
+from powertrain.optim.shampoo.blocks import block_cost
 from powertrain.optim.shampoo.matrix import Method, RootFailure
 from powertrain.optim.shampoo.preconditioner import (
     Grafting,

@@ -1,0 +1,149 @@
+"""What orthonormalized optimizers (:class:`~powertrain.optim.Muon`, :class:`~powertrain.optim.Dion`) share: the rule
+that picks the hidden matrices they step, and the AdamW that steps every other parameter inside the same optimizer.
+
+Muon and Dion are for a network's hidden matrices. Embeddings (a row per token: a lookup, not a linear map), the
+output head (its rows are the classes), norms' gains and biases (vectors) are trained with AdamW, as in Keller
+Jordan's Muon, Moonlight and microsoft/dion. :func:`default_rule` decides by shape and by the name of the parameter's
+module; a model whose names it misreads passes ``rule=`` or explicit parameter groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from powertrain._compat import adamw_functional, optimizer_scalar_dtype
+
+__all__ = ["Rule", "check_adamw_options", "default_rule", "is_embedding_or_head", "split_params", "step_adamw"]
+
+Rule = Callable[[str, torch.Tensor], bool]
+
+#: Module names (the last part of a parameter's module path, lower case) of embeddings and output layers besides
+#: those containing "embed": nanoGPT's and GPT-2's (wte, wpe, lm_head), torchtitan's Llama (output), powertrain's GPT
+#: (tok, pos, head), classifiers.
+_NOT_HIDDEN = frozenset({"wte", "wpe", "tok", "pos", "lm_head", "head", "output", "classifier", "score"})
+
+
+def is_embedding_or_head(name: str) -> bool:
+    """Whether the parameter called ``name`` (as ``named_parameters()`` gives it, e.g. ``"blocks.0.qkv.weight"``)
+    belongs to an embedding or an output layer: its module's name contains ``embed`` or is one of ``wte``, ``wpe``,
+    ``tok``, ``pos``, ``lm_head``, ``head``, ``output``, ``classifier``, ``score``."""
+    module = name.rsplit(".", 1)[0] if "." in name else ""
+    last = module.rsplit(".", 1)[-1].lower()
+    return "embed" in last or last in _NOT_HIDDEN
+
+
+def default_rule(name: str, param: torch.Tensor) -> bool:
+    """Whether a Muon- or Dion-style optimizer takes ``param``: a 2-D parameter that is not an embedding or output
+    layer (:func:`is_embedding_or_head`). Everything else (vectors, embeddings, the head, convolution kernels) is
+    AdamW's."""
+    return param.ndim == 2 and not is_embedding_or_head(name)
+
+
+def split_params(
+    params: Iterable[Any], algorithm: str, rule: Rule, owner: str
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """The parameter groups of a composite optimizer, and a name for each parameter (by ``id``).
+
+    ``params`` is ``model.named_parameters()`` (split by ``rule`` into a group with ``"algorithm": algorithm`` and
+    one with ``"algorithm": "adamw"``; an empty one is left out), or parameter groups (dicts) that each name their
+    ``"algorithm"``. Plain tensors are refused: without names the rule cannot tell an embedding from a hidden matrix.
+    Parameters that do not require grad are kept (torch optimizers skip them while they have no gradient)."""
+    items = list(params)
+    if not items:
+        raise ValueError(f"{owner} got no parameters: pass model.named_parameters()")
+    names: dict[int, str] = {}
+    if all(isinstance(x, dict) for x in items):
+        groups = []
+        for i, group in enumerate(items):
+            if group.get("algorithm") not in (algorithm, "adamw"):
+                raise ValueError(
+                    f"{owner}'s parameter group {i} has algorithm={group.get('algorithm')!r}: each group names "
+                    f"'{algorithm}' or 'adamw'"
+                )
+            tensors = group.get("params")
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors or [])
+            for j, p in enumerate(tensors):
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"{owner}'s parameter group {i} holds a {type(p).__name__}: pass tensors")
+                names.setdefault(id(p), f"group {i} parameter {j}")
+            groups.append({**group, "params": tensors})
+        return groups, names
+    if not all(isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], torch.Tensor) for x in items):
+        raise ValueError(
+            f"{owner} needs model.named_parameters() (the names tell embeddings and the output head, which AdamW "
+            f"steps, from hidden matrices), or parameter groups each with 'algorithm': '{algorithm}' or 'adamw'"
+        )
+    chosen: list[torch.Tensor] = []
+    rest: list[torch.Tensor] = []
+    for name, p in items:
+        if id(p) in names:
+            raise ValueError(f"Parameter {name} is listed twice (also as {names[id(p)]}): pass each parameter once")
+        names[id(p)] = name
+        (chosen if rule(name, p) else rest).append(p)
+    groups = [{"params": ps, "algorithm": a} for ps, a in ((chosen, algorithm), (rest, "adamw")) if ps]
+    return groups, names
+
+
+def check_adamw_options(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """ValueError in one line for an AdamW option out of its range (torch.optim.AdamW's checks)."""
+    checks = [
+        ("adamw_lr", lr, lr >= 0, ">= 0"),
+        ("adamw_eps", eps, eps >= 0, ">= 0"),
+        ("adamw_weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
+    ]
+    for name, value, ok, want in checks:
+        if not (isinstance(value, int | float) and math.isfinite(value) and ok):
+            raise ValueError(f"Invalid {name}={value!r}: must be a finite number {want}")
+    if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+        raise ValueError(f"Invalid adamw_betas={betas!r}: must be two numbers in [0, 1)")
+
+
+def adamw_defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+    """An AdamW group's hyperparameters, as :func:`step_adamw` reads them."""
+    return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+
+
+def step_adamw(group: Mapping[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+    """One AdamW step of ``group``'s parameters that have a gradient: torch.optim.AdamW's state (``step``,
+    ``exp_avg``, ``exp_avg_sq``, created as it creates them) and its functional update with its default choices
+    (no amsgrad, not fused, foreach where torch would take it), so bitwise ``torch.optim.AdamW`` with these settings."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise ValueError("AdamW (inside a composite optimizer) does not support sparse gradients")
+        st = state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0, dtype=optimizer_scalar_dtype(), device="cpu")
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(st["exp_avg"])
+        exp_avg_sqs.append(st["exp_avg_sq"])
+        steps.append(st["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    adamw_functional(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        foreach=None,
+        has_complex=any(torch.is_complex(p) for p in params),
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
