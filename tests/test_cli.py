@@ -116,13 +116,17 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
      ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
      ["tp", "none", "--tp", "2"], ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"],
-     ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"]],
+     ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"],
+     ["fsdp", "int8", "--optimizer", "muon", "--muon-lr", "0.05"], ["ddp", "none", "--optimizer", "muon"],
+     ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming"],
+         "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming", "fsdp-muon-int8", "ddp-muon",
+         "diloco-muon"],
 )  # fmt: skip
 # make test runs the corners (DDP with a compressor, SimpleFSDP with PowerSGD and a frozen AdamW, FSDP2 with an
-# optimizer whose state differs per rank, local updates with a sync in flight); make test-slow every mode
-@pytest.mark.slow_unless("ddp-int8", "simple_fsdp-powersgd", "fsdp-galore", "diloco-streaming")
+# optimizer whose state differs per rank, local updates with a sync in flight, Muon's all-to-alls on FSDP2 shards
+# behind a compressed reduce-scatter); make test-slow every mode
+@pytest.mark.slow_unless("ddp-int8", "simple_fsdp-powersgd", "fsdp-galore", "diloco-streaming", "fsdp-muon-int8")
 def test_resume_continues_bitwise(tmp_path, mode):
     """Including optimizers whose state differs per rank (Shampoo's owned blocks or local shards, DeMo's local
     momentum, GaLore's projected moments of local shards): the checkpoint keeps each rank's own. The
@@ -144,6 +148,9 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert all(row["compress_s"] > 0 and row["comm_s"] > 0 and row["bytes_sent"] > 0 for row in rows), rows
     if mode[0] in ("ddp", "reference") and "shampoo" in mode:  # Shampoo's all-gather of the search directions
         assert all(row["comm_s"] > 0 for row in rows), rows
+    if "muon" in mode and mode[0] != "diloco":  # the split work's collectives are counted with the gradients'
+        summary = json.loads((full / "summary.json").read_text())
+        assert summary["bytes_sent"] > 0 and all(row["comm_s"] > 0 for row in rows), rows
     if "shampoo" in mode:  # root computations counted over the ranks (issue 19), none failed
         roots = json.loads((full / "summary.json").read_text())["shampoo_roots"]
         assert roots["computed"] > 0 and roots["failed"] == roots["graft_steps"] == 0, roots
@@ -154,7 +161,7 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert 0 < sent[0] < sent[1], sent
     if mode[:2] in (["simple_fsdp", "none"], ["tp", "none"]):  # counted by the strategy
         assert all(row["bytes_sent"] > 0 for row in rows), rows
-    if mode[0] == "diloco":  # the checkpoint at step 4 caught fragment 0's sync in flight (started at 4, due at 5)
+    if "--fragments" in mode:  # the checkpoint at step 4 caught fragment 0's sync in flight (started at 4, due at 5)
         # syncs start at 2 (fragment 1), 4, 6 and at 8 (the finish); PowerSGD's second all-reduce is issued when the
         # first completes, which may fall in the next step
         assert rows[0]["bytes_sent"] == 0 and rows[1]["bytes_sent"] > 0, rows

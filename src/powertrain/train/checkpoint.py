@@ -186,11 +186,11 @@ def _older_than(ckpt: Path) -> str:
 #: tries after a divergence, more --steps extend a run; the schedule is a function of the step and these settings
 #: (:class:`powertrain.train.optimizers.Schedule`), so the change takes effect from the resumed step on.
 #: backend: a run saved on GPUs (nccl) may continue on CPUs (gloo) and back; checkpoints hold CPU-loadable tensors.
-RESUME_MAY_CHANGE = frozenset({"steps", "lr", "warmup_steps", "min_lr_ratio", "out", "resume", "log_every",
+RESUME_MAY_CHANGE = frozenset({"steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio", "out", "resume", "log_every",
                                "eval_every", "eval_batches", "checkpoint_every", "quiet", "tensorboard", "timeout_s",
                                "threads", "nproc", "backend"})  # fmt: skip
 #: Of those, the ones that change what the run computes or records: a resume that changes them says so in its log.
-RESUME_CHANGES_SAID = ("steps", "lr", "warmup_steps", "min_lr_ratio", "eval_every", "eval_batches")
+RESUME_CHANGES_SAID = ("steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio", "eval_every", "eval_batches")
 
 
 def check_resumable(path: Path, world_size: int) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from powertrain.train.strategy import check as check_parallel
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
-Optimizer = Literal["adamw", "sgd", "shampoo", "galore", "demo"]
+Optimizer = Literal["adamw", "sgd", "muon", "shampoo", "galore", "demo"]
 ShampooVectors = Literal["graft", "shampoo"]
 CommDtype = Literal["fp32", "bf16"]
 Precision = Literal["fp32", "bf16"]
@@ -47,6 +47,10 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
     "gpt2": (12, 12, 768),
 }
 
+
+#: Muon's learning rate on the hidden matrices when a run does not set --muon-lr (Keller Jordan's, and the issue's
+#: first measurement on the default GPT).
+_DEFAULT_MUON_LR = 0.02
 
 DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps first, when a spec does not say
 
@@ -135,6 +139,9 @@ class TrainConfig:
     grad_accum: int = 1
     optimizer: Optimizer = "adamw"
     lr: float = 1e-3  # best of 5e-4, 1e-3, 2e-3 and 3e-3 for AdamW on the default GPT over 200 steps
+    #: Muon's learning rate on the hidden matrices (optimizer="muon"; ``lr`` is then the AdamW groups'), scaled per
+    #: matrix by sqrt(max(1, rows / cols)) as torch.optim.Muon's default does
+    muon_lr: float = _DEFAULT_MUON_LR
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
@@ -204,13 +211,22 @@ class TrainConfig:
                 raise ValueError(f"Invalid {f.name}={v!r}: must fit in 64 bits")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"Invalid {f.name}={v!r}: must be a finite number")
-        for name in ("lr", "timeout_s"):
+        for name in ("lr", "muon_lr", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be a number > 0")
         if not 1 <= self.timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"Invalid timeout_s={self.timeout_s!r}: must be from 1 to {MAX_TIMEOUT_S:g} (a week)")
-        for name, top in (("lr", 1e30), ("data_max_mb", 1e7), ("block_size", 1 << 16), ("batch_size", 1 << 16),
-                          ("grad_accum", 1 << 16), ("nproc", 1024), ("steps", 1 << 40)):  # fmt: skip
+        tops = {
+            "lr": 1e30,
+            "muon_lr": 1e30,
+            "data_max_mb": 1e7,
+            "block_size": 1 << 16,
+            "batch_size": 1 << 16,
+            "grad_accum": 1 << 16,
+            "nproc": 1024,
+            "steps": 1 << 40,
+        }
+        for name, top in tops.items():
             if (v := getattr(self, name)) is not None and v > top:
                 raise ValueError(f"Invalid {name}={v!r}: must be at most {top:g}")
         if self.data_max_mb is not None and self.data_max_mb < 0.001:
@@ -251,6 +267,11 @@ class TrainConfig:
                     f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, "
                     "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
                 )
+        if self.muon_lr != _DEFAULT_MUON_LR and self.optimizer != "muon":
+            raise ValueError(
+                f"muon_lr={self.muon_lr!r} is Muon's learning rate; optimizer={self.optimizer!r} does not use it: drop "
+                "it, or use optimizer='muon' (--lr is the other optimizers')"
+            )
         if self.parallel in ("rtp", "tp"):
             if self.optimizer not in ("adamw", "sgd"):
                 raise ValueError(
@@ -343,9 +364,11 @@ class TrainConfig:
         if self.sync_warmup >= self.steps:
             raise ValueError(f"Invalid sync_warmup={self.sync_warmup}: the run has {self.steps} steps; a warm-up "
                              "shorter than the run leaves room for local updates")  # fmt: skip
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"parallel='diloco' trains with optimizer='adamw' or 'sgd' as the inner optimizer, not "
-                             f"{self.optimizer!r}")  # fmt: skip
+        if self.optimizer not in ("adamw", "sgd", "muon"):
+            raise ValueError(
+                f"parallel='diloco' trains with optimizer='adamw', 'sgd' or 'muon' as the inner optimizer, not "
+                f"{self.optimizer!r}"
+            )
         if self.compile and self.hierarchy == "node":
             raise ValueError("parallel='diloco' with hierarchy='node' runs DDP inside each node, which does not "
                              "compile here: drop --compile or use hierarchy='flat'")  # fmt: skip

@@ -3,6 +3,11 @@
 * ``adamw``, ``sgd``: torch's; their state is replicated (or DTensor-sharded under FSDP) and goes into the
   DCP checkpoint as usual. With ``adam_freeze`` > 0, ``adamw`` is :class:`powertrain.optim.FrozenVarianceAdamW`
   (AdamW whose second moment freezes after that fraction of the steps; same state keys).
+* ``muon``: :class:`powertrain.optim.Muon` (``--muon-lr`` on the hidden matrices, ``--lr`` on the AdamW groups). Its
+  state is torch's (replicated, or DTensor-sharded under FSDP2 / SimpleFSDP) and goes into the DCP checkpoint. Each
+  matrix is orthogonalized once across ranks (its result all-gathered) when gradients travel uncompressed (``none``)
+  or are sharded; with a lossy compressor every rank orthogonalizes every matrix instead: such a run is on a slow
+  link, where the all-gather of the results would cost more than the compressed gradients.
 * ``shampoo``: :class:`powertrain.optim.DistributedShampoo` (grafting Adam). Under DDP its blocks are spread over
   the ranks; under ``fsdp``/``simple_fsdp`` each rank preconditions its own shards.
 * ``galore``: :class:`powertrain.optim.GaLoreAdamW` on the 2-D weights inside the model's blocks (attention and
@@ -56,6 +61,8 @@ class Schedule:
     def __init__(self, cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> None:
         self.cfg, self.optimizer = cfg, optimizer
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+        # each group's rate from this run's settings (--lr; Muon's matrices --muon-lr), before a checkpoint's load
+        self.base_lrs = list(self.scheduler.base_lrs)
 
     def step(self) -> None:
         self.scheduler.step()
@@ -78,16 +85,15 @@ class Schedule:
     def resume(self, step: int) -> None:
         """After :meth:`load_state_dict`: check that the schedule was saved at ``step`` and set each group's
         learning rate for it from this run's settings (bitwise what the scheduler would set with unchanged
-        settings: ``--lr`` x ``lr_factor(step)``)."""
+        settings: the group's ``--lr`` or ``--muon-lr`` x ``lr_factor(step)``)."""
         if self.scheduler.last_epoch != step:  # the step the loaded state is at
             raise ValueError(
                 f"the schedule's state is at step {self.scheduler.last_epoch} and the checkpoint at {step}"
             )
-        lr = self.cfg.lr
-        for group in self.optimizer.param_groups:
+        for group, lr in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
             group["initial_lr"] = lr
             group["lr"] = lr * lr_factor(step, self.cfg)
-        self.scheduler.base_lrs = [lr for _ in self.optimizer.param_groups]
+        self.scheduler.base_lrs = list(self.base_lrs)
 
 
 def _check_keys(what: str, state: object, form: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +143,8 @@ class RankOptimizer:
 #: Per-parameter state of torch-style optimizers: the keys each parameter's entry holds once it stepped ("step" a
 #: scalar tensor, the others the shape of the rank's own parameter).
 _PARAM_STATE = {"AdamW": {"step", "exp_avg", "exp_avg_sq"}, "FrozenVarianceAdamW": {"step", "exp_avg", "exp_avg_sq"},
-                "SGD": {"momentum_buffer"}, "DeMo": {"momentum"}}  # fmt: skip
+                "SGD": {"momentum_buffer"}, "DeMo": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"},
+                "muon": {"momentum_buffer"}}  # fmt: skip
 #: Group entries that follow the schedule, not a fixed setting: their type is checked, their value is this run's.
 _SCHEDULED = ("lr", "initial_lr", "freeze_after")
 _RENAMED = {"epsilon": "eps", "grafting_epsilon": "grafting_eps"}
@@ -155,12 +162,15 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
     saved = state["state"]
     if not isinstance(saved, dict):
         raise ValueError(f"the optimizer's state is of type {type(saved).__name__}, expected dict")
-    expected = _PARAM_STATE.get(type(optimizer).__name__)
+    kind = type(optimizer).__name__
+    # a composite optimizer's parameter keeps its group's algorithm's state (Muon: momentum; AdamW: moments)
+    algorithms = [g.get("algorithm", kind) for g in optimizer.param_groups for _ in g["params"]]
     for index, per in saved.items():
         if type(index) is not int or not 0 <= index < len(params) or not isinstance(per, dict):
             raise ValueError(f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} "
                              "parameters")  # fmt: skip
         _check_tensors(f"the optimizer's state for parameter {index}", per)
+        expected = _PARAM_STATE.get(algorithms[index])
         if expected is None or not per:
             continue
         if set(per) != expected:
@@ -251,6 +261,24 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
         case "sgd":
             sgd = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
             return Built(sgd, per_rank=False, stats=None)
+        case "muon":
+            from powertrain.optim import Muon
+
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            # the work split's all-gather sends a whole model's worth of results: worth it where the gradients travel
+            # whole too, or where the matrices are sharded (FSDP2, SimpleFSDP: each must meet on one rank anyway)
+            # (never under local updates: each replica steps its own gradients)
+            split = cfg.parallel in ("fsdp", "simple_fsdp") or (cfg.compressor == "none" and cfg.parallel != "diloco")
+            muon = Muon(
+                named,
+                lr=cfg.muon_lr,
+                weight_decay=cfg.weight_decay,
+                adamw_lr=cfg.lr,
+                adamw_betas=(0.9, 0.95),
+                adamw_weight_decay=cfg.weight_decay,
+                split=split,
+            )
+            return Built(muon, per_rank=False, stats=muon.comm.stats)
         case "shampoo":
             from powertrain.optim import DistributedShampoo
 
@@ -285,4 +313,4 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             demo = DeMo(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compression_topk=cfg.demo_topk,
                         compression_chunk=cfg.demo_chunk, compression_decay=cfg.demo_decay)  # fmt: skip
             return Built(demo, per_rank=True, stats=demo.comm.stats)
-    raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, shampoo, galore or demo")
+    raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, muon, shampoo, galore or demo")
