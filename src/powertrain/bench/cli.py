@@ -10,7 +10,7 @@ from pathlib import Path
 
 from powertrain._checks import check_int
 
-QUALITY_ONLY = ("mnist1d", "wide", "local")  # bench quality's other workloads, and local updates
+QUALITY_ONLY = ("mnist1d", "wide", "local", "muon")  # bench quality's other workloads, local updates, optimizers
 BENCHMARKS = "BENCHMARKS.md"
 
 
@@ -36,7 +36,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--preset", choices=["default", "tiny", "paper", *QUALITY_ONLY], default="default",
                        help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-                       "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows); "
+                       "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows), muon "
+                       "(Muon against a swept AdamW, the best AdamW's loss as the target); "
                        "cluster only: paper (the on-paper model alone)")  # fmt: skip
     bench.add_argument("--results", default=None,
                        help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "

@@ -77,6 +77,8 @@ class Row:
     #: False: the row trains its horizon only (its loss and bytes; a time to target only if it got there), for rows
     #: known to end far above the target, which would otherwise train CAP x the horizon for nothing
     to_target: bool = True
+    #: ``powertrain train``'s optimizer of the row (its options, e.g. ``lr`` or ``muon_lr``, in optimizer_options)
+    optimizer: str = "adamw"
 
 
 _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
@@ -170,6 +172,39 @@ GRID = [
 ]
 
 
+#: the optimizer comparison (issue 47): AdamW's learning rate swept (fp32 is its 1e-3, the command's), the best
+#: setting the target; Muon at a small sweep of its rate (AdamW at the command's 1e-3 on the rest), and behind
+#: compressors (each rank then orthogonalizes every matrix: no all-gather of the results)
+ADAMW_LRS = (5e-4, 2e-3, 3e-3)
+MUON_LRS = (0.01, 0.02, 0.04)
+MUON_LR = 0.02  # of the compressed Muon rows
+OPTIMIZER_ROWS = [
+    *(
+        Row(f"adamw-{lr:g}", f"fp32 all-reduce, AdamW lr {lr:g}", "none", optimizer_options={"lr": lr})
+        for lr in ADAMW_LRS
+    ),
+    *(
+        Row(
+            f"muon-{lr:g}",
+            f"fp32 all-reduce, Muon lr {lr:g}",
+            "none",
+            optimizer="muon",
+            optimizer_options={"muon_lr": lr},
+        )
+        for lr in MUON_LRS
+    ),
+    Row("muon-int8", f"int8, Muon lr {MUON_LR:g}", "int8", optimizer="muon", optimizer_options={"muon_lr": MUON_LR}),
+    Row(
+        "muon-r32",
+        f"powersgd r32 paper, bf16 factors, Muon lr {MUON_LR:g}",
+        "powersgd",
+        _R32,
+        optimizer="muon",
+        optimizer_options={"muon_lr": MUON_LR},
+    ),
+]
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     model: GPTConfig | None  # the GPT's shape (stdlib corpus), or None: powertrain train's 1-D ResNet on mnist1d
@@ -187,6 +222,11 @@ class Preset:
     #: horizons at which no row runs on to the target (their loss and bytes at the horizon only): where the rows are
     #: known to end far above it and running on would cost CAP x hours
     horizon_only_at: tuple[int, ...] = ()
+    #: the rows (keys) that set the target, each trained its horizon first: the lowest of their mean validation losses
+    #: at the horizon, times ``target``. fp32 alone by default; a learning-rate sweep of the baseline's optimizer for
+    #: the optimizer comparison (a baseline is tuned, never one setting)
+    baseline: tuple[str, ...] = ("fp32",)
+    target: float = TARGET
 
     def __post_init__(self) -> None:
         if any(h % self.eval_every for h in self.horizons):
@@ -215,12 +255,26 @@ PRESETS = {
         horizon_only_at=(1000,),  # the local row ends ~7% above fp32 there (one seed): 3,000 steps would not reach it
         rows=("bf16", "r32-frozen", "local", "local-streaming", "diloco-paper"),
     ),
+    # Muon against a swept AdamW (issue 47): the target is the best AdamW's loss itself
+    "muon": Preset(
+        GPTConfig(256, 128, 4, 4, 256),
+        16,
+        (300, 1000),
+        3,
+        25,
+        32.0,
+        DEFAULT_START,
+        rows=("bf16", *(r.key for r in OPTIMIZER_ROWS)),
+        baseline=("fp32", *(f"adamw-{lr:g}" for lr in ADAMW_LRS)),
+        target=1.0,
+        rows_at={1000: ("adamw-0.0005", "adamw-0.002", "bf16", "muon-0.02", "muon-int8", "muon-r32")},
+    ),
 }
 
 
 def select_rows(keys: Sequence[str] | None) -> list[Row]:
     """The rows named by ``keys`` (all of :data:`ROWS` for None), fp32 first: it sets the target."""
-    by_key = {r.key: r for r in [*ROWS, LOCAL, STREAMING, PAPER, *GRID]}
+    by_key = {r.key: r for r in [*ROWS, LOCAL, STREAMING, PAPER, *GRID, *OPTIMIZER_ROWS]}
     if keys is None:
         return list(ROWS)
     unknown = [k for k in keys if k not in by_key]
@@ -247,7 +301,7 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     if row.kind == "powersgd":  # local updates compress from their first sync
         opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)
     extra = 0 if target is None else (CAP - 1) * steps
-    return Spec(row.key, row.kind, opts, steps=steps, optimizer="adamw", extra_steps=extra,
+    return Spec(row.key, row.kind, opts, steps=steps, optimizer=row.optimizer, extra_steps=extra,
                 optimizer_options=dict(row.optimizer_options), stop_below=target, parallel=row.parallel)  # fmt: skip
 
 
@@ -273,7 +327,8 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
         return None
     spec = _spec(row, 0, p.start, None)
     warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
-    return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(FP32, 0, p.start, None))
+    exact = dataclasses.replace(row, kind="none", options={})  # the same optimizer behind the exact warm-up
+    return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))
 
 
 def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float]]:
@@ -429,22 +484,28 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
                                     for r in chosen if phases[r.key]} for rate in p.rates}  # fmt: skip
     for steps in horizons:
         here = rows_at(p, chosen, steps)
+        base = [r for r in here if r.key in p.baseline]
         for seed in range(n_seeds):
-            if kept.get(steps, seed, FP32, None) is None:
-                res = _launch(p, [FP32], steps, seed, None)
-                kept.put(steps, seed, FP32, _measured(FP32, res[0], p, model))
-        fp32 = [_at(kept.get(steps, s, FP32, None), steps) for s in range(n_seeds)]
-        target = TARGET * statistics.mean(fp32)
+            todo = [r for r in base if kept.get(steps, seed, r, None) is None]
+            if todo:
+                res = _launch(p, todo, steps, seed, None)
+                for r, measured in zip(todo, res, strict=True):
+                    kept.put(steps, seed, r, _measured(r, measured, p, model))
+        means = {r.key: statistics.mean(_at(kept.get(steps, s, r, None), steps) for s in range(n_seeds)) for r in base}
+        best = min(means, key=means.__getitem__)
+        target = p.target * means[best]
         for seed in range(n_seeds):
-            todo = [r for r in here[1:] if kept.get(steps, seed, r, target if r.to_target else None) is None]
+            todo = [
+                r for r in here if r not in base and kept.get(steps, seed, r, target if r.to_target else None) is None
+            ]
             if todo:
                 res = _launch(p, todo, steps, seed, target)
                 for r, measured in zip(todo, res, strict=True):
                     kept.put(steps, seed, r, _measured(r, measured, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
-        runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r is not FP32 else None)
+        runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r not in base else None)
                         for s in range(n_seeds)] for r in here}  # fmt: skip
-        report["horizons"].append(_summarise(here, runs, steps, target, p, phases, link))
+        report["horizons"].append({**_summarise(here, runs, steps, target, p, phases, link), "baseline": best})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds, CAP), write, "quality" if name == "default" else f"quality-{name}")
     return report

@@ -85,7 +85,9 @@ class _Run:
         self.wrapped: torch.nn.Module
         cfg = None
         if spec.optimizer:  # TrainConfig checks the values (the diloco fields among them)
-            fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": "none"}
+            # Muon splits its work only where gradients travel whole (the compressor's name is enough to say so)
+            named = spec.kind if spec.optimizer == "muon" and spec.kind not in _TORCH_KINDS else "none"
+            fields: dict[str, Any] = {"optimizer": spec.optimizer, "parallel": spec.parallel, "compressor": named}
             if spec.steps:
                 fields["steps"] = spec.steps
             cfg = TrainConfig(**fields, **spec.optimizer_options)
