@@ -118,10 +118,11 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["tp", "none", "--tp", "2"], ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"],
      ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"],
      ["fsdp", "int8", "--optimizer", "muon", "--muon-lr", "0.05"], ["ddp", "none", "--optimizer", "muon"],
-     ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"]],
+     ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"],
+     ["ddp", "none", "--optimizer", "dion", "--dion-rank", "0.5"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
          "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming", "fsdp-muon-int8", "ddp-muon",
-         "diloco-muon"],
+         "diloco-muon", "ddp-dion"],
 )  # fmt: skip
 # make test runs the corners (DDP with a compressor, SimpleFSDP with PowerSGD and a frozen AdamW, FSDP2 with an
 # optimizer whose state differs per rank, local updates with a sync in flight, Muon's all-to-alls on FSDP2 shards
@@ -148,6 +149,9 @@ def test_resume_continues_bitwise(tmp_path, mode):
         assert all(row["compress_s"] > 0 and row["comm_s"] > 0 and row["bytes_sent"] > 0 for row in rows), rows
     if mode[0] in ("ddp", "reference") and "shampoo" in mode:  # Shampoo's all-gather of the search directions
         assert all(row["comm_s"] > 0 for row in rows), rows
+    if "dion" in mode:  # Dion's own factors are the run's only traffic: counted, and below fp32's
+        summary = json.loads((full / "summary.json").read_text())
+        assert 0 < summary["bytes_sent"] < summary["bytes_uncompressed"], summary
     if "muon" in mode and mode[0] != "diloco":  # the split work's collectives are counted with the gradients'
         summary = json.loads((full / "summary.json").read_text())
         assert summary["bytes_sent"] > 0 and all(row["comm_s"] > 0 for row in rows), rows

@@ -402,3 +402,52 @@ def test_the_replicated_optimizers_hyperparameters_are_this_runs(tmp_path):
     opt = torch.optim.AdamW(fresh.parameters(), lr=0.1, weight_decay=50.0)  # the same settings, another lr: loads
     load_checkpoint(ckpt, fresh, opt, {})
     assert opt.param_groups[0]["weight_decay"] == 50.0 and torch.equal(fresh.weight, model.weight)
+
+
+def _composite(kind: str) -> Any:
+    """Muon or Dion on the first (6 x 8) weight, AdamW on the rest."""
+    from powertrain.optim import Dion, Muon
+
+    def make(ps: Any) -> torch.optim.Optimizer:
+        ps = list(ps)
+        if kind == "dion":
+            return Dion([{"params": ps[:1], "algorithm": "dion"}, {"params": ps[1:], "algorithm": "adamw"}],
+                        rank_fraction=0.5)  # fmt: skip
+        return Muon([{"params": ps[:1], "algorithm": "muon"}, {"params": ps[1:], "algorithm": "adamw"}])
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "match"),
+    [
+        (
+            "dion",
+            ("state", 0, "Q"),
+            torch.zeros(8, 3),
+            r"Q for parameter 0 is \(8, 3\), expected a tensor of shape \(6, 3\)",
+        ),
+        ("dion", ("state", 0, "momentum"), ..., r"state for parameter 0 holds \['Q'\], expected \['Q', 'momentum'\]"),
+        ("dion", ("state", 0, "Q"), torch.full((6, 3), math.nan), "non-finite or complex"),
+        ("dion", ("param_groups", 0, "rank_fraction"), 1.0, r"rank_fraction \(group 0\) is 1.0 and this run's 0.5"),
+        ("dion", ("state", 1, "exp_avg"), torch.zeros(6, 8), r"exp_avg for parameter 1 is \(6, 8\), expected"),
+        ("muon", ("state", 0, "momentum_buffer"), torch.zeros(3), r"momentum_buffer for parameter 0 is \(3,\)"),
+        ("muon", ("state", 0, "exp_avg"), torch.zeros(6, 8), r"holds \['exp_avg', 'momentum_buffer'\]"),
+        ("muon", ("param_groups", 0, "ns_steps"), 3, r"ns_steps \(group 0\) is 3 and this run's 5"),
+        ("muon", ("param_groups", 1, "algorithm"), "muon", r"algorithm \(group 1\) is 'muon' and this run's 'adamw'"),
+    ],
+)
+def test_a_composite_optimizers_state_is_checked_per_group_at_load(kind, path, value, match):
+    """Muon's and Dion's state as a per-rank part (Dion always; Muon inside local updates): each parameter's keys and
+    shapes are its group's algorithm's (Dion's right factor is min(shape) x rank, not the parameter's shape)."""
+    from powertrain.train.optimizers import RankOptimizer
+
+    _, saved = _stepped_optimizer(_composite(kind))
+    state = saved.state_dict()
+    _, fresh = _stepped_optimizer(_composite(kind), steps=0)
+    part = RankOptimizer(fresh)
+    with pytest.raises(ValueError, match=match) as e:
+        part.load_state_dict(_set(state, path, value))
+    assert "\n" not in str(e.value) and len(str(e.value)) < 500, str(e.value)
+    assert not fresh.state  # nothing was taken
+    part.load_state_dict(state)

@@ -101,7 +101,7 @@ class _Run:
                 opts.setdefault("start_compressing_after_num_steps", 0 if spec.parallel == "diloco" else start)
             local = None if cfg is None else cfg.local_updates
             self.strategy = build_strategy(spec.parallel, model, spec.kind, opts,
-                                           gradient_sync=spec.optimizer != "demo", local=local)  # fmt: skip
+                                           gradient_sync=cfg is None or cfg.gradient_sync, local=local)  # fmt: skip
             self.wrapped, stats = self.strategy.model, self.strategy.stats
         # After wrapping: fully_shard replaces the parameters with sharded ones.
         self.sources = [stats] if stats is not None else []

@@ -219,7 +219,7 @@ def _per_worker(config: Any) -> str:
     compressor = str(config.get("compressor", "none")).split(":")[0]
     if compressor not in ("none", "fp16", "bf16"):
         kept.append(f"the {compressor} compressor's state of each worker (error-feedback buffers)")
-    if config.get("optimizer") in ("shampoo", "galore", "demo"):
+    if config.get("optimizer") in ("shampoo", "galore", "demo", "dion"):
         kept.append(f"{config['optimizer']}'s state of each worker")
     if config.get("parallel") == "diloco":
         kept.append("each worker's own weights and inner optimizer state (local updates)")

@@ -42,9 +42,13 @@ _HELP = {
     "and an outer SGD step (averaging by default) moves the shared weights; for slow links)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "optimizer": "adamw, sgd, muon (Muon on the hidden matrices at --muon-lr, AdamW at --lr on embeddings, head, "
-    "norms and biases), shampoo (DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
+    "norms and biases), dion (Dion: low-rank, sends its own factors; reference or ddp), shampoo "
+    "(DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
-    "muon_lr": "optimizer muon: the hidden matrices' learning rate (scaled by sqrt(max(1, rows / cols)) per matrix)",
+    "muon_lr": "optimizer muon or dion: the hidden matrices' learning rate (Muon: 0.02, scaled by sqrt(max(1, rows / "
+    "cols)) per matrix; Dion: 0.01, scaled by sqrt(rows / cols))",
+    "dion_rank": "optimizer dion: each matrix's rank as a fraction of its smaller side (Dion sends (rows + cols) x "
+    "rank numbers per matrix instead of rows x cols)",
     "adam_freeze": "fraction of the steps after which AdamW's second moment freezes (0: never, torch's AdamW); with "
     "PowerSGD's error feedback a frozen second moment counts the delayed gradient components in full",
     "shampoo_frequency": "steps between Shampoo's inverse-root (or eigenbasis) computations",

@@ -25,13 +25,14 @@ from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.preconditioner import Preconditioner
+from powertrain.train.optimizers import MATRIX_LR
 from powertrain.train.strategy import LocalUpdates, Parallel
 from powertrain.train.strategy import check as check_parallel
 
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
 ModelKind = Literal["gpt", "resnet"]
 GPTSize = Literal["tiny", "small", "default", "medium", "gpt2"]
-Optimizer = Literal["adamw", "sgd", "muon", "shampoo", "galore", "demo"]
+Optimizer = Literal["adamw", "sgd", "muon", "dion", "shampoo", "galore", "demo"]
 ShampooVectors = Literal["graft", "shampoo"]
 CommDtype = Literal["fp32", "bf16"]
 Precision = Literal["fp32", "bf16"]
@@ -48,9 +49,8 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-#: Muon's learning rate on the hidden matrices when a run does not set --muon-lr (Keller Jordan's, and the issue's
-#: first measurement on the default GPT).
-_DEFAULT_MUON_LR = 0.02
+#: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off).
+OWN_SYNC = ("demo", "dion")
 
 DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps first, when a spec does not say
 
@@ -139,9 +139,9 @@ class TrainConfig:
     grad_accum: int = 1
     optimizer: Optimizer = "adamw"
     lr: float = 1e-3  # best of 5e-4, 1e-3, 2e-3 and 3e-3 for AdamW on the default GPT over 200 steps
-    #: Muon's learning rate on the hidden matrices (optimizer="muon"; ``lr`` is then the AdamW groups'), scaled per
-    #: matrix by sqrt(max(1, rows / cols)) as torch.optim.Muon's default does
-    muon_lr: float = _DEFAULT_MUON_LR
+    #: the hidden matrices' learning rate with optimizer="muon" or "dion" (``lr`` is then the AdamW groups'); None:
+    #: :data:`MATRIX_LR`'s
+    muon_lr: float | None = None
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.1
@@ -161,6 +161,7 @@ class TrainConfig:
     demo_topk: int = 32
     demo_chunk: int = 64
     demo_decay: float = 0.999
+    dion_rank: float = 0.25  # Dion's rank as a fraction of each matrix's smaller side
     precision: Precision = "fp32"
     compile: bool = False
     seed: int = 0
@@ -211,8 +212,23 @@ class TrainConfig:
                 raise ValueError(f"Invalid {f.name}={v!r}: must fit in 64 bits")
             if isinstance(v, float) and not math.isfinite(v):
                 raise ValueError(f"Invalid {f.name}={v!r}: must be a finite number")
+        if self.muon_lr is None and self.optimizer in MATRIX_LR:
+            object.__setattr__(self, "muon_lr", MATRIX_LR[self.optimizer])
+        elif self.muon_lr is not None and self.optimizer not in MATRIX_LR:
+            raise ValueError(
+                f"muon_lr={self.muon_lr!r} is the learning rate of Muon's or Dion's matrices; optimizer="
+                f"{self.optimizer!r} does not use it: drop it, or use optimizer='muon' (--lr is the other optimizers')"
+            )
+        if self.dion_rank != 0.25 and self.optimizer != "dion":
+            raise ValueError(
+                f"dion_rank={self.dion_rank!r} applies to optimizer='dion', not {self.optimizer!r}: drop it"
+            )
+        if not 0 < self.dion_rank <= 1:
+            raise ValueError(
+                f"Invalid dion_rank={self.dion_rank!r}: a fraction of each matrix's smaller side in (0, 1]"
+            )
         for name in ("lr", "muon_lr", "timeout_s"):
-            if not getattr(self, name) > 0:
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be a number > 0")
         if not 1 <= self.timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"Invalid timeout_s={self.timeout_s!r}: must be from 1 to {MAX_TIMEOUT_S:g} (a week)")
@@ -256,22 +272,20 @@ class TrainConfig:
             raise ValueError(f"model='resnet' trains on data='mnist1d', got data={self.data!r}")
         if self.model == "gpt" and self.data == "mnist1d":
             raise ValueError("data='mnist1d' is classification: use model='resnet'")
-        if self.optimizer == "demo":
+        if self.optimizer in OWN_SYNC:
+            sends = {"demo": "its own compressed momentum", "dion": "its own low-rank factors"}[self.optimizer]
             if self.compressor not in ("", "none"):
                 raise ValueError(
-                    f"optimizer='demo' exchanges its own compressed momentum and switches the gradient all-reduce "
-                    f"off: drop compressor={self.compressor!r}"
+                    f"optimizer={self.optimizer!r} exchanges {sends} and switches the gradient all-reduce off: drop "
+                    f"compressor={self.compressor!r}"
                 )
             if self.parallel not in ("reference", "ddp"):
+                other = {"demo": "FlexDeMo, DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo",
+                         "dion": "on sharded parameters use optimizer='muon'"}[self.optimizer]  # fmt: skip
                 raise ValueError(
-                    f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, "
-                    "DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
+                    f"optimizer={self.optimizer!r} runs with parallel='ddp' or 'reference', not {self.parallel!r} "
+                    f"({other})"
                 )
-        if self.muon_lr != _DEFAULT_MUON_LR and self.optimizer != "muon":
-            raise ValueError(
-                f"muon_lr={self.muon_lr!r} is Muon's learning rate; optimizer={self.optimizer!r} does not use it: drop "
-                "it, or use optimizer='muon' (--lr is the other optimizers')"
-            )
         if self.parallel in ("rtp", "tp"):
             if self.optimizer not in ("adamw", "sgd"):
                 raise ValueError(
@@ -317,12 +331,12 @@ class TrainConfig:
                 f"adam_freeze={self.adam_freeze!r} freezes AdamW's second moment; optimizer={self.optimizer!r} has "
                 "none: drop adam_freeze or use optimizer='adamw'"
             )
-        if self.hierarchy == "node" and self.optimizer == "demo":
+        if self.hierarchy == "node" and not self.gradient_sync:
             raise ValueError(
-                "hierarchy='node' compresses gradients between nodes; optimizer='demo' sends its own messages and "
-                "none of the gradients: use hierarchy='flat'"
+                f"hierarchy='node' compresses gradients between nodes; optimizer={self.optimizer!r} sends its own "
+                "messages and none of the gradients: use hierarchy='flat'"
             )
-        check_parallel(self.parallel, name, options, compiled=self.compile, gradient_sync=self.optimizer != "demo",
+        check_parallel(self.parallel, name, options, compiled=self.compile, gradient_sync=self.gradient_sync,
                        hierarchical=self.hierarchy == "node")  # fmt: skip
         start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
         if start >= self.steps and self.parallel != "diloco":
@@ -383,6 +397,12 @@ class TrainConfig:
                             self.outer_momentum, self.sync_warmup, name, options)  # fmt: skip
 
     @property
+    def gradient_sync(self) -> bool:
+        """Whether gradients are averaged across ranks (False: the optimizer sends its own messages,
+        :data:`OWN_SYNC`)."""
+        return self.optimizer not in OWN_SYNC
+
+    @property
     def freeze_after(self) -> int:
         """AdamW's steps before its second moment freezes (``adam_freeze`` of the run's steps; 0: never)."""
         return max(1, round(self.adam_freeze * self.steps)) if self.adam_freeze else 0
@@ -393,10 +413,10 @@ class TrainConfig:
 
 
 def plain_by_default(optimizer: str, parallel: str) -> bool:
-    """Whether a run gets no compressor unless it names one: DeMo sends its own messages, SimpleFSDP reduces in
-    fp32 (its compressed path runs on eager buckets only), RTP reduces inside backward, and TP's traffic is mostly
+    """Whether a run gets no compressor unless it names one: DeMo and Dion send their own messages, SimpleFSDP reduces
+    in fp32 (its compressed path runs on eager buckets only), RTP reduces inside backward, and TP's traffic is mostly
     its activations (a compressor there takes FSDP2's gradient reduce-scatter only)."""
-    return optimizer == "demo" or parallel in ("simple_fsdp", "rtp", "tp")
+    return optimizer in OWN_SYNC or parallel in ("simple_fsdp", "rtp", "tp")
 
 
 def _outer_powersgd_without_start(spec: str) -> bool:

@@ -182,7 +182,7 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
         if rank == 0:
             print(choice.reason, flush=True)
     strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
-                              gradient_sync=cfg.optimizer != "demo", tp=cfg.tp, batch=cfg.batch_size,
+                              gradient_sync=cfg.gradient_sync, tp=cfg.tp, batch=cfg.batch_size,
                               hierarchical=cfg.hierarchy == "node", local=cfg.local_updates)  # fmt: skip
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model

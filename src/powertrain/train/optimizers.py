@@ -13,8 +13,11 @@
 * ``galore``: :class:`powertrain.optim.GaLoreAdamW` on the 2-D weights inside the model's blocks (attention and
   MLP, as in the paper); embeddings, head, norms and biases are plain AdamW in a second group.
 * ``demo``: :class:`powertrain.optim.DeMo` with the data-parallel gradient all-reduce switched off.
+* ``dion``: :class:`powertrain.optim.Dion` (``--muon-lr`` on the hidden matrices at rank ``--dion-rank`` of their
+  smaller side, ``--lr`` on the AdamW groups), the gradient all-reduce switched off: Dion sends its low-rank factors
+  and the AdamW parameters' gradients itself.
 
-``shampoo``, ``galore`` and ``demo`` keep state that differs per rank (owned blocks, local shards, local
+``shampoo``, ``galore``, ``demo`` and ``dion`` keep state that differs per rank (owned blocks, local shards, local
 momentum): :attr:`Built.per_rank` tells the checkpoint code to store it under each rank's own key.
 """
 
@@ -30,6 +33,10 @@ from powertrain.comm import CommStats
 
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
+
+#: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in): Muon's (Keller
+#: Jordan's), Dion's (microsoft/dion's).
+MATRIX_LR = {"muon": 0.02, "dion": 0.01}
 
 __all__ = ["Built", "RankOptimizer", "Schedule", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
 
@@ -144,7 +151,7 @@ class RankOptimizer:
 #: scalar tensor, the others the shape of the rank's own parameter).
 _PARAM_STATE = {"AdamW": {"step", "exp_avg", "exp_avg_sq"}, "FrozenVarianceAdamW": {"step", "exp_avg", "exp_avg_sq"},
                 "SGD": {"momentum_buffer"}, "DeMo": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"},
-                "muon": {"momentum_buffer"}}  # fmt: skip
+                "muon": {"momentum_buffer"}, "dion": {"momentum", "Q"}}  # fmt: skip
 #: Group entries that follow the schedule, not a fixed setting: their type is checked, their value is this run's.
 _SCHEDULED = ("lr", "initial_lr", "freeze_after")
 _RENAMED = {"epsilon": "eps", "grafting_epsilon": "grafting_eps"}
@@ -177,8 +184,10 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
             raise ValueError(f"the optimizer's state for parameter {index} holds {sorted(map(str, per))!s:.200}, "
                              f"expected {sorted(expected)}")  # fmt: skip
         shape = tuple(local_tensor(params[index]).shape)
+        own = getattr(optimizer, "state_shapes", None)  # an optimizer whose state is not all its parameter's shape
+        shapes = own(params[index]) if own is not None else {}
         for name, value in per.items():
-            want = () if name == "step" else shape
+            want = shapes.get(name, () if name == "step" else shape)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
                 shape_got: object = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"the optimizer's {name} for parameter {index} is {shape_got}, expected a tensor of "
@@ -248,6 +257,7 @@ class Built:
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
     """The optimizer for ``model`` (already wrapped for ``cfg.parallel``, unwrapped module passed)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    matrix_lr = MATRIX_LR.get(cfg.optimizer, 0.0) if cfg.muon_lr is None else cfg.muon_lr  # resolved by TrainConfig
     match cfg.optimizer:
         case "adamw":
             if cfg.adam_freeze:
@@ -271,7 +281,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             split = cfg.parallel in ("fsdp", "simple_fsdp") or (cfg.compressor == "none" and cfg.parallel != "diloco")
             muon = Muon(
                 named,
-                lr=cfg.muon_lr,
+                lr=matrix_lr,
                 weight_decay=cfg.weight_decay,
                 adamw_lr=cfg.lr,
                 adamw_betas=(0.9, 0.95),
@@ -279,6 +289,20 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
                 split=split,
             )
             return Built(muon, per_rank=False, stats=muon.comm.stats)
+        case "dion":
+            from powertrain.optim import Dion
+
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            dion = Dion(
+                named,
+                lr=matrix_lr,
+                weight_decay=cfg.weight_decay,
+                rank_fraction=cfg.dion_rank,
+                adamw_lr=cfg.lr,
+                adamw_betas=(0.9, 0.95),
+                adamw_weight_decay=cfg.weight_decay,
+            )
+            return Built(dion, per_rank=True, stats=dion.comm.stats)
         case "shampoo":
             from powertrain.optim import DistributedShampoo
 
@@ -313,4 +337,4 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             demo = DeMo(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compression_topk=cfg.demo_topk,
                         compression_chunk=cfg.demo_chunk, compression_decay=cfg.demo_decay)  # fmt: skip
             return Built(demo, per_rank=True, stats=demo.comm.stats)
-    raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, muon, shampoo, galore or demo")
+    raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, muon, dion, shampoo, galore or demo")

@@ -1,0 +1,294 @@
+"""``Dion``: a low-rank orthonormalized update with error feedback on the momentum, whose data-parallel messages are
+``(m + n) r`` numbers per ``m x n`` matrix instead of ``m n`` (Ahn et al., "Dion: Distributed Orthonormalized
+Updates", arXiv 2504.05295; reference code: github.com/microsoft/dion).
+
+Dion is PowerSGD applied to the momentum, with an orthonormalized update: each rank keeps its own momentum ``M``
+(its local gradients added, what the shared low-rank factors left out kept in it), and only the factors cross the
+network. Per step, for every matrix (a ``"dion"`` group's parameter, viewed tall: ``B`` below has at least as many
+rows as columns, a wide matrix is transposed), with ``G`` this rank's **local** gradient:
+
+1. ``B = M + G``;
+2. ``P = mean over ranks of B Q`` (the first all-reduce), orthonormalized (QR: :func:`~powertrain.ops.lowrank.
+   orthonormalize`); ``Q`` is the last step's right factor (warm start: one power iteration per step);
+3. ``R = mean over ranks of B^T P`` (the second all-reduce);
+4. error feedback: ``M = B - (1 - mu) P R^T``: the part of ``B`` the shared factors carry leaves the momentum at
+   rate ``1 - mu``, the rest stays until a later step sends it;
+5. ``Q = R / (||R's columns|| + eps)``; the update ``W <- W (1 - lr wd) - lr sqrt(fan_out / fan_in) P Q^T``.
+
+Because every map is linear, the mean over ranks of ``M`` evolves exactly as single-process Dion's momentum on the
+averaged gradients, and ``P``, ``R``, ``Q`` and the update are the same on every rank; the ranks' own ``M`` differ
+(each holds its own residual), so the state is per rank (:meth:`state_dict` is this rank's; resume each rank from its
+own, as ``powertrain train`` does).
+
+The other parameters (``"adamw"`` groups: embeddings, the head, norms, biases by
+:func:`~powertrain.optim.matrices.default_rule`) are stepped by torch's AdamW on their gradients averaged exactly,
+sent with the second all-reduce: Dion owns the step's whole data-parallel communication, two all-reduces, so the
+gradients must not be averaged before it (under DDP: :func:`powertrain.ddp.local_gradients`). Both collectives run
+as one collective program (:mod:`powertrain.compress.base`): a non-finite gradient on any rank makes every rank raise
+:class:`~powertrain.compress.NonFiniteGradientError` before anything changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from powertrain.comm import Communicator
+from powertrain.compress.base import NonFiniteGradientError, Program, ReduceRequest, guard_nonfinite, run_program
+from powertrain.ops.finite import finite_flag
+from powertrain.ops.flat import flat_views, pack
+from powertrain.ops.lowrank import orthonormalize
+from powertrain.optim.matrices import Rule, adamw_defaults, check_adamw_options, default_rule, split_params, step_adamw
+
+__all__ = ["Dion", "dion_rank"]
+
+
+def dion_rank(shape: tuple[int, int], fraction: float) -> int:
+    """The rank of a matrix of ``shape``: ``ceil(fraction x its smaller side)``, at least 1."""
+    return max(1, min(math.ceil(fraction * min(shape)), *shape))
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Matrices of one step that share their tall shape and rank: one batched computation."""
+
+    params: list[torch.Tensor]
+    groups: list[dict[str, Any]]
+    wide: bool  # stored transposed: the algorithm runs on B^T
+    b_kmn: torch.Tensor  # momentum + gradient, tall
+    q_knr: torch.Tensor
+    p_kmr: torch.Tensor | None = None
+    r_knr: torch.Tensor | None = None
+
+
+class Dion(torch.optim.Optimizer):
+    """Dion on the hidden matrices, AdamW on every other parameter (see the module for the algorithm).
+
+    Args:
+        params: ``model.named_parameters()``: split by ``rule`` into a ``"dion"`` group and an ``"adamw"`` group; or
+            parameter groups (dicts), each with ``"algorithm": "dion"`` or ``"adamw"`` and any of the options below.
+        lr, mu, weight_decay, eps: the Dion groups' (microsoft/dion's defaults): learning rate (scaled per matrix by
+            ``sqrt(fan_out / fan_in)``), momentum decay, decoupled weight decay, the column normalisation's epsilon.
+        rank_fraction: each matrix's rank as a fraction of its smaller side (rounded up; 1: full rank, no saving).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups'.
+        rule: ``(name, parameter) -> bool``, whether Dion takes a parameter of ``named_parameters()``.
+        group: the data-parallel process group (default: the world when initialised; alone: no communication).
+        seed: of the right factors' random start (the same on every rank, without communication).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.01,
+        mu: float = 0.95,
+        weight_decay: float = 0.01,
+        rank_fraction: float = 1.0,
+        eps: float = 1e-8,
+        *,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        rule: Rule = default_rule,
+        group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+    ) -> None:
+        dion = {"lr": lr, "mu": mu, "weight_decay": weight_decay, "rank_fraction": rank_fraction, "eps": eps}
+        _check_dion_options(dion)
+        check_adamw_options(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"Invalid seed={seed!r}: must be an integer in [0, 2**63)")
+        self._group_defaults = {
+            "dion": dion,
+            "adamw": adamw_defaults(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+        }
+        groups, self._names = split_params(params, "dion", rule, "Dion")
+        self._built = False
+        super().__init__(groups, {})
+        self.defaults = {
+            **dion,
+            "adamw_lr": adamw_lr,
+            "adamw_betas": tuple(adamw_betas),
+            "adamw_eps": adamw_eps,
+            "adamw_weight_decay": adamw_weight_decay,
+        }
+        self.comm = Communicator(group)
+        self._generator = torch.Generator().manual_seed(seed)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if g["algorithm"] == "dion" and p.ndim != 2:
+                    raise ValueError(
+                        f"Dion steps matrices; {self._names.get(id(p), 'a parameter')} has shape {tuple(p.shape)}: "
+                        "give it to the 'adamw' group"
+                    )
+                if hasattr(p, "to_local"):
+                    raise ValueError(
+                        "Dion runs on replicated parameters (DDP, or one process); these are DTensors (FSDP2 / "
+                        "SimpleFSDP): use powertrain.optim.Muon there"
+                    )
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._built:
+            raise ValueError("Dion's groups are fixed when it is built: pass every parameter group to the constructor")
+        algorithm = param_group.get("algorithm")
+        if algorithm not in self._group_defaults:
+            raise ValueError(f"A Dion parameter group needs 'algorithm': 'dion' or 'adamw', got {algorithm!r}")
+        filled = {**self._group_defaults[algorithm], **param_group}
+        if algorithm == "dion":
+            _check_dion_options(filled)
+        else:
+            check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
+        super().add_param_group(filled)
+
+    def rank_of(self, p: torch.Tensor) -> int:
+        """The rank Dion uses for matrix ``p`` (a ``"dion"`` group's)."""
+        for g in self.param_groups:
+            if g["algorithm"] == "dion" and any(q is p for q in g["params"]):
+                return dion_rank(tuple(p.shape), g["rank_fraction"])  # type: ignore[arg-type]
+        raise ValueError("not a parameter of this Dion's 'dion' groups")
+
+    def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The shape of each of ``p``'s state tensors (a ``"dion"`` matrix: the momentum's and ``Q``'s; AdamW's
+        moments are the parameter's, its step a scalar): what a loaded state is checked against."""
+        if p.ndim == 2 and any(q is p for g in self.param_groups if g["algorithm"] == "dion" for q in g["params"]):
+            return {"momentum": tuple(p.shape), "Q": (min(p.shape), self.rank_of(p))}
+        return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+
+    def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        """``p``'s state, created at its first step: the momentum (``p``'s shape, this rank's own) and the right factor
+        ``Q`` (``n x r`` for the tall view ``m x n``; the same on every rank)."""
+        st = self.state[p]
+        if not st:
+            rows, cols = max(p.shape), min(p.shape)
+            r = dion_rank((rows, cols), group["rank_fraction"])
+            dtype = torch.promote_types(p.dtype, torch.float32)
+            st["momentum"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            st["Q"] = torch.randn(cols, r, generator=self._generator).to(p.device, dtype)
+        return st
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One step of every parameter with a gradient: every rank of the group calls it, with gradients for the same
+        parameters (its own, not averaged)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        keys: dict[tuple[int, int, int, bool, torch.dtype], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
+        exact: list[torch.Tensor] = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                if g["algorithm"] == "adamw":
+                    exact.append(p)
+                    continue
+                st = self._state_of(p, g)
+                key = (max(p.shape), min(p.shape), st["Q"].shape[1], p.shape[0] < p.shape[1], st["momentum"].dtype)
+                keys.setdefault(key, []).append((p, g))
+        batches = []
+        for (_, _, _, wide, _), items in keys.items():
+            ms = [self.state[p]["momentum"] + p.grad for p, _ in items]  # B = M + G, in the state's dtype
+            b_kmn = torch.stack([m.T if wide else m for m in ms])
+            q_knr = torch.stack([self.state[p]["Q"] for p, _ in items])
+            batches.append(_Batch([p for p, _ in items], [g for _, g in items], wide, b_kmn, q_knr))
+        dtype = batches[0].b_kmn.dtype if batches else torch.float32
+        device = (batches[0].b_kmn if batches else exact[0] if exact else torch.empty(0)).device
+        grads = pack([p.grad for p in exact], dtype, device)  # type: ignore[misc]
+        local_ok = finite_flag([*(b.b_kmn for b in batches), grads])
+        program = guard_nonfinite(self._program(batches, grads), local_ok=local_ok, error=self._nonfinite)
+        run_program(program, self.comm)
+        self._commit(batches)
+        for p, avg in zip(exact, flat_views(grads, [p.shape for p in exact]), strict=True):
+            p.grad.copy_(avg)  # type: ignore[union-attr]
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                step_adamw(g, self.state)
+        return loss
+
+    def _program(self, batches: list[_Batch], grads: torch.Tensor) -> Program:
+        """The step's two all-reduces: the left factors (summed: only their span is used), then the right factors with
+        the AdamW parameters' gradients (averaged). Nothing is committed here."""
+        p_sizes = [b.b_kmn.shape[0] * b.b_kmn.shape[1] * b.q_knr.shape[2] for b in batches]
+        p_buf = torch.empty(sum(p_sizes), dtype=grads.dtype, device=grads.device)
+        for b, view in zip(batches, p_buf.split(p_sizes), strict=True):
+            k, m, _ = b.b_kmn.shape
+            torch.bmm(b.b_kmn, b.q_knr, out=view.view(k, m, -1))
+        if batches:
+            yield ReduceRequest(p_buf, "sum", check=False)
+        r_sizes = [q.numel() for q in (b.q_knr for b in batches)]
+        r_buf = torch.empty(sum(r_sizes) + grads.numel(), dtype=grads.dtype, device=grads.device)
+        views = r_buf.split([*r_sizes, grads.numel()])
+        for b, p_view, r_view in zip(batches, p_buf.split(p_sizes), views[:-1], strict=True):
+            k, m, n = b.b_kmn.shape
+            b.p_kmr = orthonormalize(p_view.view(k, m, -1))
+            b.r_knr = torch.bmm(b.b_kmn.transpose(1, 2), b.p_kmr, out=r_view.view(k, n, -1))
+        views[-1].copy_(grads)
+        yield ReduceRequest(r_buf, "mean")
+        grads.copy_(views[-1])
+        return []
+
+    def _commit(self, batches: list[_Batch]) -> None:
+        """Every collective came back finite: error feedback into each momentum, the new right factors, the update."""
+        for b in batches:
+            assert b.p_kmr is not None and b.r_knr is not None, "the program computed both factors"
+            shared_kmn = torch.bmm(b.p_kmr, b.r_knr.transpose(1, 2))  # what the factors carried
+            mus = torch.tensor([g["mu"] for g in b.groups], dtype=shared_kmn.dtype, device=shared_kmn.device)
+            residual_kmn = b.b_kmn - (1 - mus)[:, None, None] * shared_kmn
+            norms = torch.linalg.vector_norm(b.r_knr, dim=1, keepdim=True)  # k x 1 x r
+            eps = torch.tensor([g["eps"] for g in b.groups], dtype=norms.dtype, device=norms.device)
+            q_new = b.r_knr / (norms + eps[:, None, None])
+            # a matrix whose momentum is all zero sends R = 0: keep its Q (a zero Q would stay zero for ever)
+            zero = (norms == 0).all(dim=2, keepdim=True)
+            q_new = torch.where(zero, b.q_knr, q_new)
+            update_kmn = torch.bmm(b.p_kmr, q_new.transpose(1, 2))
+            for j, (p, g) in enumerate(zip(b.params, b.groups, strict=True)):
+                st = self.state[p]
+                st["momentum"].copy_(residual_kmn[j].T if b.wide else residual_kmn[j])
+                st["Q"] = q_new[j].clone()
+                lr = g["lr"]
+                scale = math.sqrt(p.shape[0] / p.shape[1])
+                p.mul_(1 - lr * g["weight_decay"])
+                p.add_(update_kmn[j].T if b.wide else update_kmn[j], alpha=-lr * scale)
+
+    def _nonfinite(self) -> NonFiniteGradientError:
+        """The error every rank raises, naming this rank's non-finite gradients (or momenta) if it has any."""
+        bad = [
+            self._names.get(id(p), "a parameter")
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+            and not (
+                bool(torch.isfinite(p.grad).all()) and bool(torch.isfinite(self.state[p].get("momentum", p.grad)).all())
+            )
+        ]
+        rank = self.comm.rank
+        where = (
+            f"non-finite gradient (or momentum) in {', '.join(bad[:4])} on rank {rank}"
+            if bad
+            else f"gradients on rank {rank} are finite: another rank's were non-finite, or a sum overflowed"
+        )
+        return NonFiniteGradientError(
+            f"Dion: {where}; nothing was applied and the optimizer state is unchanged (skip the step, lower the "
+            "learning rate, or check the loss for overflow)"
+        )
+
+
+def _check_dion_options(o: dict[str, Any]) -> None:
+    """ValueError in one line for a Dion option out of its range."""
+    checks = [
+        ("lr", o["lr"], ">= 0", lambda v: v >= 0),
+        ("mu", o["mu"], "in [0, 1)", lambda v: 0 <= v < 1),
+        ("weight_decay", o["weight_decay"], ">= 0", lambda v: v >= 0),
+        ("rank_fraction", o["rank_fraction"], "in (0, 1]", lambda v: 0 < v <= 1),
+        ("eps", o["eps"], "> 0", lambda v: v > 0),
+    ]
+    for name, value, want, ok in checks:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or not ok(value):
+            raise ValueError(f"Invalid {name}={value!r}: must be a finite number {want}")
