@@ -89,3 +89,17 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     assert link["bytes_ratio"] > 1 and [r["label"].split()[0] for r in link["rows"]] == ["AdamW", "DeMo"]
     galore = {r["label"]: r for r in report["galore"]["rows"]}
     assert galore["powertrain GaLoreAdamW, randomized"]["projected_vs_adamw"] < 0 and "torch AdamW" in galore
+
+
+def test_bench_muon_tiny_end_to_end(tmp_path):
+    """``powertrain bench muon --preset tiny``: every kind timed at 1 and 2 workers, the section written."""
+    from powertrain.bench.muon import run_muon_bench
+
+    out = tmp_path / "BENCHMARKS.md"
+    report = run_muon_bench(preset="tiny", write=str(out))
+    assert [r["world"] for r in report["rows"]] == [1, 2]
+    for r in report["rows"]:
+        assert all(r[f"{k}_s"] > 0 for k in ("split", "alone", "adamw", "forward_backward")), r
+        assert 0 < r["split_share"] < 1 and r["split_over_alone"] > 0, r
+    assert report["matrices"] == 4  # the tiny GPT's one block: qkv, proj, fc, fc_out
+    assert "<!-- bench:muon-tiny -->" in out.read_text()

@@ -17,11 +17,23 @@ BENCHMARKS = "BENCHMARKS.md"
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "suite",
-        choices=["overhead", "ddp", "network", "simple_fsdp", "optimizers", "quality", "parallel", "cluster", "gpu"],
+        choices=[
+            "overhead",
+            "ddp",
+            "network",
+            "simple_fsdp",
+            "optimizers",
+            "muon",
+            "quality",
+            "parallel",
+            "cluster",
+            "gpu",
+        ],
         help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
         "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
         "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
-        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); quality: validation loss, "
+        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); muon: Muon's optimizer "
+        "step at 1, 2 and 4 workers, its work split against every rank computing alone; quality: validation loss, "
         "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
         "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
         "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper (--preset "
