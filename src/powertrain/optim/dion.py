@@ -72,10 +72,16 @@ class Dion(torch.optim.Optimizer):
     Args:
         params: ``model.named_parameters()``: split by ``rule`` into a ``"dion"`` group and an ``"adamw"`` group; or
             parameter groups (dicts), each with ``"algorithm": "dion"`` or ``"adamw"`` and any of the options below.
-        lr, mu, weight_decay, eps: the Dion groups' (microsoft/dion's defaults): learning rate (scaled per matrix by
-            ``sqrt(fan_out / fan_in)``), momentum decay, decoupled weight decay, the column normalisation's epsilon.
+        lr: the Dion groups' learning rate, scaled per matrix by ``sqrt(fan_out / fan_in)`` (microsoft/dion's
+            defaults from here to ``eps``).
+        mu: the momentum's decay: what the factors carry leaves it at rate ``1 - mu``.
+        weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
         rank_fraction: each matrix's rank as a fraction of its smaller side (rounded up; 1: full rank, no saving).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups'.
+        eps: added to the right factor's column norms.
+        adamw_lr: the AdamW groups' learning rate.
+        adamw_betas: their ``(beta1, beta2)``.
+        adamw_eps: their ``eps``.
+        adamw_weight_decay: their decoupled weight decay.
         rule: ``(name, parameter) -> bool``, whether Dion takes a parameter of ``named_parameters()``.
         group: the data-parallel process group (default: the world when initialised; alone: no communication).
         seed: of the right factors' random start (the same on every rank, without communication).

@@ -64,10 +64,19 @@ class Muon(torch.optim.Optimizer):
             or parameter groups (dicts), each with ``"algorithm": "muon"`` or ``"adamw"`` and any of the options
             below for its algorithm (``lr``, ``weight_decay``, ``eps`` are the group's algorithm's). A ``"muon"``
             parameter of more than two dimensions is orthogonalized as ``(shape[0], rest)``.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: the Muon groups',
-            torch.optim.Muon's options and defaults (``adjust_lr_fn``: None or ``"original"`` scales ``lr`` by
-            ``sqrt(max(1, rows / cols))``, ``"match_rms_adamw"`` by ``0.2 sqrt(max(rows, cols))``).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW groups', torch.optim.AdamW's defaults.
+        lr: the Muon groups' learning rate (torch.optim.Muon's options and defaults from here to ``adjust_lr_fn``).
+        weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
+        momentum: ``mu`` of the momentum ``B <- B + (1 - mu) (g - B)``.
+        nesterov: orthogonalize ``g + mu (B - g)`` (True) or ``B``.
+        ns_coefficients: ``(a, b, c)`` of the Newton-Schulz quintic.
+        eps: the smallest norm the iteration divides by.
+        ns_steps: Newton-Schulz iterations.
+        adjust_lr_fn: None or ``"original"`` scales ``lr`` by ``sqrt(max(1, rows / cols))`` per matrix,
+            ``"match_rms_adamw"`` by ``0.2 sqrt(max(rows, cols))`` (AdamW's rates then carry over).
+        adamw_lr: the AdamW groups' learning rate (torch.optim.AdamW's defaults for the four ``adamw_`` options).
+        adamw_betas: their ``(beta1, beta2)``.
+        adamw_eps: their ``eps``.
+        adamw_weight_decay: their decoupled weight decay.
         rule: ``(name, parameter) -> bool``, whether Muon takes a parameter of ``named_parameters()``
             (:func:`powertrain.optim.matrices.default_rule`: 2-D and not an embedding or output layer).
         ns_dtype: the Newton-Schulz iteration's dtype (default: bfloat16 on CUDA, float32 elsewhere).
