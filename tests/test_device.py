@@ -295,7 +295,7 @@ def test_a_chained_call_leaves_the_issuing_thread_free(device):
 
 
 def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
-    from powertrain.optim import DeMo, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW
+    from powertrain.optim import DeMo, Dion, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW, Muon
 
     matrices = lambda m: [p for p in m.parameters() if p.ndim == 2]
     others = lambda m: [p for p in m.parameters() if p.ndim != 2]
@@ -306,6 +306,8 @@ def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Opt
         ("GaLoreAdamW", galore, 0),
         ("DistributedShampoo", shampoo, 0),
         ("DeMo", lambda m: DeMo(m.parameters()), 1),
+        ("Muon", lambda m: Muon(m.named_parameters()), 0),  # bfloat16 Newton-Schulz on CUDA, nothing read back
+        ("Dion", lambda m: Dion(m.named_parameters(), rank_fraction=0.25), 1),  # its program's one flag read
     ]
 
 
