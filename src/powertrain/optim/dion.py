@@ -186,7 +186,9 @@ class Dion(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        keys: dict[tuple[int, int, int, bool, torch.dtype], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
+        # one batch per tall shape, rank, orientation, dtype and (mu, eps): its arithmetic takes Python scalars (a
+        # tensor made from a list of the groups' values would be a host-to-device copy per step on CUDA)
+        keys: dict[tuple[Any, ...], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
         exact: list[torch.Tensor] = []
         for g in self.param_groups:
             for p in g["params"]:
@@ -196,10 +198,11 @@ class Dion(torch.optim.Optimizer):
                     exact.append(p)
                     continue
                 st = self._state_of(p, g)
-                key = (max(p.shape), min(p.shape), st["Q"].shape[1], p.shape[0] < p.shape[1], st["momentum"].dtype)
+                wide = p.shape[0] < p.shape[1]
+                key = (max(p.shape), min(p.shape), st["Q"].shape[1], wide, st["momentum"].dtype, g["mu"], g["eps"])
                 keys.setdefault(key, []).append((p, g))
         batches = []
-        for (_, _, _, wide, _), items in keys.items():
+        for (_, _, _, wide, *_), items in keys.items():
             ms = [self.state[p]["momentum"] + p.grad for p, _ in items]  # B = M + G, in the state's dtype
             b_kmn = torch.stack([m.T if wide else m for m in ms])
             q_knr = torch.stack([self.state[p]["Q"] for p, _ in items])
@@ -245,11 +248,10 @@ class Dion(torch.optim.Optimizer):
         for b in batches:
             assert b.p_kmr is not None and b.r_knr is not None, "the program computed both factors"
             shared_kmn = torch.bmm(b.p_kmr, b.r_knr.transpose(1, 2))  # what the factors carried
-            mus = torch.tensor([g["mu"] for g in b.groups], dtype=shared_kmn.dtype, device=shared_kmn.device)
-            residual_kmn = b.b_kmn - (1 - mus)[:, None, None] * shared_kmn
+            mu, eps = b.groups[0]["mu"], b.groups[0]["eps"]  # the batch's (its key)
+            residual_kmn = b.b_kmn - (1 - mu) * shared_kmn
             norms = torch.linalg.vector_norm(b.r_knr, dim=1, keepdim=True)  # k x 1 x r
-            eps = torch.tensor([g["eps"] for g in b.groups], dtype=norms.dtype, device=norms.device)
-            q_new = b.r_knr / (norms + eps[:, None, None])
+            q_new = b.r_knr / (norms + eps)
             # a matrix whose momentum is all zero sends R = 0: keep its Q (a zero Q would stay zero for ever)
             zero = (norms == 0).all(dim=2, keepdim=True)
             q_new = torch.where(zero, b.q_knr, q_new)
