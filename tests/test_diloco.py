@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, within
+from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, same_on_all_ranks, within
 from models import batch, loss_fn, make_model
 from powertrain.checkpoint import from_blob, to_blob
 from powertrain.compress import NonFiniteGradientError
@@ -251,14 +251,34 @@ def _crafted(rank: int) -> dict[str, Any]:
 
 
 def _apart(rank: int) -> dict[str, Any]:
-    """Replicas built on different weights: refused on every rank at construction (they would never meet)."""
+    """Replicas built on different weights: refused on every rank at construction (they would never meet); and an
+    inner Muon that would share its work as if the replicas' gradients were averaged (its results from the owners'
+    own momenta), refused before anything is sent, while split=False trains."""
+    from powertrain.optim import Muon
+
     torch.manual_seed(rank)
     model = torch.nn.Linear(3, 2)
+    out = {}
     try:
         DiLoCo(model.named_parameters(), _inner(model), sync_every=2)
-        return {"raised": ""}
+        out["raised"] = ""
     except ValueError as e:
-        return {"raised": str(e)}
+        out["raised"] = str(e)
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+    try:
+        DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters()), sync_every=2)
+        out["shared"] = ""
+    except ValueError as e:
+        out["shared"] = str(e)
+    diloco = DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters(), split=False), sync_every=2)
+    for step in range(4):
+        diloco.zero_grad()
+        mlp(torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).mean().backward()
+        diloco.step()
+    diloco.finish()
+    out["muon"] = torch.cat([p.detach().reshape(-1) for p in mlp.parameters()])
+    return out
 
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
@@ -358,6 +378,8 @@ def test_crafted_state_is_refused_at_load_in_one_line(results):
 def test_replicas_that_start_apart_are_refused(results):
     for r in case(results, "apart"):
         assert "start from different weights" in r["raised"], r["raised"]
+        assert "build it with split=False" in r["shared"], r["shared"]
+    same_on_all_ranks(case(results, "apart"), "muon")  # an inner Muon per replica, then the replicas averaged
 
 
 def test_nonfinite_pseudo_gradient_raises_on_every_rank(results):

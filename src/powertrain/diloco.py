@@ -179,6 +179,12 @@ class DiLoCo:
                              "(Streaming DiLoCo's alpha); set delay > 0 or mix=0")  # fmt: skip
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
+        shared = getattr(inner, "comm", None)
+        if getattr(inner, "split", False) and shared is not None and shared.world_size > 1:
+            raise ValueError(
+                f"The inner {type(inner).__name__} shares its work across {shared.world_size} ranks, which assumes "
+                "their gradients are averaged; each replica of local updates steps its own: build it with split=False"
+            )
         named = [item if isinstance(item, tuple) else (f"param[{i}]", item) for i, item in enumerate(params)]
         named = [(n, p) for n, p in named if p.requires_grad]
         if not named:
