@@ -152,6 +152,8 @@ def test_resume_continues_bitwise(tmp_path, mode):
     if "dion" in mode:  # Dion's own factors are the run's only traffic: counted, and below fp32's
         summary = json.loads((full / "summary.json").read_text())
         assert 0 < summary["bytes_sent"] < summary["bytes_uncompressed"], summary
+    if "muon" in mode or "dion" in mode:  # the logged rate is --lr's (the AdamW groups'), not the matrices'
+        assert all(row["lr"] <= 1e-3 for row in rows), rows
     if "muon" in mode and mode[0] != "diloco":  # the split work's collectives are counted with the gradients'
         summary = json.loads((full / "summary.json").read_text())
         assert summary["bytes_sent"] > 0 and all(row["comm_s"] > 0 for row in rows), rows

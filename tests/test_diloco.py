@@ -479,7 +479,7 @@ def test_command_settings_are_checked_before_any_worker_starts():
         ({"parallel": "diloco", "sync_every": 4, "fragments": 5}, "fragments=5"),
         ({"parallel": "diloco", "sync_every": 10, "fragments": 2, "sync_delay": 5}, "delay=5"),
         ({"parallel": "diloco", "outer_momentum": 1.0}, "outer_momentum=1.0"),
-        ({"parallel": "diloco", "optimizer": "shampoo"}, "optimizer='adamw' or 'sgd'"),
+        ({"parallel": "diloco", "optimizer": "shampoo"}, "optimizer='adamw', 'sgd' or 'muon'"),
         ({"parallel": "diloco", "sync_mix": -0.1}, "sync_mix=-0.1"),
         ({"parallel": "diloco", "sync_mix": 0.5}, "sync_mix=0.5 with sync_delay=0"),
     ]:

@@ -180,6 +180,46 @@ def test_rank_and_state_form():
     assert set(opt.state[model.tok.weight]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
+def test_low_and_mixed_precision_parameters():
+    """bfloat16 matrices keep a float32 momentum and right factor, also through a state_dict round trip (torch's load
+    casts state to the parameter's dtype), so a resume is bitwise; float32 and float64 parameters step together, the
+    float64 one's gradient averaged in float64 (one process: unchanged)."""
+
+    def run(steps: int, state: dict | None = None, start: int = 0) -> tuple[torch.nn.Module, Dion, dict | None]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 16)).to(torch.bfloat16)
+        opt = Dion([{"params": [model[0].weight, model[1].weight], "algorithm": "dion"},
+                    {"params": [model[0].bias, model[1].bias], "algorithm": "adamw"}], rank_fraction=0.5)  # fmt: skip
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+        saved = None
+        for step in range(start, steps):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            model.zero_grad()
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            if step + 1 == 2:
+                saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+        return model, opt, saved
+
+    whole, opt, saved = run(4)
+    assert opt.state[whole[0].weight]["momentum"].dtype == torch.float32
+    resumed, opt2, _ = run(4, saved, start=2)
+    assert opt2.state[resumed[0].weight]["Q"].dtype == torch.float32
+    for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    mixed = [torch.nn.Parameter(torch.randn(8, 6)), torch.nn.Parameter(torch.randn(6, 8, dtype=torch.float64))]
+    bias = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = Dion([{"params": mixed, "algorithm": "dion"}, {"params": [bias], "algorithm": "adamw"}], rank_fraction=0.5)
+    for p in [*mixed, bias]:
+        p.grad = torch.randn_like(p) / 3
+    grad = bias.grad.clone()
+    opt.step()
+    assert torch.equal(bias.grad, grad), "a float64 gradient is averaged in float64"
+    assert all(torch.isfinite(p).all() for p in mixed)
+
+
 def test_bad_input_is_refused_in_one_line():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32))
     named = lambda: model.named_parameters()

@@ -21,6 +21,7 @@ from powertrain.ops.newton_schulz import adjusted_lr, newton_schulz, ns_flops
 from powertrain.optim import Muon
 from powertrain.optim.distributor import assign
 from powertrain.optim.matrices import default_rule, is_embedding_or_head
+from powertrain.train.config import TrainConfig
 
 
 def _torch_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -129,7 +130,12 @@ def test_the_rule_sends_embeddings_head_norms_and_biases_to_adamw():
     for name in ["model.embed_tokens.weight", "transformer.wte.weight", "lm_head.weight", "output.weight",
                  "bert.embeddings.word_embeddings.weight", "tok_embeddings.weight"]:  # fmt: skip
         assert is_embedding_or_head(name), name
-    for name in ["layers.0.attention.wq.weight", "blocks.1.fc.weight", "h.0.mlp.c_proj.weight", "weight"]:
+    # parameters registered on a module directly, T5's tied embedding, heads built as a Sequential
+    for name in ["positional_embedding", "transformer.pos_emb", "visual.class_embedding", "shared.weight",
+                 "head.0.weight", "heads.weight", "vit.cls_token"]:  # fmt: skip
+        assert is_embedding_or_head(name), name
+    for name in ["layers.0.attention.wq.weight", "blocks.1.fc.weight", "h.0.mlp.c_proj.weight", "weight",
+                 "decoder.layers.0.fc1.weight", "heads_proj.weight"]:  # fmt: skip
         assert not is_embedding_or_head(name), name
     # a rule of one's own, and explicit groups with their own options
     everything = Muon(model.named_parameters(), rule=lambda n, p: p.ndim == 2)
@@ -155,12 +161,24 @@ def test_bad_input_is_refused_in_one_line():
         "split": lambda: Muon(named(), split="yes"),
         "twice": lambda: Muon([*model.named_parameters(), ("again", model.head.weight)]),
         "later": lambda: Muon(named()).add_param_group({"params": [torch.zeros(2, 2)], "algorithm": "muon"}),
+        "vector": lambda: Muon([{"params": [model.ln_f.weight], "algorithm": "muon"}]),
+        "empty": lambda: Muon([{"params": [torch.nn.Parameter(torch.zeros(5, 0))], "algorithm": "muon"}]),
+        "relabel": lambda: Muon(named()).load_state_dict(
+            {**Muon(named()).state_dict(), "param_groups": [{**g, "algorithm": "adamw"}
+                                                           for g in Muon(named()).state_dict()["param_groups"]]}),
+        "resnet": lambda: TrainConfig(model="resnet", data="mnist1d", optimizer="muon"),
+        "muon_lr": lambda: TrainConfig(muon_lr=0.05),
+        "dion_rank": lambda: TrainConfig(optimizer="muon", dion_rank=0.25),
     })  # fmt: skip
     expected = {
         "plain": "needs model.named_parameters()", "algorithm": "algorithm='sgd'", "lr": "Invalid lr=-1.0",
         "momentum": "Invalid momentum=1.0", "steps": "Invalid ns_steps=0", "coefficients": "Invalid ns_coefficients",
         "adjust": "Invalid adjust_lr_fn='rms'", "betas": "Invalid adamw_betas", "dtype": "Invalid ns_dtype",
         "split": "Invalid split='yes'", "twice": "listed twice", "later": "pass every parameter group",
+        "vector": "has shape (32,): give it to the 'adamw' group", "empty": "has no entries",
+        "relabel": "parameter group 0 is 'adamw''s and this optimizer's 'muon''s",
+        "resnet": "the ResNet's weights are convolutions", "muon_lr": "optimizer='adamw' does not use it",
+        "dion_rank": "applies to optimizer='dion', not 'muon'",
     }  # fmt: skip
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])

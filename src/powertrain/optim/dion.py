@@ -31,6 +31,7 @@ as one collective program (:mod:`powertrain.compress.base`): a non-finite gradie
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -43,7 +44,16 @@ from powertrain.compress.base import NonFiniteGradientError, Program, ReduceRequ
 from powertrain.ops.finite import finite_flag
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import orthonormalize
-from powertrain.optim.matrices import Rule, adamw_defaults, check_adamw_options, default_rule, split_params, step_adamw
+from powertrain.optim.matrices import (
+    Rule,
+    adamw_defaults,
+    check_adamw_options,
+    check_algorithms,
+    check_matrices,
+    default_rule,
+    split_params,
+    step_adamw,
+)
 
 __all__ = ["Dion", "dion_rank"]
 
@@ -125,6 +135,7 @@ class Dion(torch.optim.Optimizer):
         }
         self.comm = Communicator(group)
         self._generator = torch.Generator().manual_seed(seed)
+        check_matrices("Dion", "dion", self.param_groups, self._names)
         for g in self.param_groups:
             for p in g["params"]:
                 if g["algorithm"] == "dion" and p.ndim != 2:
@@ -137,6 +148,12 @@ class Dion(torch.optim.Optimizer):
                         "Dion runs on replicated parameters (DDP, or one process); these are DTensors (FSDP2 / "
                         "SimpleFSDP): use powertrain.optim.Muon there"
                     )
+        # every matrix's state now, in order: each right factor's random start is then the same whichever matrices
+        # step first, and a checkpoint taken before a matrix had a gradient resumes it as the run would have gone on
+        for g in self.param_groups:
+            if g["algorithm"] == "dion":
+                for p in g["params"]:
+                    self._state_of(p, g)
         self._built = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -151,6 +168,22 @@ class Dion(torch.optim.Optimizer):
         else:
             check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
         super().add_param_group(filled)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, keeping each matrix's momentum and right factor in the dtype Dion keeps them in (at least
+        float32; torch casts every state tensor to its parameter's dtype, which for a bfloat16 matrix would lose the
+        residual the momentum carries)."""
+        check_algorithms("Dion", state_dict, self.param_groups)
+        saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, st in saved.items():
+            if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(st, dict)):
+                continue  # torch's load has taken what it takes
+            p = params[index]
+            for key in ("momentum", "Q"):
+                if isinstance(st.get(key), torch.Tensor) and key in self.state[p]:
+                    self.state[p][key] = st[key].to(p.device, _state_dtype(p), copy=True)
 
     def rank_of(self, p: torch.Tensor) -> int:
         """The rank Dion uses for matrix ``p`` (a ``"dion"`` group's)."""
@@ -173,7 +206,7 @@ class Dion(torch.optim.Optimizer):
         if not st:
             rows, cols = max(p.shape), min(p.shape)
             r = dion_rank((rows, cols), group["rank_fraction"])
-            dtype = torch.promote_types(p.dtype, torch.float32)
+            dtype = _state_dtype(p)
             st["momentum"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
             st["Q"] = torch.randn(cols, r, generator=self._generator).to(p.device, dtype)
         return st
@@ -201,14 +234,17 @@ class Dion(torch.optim.Optimizer):
                 wide = p.shape[0] < p.shape[1]
                 key = (max(p.shape), min(p.shape), st["Q"].shape[1], wide, st["momentum"].dtype, g["mu"], g["eps"])
                 keys.setdefault(key, []).append((p, g))
+        # one dtype for the step's arithmetic and messages: float32, or float64 if any parameter is (a buffer of the
+        # first batch's dtype refused the others, and rounded a float64 gradient averaged beside float32 ones)
+        stepped = [p for items in keys.values() for p, _ in items] + exact
+        dtype = functools.reduce(torch.promote_types, [_state_dtype(p) for p in stepped], torch.float32)
+        device = stepped[0].device if stepped else torch.device("cpu")
         batches = []
         for (_, _, _, wide, *_), items in keys.items():
-            ms = [self.state[p]["momentum"] + p.grad for p, _ in items]  # B = M + G, in the state's dtype
+            ms = [self.state[p]["momentum"].to(dtype) + p.grad for p, _ in items]  # B = M + G
             b_kmn = torch.stack([m.T if wide else m for m in ms])
-            q_knr = torch.stack([self.state[p]["Q"] for p, _ in items])
+            q_knr = torch.stack([self.state[p]["Q"] for p, _ in items]).to(dtype)
             batches.append(_Batch([p for p, _ in items], [g for _, g in items], wide, b_kmn, q_knr))
-        dtype = batches[0].b_kmn.dtype if batches else torch.float32
-        device = (batches[0].b_kmn if batches else exact[0] if exact else torch.empty(0)).device
         grads = pack([p.grad for p in exact], dtype, device)  # type: ignore[misc]
         local_ok = finite_flag([*(b.b_kmn for b in batches), grads])
         program = guard_nonfinite(self._program(batches, grads), local_ok=local_ok, error=self._nonfinite)
@@ -259,11 +295,11 @@ class Dion(torch.optim.Optimizer):
             for j, (p, g) in enumerate(zip(b.params, b.groups, strict=True)):
                 st = self.state[p]
                 st["momentum"].copy_(residual_kmn[j].T if b.wide else residual_kmn[j])
-                st["Q"] = q_new[j].clone()
+                st["Q"] = q_new[j].to(st["Q"].dtype, copy=True)
                 lr = g["lr"]
                 scale = math.sqrt(p.shape[0] / p.shape[1])
                 p.mul_(1 - lr * g["weight_decay"])
-                p.add_(update_kmn[j].T if b.wide else update_kmn[j], alpha=-lr * scale)
+                p.add_((update_kmn[j].T if b.wide else update_kmn[j]).to(p.dtype), alpha=-lr * scale)
 
     def _nonfinite(self) -> NonFiniteGradientError:
         """The error every rank raises, naming this rank's non-finite gradients (or momenta) if it has any."""
@@ -273,7 +309,8 @@ class Dion(torch.optim.Optimizer):
             for p in g["params"]
             if p.grad is not None
             and not (
-                bool(torch.isfinite(p.grad).all()) and bool(torch.isfinite(self.state[p].get("momentum", p.grad)).all())
+                bool(torch.isfinite(p.grad).all())
+                and bool(torch.isfinite(self.state.get(p, {}).get("momentum", p.grad)).all())
             )
         ]
         rank = self.comm.rank
@@ -286,6 +323,11 @@ class Dion(torch.optim.Optimizer):
             f"Dion: {where}; nothing was applied and the optimizer state is unchanged (skip the step, lower the "
             "learning rate, or check the loss for overflow)"
         )
+
+
+def _state_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of ``p``'s momentum and right factor: at least float32 (a bfloat16 matrix's residual needs it)."""
+    return torch.promote_types(p.dtype, torch.float32)
 
 
 def _check_dion_options(o: dict[str, Any]) -> None:

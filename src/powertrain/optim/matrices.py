@@ -10,6 +10,7 @@ module; a model whose names it misreads passes ``rule=`` or explicit parameter g
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -17,23 +18,40 @@ import torch
 
 from powertrain._compat import adamw_functional, optimizer_scalar_dtype
 
-__all__ = ["Rule", "check_adamw_options", "default_rule", "is_embedding_or_head", "split_params", "step_adamw"]
+__all__ = [
+    "Rule",
+    "check_adamw_options",
+    "check_algorithms",
+    "check_matrices",
+    "default_rule",
+    "is_embedding_or_head",
+    "split_params",
+    "step_adamw",
+]
 
 Rule = Callable[[str, torch.Tensor], bool]
 
-#: Module names (the last part of a parameter's module path, lower case) of embeddings and output layers besides
-#: those containing "embed": nanoGPT's and GPT-2's (wte, wpe, lm_head), torchtitan's Llama (output), powertrain's GPT
-#: (tok, pos, head), classifiers.
-_NOT_HIDDEN = frozenset({"wte", "wpe", "tok", "pos", "lm_head", "head", "output", "classifier", "score"})
+#: Module names (the last part of a parameter's module path that is not an index, lower case) of embeddings and output
+#: layers besides those containing "embed": nanoGPT's and GPT-2's (wte, wpe, lm_head), torchtitan's Llama (output),
+#: powertrain's GPT (tok, pos, head), T5's tied embedding (shared), classifiers.
+_NOT_HIDDEN = frozenset(
+    {"wte", "wpe", "tok", "pos", "shared", "lm_head", "head", "heads", "output", "classifier", "score"}
+)
+#: Names of parameters registered on a module directly (not a layer's ``weight``) that are embeddings.
+_EMBEDDINGS = frozenset({"pos_emb", "tok_emb", "cls_token", "class_token"})
 
 
 def is_embedding_or_head(name: str) -> bool:
     """Whether the parameter called ``name`` (as ``named_parameters()`` gives it, e.g. ``"blocks.0.qkv.weight"``)
-    belongs to an embedding or an output layer: its module's name contains ``embed`` or is one of ``wte``, ``wpe``,
-    ``tok``, ``pos``, ``lm_head``, ``head``, ``output``, ``classifier``, ``score``."""
-    module = name.rsplit(".", 1)[0] if "." in name else ""
-    last = module.rsplit(".", 1)[-1].lower()
-    return "embed" in last or last in _NOT_HIDDEN
+    belongs to an embedding or an output layer: its own name contains ``embed`` (``positional_embedding``) or is one
+    of ``pos_emb``, ``tok_emb``, ``cls_token``, ``class_token``; or its module's (the last part of the path that is not
+    an index: ``head.0.weight``'s is ``head``) contains ``embed`` or is one of ``wte``, ``wpe``, ``tok``, ``pos``,
+    ``shared``, ``lm_head``, ``head``, ``heads``, ``output``, ``classifier``, ``score``. A name it misreads (BERT's
+    ``cls.predictions.decoder``, say) needs ``rule=`` or explicit groups."""
+    *path, own = name.lower().split(".")
+    modules = [part for part in path if not part.isdigit()]
+    module = modules[-1] if modules else ""
+    return "embed" in own or own in _EMBEDDINGS or "embed" in module or module in _NOT_HIDDEN
 
 
 def default_rule(name: str, param: torch.Tensor) -> bool:
@@ -86,6 +104,36 @@ def split_params(
         (chosen if rule(name, p) else rest).append(p)
     groups = [{"params": ps, "algorithm": a} for ps, a in ((chosen, algorithm), (rest, "adamw")) if ps]
     return groups, names
+
+
+def check_matrices(owner: str, algorithm: str, groups: list[dict[str, Any]], names: dict[int, str]) -> None:
+    """ValueError in one line for a parameter the ``algorithm`` groups cannot step (not a matrix, or empty); a warning
+    when they hold none (the optimizer would be AdamW alone)."""
+    chosen = [p for g in groups if g["algorithm"] == algorithm for p in g["params"]]
+    for p in chosen:
+        if p.ndim < 2 or p.numel() == 0:
+            what = f"has shape {tuple(p.shape)}" if p.ndim < 2 else "has no entries"
+            name = names.get(id(p), "a parameter")
+            raise ValueError(f"{owner} steps matrices; {name} {what}: give it to the 'adamw' group")
+    if not chosen:
+        warnings.warn(
+            f"{owner} took no parameter as a hidden matrix (its rule or groups): it is AdamW alone", stacklevel=3
+        )
+
+
+def check_algorithms(owner: str, saved: Any, groups: list[dict[str, Any]]) -> None:
+    """ValueError in one line unless a state dict's parameter groups name this optimizer's groups' algorithms, in
+    order (torch would relabel them and fail in a later step)."""
+    saved_groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(saved_groups, list) or len(saved_groups) != len(groups):
+        return  # torch's own load refuses it, naming the groups
+    for i, (s, g) in enumerate(zip(saved_groups, groups, strict=True)):
+        got = s.get("algorithm") if isinstance(s, dict) else None
+        if got != g["algorithm"]:
+            raise ValueError(
+                f"{owner} state_dict's parameter group {i} is {got!r}'s and this optimizer's {g['algorithm']!r}'s: "
+                "load a state written by the same optimizer and groups"
+            )
 
 
 def check_adamw_options(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:

@@ -47,7 +47,16 @@ from powertrain.ops.lowrank import matrix_shape
 from powertrain.ops.newton_schulz import NS_COEFFICIENTS, AdjustLR, adjusted_lr, newton_schulz, ns_flops
 from powertrain.ops.newton_schulz import ns_dtype as default_ns_dtype
 from powertrain.optim.distributor import Block, Gather, Local, Shards
-from powertrain.optim.matrices import Rule, adamw_defaults, check_adamw_options, default_rule, split_params, step_adamw
+from powertrain.optim.matrices import (
+    Rule,
+    adamw_defaults,
+    check_adamw_options,
+    check_algorithms,
+    check_matrices,
+    default_rule,
+    split_params,
+    step_adamw,
+)
 
 __all__ = ["Muon"]
 
@@ -137,6 +146,7 @@ class Muon(torch.optim.Optimizer):
             "adamw_eps": adamw_eps,
             "adamw_weight_decay": adamw_weight_decay,
         }
+        check_matrices("Muon", "muon", self.param_groups, self._names)
         matrices = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(matrices)}
         self._shape = [matrix_shape(p.shape) for p in matrices]
@@ -186,10 +196,14 @@ class Muon(torch.optim.Optimizer):
             check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
         super().add_param_group(filled)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_algorithms("Muon", state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One step of every parameter with a gradient; every rank of the group calls it (the split work is shared by
-        collectives)."""
+        """One step of every parameter with a gradient; every rank of the group calls it, with gradients for the same
+        parameters (the split work is shared by collectives)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

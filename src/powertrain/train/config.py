@@ -49,6 +49,8 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
+#: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
+DEFAULT_DION_RANK = 0.25
 #: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off).
 OWN_SYNC = ("demo", "dion")
 
@@ -161,7 +163,7 @@ class TrainConfig:
     demo_topk: int = 32
     demo_chunk: int = 64
     demo_decay: float = 0.999
-    dion_rank: float = 0.25  # Dion's rank as a fraction of each matrix's smaller side
+    dion_rank: float | None = None  # Dion's rank as a fraction of each matrix's smaller side; None: 0.25 with dion
     precision: Precision = "fp32"
     compile: bool = False
     seed: int = 0
@@ -219,11 +221,13 @@ class TrainConfig:
                 f"muon_lr={self.muon_lr!r} is the learning rate of Muon's or Dion's matrices; optimizer="
                 f"{self.optimizer!r} does not use it: drop it, or use optimizer='muon' (--lr is the other optimizers')"
             )
-        if self.dion_rank != 0.25 and self.optimizer != "dion":
+        if self.dion_rank is not None and self.optimizer != "dion":
             raise ValueError(
                 f"dion_rank={self.dion_rank!r} applies to optimizer='dion', not {self.optimizer!r}: drop it"
             )
-        if not 0 < self.dion_rank <= 1:
+        if self.dion_rank is None and self.optimizer == "dion":
+            object.__setattr__(self, "dion_rank", DEFAULT_DION_RANK)
+        if self.dion_rank is not None and not 0 < self.dion_rank <= 1:
             raise ValueError(
                 f"Invalid dion_rank={self.dion_rank!r}: a fraction of each matrix's smaller side in (0, 1]"
             )
@@ -270,6 +274,11 @@ class TrainConfig:
             )
         if self.model == "resnet" and self.data != "mnist1d":
             raise ValueError(f"model='resnet' trains on data='mnist1d', got data={self.data!r}")
+        if self.model == "resnet" and self.optimizer in MATRIX_LR:
+            raise ValueError(
+                f"optimizer={self.optimizer!r} steps a model's hidden 2-D matrices; the ResNet's weights are "
+                "convolutions and its head (it would train AdamW alone): use optimizer='adamw' or model='gpt'"
+            )
         if self.model == "gpt" and self.data == "mnist1d":
             raise ValueError("data='mnist1d' is classification: use model='resnet'")
         if self.optimizer in OWN_SYNC:

@@ -334,7 +334,7 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             logged = done % cfg.log_every == 0 or validated
             if logged:
                 row = {
-                    "step": done, "loss": last_loss, "lr": run.scheduler.get_last_lr()[0], "step_time_s": step_time,
+                    "step": done, "loss": last_loss, "lr": run.scheduler.logged_lr(), "step_time_s": step_time,
                     "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
                     "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
                     "bytes_uncompressed": dense_bytes, "wall_s": wall, "bytes_total": total_sent,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -76,6 +77,12 @@ class Schedule:
 
     def get_last_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def logged_lr(self) -> float:
+        """The rate a run logs: ``--lr``'s as scheduled, the AdamW groups' for Muon and Dion (whose matrices' rate is
+        ``--muon-lr`` times the same factor)."""
+        groups = self.optimizer.param_groups
+        return float(next((g["lr"] for g in groups if g.get("algorithm", "adamw") == "adamw"), groups[0]["lr"]))
 
     def state_dict(self) -> dict[str, object]:
         return self.scheduler.state_dict()
@@ -235,6 +242,18 @@ def _check_tensors(what: str, value: object, depth: int = 0) -> None:
             _check_tensors(what, v, depth + 1)
 
 
+def _check_matrices(model: torch.nn.Module, named: Sequence[tuple[str, torch.Tensor]], optimizer: str) -> None:
+    """ValueError unless the rule gives the optimizer some hidden matrices (the 1-D ResNet's are convolutions and its
+    head: it would train AdamW alone, under the name of another optimizer)."""
+    from powertrain.optim.matrices import default_rule
+
+    if not any(default_rule(n, p) for n, p in named):
+        raise ValueError(
+            f"optimizer={optimizer!r} steps a model's hidden 2-D matrices, and {type(model).__name__} has none (its "
+            "weights are convolutions, embeddings or its head): use optimizer='adamw'"
+        )
+
+
 def galore_split(
     model: torch.nn.Module, params: list[torch.nn.Parameter]
 ) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -279,6 +298,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             # whole too, or where the matrices are sharded (FSDP2, SimpleFSDP: each must meet on one rank anyway)
             # (never under local updates: each replica steps its own gradients)
             split = cfg.parallel in ("fsdp", "simple_fsdp") or (cfg.compressor == "none" and cfg.parallel != "diloco")
+            _check_matrices(model, named, "muon")
             muon = Muon(
                 named,
                 lr=matrix_lr,
@@ -293,11 +313,12 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             from powertrain.optim import Dion
 
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            _check_matrices(model, named, "dion")
             dion = Dion(
                 named,
                 lr=matrix_lr,
                 weight_decay=cfg.weight_decay,
-                rank_fraction=cfg.dion_rank,
+                rank_fraction=cfg.dion_rank or 0.0,  # resolved by TrainConfig
                 adamw_lr=cfg.lr,
                 adamw_betas=(0.9, 0.95),
                 adamw_weight_decay=cfg.weight_decay,
