@@ -42,11 +42,14 @@ def test_a_sizes_measurements_and_their_report(tmp_path):
     assert 0 < data["galore"]["galore"]["state_gb"] < data["galore"]["adamw"]["state_gb"]
     for kind in ("ddp", "rtp"):  # rtp: its backward under bf16 autocast (was a dtype error)
         assert data[f"memory/{kind}"]["step_s"] > 0, data[f"memory/{kind}"]
+    for label in ("AdamW", "Muon", "Dion rank 1/4"):  # each optimizer's step, and its share of the training step
+        o = data["optimizers"][label]
+        assert o["seconds"] > 0 and 0 < o["of_step"] < 1, (label, o)
     results = {"device": "cpu", "started": "now", "budget_s": 60, "elapsed_s": 5,
                "stages": {"measure:tiny": {"ok": True, "seconds": 3.0, "result": data}}}  # fmt: skip
     text = section(results)
     assert "| measure:tiny | ok |" in text and "PowerSGD r32 (powersgd, rank 32)" in text
-    assert "| tiny | rtp |" in text and "Target (issue 36)" in text
+    assert "| tiny | rtp |" in text and "Target (issue 36)" in text and "| tiny | Muon |" in text
     # a profile for each profiled compressor above profile_above (here 0: every one), each in its file
     assert all(isinstance(data[key], str) for key, _ in PROFILED.values())
     written = write_profiles(results, tmp_path)

@@ -160,6 +160,37 @@ def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device
     return out
 
 
+def _optimizer_steps(model: torch.nn.Module, passes: dict[str, float], device: torch.device,
+                     repeats: int) -> dict[str, Any]:  # fmt: skip
+    """Each optimizer's ``step()`` on the gradients of the last backward, at world size 1 (no work to split): seconds
+    (median of ``repeats`` after 2 warm-ups, the parameters restored after) and the share of forward + backward +
+    step. Muon's Newton-Schulz runs in bf16 on CUDA (float32 on the CPU: the dry run)."""
+    from powertrain.optim import Dion, Muon
+
+    builds = {
+        "AdamW": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "Muon": lambda: Muon(model.named_parameters(), lr=0.02),
+        "Dion rank 1/4": lambda: Dion(model.named_parameters(), lr=0.04, rank_fraction=0.25),
+    }
+    saved = [p.detach().clone() for p in model.parameters()]
+    compute = passes["forward_s"] + passes["backward_s"]
+    out: dict[str, Any] = {}
+    for label, build in builds.items():
+        try:
+            opt = build()
+            for _ in range(2):  # state, cuBLAS handles
+                opt.step()
+            seconds = _median_s(opt.step, device, repeats)
+            out[label] = {"seconds": seconds, "of_step": seconds / (compute + seconds)}
+        except Exception:
+            out[label] = _error()
+        finally:
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), saved, strict=True):
+                    p.copy_(q)
+    return out
+
+
 #: PowerSGD rank 32 with Householder QR on the device too (powertrain.ops.lowrank.householder_qr, the CPU's choice in
 #: its orthonormalize): the A/B of the Cholesky QR that orthonormalize runs on CUDA.
 HOUSEHOLDER = "PowerSGD r32, Householder QR"
@@ -358,6 +389,7 @@ def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, rep
     passes = rec.item("passes", lambda: _passes(model, x, y, device, repeats))
     if "backward_s" not in passes:
         return
+    rec.item("optimizers", lambda: _optimizer_steps(model, passes, device, repeats))
     comps = rec.item("compressors", lambda: _compressors(model, passes["backward_s"], device, repeats))
     for label, (key, _) in PROFILED.items():
         timed = comps.get(label, {}) if isinstance(comps, dict) else {}
