@@ -44,16 +44,7 @@ from powertrain.compress.base import NonFiniteGradientError, Program, ReduceRequ
 from powertrain.ops.finite import finite_flag
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import orthonormalize
-from powertrain.optim.matrices import (
-    Rule,
-    adamw_defaults,
-    check_adamw_options,
-    check_algorithms,
-    check_matrices,
-    default_rule,
-    split_params,
-    step_adamw,
-)
+from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, step_adamw
 
 __all__ = ["Dion", "dion_rank"]
 
@@ -76,7 +67,7 @@ class _Batch:
     r_knr: torch.Tensor | None = None
 
 
-class Dion(torch.optim.Optimizer):
+class Dion(MatrixOptimizer):
     """Dion on the hidden matrices, AdamW on every other parameter (see the module for the algorithm).
 
     Args:
@@ -97,6 +88,8 @@ class Dion(torch.optim.Optimizer):
         seed: of the right factors' random start (the same on every rank, without communication).
     """
 
+    algorithm = "dion"
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -115,27 +108,13 @@ class Dion(torch.optim.Optimizer):
         seed: int = 0,
     ) -> None:
         dion = {"lr": lr, "mu": mu, "weight_decay": weight_decay, "rank_fraction": rank_fraction, "eps": eps}
-        _check_dion_options(dion)
-        check_adamw_options(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
             raise ValueError(f"Invalid seed={seed!r}: must be an integer in [0, 2**63)")
-        self._group_defaults = {
-            "dion": dion,
-            "adamw": adamw_defaults(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
-        }
-        groups, self._names = split_params(params, "dion", rule, "Dion")
-        self._built = False
-        super().__init__(groups, {})
-        self.defaults = {
-            **dion,
-            "adamw_lr": adamw_lr,
-            "adamw_betas": tuple(adamw_betas),
-            "adamw_eps": adamw_eps,
-            "adamw_weight_decay": adamw_weight_decay,
-        }
+        super().__init__(
+            params, dion, (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay), rule, _check_dion_options
+        )
         self.comm = Communicator(group)
         self._generator = torch.Generator().manual_seed(seed)
-        check_matrices("Dion", "dion", self.param_groups, self._names)
         for g in self.param_groups:
             for p in g["params"]:
                 if g["algorithm"] == "dion" and p.ndim != 2:
@@ -154,26 +133,11 @@ class Dion(torch.optim.Optimizer):
             if g["algorithm"] == "dion":
                 for p in g["params"]:
                     self._state_of(p, g)
-        self._built = True
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self._built:
-            raise ValueError("Dion's groups are fixed when it is built: pass every parameter group to the constructor")
-        algorithm = param_group.get("algorithm")
-        if algorithm not in self._group_defaults:
-            raise ValueError(f"A Dion parameter group needs 'algorithm': 'dion' or 'adamw', got {algorithm!r}")
-        filled = {**self._group_defaults[algorithm], **param_group}
-        if algorithm == "dion":
-            _check_dion_options(filled)
-        else:
-            check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
-        super().add_param_group(filled)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load, keeping each matrix's momentum and right factor in the dtype Dion keeps them in (at least
         float32; torch casts every state tensor to its parameter's dtype, which for a bfloat16 matrix would lose the
         residual the momentum carries)."""
-        check_algorithms("Dion", state_dict, self.param_groups)
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
         super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]

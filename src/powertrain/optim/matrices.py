@@ -12,13 +12,14 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from powertrain._compat import adamw_functional, optimizer_scalar_dtype
 
 __all__ = [
+    "MatrixOptimizer",
     "Rule",
     "check_adamw_options",
     "check_algorithms",
@@ -117,7 +118,7 @@ def check_matrices(owner: str, algorithm: str, groups: list[dict[str, Any]], nam
             raise ValueError(f"{owner} steps matrices; {name} {what}: give it to the 'adamw' group")
     if not chosen:
         warnings.warn(
-            f"{owner} took no parameter as a hidden matrix (its rule or groups): it is AdamW alone", stacklevel=3
+            f"{owner} took no parameter as a hidden matrix (its rule or groups): it is AdamW alone", stacklevel=4
         )
 
 
@@ -195,3 +196,64 @@ def step_adamw(group: Mapping[str, Any], state: Mapping[torch.Tensor, dict[str, 
         eps=group["eps"],
         maximize=False,
     )
+
+
+class MatrixOptimizer(torch.optim.Optimizer):
+    """An optimizer of a model's hidden matrices (the ``algorithm`` groups) with AdamW on the other parameters: the
+    groups, their defaults and checks, and the state's checks at load, for :class:`~powertrain.optim.Muon` and
+    :class:`~powertrain.optim.Dion`. Subclasses set :attr:`algorithm` and step the matrices themselves."""
+
+    #: the name of the matrices' groups' algorithm ("muon", "dion")
+    algorithm: ClassVar[str]
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        matrix_defaults: dict[str, Any],
+        adamw: tuple[float, tuple[float, float], float, float],
+        rule: Rule,
+        check_options: Callable[[dict[str, Any]], None],
+    ) -> None:
+        """``matrix_defaults``: the matrices' groups' options (checked by ``check_options``); ``adamw``: the AdamW
+        groups' ``(lr, betas, eps, weight_decay)``."""
+        owner = type(self).__name__
+        check_options(matrix_defaults)
+        check_adamw_options(*adamw)
+        self._check_options = check_options
+        self._group_defaults = {self.algorithm: matrix_defaults, "adamw": adamw_defaults(*adamw)}
+        groups, self._names = split_params(params, self.algorithm, rule, owner)
+        self._built = False
+        super().__init__(groups, {})
+        lr, betas, eps, weight_decay = adamw
+        adamw_options = {
+            "adamw_lr": lr,
+            "adamw_betas": tuple(betas),
+            "adamw_eps": eps,
+            "adamw_weight_decay": weight_decay,
+        }
+        self.defaults = {**matrix_defaults, **adamw_options}
+        check_matrices(owner, self.algorithm, self.param_groups, self._names)
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._built:
+            raise ValueError(
+                f"{type(self).__name__}'s groups are fixed when it is built (its matrices' work and state are set up "
+                "then): pass every parameter group to the constructor"
+            )
+        algorithm = param_group.get("algorithm")
+        if algorithm not in self._group_defaults:
+            raise ValueError(
+                f"A {type(self).__name__} parameter group needs 'algorithm': '{self.algorithm}' or 'adamw', got "
+                f"{algorithm!r}"
+            )
+        filled = {**self._group_defaults[algorithm], **param_group}
+        if algorithm == self.algorithm:
+            self._check_options(filled)
+        else:
+            check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
+        super().add_param_group(filled)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_algorithms(type(self).__name__, state_dict, self.param_groups)
+        super().load_state_dict(state_dict)

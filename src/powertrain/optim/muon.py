@@ -47,16 +47,7 @@ from powertrain.ops.lowrank import matrix_shape
 from powertrain.ops.newton_schulz import NS_COEFFICIENTS, AdjustLR, adjusted_lr, newton_schulz, ns_flops
 from powertrain.ops.newton_schulz import ns_dtype as default_ns_dtype
 from powertrain.optim.distributor import Block, Gather, Local, Shards
-from powertrain.optim.matrices import (
-    Rule,
-    adamw_defaults,
-    check_adamw_options,
-    check_algorithms,
-    check_matrices,
-    default_rule,
-    split_params,
-    step_adamw,
-)
+from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, step_adamw
 
 __all__ = ["Muon"]
 
@@ -65,7 +56,7 @@ __all__ = ["Muon"]
 _PASS_COST = 8
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(MatrixOptimizer):
     """Muon on the hidden matrices, AdamW on every other parameter (see the module for the algorithm).
 
     Args:
@@ -94,6 +85,8 @@ class Muon(torch.optim.Optimizer):
         split: share the Newton-Schulz work over ``group``'s ranks (their gradients must be equal: averaged); False:
             every rank orthogonalizes every matrix, sending nothing (see the module). Sharded parameters need True.
     """
+
+    algorithm = "muon"
 
     def __init__(
         self,
@@ -126,27 +119,13 @@ class Muon(torch.optim.Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
-        _check_muon_options(muon)
-        check_adamw_options(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
         if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
             raise ValueError(f"Invalid ns_dtype={ns_dtype!r}: a floating dtype (or None for the device's default)")
         if not isinstance(split, bool):
             raise ValueError(f"Invalid split={split!r}: must be True or False")
-        self._group_defaults = {
-            "muon": muon,
-            "adamw": adamw_defaults(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
-        }
-        groups, self._names = split_params(params, "muon", rule, "Muon")
-        self._built = False
-        super().__init__(groups, {})
-        self.defaults = {
-            **muon,
-            "adamw_lr": adamw_lr,
-            "adamw_betas": tuple(adamw_betas),
-            "adamw_eps": adamw_eps,
-            "adamw_weight_decay": adamw_weight_decay,
-        }
-        check_matrices("Muon", "muon", self.param_groups, self._names)
+        super().__init__(
+            params, muon, (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay), rule, _check_muon_options
+        )
         matrices = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         self._index = {id(p): i for i, p in enumerate(matrices)}
         self._shape = [matrix_shape(p.shape) for p in matrices]
@@ -173,32 +152,12 @@ class Muon(torch.optim.Optimizer):
             self._dist = Gather(costs, self.comm, self.ns_dtype)
         else:
             self._dist = Local(costs)
-        self._built = True
 
     @property
     def owners(self) -> list[Block]:
         """Every matrix (``param``: its position among the Muon groups' parameters) with the rank that orthogonalizes
         it."""
         return self._dist.blocks
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if self._built:
-            raise ValueError(
-                "Muon assigns its matrices to ranks when it is built: pass every parameter group to the constructor"
-            )
-        algorithm = param_group.get("algorithm")
-        if algorithm not in self._group_defaults:
-            raise ValueError(f"A Muon parameter group needs 'algorithm': 'muon' or 'adamw', got {algorithm!r}")
-        filled = {**self._group_defaults[algorithm], **param_group}
-        if algorithm == "muon":
-            _check_muon_options(filled)
-        else:
-            check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
-        super().add_param_group(filled)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_algorithms("Muon", state_dict, self.param_groups)
-        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
