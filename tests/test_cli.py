@@ -119,10 +119,10 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
      ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"],
      ["fsdp", "int8", "--optimizer", "muon", "--muon-lr", "0.05"], ["ddp", "none", "--optimizer", "muon"],
      ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"],
-     ["ddp", "none", "--optimizer", "dion", "--dion-rank", "0.5"]],
+     ["ddp", "none", "--optimizer", "dion", "--dion-rank", "0.5"], ["fsdp", "none", "--optimizer", "dion"]],
     ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
          "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming", "fsdp-muon-int8", "ddp-muon",
-         "diloco-muon", "ddp-dion"],
+         "diloco-muon", "ddp-dion", "fsdp-dion"],
 )  # fmt: skip
 # make test runs the corners (DDP with a compressor, SimpleFSDP with PowerSGD and a frozen AdamW, FSDP2 with an
 # optimizer whose state differs per rank, local updates with a sync in flight, Muon's all-to-alls on FSDP2 shards

@@ -94,7 +94,32 @@ def dion_cases(rank: int, world: int) -> dict[str, Any]:
         same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
         return {"raised": raised, "same": same_state and same_params}
 
-    return {"parity": guard(parity), "resume": guard(resume), "nonfinite": guard(nonfinite)}
+    def sharded(wrap: str) -> dict[str, Any]:
+        """FSDP2 / SimpleFSDP row shards, the same averaged gradients on every rank: the full parameters after 3
+        steps, and what was sent."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        from powertrain.simple_fsdp import data_parallel
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model(torch.float64)
+        if wrap == "fsdp2":
+            fully_shard(model.fc1, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = data_parallel(model, mesh)
+        opt = Dion(model.named_parameters(), **_OPTIONS)
+        for step in range(3):
+            for _, p in _trainable(model):
+                p.grad = distribute_tensor(_grad(p, step, 0), p.device_mesh, p.placements)
+            opt.step()
+        full = [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+        return {"params": full, "bytes": opt.comm.stats.by_op, "collectives": opt.comm.stats.num_collectives}
+
+    return {"parity": guard(parity), "resume": guard(resume), "nonfinite": guard(nonfinite),
+            "fsdp2": guard(sharded, "fsdp2"), "simple": guard(sharded, "simple")}  # fmt: skip
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -122,6 +147,39 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
         # the only traffic: two all-reduces a step, the factors (m + n) r of every matrix and the other gradients
         assert r["bytes"] == {"all_reduce": 3 * 8 * (factors + rest)}, (r["bytes"], factors, rest)
         assert r["collectives"] == 3 * 2
+    # sharded: Dion's equations on W^T (its rows are what the ranks hold), each matrix's Q drawn in order from the
+    # seed; the AdamW parameters bitwise torch's AdamW (elementwise on the shards)
+    reference = make_model(torch.float64)
+    generator = torch.Generator().manual_seed(0)
+    by_name = {n: kinds[id(p)] for n, p in model.named_parameters()}
+    kinds = {id(p): by_name[n] for n, p in reference.named_parameters()}
+    stepped = {id(p) for _, p in _trainable(reference)}
+    expect = []
+    adamw = torch.optim.AdamW([p for _, p in _trainable(reference) if kinds[id(p)] == "adamw"], lr=_OPTIONS["adamw_lr"],
+                              betas=(0.9, 0.95), weight_decay=0.01)  # fmt: skip
+    for _, p in reference.named_parameters():
+        if kinds[id(p)] == "dion":
+            q0 = torch.randn(p.shape[0], dion_rank(tuple(p.shape), 0.25), generator=generator).double()
+            grads = [_grad(p, s, 0) for s in range(3)] if p.requires_grad and id(p) in stepped else []
+            expect.append(_dense_dion(p.detach(), q0, grads, lr=0.05, mu=0.9, wd=0.1, eps=1e-8, transposed=True))
+        else:
+            expect.append(None)
+    for step in range(3):
+        for _, p in _trainable(reference):
+            p.grad = _grad(p, step, 0) if kinds[id(p)] == "adamw" else None
+        adamw.step()
+    dion_matrices = [p for _, p in _trainable(model) if by_name[_name_of(model, p)] == "dion"]
+    sent_p = sum(p.shape[1] * opt.rank_of(p) for p in dion_matrices)  # P: the columns of W x r
+    sent_sq = sum(opt.rank_of(p) for p in dion_matrices)  # R's column norms
+    for name in ("fsdp2", "simple"):
+        for r in case(runs, name):
+            for got, want, ref in zip(r["params"], expect, reference.parameters(), strict=True):
+                if want is None:
+                    assert torch.equal(got, ref.detach()), name
+                else:  # float64, sums of at most 72 terms and Householder QR (the one-process bound)
+                    within((got - want).abs().max(), 1e-10 * want.abs().max(), f"{name} vs Dion's equations on W^T")
+            assert r["bytes"] == {"all_reduce": 3 * 8 * (sent_p + sent_sq)}, (r["bytes"], sent_p, sent_sq)
+            assert r["collectives"] == 3 * 2
     for r in case(runs, "resume"):
         for a, b in zip(r["whole"], r["resumed"], strict=True):
             assert torch.equal(a, b)  # each rank's own state: the same operations on the same values
@@ -133,9 +191,10 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
 
 
 def _dense_dion(w: torch.Tensor, q0: torch.Tensor, grads: list[torch.Tensor], *, lr: float, mu: float, wd: float,
-                eps: float) -> torch.Tensor:  # fmt: skip
-    """Dion's equations for one matrix, written out densely in float64 (the tall view: a wide matrix transposed)."""
-    wide = w.shape[0] < w.shape[1]
+                eps: float, transposed: bool | None = None) -> torch.Tensor:  # fmt: skip
+    """Dion's equations for one matrix, written out densely in float64, on ``W^T`` where ``transposed`` (default: a
+    wide matrix, so that the view is tall)."""
+    wide = w.shape[0] < w.shape[1] if transposed is None else transposed
     m, q = torch.zeros(w.T.shape if wide else w.shape, dtype=torch.float64), q0
     for g in grads:
         b = m + (g.T if wide else g)
@@ -165,6 +224,10 @@ def test_one_process_is_dions_equations(shape):
     expect = _dense_dion(w0, q0, grads, lr=0.05, mu=0.9, wd=0.1, eps=1e-8)
     within((w.detach() - expect).abs().max(), 1e-10 * expect.abs().max(), "Dion vs its dense equations")
     assert not torch.allclose(w.detach(), w0)
+
+
+def _name_of(model: torch.nn.Module, p: torch.Tensor) -> str:
+    return next(n for n, q in model.named_parameters() if q is p)
 
 
 def test_rank_and_state_form():

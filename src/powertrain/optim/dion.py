@@ -20,6 +20,13 @@ averaged gradients, and ``P``, ``R``, ``Q`` and the update are the same on every
 (each holds its own residual), so the state is per rank (:meth:`state_dict` is this rank's; resume each rank from its
 own, as ``powertrain train`` does).
 
+On row-sharded matrices (FSDP2 or SimpleFSDP ``fully_shard``: DTensor ``Shard(0)`` on a 1-D mesh), whose gradients
+arrive averaged and whose rows the ranks hold apart, Dion runs on ``W^T``, as microsoft/dion's FSDP path does: the
+products contract over the rows each rank holds, so ``P = sum over ranks of B_rank^T Q_rank`` is one all-reduce of
+``n x r``, ``R = B P`` and the update ``Q P^T`` are this rank's rows, and the column norms of ``R`` one more
+all-reduce of ``r`` numbers: no matrix is gathered. (For a tall matrix that is the other orientation than the
+replicated path takes, so the two are not the same iterates there.) Each rank keeps its rows of ``M`` and ``Q``.
+
 The other parameters (``"adamw"`` groups: embeddings, the head, norms, biases by
 :func:`~powertrain.optim.matrices.default_rule`) are stepped by torch's AdamW on their gradients averaged exactly,
 sent with the second all-reduce: Dion owns the step's whole data-parallel communication, two all-reduces, so the
@@ -42,9 +49,10 @@ import torch.distributed as dist
 from powertrain.comm import Communicator
 from powertrain.compress.base import NonFiniteGradientError, Program, ReduceRequest, guard_nonfinite, run_program
 from powertrain.ops.finite import finite_flag
-from powertrain.ops.flat import flat_views, pack
+from powertrain.ops.flat import flat_views, local_tensor, pack
 from powertrain.ops.lowrank import orthonormalize
-from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, step_adamw
+from powertrain.optim.distributor import shard_ranges
+from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, row_sharded, step_adamw
 
 __all__ = ["Dion", "dion_rank"]
 
@@ -113,20 +121,18 @@ class Dion(MatrixOptimizer):
         super().__init__(
             params, dion, (adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay), rule, _check_dion_options
         )
-        self.comm = Communicator(group)
         self._generator = torch.Generator().manual_seed(seed)
-        for g in self.param_groups:
-            for p in g["params"]:
-                if g["algorithm"] == "dion" and p.ndim != 2:
-                    raise ValueError(
-                        f"Dion steps matrices; {self._names.get(id(p), 'a parameter')} has shape {tuple(p.shape)}: "
-                        "give it to the 'adamw' group"
-                    )
-                if hasattr(p, "to_local"):
-                    raise ValueError(
-                        "Dion runs on replicated parameters (DDP, or one process); these are DTensors (FSDP2 / "
-                        "SimpleFSDP): use powertrain.optim.Muon there"
-                    )
+        matrices = [p for g in self.param_groups if g["algorithm"] == "dion" for p in g["params"]]
+        for p in matrices:
+            if p.ndim != 2:
+                raise ValueError(
+                    f"Dion steps matrices; {self._names.get(id(p), 'a parameter')} has shape {tuple(p.shape)}: "
+                    "give it to the 'adamw' group"
+                )
+        mesh_group, self.sharded = row_sharded("Dion", matrices, self._names)
+        if self.sharded and group is not None:
+            raise ValueError("group= was given, but the matrices are sharded DTensors: their mesh's group is used")
+        self.comm = Communicator(mesh_group if self.sharded else group)
         # every matrix's state now, in order: each right factor's random start is then the same whichever matrices
         # step first, and a checkpoint taken before a matrix had a gradient resumes it as the run would have gone on
         for g in self.param_groups:
@@ -147,7 +153,7 @@ class Dion(MatrixOptimizer):
             p = params[index]
             for key in ("momentum", "Q"):
                 if isinstance(st.get(key), torch.Tensor) and key in self.state[p]:
-                    self.state[p][key] = st[key].to(p.device, _state_dtype(p), copy=True)
+                    self.state[p][key] = st[key].to(local_tensor(p).device, _state_dtype(p), copy=True)
 
     def rank_of(self, p: torch.Tensor) -> int:
         """The rank Dion uses for matrix ``p`` (a ``"dion"`` group's)."""
@@ -159,20 +165,26 @@ class Dion(MatrixOptimizer):
     def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
         """The shape of each of ``p``'s state tensors (a ``"dion"`` matrix: the momentum's and ``Q``'s; AdamW's
         moments are the parameter's, its step a scalar): what a loaded state is checked against."""
+        local = tuple(local_tensor(p).shape)
         if p.ndim == 2 and any(q is p for g in self.param_groups if g["algorithm"] == "dion" for q in g["params"]):
-            return {"momentum": tuple(p.shape), "Q": (min(p.shape), self.rank_of(p))}
-        return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+            return {"momentum": local, "Q": (local[0] if self.sharded else min(p.shape), self.rank_of(p))}
+        return {"step": (), "exp_avg": local, "exp_avg_sq": local}
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
-        """``p``'s state, created at its first step: the momentum (``p``'s shape, this rank's own) and the right factor
-        ``Q`` (``n x r`` for the tall view ``m x n``; the same on every rank)."""
+        """``p``'s state: the momentum (``p``'s shape, this rank's own; a sharded matrix's rows of it) and the right
+        factor ``Q`` (``n x r`` for the tall view ``m x n``, the same on every rank; a sharded matrix's: this rank's
+        rows of ``rows x r``)."""
         st = self.state[p]
         if not st:
-            rows, cols = max(p.shape), min(p.shape)
-            r = dion_rank((rows, cols), group["rank_fraction"])
+            r = dion_rank(tuple(p.shape), group["rank_fraction"])  # type: ignore[arg-type]
             dtype = _state_dtype(p)
-            st["momentum"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-            st["Q"] = torch.randn(cols, r, generator=self._generator).to(p.device, dtype)
+            local = local_tensor(p)
+            st["momentum"] = torch.zeros(local.shape, dtype=dtype, device=local.device)
+            if self.sharded:  # Q of W^T's view: a row per row of W, this rank's rows of one draw
+                lo, hi = shard_ranges(p.shape[0], self.comm.world_size)[self.comm.rank]
+                st["Q"] = torch.randn(p.shape[0], r, generator=self._generator)[lo:hi].to(local.device, dtype)
+            else:
+                st["Q"] = torch.randn(min(p.shape), r, generator=self._generator).to(p.device, dtype)
         return st
 
     @torch.no_grad()
@@ -183,6 +195,9 @@ class Dion(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.sharded:
+            self._step_sharded()
+            return loss
         # one batch per tall shape, rank, orientation, dtype and (mu, eps): its arithmetic takes Python scalars (a
         # tensor made from a list of the groups' values would be a host-to-device copy per step on CUDA)
         keys: dict[tuple[Any, ...], list[tuple[torch.Tensor, dict[str, Any]]]] = {}
@@ -264,6 +279,53 @@ class Dion(MatrixOptimizer):
                 scale = math.sqrt(p.shape[0] / p.shape[1])
                 p.mul_(1 - lr * g["weight_decay"])
                 p.add_((update_kmn[j].T if b.wide else update_kmn[j]).to(p.dtype), alpha=-lr * scale)
+
+    def _step_sharded(self) -> None:
+        """The step on row-sharded matrices (see the module): their gradients are averaged already, the AdamW
+        groups step their local shards."""
+        work = [
+            (p, g) for g in self.param_groups if g["algorithm"] == "dion" for p in g["params"] if p.grad is not None
+        ]
+        dtype = functools.reduce(torch.promote_types, [_state_dtype(p) for p, _ in work], torch.float32)
+        bs = [(self.state[p]["momentum"].to(dtype) + local_tensor(p.grad)) for p, _ in work]  # this rank's rows of B^T
+        factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        program = self._sharded_program(work, bs, dtype, factors)
+        run_program(guard_nonfinite(program, local_ok=finite_flag(bs), error=self._nonfinite), self.comm)
+        for (p, g), b, (p_nr, r_mr, sq) in zip(work, bs, factors, strict=True):
+            st = self.state[p]
+            st["momentum"].copy_(b - (1 - g["mu"]) * (r_mr @ p_nr.T))
+            norms = sq.sqrt()
+            q_new = torch.where((norms == 0).all(), st["Q"].to(dtype), r_mr / (norms + g["eps"]))
+            st["Q"] = q_new.to(st["Q"].dtype, copy=True)
+            local, lr = local_tensor(p), g["lr"]
+            local.mul_(1 - lr * g["weight_decay"])
+            local.add_((q_new @ p_nr.T).to(local.dtype), alpha=-lr * math.sqrt(p.shape[0] / p.shape[1]))
+        for g in self.param_groups:
+            if g["algorithm"] == "adamw":
+                step_adamw(g, self.state, local=True)
+
+    def _sharded_program(
+        self,
+        work: list[tuple[torch.Tensor, dict[str, Any]]],
+        bs: list[torch.Tensor],
+        dtype: torch.dtype,
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    ) -> Program:
+        """Two all-reduces over the mesh: every matrix's ``P`` (summed over the ranks' rows), then the column sums of
+        squares of every ``R``. Puts ``(P, R's rows, R's column sums of squares)`` per matrix in ``out``."""
+        qs = [self.state[p]["Q"].to(dtype) for p, _ in work]
+        sizes = [b.shape[1] * q.shape[1] for b, q in zip(bs, qs, strict=True)]
+        p_buf = torch.empty(sum(sizes), dtype=dtype, device=bs[0].device if bs else None)
+        for b, q, view in zip(bs, qs, p_buf.split(sizes), strict=True):
+            torch.mm(b.T, q, out=view.view(b.shape[1], q.shape[1]))
+        yield ReduceRequest(p_buf, "sum", check=False)
+        views = zip(bs, qs, p_buf.split(sizes), strict=True)
+        ps = [orthonormalize(v.view(b.shape[1], q.shape[1])[None])[0] for b, q, v in views]
+        rs = [b @ p_nr for b, p_nr in zip(bs, ps, strict=True)]
+        sq_buf = torch.cat([r.pow(2).sum(0) for r in rs]) if rs else p_buf.new_empty(0)
+        yield ReduceRequest(sq_buf, "sum")
+        out.extend(zip(ps, rs, sq_buf.split([r.shape[1] for r in rs]), strict=True))
+        return []
 
     def _nonfinite(self) -> NonFiniteGradientError:
         """The error every rank raises, naming this rank's non-finite gradients (or momenta) if it has any."""

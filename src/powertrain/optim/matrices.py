@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from powertrain._compat import adamw_functional, optimizer_scalar_dtype
 
@@ -26,6 +27,7 @@ __all__ = [
     "check_matrices",
     "default_rule",
     "is_embedding_or_head",
+    "row_sharded",
     "split_params",
     "step_adamw",
 ]
@@ -137,6 +139,30 @@ def check_algorithms(owner: str, saved: Any, groups: list[dict[str, Any]]) -> No
             )
 
 
+def row_sharded(
+    owner: str, matrices: list[torch.Tensor], names: dict[int, str]
+) -> tuple[dist.ProcessGroup | None, bool]:
+    """Whether the matrices are row-sharded DTensors (and their mesh's group), or replicated (plain tensors or
+    DTensors replicated on every mesh dimension). A mix, another placement or several meshes are refused."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    sharded = [
+        p for p in matrices if isinstance(p, DTensor) and not all(isinstance(x, Replicate) for x in p.placements)
+    ]
+    if not sharded:
+        return None, False
+    meshes = {id(p.device_mesh) for p in sharded}
+    for p in matrices:
+        name = names.get(id(p), "a parameter")
+        if not isinstance(p, DTensor) or p.placements != (Shard(0),) or p.device_mesh.ndim != 1 or len(meshes) > 1:
+            placement = p.placements if isinstance(p, DTensor) else "a plain tensor"
+            raise ValueError(
+                f"{owner} steps sharded matrices that are all row-sharded on one 1-D mesh (FSDP2, SimpleFSDP "
+                f"fully_shard: Shard(0)); {name} is {placement}. Tensor parallelism and HSDP meshes are not supported"
+            )
+    return sharded[0].device_mesh.get_group(), True
+
+
 def check_adamw_options(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """ValueError in one line for an AdamW option out of its range (torch.optim.AdamW's checks)."""
     checks = [
@@ -156,10 +182,13 @@ def adamw_defaults(lr: float, betas: tuple[float, float], eps: float, weight_dec
     return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
 
 
-def step_adamw(group: Mapping[str, Any], state: Mapping[torch.Tensor, dict[str, Any]]) -> None:
+def step_adamw(group: Mapping[str, Any], state: Mapping[torch.Tensor, dict[str, Any]], *, local: bool = False) -> None:
     """One AdamW step of ``group``'s parameters that have a gradient: torch.optim.AdamW's state (``step``,
     ``exp_avg``, ``exp_avg_sq``, created as it creates them) and its functional update with its default choices
-    (no amsgrad, not fused, foreach where torch would take it), so bitwise ``torch.optim.AdamW`` with these settings."""
+    (no amsgrad, not fused, foreach where torch would take it), so bitwise ``torch.optim.AdamW`` with these settings.
+    ``local``: on each DTensor's local shard, with plain tensors as state (an optimizer whose state is per rank)."""
+    from powertrain.ops.flat import local_tensor
+
     params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
@@ -167,12 +196,13 @@ def step_adamw(group: Mapping[str, Any], state: Mapping[torch.Tensor, dict[str, 
         if p.grad.is_sparse:
             raise ValueError("AdamW (inside a composite optimizer) does not support sparse gradients")
         st = state[p]
+        w, grad = (local_tensor(p), local_tensor(p.grad)) if local else (p, p.grad)
         if not st:
             st["step"] = torch.tensor(0.0, dtype=optimizer_scalar_dtype(), device="cpu")
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        params.append(p)
-        grads.append(p.grad)
+            st["exp_avg"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(w, memory_format=torch.preserve_format)
+        params.append(w)
+        grads.append(grad)
         exp_avgs.append(st["exp_avg"])
         exp_avg_sqs.append(st["exp_avg_sq"])
         steps.append(st["step"])

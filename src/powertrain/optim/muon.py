@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from powertrain._checks import check_int
 from powertrain.comm import Communicator
@@ -47,7 +46,7 @@ from powertrain.ops.lowrank import matrix_shape
 from powertrain.ops.newton_schulz import NS_COEFFICIENTS, AdjustLR, adjusted_lr, newton_schulz, ns_flops
 from powertrain.ops.newton_schulz import ns_dtype as default_ns_dtype
 from powertrain.optim.distributor import Block, Gather, Local, Shards
-from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, step_adamw
+from powertrain.optim.matrices import MatrixOptimizer, Rule, default_rule, row_sharded, step_adamw
 
 __all__ = ["Muon"]
 
@@ -132,7 +131,7 @@ class Muon(MatrixOptimizer):
         device = matrices[0].device if matrices else torch.device("cpu")
         self.ns_dtype = ns_dtype or default_ns_dtype(device)
         self.split = split
-        mesh_group, self.sharded = _layout(matrices, self._names)
+        mesh_group, self.sharded = row_sharded("Muon", matrices, self._names)
         if self.sharded and group is not None:
             raise ValueError("group= was given, but the matrices are sharded DTensors: their mesh's group is used")
         if self.sharded and not split:
@@ -251,23 +250,3 @@ def _check_muon_options(o: dict[str, Any]) -> None:
         raise ValueError(f"Invalid adjust_lr_fn={o['adjust_lr_fn']!r}: choose 'original', 'match_rms_adamw' or None")
     if not isinstance(o["nesterov"], bool):
         raise ValueError(f"Invalid nesterov={o['nesterov']!r}: must be True or False")
-
-
-def _layout(matrices: list[torch.Tensor], names: dict[int, str]) -> tuple[dist.ProcessGroup | None, bool]:
-    """Whether the matrices are row-sharded DTensors (and their mesh's group), or replicated (plain tensors or
-    DTensors replicated on every mesh dimension). A mix, another placement or several meshes are refused."""
-    sharded = [
-        p for p in matrices if isinstance(p, DTensor) and not all(isinstance(x, Replicate) for x in p.placements)
-    ]
-    if not sharded:
-        return None, False
-    meshes = {id(p.device_mesh) for p in sharded}
-    for p in matrices:
-        name = names.get(id(p), "a parameter")
-        if not isinstance(p, DTensor) or p.placements != (Shard(0),) or p.device_mesh.ndim != 1 or len(meshes) > 1:
-            placement = p.placements if isinstance(p, DTensor) else "a plain tensor"
-            raise ValueError(
-                f"Muon orthogonalizes sharded matrices that are all row-sharded on one 1-D mesh (FSDP2, SimpleFSDP "
-                f"fully_shard: Shard(0)); {name} is {placement}. Tensor parallelism and HSDP meshes are not supported"
-            )
-    return sharded[0].device_mesh.get_group(), True

@@ -42,7 +42,7 @@ _HELP = {
     "and an outer SGD step (averaging by default) moves the shared weights; for slow links)",
     "compile": "torch.compile the model (fullgraph with simple_fsdp)",
     "optimizer": "adamw, sgd, muon (Muon on the hidden matrices at --muon-lr, AdamW at --lr on embeddings, head, "
-    "norms and biases), dion (Dion: low-rank, sends its own factors; reference or ddp), shampoo "
+    "norms and biases), dion (Dion: low-rank; under reference and ddp it sends its own factors), shampoo "
     "(DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
     "muon_lr": "optimizer muon or dion: the hidden matrices' learning rate (Muon: 0.02, scaled by sqrt(max(1, rows / "

@@ -51,7 +51,8 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25
-#: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off).
+#: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off; Dion on
+#: sharded parameters excepted: TrainConfig.gradient_sync).
 OWN_SYNC = ("demo", "dion")
 
 DEFAULT_START = RECOMMENDED["start_compressing_after_num_steps"]  #: exact steps first, when a spec does not say
@@ -283,17 +284,20 @@ class TrainConfig:
             raise ValueError("data='mnist1d' is classification: use model='resnet'")
         if self.optimizer in OWN_SYNC:
             sends = {"demo": "its own compressed momentum", "dion": "its own low-rank factors"}[self.optimizer]
-            if self.compressor not in ("", "none"):
+            if not self.gradient_sync and self.compressor not in ("", "none"):
                 raise ValueError(
                     f"optimizer={self.optimizer!r} exchanges {sends} and switches the gradient all-reduce off: drop "
                     f"compressor={self.compressor!r}"
                 )
-            if self.parallel not in ("reference", "ddp"):
-                other = {"demo": "FlexDeMo, DeMo across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo",
-                         "dion": "on sharded parameters use optimizer='muon'"}[self.optimizer]  # fmt: skip
+            if self.optimizer == "demo" and self.parallel not in ("reference", "ddp"):
                 raise ValueError(
-                    f"optimizer={self.optimizer!r} runs with parallel='ddp' or 'reference', not {self.parallel!r} "
-                    f"({other})"
+                    f"optimizer='demo' runs with parallel='ddp' or 'reference', not {self.parallel!r} (FlexDeMo, DeMo "
+                    "across FSDP2 groups, is in the Python API: powertrain.optim.FlexDeMo)"
+                )
+            if self.optimizer == "dion" and self.parallel not in ("reference", "ddp", "fsdp", "simple_fsdp"):
+                raise ValueError(
+                    f"optimizer='dion' runs with parallel='ddp' or 'reference' (it sends its own factors) or 'fsdp' / "
+                    f"'simple_fsdp' (on the shards of averaged gradients), not {self.parallel!r}"
                 )
         if self.parallel in ("rtp", "tp"):
             if self.optimizer not in ("adamw", "sgd"):
@@ -407,9 +411,9 @@ class TrainConfig:
 
     @property
     def gradient_sync(self) -> bool:
-        """Whether gradients are averaged across ranks (False: the optimizer sends its own messages,
-        :data:`OWN_SYNC`)."""
-        return self.optimizer not in OWN_SYNC
+        """Whether gradients are averaged across ranks (False: the optimizer sends its own messages, :data:`OWN_SYNC`;
+        Dion on FSDP2 or SimpleFSDP shards steps the averaged gradients)."""
+        return self.optimizer not in OWN_SYNC or (self.optimizer == "dion" and self.parallel in ("fsdp", "simple_fsdp"))
 
     @property
     def freeze_after(self) -> int:

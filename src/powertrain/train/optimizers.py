@@ -14,8 +14,9 @@
   MLP, as in the paper); embeddings, head, norms and biases are plain AdamW in a second group.
 * ``demo``: :class:`powertrain.optim.DeMo` with the data-parallel gradient all-reduce switched off.
 * ``dion``: :class:`powertrain.optim.Dion` (``--muon-lr`` on the hidden matrices at rank ``--dion-rank`` of their
-  smaller side, ``--lr`` on the AdamW groups), the gradient all-reduce switched off: Dion sends its low-rank factors
-  and the AdamW parameters' gradients itself.
+  smaller side, ``--lr`` on the AdamW groups). Under ``reference`` and ``ddp`` the gradient all-reduce is switched
+  off: Dion sends its low-rank factors and the AdamW parameters' gradients itself; under ``fsdp`` and
+  ``simple_fsdp`` it steps the shards of the averaged gradients, its factors reduced over the shards.
 
 ``shampoo``, ``galore``, ``demo`` and ``dion`` keep state that differs per rank (owned blocks, local shards, local
 momentum): :attr:`Built.per_rank` tells the checkpoint code to store it under each rank's own key.
