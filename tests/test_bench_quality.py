@@ -302,3 +302,17 @@ def test_the_text_says_which_horizons_ran_no_row_on_to_the_target():
     assert "every row trained its horizon only (`--horizon-only`)" in markdown(report, p, 1, CAP)
     report["horizons"] = horizon[:1]
     assert "horizon only" not in markdown(report, p, 1, CAP)
+
+
+def test_every_preset_names_known_rows():
+    """A preset's rows, its baseline (which sets the target) and its per-horizon rows are rows that exist, and the
+    baseline's rows run at every horizon (the target needs them)."""
+    for name, p in PRESETS.items():
+        chosen = {r.key for r in quality.select_rows(p.rows)}
+        assert set(p.baseline) <= chosen, (name, p.baseline)
+        for steps, keys in p.rows_at.items():
+            assert set(keys) <= chosen, (name, steps, keys)
+            here = {r.key for r in quality.rows_at(p, quality.select_rows(p.rows), steps)}
+            assert set(p.baseline) & here, (name, steps)
+    muon = PRESETS["muon"]
+    assert muon.target == 1.0 and len(muon.baseline) >= 4  # a swept AdamW, its best loss itself the target

@@ -341,7 +341,8 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
         return None
     spec = _spec(row, 0, p.start, None)
     warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
-    exact = dataclasses.replace(row, kind="none", options={})  # the same optimizer behind the exact warm-up
+    # fp32's exact all-reduce behind the row's own optimizer (the same timing as fp32's row for AdamW rows)
+    exact = dataclasses.replace(FP32, optimizer=row.optimizer, optimizer_options=dict(row.optimizer_options))
     return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))
 
 
