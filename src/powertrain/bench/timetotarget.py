@@ -42,11 +42,16 @@ class Phase:
     spec: Spec
 
 
+#: Optimizer options that do not change a step's time (a learning-rate sweep's rows share one timing).
+_UNTIMED_OPTIONS = ("lr", "muon_lr")
+
+
 def timing_key(spec: Spec) -> str:
-    """What decides a configuration's step time (not its label, schedule length or target)."""
+    """What decides a configuration's step time (not its label, schedule length, target or learning rates)."""
     keep = dataclasses.asdict(spec)
     for k in ("label", "steps", "extra_steps", "stop_below"):
         keep.pop(k)
+    keep["optimizer_options"] = {k: v for k, v in keep["optimizer_options"].items() if k not in _UNTIMED_OPTIONS}
     return json.dumps(keep, sort_keys=True)
 
 
