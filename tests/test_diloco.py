@@ -254,7 +254,7 @@ def _apart(rank: int) -> dict[str, Any]:
     """Replicas built on different weights: refused on every rank at construction (they would never meet); and an
     inner Muon that would share its work as if the replicas' gradients were averaged (its results from the owners'
     own momenta), refused before anything is sent, while split=False trains."""
-    from powertrain.optim import Muon
+    from powertrain.optim import Dion, Muon
 
     torch.manual_seed(rank)
     model = torch.nn.Linear(3, 2)
@@ -271,6 +271,11 @@ def _apart(rank: int) -> dict[str, Any]:
         out["shared"] = ""
     except ValueError as e:
         out["shared"] = str(e)
+    try:
+        DiLoCo(mlp.named_parameters(), Dion(mlp.named_parameters()), sync_every=2)
+        out["dion"] = ""
+    except ValueError as e:
+        out["dion"] = str(e)
     diloco = DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters(), split=False), sync_every=2)
     for step in range(4):
         diloco.zero_grad()
@@ -379,6 +384,7 @@ def test_replicas_that_start_apart_are_refused(results):
     for r in case(results, "apart"):
         assert "start from different weights" in r["raised"], r["raised"]
         assert "build it with split=False" in r["shared"], r["shared"]
+        assert "use an optimizer that steps alone" in r["dion"], r["dion"]  # Dion sends its factors every step
     same_on_all_ranks(case(results, "apart"), "muon")  # an inner Muon per replica, then the replicas averaged
 
 

@@ -116,7 +116,20 @@ def dion_cases(rank: int, world: int) -> dict[str, Any]:
                 p.grad = distribute_tensor(_grad(p, step, 0), p.device_mesh, p.placements)
             opt.step()
         full = [(p.full_tensor() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
-        return {"params": full, "bytes": opt.comm.stats.by_op, "collectives": opt.comm.stats.num_collectives}
+        out = {"params": full, "bytes": dict(opt.comm.stats.by_op), "collectives": opt.comm.stats.num_collectives}
+        for _, p in _trainable(model):  # a NaN in the last rank's shard of an AdamW parameter (a bias)
+            p.grad = distribute_tensor(_grad(p, 3, 0), p.device_mesh, p.placements)
+        if rank == world - 1:  # the stored DTensor (SimpleFSDP's attribute is the gathered tensor)
+            dict(model.named_parameters())["fc1.bias"].grad.to_local()[0] = float("nan")
+        before = [p.detach().to_local().clone() for p in model.parameters()]
+        try:
+            opt.step()
+            out["raised"] = ""
+        except NonFiniteGradientError as e:
+            out["raised"] = str(e)
+        out["unchanged"] = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, model.parameters(),
+                                                                                     strict=True))  # fmt: skip
+        return out
 
     return {"parity": guard(parity), "resume": guard(resume), "nonfinite": guard(nonfinite),
             "fsdp2": guard(sharded, "fsdp2"), "simple": guard(sharded, "simple")}  # fmt: skip
@@ -170,7 +183,7 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
         adamw.step()
     dion_matrices = [p for _, p in _trainable(model) if by_name[_name_of(model, p)] == "dion"]
     sent_p = sum(p.shape[1] * opt.rank_of(p) for p in dion_matrices)  # P: the columns of W x r
-    sent_sq = sum(opt.rank_of(p) for p in dion_matrices)  # R's column norms
+    sent_sq = sum(opt.rank_of(p) for p in dion_matrices) + 1  # R's column norms, and one entry for a non-finite flag
     for name in ("fsdp2", "simple"):
         for r in case(runs, name):
             for got, want, ref in zip(r["params"], expect, reference.parameters(), strict=True):
@@ -180,6 +193,7 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
                     within((got - want).abs().max(), 1e-10 * want.abs().max(), f"{name} vs Dion's equations on W^T")
             assert r["bytes"] == {"all_reduce": 3 * 8 * (sent_p + sent_sq)}, (r["bytes"], sent_p, sent_sq)
             assert r["collectives"] == 3 * 2
+            assert "Dion:" in r["raised"] and r["unchanged"], r["raised"]
     for r in case(runs, "resume"):
         for a, b in zip(r["whole"], r["resumed"], strict=True):
             assert torch.equal(a, b)  # each rank's own state: the same operations on the same values
@@ -283,6 +297,20 @@ def test_low_and_mixed_precision_parameters():
     assert all(torch.isfinite(p).all() for p in mixed)
 
 
+def test_a_zero_gradient_moves_nothing_but_the_decay():
+    """Dion's equations: a momentum of zeros gives R = 0, so Q = R / (|R| + eps) = 0 and no update (the next power
+    iteration starts from the old Q: a zero one would stay zero); only the weight decay acts."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(12, 5))
+    opt = Dion([{"params": [w], "algorithm": "dion"}], weight_decay=0.1, rank_fraction=0.5)
+    q = opt.state[w]["Q"].clone()
+    before = w.detach().clone()
+    w.grad = torch.zeros_like(w)
+    opt.step()
+    assert torch.equal(w.detach(), before * (1 - 0.01 * 0.1))
+    assert torch.equal(opt.state[w]["Q"], q) and not opt.state[w]["momentum"].any()
+
+
 def test_bad_input_is_refused_in_one_line():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32))
     named = lambda: model.named_parameters()
@@ -293,10 +321,16 @@ def test_bad_input_is_refused_in_one_line():
         "lr": lambda: Dion(named(), lr=float("inf")),
         "seed": lambda: Dion(named(), seed=-1),
         "vector": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "dion"}]),
+        "typo": lambda: Dion([{"params": [model.head.weight], "algorithm": "dion", "rank_fracton": 0.5}]),
+        "bool": lambda: Dion(named(), adamw_lr=True),
+        "string": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "adamw", "lr": "0.1"}]),
+        "shape": lambda: Dion(named(), rank_fraction=0.5).load_state_dict(Dion(named()).state_dict()),
     })  # fmt: skip
     expected = {"plain": "needs model.named_parameters()", "rank": "Invalid rank_fraction=0.0",
                 "mu": "Invalid mu=1.0", "lr": "Invalid lr=inf", "seed": "Invalid seed=-1",
-                "vector": "give it to the 'adamw' group"}  # fmt: skip
+                "vector": "give it to the 'adamw' group", "typo": "unknown option(s) ['rank_fracton']",
+                "bool": "Invalid adamw_lr=True", "string": "Invalid adamw_lr='0.1'",
+                "shape": "this optimizer's is"}  # fmt: skip
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])
         assert "\n" not in errors[key]

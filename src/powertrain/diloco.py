@@ -179,11 +179,11 @@ class DiLoCo:
                              "(Streaming DiLoCo's alpha); set delay > 0 or mix=0")  # fmt: skip
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
-        shared = getattr(inner, "comm", None)
-        if getattr(inner, "split", False) and shared is not None and shared.world_size > 1:
+        if getattr(inner, "communicates", False):
+            fix = "build it with split=False" if hasattr(inner, "split") else "use an optimizer that steps alone"
             raise ValueError(
-                f"The inner {type(inner).__name__} shares its work across {shared.world_size} ranks, which assumes "
-                "their gradients are averaged; each replica of local updates steps its own: build it with split=False"
+                f"The inner {type(inner).__name__} communicates across ranks in its step (it assumes averaged "
+                f"gradients, or sends its own); each replica of local updates steps alone: {fix}"
             )
         named = [item if isinstance(item, tuple) else (f"param[{i}]", item) for i, item in enumerate(params)]
         named = [(n, p) for n, p in named if p.requires_grad]

@@ -480,8 +480,8 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
             raise ValueError(f"Invalid rates={list(rates)!r}: link rates are positive Mbit/s, e.g. 1,10,100")
         p = dataclasses.replace(p, rates=tuple(float(r) for r in rates))
     chosen = select_rows(p.rows if rows is None else rows)
-    if horizon_only:
-        chosen = [r if r is FP32 else dataclasses.replace(r, to_target=False) for r in chosen]
+    if horizon_only:  # the baseline's rows train their horizon only anyway: their kept results stay theirs
+        chosen = [r if r.key in p.baseline else dataclasses.replace(r, to_target=False) for r in chosen]
     horizons = tuple(horizons or p.horizons)
     n_seeds = p.seeds if seeds is None else seeds
     bad = [h for h in horizons if h < 1 or h % p.eval_every]
@@ -520,7 +520,8 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
         runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r not in base else None)
                         for s in range(n_seeds)] for r in here}  # fmt: skip
-        report["horizons"].append({**_summarise(here, runs, steps, target, p, phases, link), "baseline": best})
+        summary = _summarise(here, runs, steps, target, p, phases, link)
+        report["horizons"].append({**summary, "baseline": best, "baseline_rows": [r.key for r in base]})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
     publish(markdown(report, p, n_seeds, CAP), write, "quality" if name == "default" else f"quality-{name}")
     return report

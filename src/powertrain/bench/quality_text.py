@@ -130,7 +130,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
                    "bytes vs fp32", "steps to target",
                    *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates]]  # fmt: skip
         margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
-        origin = "fp32's mean" if p.baseline == ("fp32",) else f"the swept baseline's best, {base}'s mean"
+        swept = h.get("baseline_rows", list(p.baseline))  # the baseline's rows that ran at this horizon
+        origin = "fp32's mean" if swept == ["fp32"] else f"the best of {', '.join(swept)}: {base}'s mean"
         parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, {origin}{margin})\n\n"
                      + table(headers, cells) + "\n\n" + "\n".join(_speedups(h, p.rates)))  # fmt: skip
     if p.model is None:

@@ -129,7 +129,9 @@ class Dion(MatrixOptimizer):
                     f"Dion steps matrices; {self._names.get(id(p), 'a parameter')} has shape {tuple(p.shape)}: "
                     "give it to the 'adamw' group"
                 )
-        mesh_group, self.sharded = row_sharded("Dion", matrices, self._names)
+        # every parameter decides: a sharded model whose rule took no matrix still steps its AdamW groups on shards
+        everything = [p for g in self.param_groups for p in g["params"]]
+        mesh_group, self.sharded = row_sharded("Dion", everything, self._names)
         if self.sharded and group is not None:
             raise ValueError("group= was given, but the matrices are sharded DTensors: their mesh's group is used")
         self.comm = Communicator(mesh_group if self.sharded else group)
@@ -145,8 +147,18 @@ class Dion(MatrixOptimizer):
         float32; torch casts every state tensor to its parameter's dtype, which for a bfloat16 matrix would lose the
         residual the momentum carries)."""
         saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
-        super().load_state_dict(state_dict)
         params = [p for g in self.param_groups for p in g["params"]]
+        for index, st in saved.items() if isinstance(saved, dict) else ():
+            if isinstance(index, int) and 0 <= index < len(params) and isinstance(st, dict):
+                for key, want in self.state_shapes(params[index]).items():
+                    got = st.get(key)
+                    if isinstance(got, torch.Tensor) and tuple(got.shape) != want:
+                        raise ValueError(
+                            f"Dion state_dict's {key} for {self._names.get(id(params[index]), 'a parameter')} is "
+                            f"{tuple(got.shape)}, this optimizer's is {want} (another rank fraction, model or world "
+                            "size: a sharded matrix's state is this rank's rows)"
+                        )
+        super().load_state_dict(state_dict)
         for index, st in saved.items():
             if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(st, dict)):
                 continue  # torch's load has taken what it takes
@@ -154,6 +166,11 @@ class Dion(MatrixOptimizer):
             for key in ("momentum", "Q"):
                 if isinstance(st.get(key), torch.Tensor) and key in self.state[p]:
                     self.state[p][key] = st[key].to(local_tensor(p).device, _state_dtype(p), copy=True)
+
+    @property
+    def communicates(self) -> bool:
+        """Whether a step sends anything (it does on more than one rank: the factors)."""
+        return self.comm.world_size > 1
 
     def rank_of(self, p: torch.Tensor) -> int:
         """The rank Dion uses for matrix ``p`` (a ``"dion"`` group's)."""
@@ -266,15 +283,14 @@ class Dion(MatrixOptimizer):
             mu, eps = b.groups[0]["mu"], b.groups[0]["eps"]  # the batch's (its key)
             residual_kmn = b.b_kmn - (1 - mu) * shared_kmn
             norms = torch.linalg.vector_norm(b.r_knr, dim=1, keepdim=True)  # k x 1 x r
-            q_new = b.r_knr / (norms + eps)
-            # a matrix whose momentum is all zero sends R = 0: keep its Q (a zero Q would stay zero for ever)
-            zero = (norms == 0).all(dim=2, keepdim=True)
-            q_new = torch.where(zero, b.q_knr, q_new)
+            q_new = b.r_knr / (norms + eps)  # all zero where the momentum was: no update, as the equations say
             update_kmn = torch.bmm(b.p_kmr, q_new.transpose(1, 2))
+            # but the next power iteration starts from the old Q there (a zero Q would stay zero for ever)
+            q_kept = torch.where((norms == 0).all(dim=2, keepdim=True), b.q_knr, q_new)
             for j, (p, g) in enumerate(zip(b.params, b.groups, strict=True)):
                 st = self.state[p]
                 st["momentum"].copy_(residual_kmn[j].T if b.wide else residual_kmn[j])
-                st["Q"] = q_new[j].to(st["Q"].dtype, copy=True)
+                st["Q"] = q_kept[j].to(st["Q"].dtype, copy=True)
                 lr = g["lr"]
                 scale = math.sqrt(p.shape[0] / p.shape[1])
                 p.mul_(1 - lr * g["weight_decay"])
@@ -288,15 +304,18 @@ class Dion(MatrixOptimizer):
         ]
         dtype = functools.reduce(torch.promote_types, [_state_dtype(p) for p, _ in work], torch.float32)
         bs = [(self.state[p]["momentum"].to(dtype) + local_tensor(p.grad)) for p, _ in work]  # this rank's rows of B^T
+        # the AdamW shards' gradients too: a NaN in one rank's shard must stop every rank, as a matrix's does
+        adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        rest = [local_tensor(p.grad) for p in adamw if p.grad is not None]
         factors: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         program = self._sharded_program(work, bs, dtype, factors)
-        run_program(guard_nonfinite(program, local_ok=finite_flag(bs), error=self._nonfinite), self.comm)
+        run_program(guard_nonfinite(program, local_ok=finite_flag([*bs, *rest]), error=self._nonfinite), self.comm)
         for (p, g), b, (p_nr, r_mr, sq) in zip(work, bs, factors, strict=True):
             st = self.state[p]
             st["momentum"].copy_(b - (1 - g["mu"]) * (r_mr @ p_nr.T))
             norms = sq.sqrt()
-            q_new = torch.where((norms == 0).all(), st["Q"].to(dtype), r_mr / (norms + g["eps"]))
-            st["Q"] = q_new.to(st["Q"].dtype, copy=True)
+            q_new = r_mr / (norms + g["eps"])  # zero where the momentum was: no update; the old Q starts the next
+            st["Q"] = torch.where((norms == 0).all(), st["Q"], q_new.to(st["Q"].dtype))
             local, lr = local_tensor(p), g["lr"]
             local.mul_(1 - lr * g["weight_decay"])
             local.add_((q_new @ p_nr.T).to(local.dtype), alpha=-lr * math.sqrt(p.shape[0] / p.shape[1]))
@@ -315,16 +334,18 @@ class Dion(MatrixOptimizer):
         squares of every ``R``. Puts ``(P, R's rows, R's column sums of squares)`` per matrix in ``out``."""
         qs = [self.state[p]["Q"].to(dtype) for p, _ in work]
         sizes = [b.shape[1] * q.shape[1] for b, q in zip(bs, qs, strict=True)]
-        p_buf = torch.empty(sum(sizes), dtype=dtype, device=bs[0].device if bs else None)
+        device = local_tensor(next(p for g in self.param_groups for p in g["params"])).device
+        p_buf = torch.empty(sum(sizes), dtype=dtype, device=device)
         for b, q, view in zip(bs, qs, p_buf.split(sizes), strict=True):
             torch.mm(b.T, q, out=view.view(b.shape[1], q.shape[1]))
         yield ReduceRequest(p_buf, "sum", check=False)
         views = zip(bs, qs, p_buf.split(sizes), strict=True)
         ps = [orthonormalize(v.view(b.shape[1], q.shape[1])[None])[0] for b, q, v in views]
         rs = [b @ p_nr for b, p_nr in zip(bs, ps, strict=True)]
-        sq_buf = torch.cat([r.pow(2).sum(0) for r in rs]) if rs else p_buf.new_empty(0)
+        # one more entry, so that a non-finite input on some rank always has a message to travel in
+        sq_buf = torch.cat([*(r.pow(2).sum(0) for r in rs), p_buf.new_zeros(1)])
         yield ReduceRequest(sq_buf, "sum")
-        out.extend(zip(ps, rs, sq_buf.split([r.shape[1] for r in rs]), strict=True))
+        out.extend(zip(ps, rs, sq_buf[:-1].split([r.shape[1] for r in rs]), strict=True))
         return []
 
     def _nonfinite(self) -> NonFiniteGradientError:

@@ -165,15 +165,13 @@ def row_sharded(
 
 def check_adamw_options(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
     """ValueError in one line for an AdamW option out of its range (torch.optim.AdamW's checks)."""
-    checks = [
-        ("adamw_lr", lr, lr >= 0, ">= 0"),
-        ("adamw_eps", eps, eps >= 0, ">= 0"),
-        ("adamw_weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
-    ]
-    for name, value, ok, want in checks:
-        if not (isinstance(value, int | float) and math.isfinite(value) and ok):
-            raise ValueError(f"Invalid {name}={value!r}: must be a finite number {want}")
-    if not (isinstance(betas, tuple | list) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+    for name, value in (("adamw_lr", lr), ("adamw_eps", eps), ("adamw_weight_decay", weight_decay)):
+        if isinstance(value, bool) or not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+            raise ValueError(f"Invalid {name}={value!r}: must be a finite number >= 0")
+    numbers = isinstance(betas, tuple | list) and all(
+        isinstance(b, int | float) and not isinstance(b, bool) for b in betas
+    )
+    if not (numbers and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
         raise ValueError(f"Invalid adamw_betas={betas!r}: must be two numbers in [0, 1)")
 
 
@@ -276,6 +274,12 @@ class MatrixOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"A {type(self).__name__} parameter group needs 'algorithm': '{self.algorithm}' or 'adamw', got "
                 f"{algorithm!r}"
+            )
+        known = {"params", "algorithm", "name", "param_names", *self._group_defaults[algorithm]}
+        if unknown := sorted(set(param_group) - known):
+            raise ValueError(
+                f"A {type(self).__name__} '{algorithm}' group has the unknown option(s) {unknown}: its options are "
+                f"{sorted(self._group_defaults[algorithm])}"
             )
         filled = {**self._group_defaults[algorithm], **param_group}
         if algorithm == self.algorithm:

@@ -153,6 +153,11 @@ class Muon(MatrixOptimizer):
             self._dist = Local(costs)
 
     @property
+    def communicates(self) -> bool:
+        """Whether a step sends anything: the work split's all-gather or all-to-alls, on more than one rank."""
+        return type(self._dist) is not Local  # Gather, Shards
+
+    @property
     def owners(self) -> list[Block]:
         """Every matrix (``param``: its position among the Muon groups' parameters) with the rank that orthogonalizes
         it."""
