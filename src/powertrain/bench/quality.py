@@ -176,7 +176,7 @@ GRID = [
 #: setting the target; Muon at a small sweep of its rate (AdamW at the command's 1e-3 on the rest), and behind
 #: compressors (each rank then orthogonalizes every matrix: no all-gather of the results)
 ADAMW_LRS = (5e-4, 2e-3, 3e-3)
-MUON_LRS = (0.01, 0.02, 0.04)
+MUON_LRS = (0.01, 0.02, 0.04, 0.08)
 MUON_LR = 0.02  # of the compressed Muon rows
 OPTIMIZER_ROWS = [
     *(
@@ -194,13 +194,16 @@ OPTIMIZER_ROWS = [
         for lr in MUON_LRS
     ),
     Row("muon-int8", f"int8, Muon lr {MUON_LR:g}", "int8", optimizer="muon", optimizer_options={"muon_lr": MUON_LR}),
-    Row(
-        "muon-r32",
-        f"powersgd r32 paper, bf16 factors, Muon lr {MUON_LR:g}",
-        "powersgd",
-        _R32,
-        optimizer="muon",
-        optimizer_options={"muon_lr": MUON_LR},
+    *(
+        Row(
+            f"muon-r{rank}",
+            f"powersgd r{rank} paper, bf16 factors, Muon lr {MUON_LR:g}",
+            "powersgd",
+            {**_R32, "rank": rank},
+            optimizer="muon",
+            optimizer_options={"muon_lr": MUON_LR},
+        )
+        for rank in (32, 8)
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)): at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter, so its
