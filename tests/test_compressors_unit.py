@@ -14,12 +14,22 @@ from powertrain.comm import Communicator
 from powertrain.compress import COMPRESSORS, NonFiniteGradientError, make_compressor
 from powertrain.compress.base import GatherRequest, Program, ReduceRequest, guard_nonfinite, run_program
 from powertrain.ops.flat import pack
-from powertrain.ops.quantize import dequantize, pack_bits, pack_int4, quantize, unpack_bits, unpack_int4
+from powertrain.ops.quantize import (
+    dequantize,
+    pack_2bit,
+    pack_bits,
+    pack_int4,
+    quantize,
+    unpack_2bit,
+    unpack_bits,
+    unpack_int4,
+)
 
 EF = [
     ("int8", {}),
     ("int4", {"chunk": 16}),
     ("topk", {"ratio": 0.05}),
+    ("topk", {"ratio": 0.05, "bits": 2}),
     ("randk", {"ratio": 0.05}),
     ("sign", {"chunk": 64}),
 ]
@@ -41,7 +51,7 @@ def _grads(params: list[torch.nn.Parameter], step: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.device
-@pytest.mark.parametrize(("name", "opts"), EF, ids=[n for n, _ in EF])
+@pytest.mark.parametrize(("name", "opts"), EF, ids=[n + "-2bit" * (o.get("bits") == 2) for n, o in EF])
 def test_error_feedback_conserves_every_step(name, opts, device):
     params = _params(device)
     comp = make_compressor(name, params, **opts)
@@ -110,6 +120,31 @@ def test_bit_packing_roundtrips(device):
     assert packed.numel() == 51 and torch.equal(unpack_int4(packed, 101), codes)
     bits = (torch.rand(77) > 0.5).to(device)
     assert pack_bits(bits).numel() == 10 and torch.equal(unpack_bits(pack_bits(bits), 77), bits)
+    two = torch.randint(0, 4, (103,), dtype=torch.uint8).to(device)
+    assert pack_2bit(two).numel() == 26 and torch.equal(unpack_2bit(pack_2bit(two), 103), two)
+
+
+def test_sparseloco_outer_step_two_bit_values_and_a_decayed_accumulator():
+    """top-k with 2-bit values: every value sent is one of (-1, -1/3, 1/3, 1) x its parameter's largest chosen
+    magnitude; with error_decay 0.5 (a power of two: beta e is exact) what a call takes in is g + 0.5 e, and it all
+    comes out or stays owed (the same derivation as classic error feedback, on that input)."""
+    params = _params()
+    comp = make_compressor("topk", params, ratio=0.1, bits=2, error_decay=0.5)
+    for step in range(4):
+        g = _grads(params, step)
+        before = [e.clone() for e in comp.residuals()]
+        out = comp.aggregate(g)
+        for x, e0, o, e1 in zip(g, before, out, comp.residuals(), strict=True):
+            taken = x + 0.5 * e0
+            within((o + e1 - taken).abs(), feedback_bound(taken[None], e1[None], eps=EPS32), f"step {step}")
+            sent = o[o != 0].abs()
+            scale = sent.max()
+            levels = torch.stack([scale, scale / 3])
+            assert torch.isclose(sent[:, None], levels[None], rtol=1e-6).any(dim=1).all(), (step, sent.unique())
+    with pytest.raises(ValueError, match="Invalid bits=4"):
+        make_compressor("topk", params, bits=4)
+    with pytest.raises(ValueError, match="Invalid error_decay=0"):
+        make_compressor("topk", params, error_decay=0)
 
 
 def test_loco_moving_average_low_precision_and_reset():

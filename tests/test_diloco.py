@@ -299,6 +299,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
         exact_factors = {"rank": 2, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0,
                          "factor_dtype": "fp32"}  # fmt: skip
         out["powersgd"] = guard(_conservation, rank, "powersgd", exact_factors)
+        out["topk-2bit"] = guard(_conservation, rank, "topk", {"ratio": 0.1, "bits": 2})  # SparseLoCo's message
     return out
 
 
@@ -336,7 +337,7 @@ def test_matches_the_reference_bitwise(results, name):
         assert not torch.equal(runs[0]["trajectory"][9], runs[1]["trajectory"][9])  # then each trains on its own
 
 
-@pytest.mark.parametrize("name", ["int8", "powersgd"])
+@pytest.mark.parametrize("name", ["int8", "powersgd", "topk-2bit"])
 def test_outer_error_feedback_is_conserved(results, name):
     if len(results) != 2:
         pytest.skip("run at 2 ranks")

@@ -24,10 +24,10 @@ averaging (local SGD). Streaming DiLoCo (Douillard et al., arXiv 2501.18512) add
 Compute waits for the link only when a sync has not arrived when it is due (its wait is counted in
 ``stats.comm_s`` and :attr:`DiLoCo.waited_s`).
 
-A SparseLoCo-style outer step (Sarfi et al., arXiv 2508.15706: the compressor's error-feedback accumulator stands in
-for outer momentum) is ``outer_optimizer=nesterov(1.0, 0.0)`` (plain averaging) with a lossy compressor (top-k,
-int4): what a sync leaves out is carried, undecayed, into the next one (SparseLoCo decays it; powertrain's error
-feedback conserves it).
+SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706: top-k at 1-3% with 2-bit values, the compressor's decayed
+error-feedback accumulator in place of outer momentum) is ``outer_optimizer=nesterov(1.0, 0.0)`` (plain averaging)
+with ``compressor="topk", compressor_options={"ratio": 0.02, "bits": 2, "error_decay": 0.95}``; with
+``error_decay=1`` what a sync leaves out is carried undecayed into the next one (classic error feedback).
 
 Usage (each process a replica)::
 

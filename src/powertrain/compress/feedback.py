@@ -50,6 +50,9 @@ class ErrorFeedbackCompressor(Compressor):
         group: process group (``None``: the default group).
         seed: seed of the random streams (see ``_shared_randomness``).
         error_dtype: dtype the error buffers are stored in.
+        error_decay: ``beta`` of ``x = gradient + beta * error`` (1: classic error feedback, nothing lost). Below 1
+            the accumulator decays, as SparseLoCo's (Sarfi et al., arXiv 2508.15706), where it stands in for the outer
+            momentum of local updates: what a message leaves out fades unless later messages send it.
     """
 
     #: True if every rank must draw the same random numbers (random-k); False gives each rank its own.
@@ -65,11 +68,17 @@ class ErrorFeedbackCompressor(Compressor):
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
         error_dtype: torch.dtype = torch.float32,
+        error_decay: float = 1.0,
     ) -> None:
         check_int("seed", seed, 0)
+        if isinstance(error_decay, bool) or not isinstance(error_decay, int | float) or not 0 < error_decay <= 1:
+            raise ValueError(f"Invalid error_decay={error_decay!r}: must be in (0, 1] (1: classic error feedback)")
+        if error_decay != 1 and self._keeps_old:
+            raise ValueError(f"{type(self).__name__} keeps its own moving average of the error: error_decay must be 1")
         super().__init__(params, group=group)
         self.seed = seed
         self.error_dtype = error_dtype
+        self.error_decay = float(error_decay)
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
         self._steps = [0] * len(self.params)
         self._generators: dict[int, torch.Generator] = {}
@@ -105,7 +114,9 @@ class ErrorFeedbackCompressor(Compressor):
         owed = x if old is None else old
         pairs = [(v, e) for v, i in zip(flat_views(owed, [self._shapes[i] for i in idx]), idx, strict=True)
                  if (e := self._errors[i]) is not None]  # fmt: skip
-        if pairs:
+        if pairs and self.error_decay != 1:  # SparseLoCo's decayed accumulator (not with _keeps_old: checked)
+            foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs], alpha=self.error_decay)
+        elif pairs:
             foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs])
             if old is not None:
                 x.add_(old)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from powertrain.compress.base import GatherRequest, ReduceRequest
 from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange
 from powertrain.ops.flat import index_dtype, pack_payload, unpack_payload
+from powertrain.ops.quantize import pack_2bit, unpack_2bit
 
 
 def _check_ratio(ratio: float) -> None:
@@ -22,11 +23,16 @@ def _k(ratio: float, numel: int) -> int:
 
 
 class TopKCompressor(ErrorFeedbackCompressor):
-    """Send each parameter's ``ratio * numel`` largest-magnitude values of ``x = gradient + error``.
+    """Send each parameter's ``ratio * numel`` largest-magnitude values of ``x = gradient + error_decay * error``.
 
     Ranks choose different positions, so values and positions (within each parameter; int16 when every
     parameter of the call has at most 32768 values, else int32) travel in one all-gather; every rank
     scatter-adds all messages in rank order.
+
+    ``bits=2`` sends each value as a 2-bit code, one of ``(-1, -1/3, 1/3, 1)`` times its parameter's largest chosen
+    magnitude (one float32 scale per parameter), rounded to the nearest: what the rounding loses stays in the error
+    buffer like what was not chosen. With ``error_decay`` below 1 this is SparseLoCo's outer step (Sarfi et al.,
+    arXiv 2508.15706: top-k at 1-3% and 2-bit values, the decayed accumulator in place of outer momentum).
     """
 
     def __init__(
@@ -34,11 +40,15 @@ class TopKCompressor(ErrorFeedbackCompressor):
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         *,
         ratio: float = 0.01,
+        bits: int = 32,
+        error_decay: float = 1.0,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         _check_ratio(ratio)
-        super().__init__(params, group=group)
-        self.ratio = ratio
+        if bits not in (32, 2):
+            raise ValueError(f"Invalid bits={bits!r}: 32 (float32 values) or 2 (2-bit codes and a scale)")
+        super().__init__(params, group=group, error_decay=error_decay)
+        self.ratio, self.bits = ratio, bits
 
     def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         ks = [_k(self.ratio, p.numel()) for p in parts]
@@ -49,7 +59,16 @@ class TopKCompressor(ErrorFeedbackCompressor):
             picked = [torch.zeros(0, dtype=torch.long, device=self.device)]
         values = torch.cat([p[i] for p, i in zip(parts, picked, strict=True)])
         positions = torch.cat(picked).to(itype)
-        gathered = yield GatherRequest(pack_payload([values, positions]))
+        if self.bits == 2:
+            chosen = zip(values.split(ks), ks, strict=True)
+            scales = torch.stack([v.abs().amax() if k else v.new_zeros(()) for v, k in chosen])
+            each = torch.repeat_interleave(scales, torch.tensor(ks, device=scales.device), output_size=values.numel())
+            codes = (values / torch.where(each > 0, each, 1.0) * 1.5 + 1.5).round_().clamp_(0, 3).to(torch.uint8)
+            values = _decoded(codes, each)  # what every rank decodes: the own message included
+            message = [scales, positions, pack_2bit(codes)]
+        else:
+            message = [values, positions]
+        gathered = yield GatherRequest(pack_payload(message))
         assert gathered is not None, "a gather returns the gathered payloads"
         # each pick's parameter offset in the flat vector, filled on the device (no copy from the host)
         starts = [sum(p.numel() for p in parts[:j]) for j in range(len(parts))]
@@ -59,11 +78,22 @@ class TopKCompressor(ErrorFeedbackCompressor):
         n = sum(p.numel() for p in parts)
         mean = torch.zeros(n, device=values.device)
         for row in gathered:
-            v, i = unpack_payload(row, [(torch.float32, values.numel()), (itype, values.numel())])
+            if self.bits == 2:
+                specs = [(torch.float32, len(ks)), (itype, values.numel()), (torch.uint8, -(-values.numel() // 4))]
+                s, i, packed = unpack_payload(row, specs)
+                each = torch.repeat_interleave(s, torch.tensor(ks, device=s.device), output_size=values.numel())
+                v = _decoded(unpack_2bit(packed, values.numel()), each)
+            else:
+                v, i = unpack_payload(row, [(torch.float32, values.numel()), (itype, values.numel())])
             mean.index_add_(0, base + i.long(), v)
         mean.div_(gathered.shape[0])
         sent = torch.zeros(n, device=values.device).index_copy_(0, base + positions.long(), values)
         return sent, mean
+
+
+def _decoded(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """2-bit codes ``0..3`` as the values ``(-1, -1/3, 1/3, 1) x scale``."""
+    return (codes.float() * 2 - 3) / 3 * scale
 
 
 class RandomKCompressor(ErrorFeedbackCompressor):

@@ -13,10 +13,12 @@ from powertrain.ops.flat import pack_payload, unpack_payload
 
 __all__ = [
     "dequantize",
+    "pack_2bit",
     "pack_bits",
     "pack_codes",
     "pack_int4",
     "quantize",
+    "unpack_2bit",
     "unpack_bits",
     "unpack_codes",
     "unpack_int4",
@@ -80,6 +82,17 @@ def unpack_codes(message: torch.Tensor, n: int, n_scales: int, bits: int) -> tup
     """``(codes, scales)`` of a :func:`pack_codes` message holding ``n`` codes and ``n_scales`` scales."""
     scales, packed = unpack_payload(message, [(torch.float32, n_scales), (torch.uint8, n if bits == 8 else -(-n // 2))])
     return (packed.view(torch.int8) if bits == 8 else unpack_int4(packed, n)), scales
+
+
+def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """Four 2-bit codes in ``[0, 3]`` per byte (``ceil(n / 4)`` bytes), the first in the lowest bits."""
+    c = torch.nn.functional.pad(codes.to(torch.uint8), (0, (-codes.numel()) % 4)).view(-1, 4)
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+def unpack_2bit(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The ``n`` codes of :func:`pack_2bit` (uint8)."""
+    return torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).view(-1)[:n]
 
 
 def _weights(device: torch.device) -> torch.Tensor:
