@@ -359,6 +359,25 @@ def test_adamw_freezes_by_default_with_powersgd_only():
     assert _continued(TrainConfig(), {"adam_freeze": 0.0}, {}).adam_freeze == 0.0
     assert _continued(TrainConfig(adam_freeze=0.5), {"adam_freeze": 0.0}, {"adam_freeze": 0.5}).adam_freeze == 0.5
     assert _continued(TrainConfig(), {}, {}).adam_freeze == POWERSGD_ADAM_FREEZE
+    # the compressor: the run's own unless the user names another, which is left for the settings check to refuse
+    assert _continued(TrainConfig(steps=8), {"compressor": "int8"}, {}).compressor == "int8"
+    asked = _continued(TrainConfig(compressor="bf16"), {"compressor": "int8"}, {"compressor": "bf16"})
+    assert asked.compressor == "bf16"  # not silently int8 (issue 49)
+    auto = _continued(TrainConfig(compressor="powersgd:rank=auto"), {"compressor": "powersgd:rank=4"},
+                      {"compressor": "powersgd:rank=auto"})  # fmt: skip
+    assert auto.compressor == "powersgd:rank=4"  # rank=auto continues with what it chose
+
+
+def test_a_resume_with_another_compressor_is_refused(tmp_path):
+    """``--compressor int8``, then a resume with ``--compressor bf16``: refused in one line naming both (it kept
+    training with int8 and exited 0)."""
+    out = tmp_path / "run"
+    common = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--out", str(out)]
+    r = _run(*common, "--compressor", "int8", "--steps", "4", "--checkpoint-every", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _run(*common, "--compressor", "bf16", "--steps", "6", "--resume", str(out))
+    assert r.returncode != 0 and "compressor='int8' -> 'bf16'" in r.stderr, r.stderr[-2000:]
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_the_summary_says_what_the_default_costs_where_measured():

@@ -311,11 +311,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) -> TrainConfig:
-    """The settings a resumed run keeps from its checkpoint's config (``saved``) over what ``cfg`` resolved:
-    rank=auto's choice, and the AdamW freeze when the user (``user``: TOML and flags) did not set one, so that a
-    run continues with its own and not with a later version's default."""
+    """The settings a resumed run keeps from its checkpoint's config (``saved``) over what ``cfg`` resolved: rank=auto's
+    choice; the compressor and the AdamW freeze when the user (``user``: TOML and flags) did not set them, so that a run
+    continues with its own and not with a default that depends on ``--steps`` or on a later version. A compressor the
+    user names that differs from the run's is left for :func:`check_settings` to refuse, never replaced."""
     compressor, freeze = saved.get("compressor"), saved.get("adam_freeze")
-    if compressor != cfg.compressor and isinstance(compressor, str):
+    from powertrain.train.config import is_auto, parse_compressor
+
+    given = "compressor" in user and not is_auto(*parse_compressor(cfg.compressor))
+    if compressor != cfg.compressor and isinstance(compressor, str) and not given:
         cfg = dataclasses.replace(cfg, compressor=compressor)
     if "adam_freeze" not in user and isinstance(freeze, int | float) and not isinstance(freeze, bool):
         cfg = dataclasses.replace(cfg, adam_freeze=float(freeze))
