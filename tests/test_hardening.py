@@ -391,6 +391,22 @@ def test_a_new_run_never_overwrites_an_old_one_and_the_same_command_continues_it
     assert r.returncode == 0 and "Nothing to do" in r.stdout, r.stderr[-2000:]
 
 
+def test_a_raised_manifest_step_is_refused_before_anything_is_decided(run2, tmp_path):
+    """A manifest whose step was raised by 1,000 made a resume print "Nothing to do: the checkpoint has 1004 steps" and
+    exit 0 (issue 49): the step is read from the checkpoint's verified data first, and a manifest that disagrees with
+    it is refused in one line; nothing is written."""
+    out = _copy(run2, tmp_path)
+    ckpt = out / "checkpoints" / "step_00000004"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["step"] += 1000
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = _run(*TINY, "--steps", "6", "--out", str(tmp_path / "b"), "--resume", str(ckpt))
+    assert r.returncode == 2 and "holds step 4 and its manifest names step '1004'" in r.stderr, r.stderr[-2000:]
+    assert "Nothing to do" not in r.stdout and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def test_resume_into_the_same_directory_from_an_older_checkpoint(run2, tmp_path):
     """As after a kill between a checkpoint's rename and the update of ``latest``: latest names step 2 while
     step 4 exists. The resumed run saves step 4 again (replacing it), keeps every metrics row, and continues the

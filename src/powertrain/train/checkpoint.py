@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,13 @@ def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
             f"the run bit for bit and what belongs to each worker is not redistributed: "
             f"{_per_worker(manifest.get('config'))}"
         )
+    # the step is read from the checkpoint's data (its checksums verified just now), not believed from the manifest:
+    # whether there is anything left to do is decided from it
+    stored = {"step": torch.tensor(0, dtype=torch.int64)}
+    with warnings.catch_warnings():  # read in the launcher, alone, as it should be: DCP warns that it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        checkpoint.load(stored, path, manifest=manifest)
+    _checked_step(path, stored["step"], manifest)
     return manifest
 
 
