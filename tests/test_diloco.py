@@ -473,6 +473,18 @@ def test_the_summary_says_what_the_link_cost_and_when_streaming_pays():
     assert "5.0 s for 2 of them: the link did not keep up (raise --sync-every" in late
 
 
+def test_a_presets_per_step_compressor_yields_to_the_outer_default_and_says_so():
+    """``--preset tiny --parallel diloco`` ran its outer step through the preset's powersgd:rank=2 (measured badly on
+    the outer step) with nothing said: local updates' default applies, a warning says why; a named one is taken."""
+    from powertrain.train.config import DEFAULT_OUTER_COMPRESSOR, resolve
+
+    with pytest.warns(UserWarning, match="--preset tiny sets compressor='powersgd:rank=2,start=2'.*int4, applies"):
+        cfg = resolve("tiny", None, {"parallel": "diloco"})
+    assert cfg.compressor == DEFAULT_OUTER_COMPRESSOR
+    assert resolve("tiny", None, {"parallel": "diloco", "compressor": "int8"}).compressor == "int8"
+    assert resolve("tiny", None, {"parallel": "ddp"}).compressor == "powersgd:rank=2,start=2"  # per step: the preset's
+
+
 def test_command_settings_are_checked_before_any_worker_starts():
     from powertrain.train.config import TrainConfig
 

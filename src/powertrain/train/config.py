@@ -567,9 +567,17 @@ def resolve(preset: str, toml: Mapping[str, Any] | None, flags: Mapping[str, Any
         raise ValueError(f"Unknown preset {preset!r}: choose one of {', '.join(PRESETS)}")
     user = {**(toml or {}), **flags}
     base = dict(PRESETS[preset])
-    # A preset's compressor is its choice for runs that compress by default; it yields to what the user asked.
+    # A preset's compressor is its choice for runs that compress every step's gradients by default; it yields to what
+    # the user asked, and to local updates' outer-step default (a per-step choice such as the tiny preset's
+    # powersgd:rank=2 measured badly on the outer step), which the log says.
     if "compressor" not in user and plain_by_default(user.get("optimizer", ""), user.get("parallel", "")):
         base.pop("compressor", None)
+    elif "compressor" not in user and user.get("parallel") == "diloco" and "compressor" in base:
+        warnings.warn(
+            f"--preset {preset} sets compressor={base.pop('compressor')!r} for per-step averaging; with --parallel "
+            f"diloco the outer step's default, {DEFAULT_OUTER_COMPRESSOR}, applies (--compressor chooses another)",
+            stacklevel=2,
+        )
     return TrainConfig(**{**base, **user})
 
 
