@@ -357,6 +357,27 @@ def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
     assert len(lines) == 1 and f"interrupted ({sig.name})" in lines[0], err[-2000:]
 
 
+def test_a_terminals_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path):
+    """A terminal sends SIGINT to the whole foreground process group. Sent to the console script at 0.1 to 3 s after
+    its start (while it imports torch, parses, launches, trains): every time status 130 and one line. Before, the first
+    second ended with -2 (killed by the signal) and 13-51 lines of traceback, a KeyboardInterrupt inside numpy's
+    initialisation with exit 1 ("cannot load module more than once"), or was swallowed (the run finished, exit 0)."""
+    script = Path(sys.executable).parent / "powertrain"
+    for i, delay in enumerate((0.1, 0.3, 0.6, 1.0, 1.5, 3.0)):
+        args = [*TINY, "--steps", "2000", "--out", str(tmp_path / f"run{i}")]
+        proc = subprocess.Popen([str(script), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+        try:
+            time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        lines = _lines(err)
+        assert proc.returncode == 130 and len(lines) == 1 and "interrupted" in lines[0], (delay, err[-2000:])
+
+
 # ---------------------------------------------------------------- 3-6. resumes that lose nothing, clear errors
 
 
