@@ -206,8 +206,8 @@ OPTIMIZER_ROWS = [
         for rank in (32, 8)
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
-    # Muon's sqrt(min(m, n)): at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter, so its
-    # rates sit 2-4x above Muon's
+    # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
+    # suggested rates 2-4x Muon's; the first seed ended lowest at the sweep's lowest rate, so it reaches down to 0.01
     *(
         Row(
             f"dion-{frac:g}-{lr:g}",
@@ -217,7 +217,7 @@ OPTIMIZER_ROWS = [
             optimizer_options={"dion_rank": frac, "muon_lr": lr},
             to_target=False,  # compared with Muon at the horizon (loss and bytes): running on would cost hours here
         )
-        for frac, lrs in ((0.25, (0.04, 0.08)), (0.0625, (0.08, 0.16)))
+        for frac, lrs in ((0.25, (0.01, 0.02, 0.04, 0.08)), (0.0625, (0.02, 0.04, 0.08, 0.16)))
         for lr in lrs
     ),
 ]
