@@ -45,7 +45,7 @@ _HELP = {
     "norms and biases), dion (Dion: low-rank; under reference and ddp it sends its own factors), shampoo "
     "(DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
-    "muon_lr": "optimizer muon or dion: the hidden matrices' learning rate (Muon: 0.02, scaled by sqrt(max(1, rows / "
+    "muon_lr": "optimizer muon or dion: the hidden matrices' learning rate (Muon: 0.04, scaled by sqrt(max(1, rows / "
     "cols)) per matrix; Dion: 0.01, scaled by sqrt(rows / cols))",
     "dion_rank": "optimizer dion: each matrix's rank as a fraction of its smaller side (Dion sends (rows + cols) x "
     "rank numbers per matrix instead of rows x cols)",
