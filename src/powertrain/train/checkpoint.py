@@ -190,8 +190,21 @@ def _older_than(ckpt: Path) -> str:
 RESUME_MAY_CHANGE = frozenset({"steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio", "out", "resume", "log_every",
                                "eval_every", "eval_batches", "checkpoint_every", "quiet", "tensorboard", "timeout_s",
                                "threads", "nproc", "backend"})  # fmt: skip
-#: Of those, the ones that change what the run computes or records: a resume that changes them says so in its log.
-RESUME_CHANGES_SAID = ("steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio", "eval_every", "eval_batches")
+#: What a resume refuses to change. Every field of :class:`powertrain.train.config.TrainConfig` is in exactly one of
+#: the two sets (tests/test_resume_settings.py walks them), so a new setting is placed on purpose; one that is in
+#: neither is refused too.
+RESUME_REFUSED = frozenset({
+    # the model and its data
+    "model", "gpt_size", "data", "data_path", "data_max_mb", "block_size", "batch_size", "grad_accum", "seed",
+    "precision", "compile",
+    # the optimizer (the checkpoint restores its state, which these shape or give meaning to)
+    "optimizer", "weight_decay", "momentum", "adam_freeze", "shampoo_frequency", "shampoo_max_dim",
+    "shampoo_preconditioner", "shampoo_comm_dtype", "shampoo_vectors", "galore_rank", "galore_gap", "galore_scale",
+    "galore_svd", "demo_topk", "demo_chunk", "demo_decay", "dion_rank",
+    # how the workers share the work, and what each keeps of it (error feedback, local weights, the outer step)
+    "parallel", "tp", "compressor", "hierarchy", "sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr",
+    "outer_momentum", "sync_warmup", "warmup_compressor",
+})  # fmt: skip
 
 
 def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
@@ -247,11 +260,14 @@ def check_settings(path: Path, manifest: dict[str, Any], config: dict[str, Any])
 
 
 def resume_changes(manifest: dict[str, Any], config: dict[str, Any]) -> str:
-    """The settings of :data:`RESUME_CHANGES_SAID` that ``config`` changes from the run that wrote ``manifest``, as
-    ``"lr=0.001 -> 0.0005, ..."``, or ``""``."""
+    """The settings of :data:`RESUME_MAY_CHANGE` that ``config`` changes from the run that wrote ``manifest``, as
+    ``"lr=0.001 -> 0.0005, ..."`` in ``config``'s order, or ``""``: every one but where the run is (``out``,
+    ``resume``), so that a resume's log says each setting it applies anew."""
     saved = manifest.get("config")
     saved = saved if isinstance(saved, dict) else {}
-    changed = [k for k in RESUME_CHANGES_SAID if k in saved and k in config and saved[k] != config[k]]
+    changed = [
+        k for k, v in config.items() if k in RESUME_MAY_CHANGE - {"out", "resume"} and k in saved and saved[k] != v
+    ]
     return ", ".join(f"{k}={saved[k]!r:.40} -> {config[k]!r}" for k in changed)
 
 
