@@ -207,17 +207,19 @@ OPTIMIZER_ROWS = [
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
-    # suggested rates 2-4x Muon's; the first seed ended lowest at the sweep's lowest rate, so it reaches down to 0.01
+    # suggested rates 2-4x Muon's; the first seed ended lowest at the sweep's lowest rate, so it reaches down to 0.01.
+    # At full rank Dion's error feedback is plain momentum and its update tends to Muon's: that row tells what the
+    # rank costs from what the algorithm does
     *(
         Row(
             f"dion-{frac:g}-{lr:g}",
-            f"Dion rank 1/{1 / frac:g}, lr {lr:g} (its own factors)",
+            f"Dion {'full rank' if frac == 1 else f'rank 1/{1 / frac:g}'}, lr {lr:g} (its own factors)",
             "none",
             optimizer="dion",
             optimizer_options={"dion_rank": frac, "muon_lr": lr},
             to_target=False,  # compared with Muon at the horizon (loss and bytes): running on would cost hours here
         )
-        for frac, lrs in ((0.25, (0.01, 0.02, 0.04, 0.08)), (0.0625, (0.02, 0.04, 0.08, 0.16)))
+        for frac, lrs in ((1.0, (0.04,)), (0.25, (0.01, 0.02, 0.04, 0.08)), (0.0625, (0.02, 0.04, 0.08, 0.16)))
         for lr in lrs
     ),
 ]
