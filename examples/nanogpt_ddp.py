@@ -129,6 +129,7 @@ def main() -> None:
     ckpt = args.out / f"ckpt_rank{rank}_of_{world}.pt"
     start = 0
     if args.resume:
+        error = ""
         try:
             state = load_checkpoint(ckpt, model)
             model.load_state_dict(state["model"])
@@ -137,13 +138,19 @@ def main() -> None:
             if compressor is not None:
                 compressor.load_state_dict(state["compressor"])  # powertrain
             start = int(state["step"])
-        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:  # one line, not a traceback per rank
-            sys.exit(f"rank {rank}: cannot resume from {ckpt}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        steps = torch.tensor([start, -start])
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # every rank must continue from the same step
-        if steps[0] != -steps[1]:
-            raise RuntimeError(f"The ranks' checkpoints in {args.out} are from steps {-steps[1]}..{steps[0]}: a save "
-                               "was interrupted; restore a consistent set")  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            error = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        # Every rank learns whether all could resume, and from which steps, before any other collective: the ranks
+        # stop together, the one that could not with one line (not the others with a traceback from a closed peer).
+        status = torch.tensor([int(bool(error)), start, -start])
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)
+        if error:
+            sys.exit(f"rank {rank}: cannot resume from {ckpt}: {error}")
+        if status[0]:
+            sys.exit(1)  # another rank said why
+        if status[1] != -status[2]:
+            sys.exit(f"rank {rank}: the ranks' checkpoints in {args.out} are from steps {-status[2]}..{status[1]}: a "
+                     "save was interrupted; restore a consistent set")  # fmt: skip
 
     for step in range(start, args.steps):
         x, y = batch(data, args.seed, rank, step, args.batch_size, model.pos.num_embeddings)

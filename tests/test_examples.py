@@ -33,6 +33,16 @@ def test_the_nanogpt_example_compresses_trains_and_resumes_bitwise(tmp_path):
     losses = {k: [r["loss"] for r in rows if "loss" in r] for k, rows in (("full", full), ("plain", plain))}
     assert [r["step"] for r in full if "step" in r] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in first + rest if "loss" in r] == losses["full"]  # the resume, bitwise
+    # a rank that cannot resume says why in one line, and the others stop with it instead of failing with a
+    # traceback in their next collective (torchrun's own failure report follows, as for any failed worker)
+    (tmp_path / "resumed" / "ckpt_rank1_of_2.pt").write_bytes(b"garbage")
+    r = torchrun(EXAMPLE, "--out", str(tmp_path / "resumed"), "--steps", str(STEPS + 2), "--resume")
+    lines = [line for line in r.stderr.splitlines() if line.startswith("rank ")]
+    assert r.returncode != 0 and lines == [
+        f"rank 1: cannot resume from {tmp_path / 'resumed' / 'ckpt_rank1_of_2.pt'}: UnsafeData: not a powertrain "
+        "state blob (wrong magic bytes)"
+    ], r.stderr[-3000:]
+    assert "[rank0]" not in r.stderr, r.stderr[-3000:]
     sent = full[-1]
     assert sent["bytes_sent"] < 0.6 * sent["bytes_uncompressed"], sent  # 5 exact steps of 20, then PowerSGD r32
     # quality, not parity (compression changes the trajectory): 20 steps in, compressed and plain ended 0.03% apart
