@@ -32,7 +32,7 @@ docs: $(VENV)/.installed
 # Tolerances must hold on every CPU, not only this one (issue 16): the numerically sensitive tests run again on
 # two other code paths, MKL's generic reproducible path with ATen's scalar kernels, and MKL's Intel AVX-512 path
 # (on an AMD CPU MKL takes its AVX2 path; the shim tools/mkl_intel_path.c makes it take Intel's).
-NUMERIC_TESTS := tests/test_powersgd_unit.py tests/test_compressors_unit.py tests/test_shampoo_math.py \
+NUMERIC_TESTS := tests/test_reproducible.py tests/test_powersgd_unit.py tests/test_compressors_unit.py tests/test_shampoo_math.py \
 	tests/test_shampoo_convergence.py tests/test_galore.py tests/test_frozen_adamw.py
 SHIM := $(VENV)/lib/libmkl_intel_path.so
 KERNEL_PATHS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default" "LD_PRELOAD=$(abspath $(SHIM))"
