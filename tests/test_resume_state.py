@@ -45,7 +45,9 @@ def test_the_advice_after_a_divergence_is_followed_and_the_lower_lr_takes_effect
               "--out", str(out), "--log-every", "1"]  # fmt: skip
     assert run_cli(*common, "--steps", "1", "--quiet").returncode == 0
     r = run_cli(*common, "--steps", "3", "--lr", "1e30")  # the same command continues the run in --out
-    assert "with changed settings: steps=1 -> 3, lr=0.001 -> 1e+30 (from step 1 on)" in r.stdout, r.stdout
+    assert "with changed settings: steps=1 -> 3, lr=0.001 -> 1e+30, quiet=True -> False (from step 1 on)" in r.stdout, (
+        r.stdout
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     lines = _lines(r.stderr)
     assert len(lines) == 1 and "training stopped at step" in lines[0], lines
@@ -250,6 +252,9 @@ def _set(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, 
         (("state", 0, "exp_avg_sq"), ..., "state for parameter 0 holds \\['exp_avg', 'step'\\]"),
         (("state", 0, "step"), 2, "step for parameter 0 is int, expected a tensor of shape \\(\\)"),
         (("state", 0, "exp_avg"), torch.full((6, 8), math.inf), "non-finite or complex"),
+        (("state", 0, "step"), torch.tensor(-1.0), r"its step is \[-1.0\], expected a count >= 0"),
+        (("state", 0, "exp_avg_sq"), torch.full((6, 8), -1.0), "its exp_avg_sq holds negative values"),
+        (("state", 0, "exp_avg"), torch.zeros(6, 8, dtype=torch.int64), "exp_avg is a torch.int64 tensor, expected"),
         (("state", 7), {}, "entry 7 for none of its 4 parameters"),
         (("state", -1), {}, "entry -1 for none of its 4 parameters"),
     ],
@@ -404,6 +409,29 @@ def test_the_replicated_optimizers_hyperparameters_are_this_runs(tmp_path):
     assert opt.param_groups[0]["weight_decay"] == 50.0 and torch.equal(fresh.weight, model.weight)
 
 
+def test_the_replicated_optimizers_state_values_are_checked(tmp_path):
+    """adamw, sgd and Muon under DDP or FSDP travel through DCP, whose state torch took as it was: a step of -1
+    divided by zero in AdamW's first step, a negative second moment gave NaN a step later, an integer momentum was
+    cast. Each is refused at load in one line."""
+    for name, value, match in (
+        ("step", torch.tensor(-1.0), "its step is \\[-1.0\\], expected a count >= 0"),
+        ("exp_avg_sq", -torch.ones(3, 4), "its exp_avg_sq holds negative values"),
+        ("exp_avg", torch.ones(3, 4, dtype=torch.int64), "stored as torch.int64 \\(3, 4\\), this run's is"),
+        ("exp_avg", torch.full((3, 4), math.nan), "non-finite or complex"),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        crafted = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        crafted.step()
+        crafted.state[model.weight][name] = value
+        ckpt = save_checkpoint(tmp_path / name / str(len(match)), 1, model, crafted, {})
+        fresh = torch.nn.Linear(4, 3)
+        with pytest.raises(CheckpointError, match=match) as e:
+            load_checkpoint(ckpt, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1), {})
+        assert "\n" not in str(e.value) and "weight" in str(e.value), str(e.value)
+
+
 def _composite(kind: str) -> Any:
     """Muon or Dion on the first (6 x 8) weight, AdamW on the rest."""
     from powertrain.optim import Dion, Muon
@@ -429,6 +457,8 @@ def _composite(kind: str) -> Any:
         ),
         ("dion", ("state", 0, "momentum"), ..., r"state for parameter 0 holds \['Q'\], expected \['Q', 'momentum'\]"),
         ("dion", ("state", 0, "Q"), torch.full((6, 3), math.nan), "non-finite or complex"),
+        ("dion", ("state", 0), ..., r"no entry for parameter\(s\) \[0\], which this optimizer always keeps state"),
+        ("dion", ("state", 0), {}, r"no entry for parameter\(s\) \[0\]"),
         ("dion", ("param_groups", 0, "rank_fraction"), 1.0, r"rank_fraction \(group 0\) is 1.0 and this run's 0.5"),
         ("dion", ("state", 1, "exp_avg"), torch.zeros(6, 8), r"exp_avg for parameter 1 is \(6, 8\), expected"),
         ("muon", ("state", 0, "momentum_buffer"), torch.zeros(3), r"momentum_buffer for parameter 0 is \(3,\)"),

@@ -83,3 +83,42 @@ def test_metadata_cannot_run_code(tmp_path):
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"names builtins\.print, which is not allowed"):  # then the unpickler
         load_checkpoint(ckpt, model, opt, {})
+
+
+def test_a_tensors_chunks_must_tile_it_each_with_data():
+    """DCP fills whatever chunks overlap a destination and leaves the rest as it was: a crafted .metadata that
+    dropped rank 1's shard of a weight left that rank's freshly initialised rows in place, exit 0. The chunks must
+    tile the tensor exactly, each with stored data, in this run's dtype (DCP casts)."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    from powertrain.checkpoint import _check_stored
+
+    def check(*chunks: tuple[tuple[int, int], tuple[int, int]], data: bool = True, shape: tuple = (4, 3),
+              dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        stored = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]
+        tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((4, 3)), stored)
+        index = {MetadataIndex("w", c.offsets): None for c in stored} if data else {}
+        _check_stored("w", tensor, torch.empty(shape, dtype=dtype), Metadata({"w": tensor}, storage_data=index))
+
+    check(((0, 0), (2, 3)), ((2, 0), (2, 3)))  # two ranks' rows
+    check(((0, 0), (4, 3)))
+    for chunks, data, match in (
+        ((((0, 0), (2, 3)),), True, "leave part of it out"),  # rank 1's rows dropped
+        ((((0, 0), (3, 3)), ((2, 0), (2, 3))), True, "overlapping chunks"),
+        ((((0, 0), (2, 3)), ((2, 0), (3, 3))), True, "a chunk outside its shape"),
+        ((((0, 0), (4, 3)),), False, "without data"),
+    ):
+        with pytest.raises(CheckpointError, match=match):
+            check(*chunks, data=data)
+    with pytest.raises(
+        CheckpointError, match=r"stored as torch.float32 \(4, 3\), this run's is torch.float32 \(3, 4\)"
+    ):
+        check(((0, 0), (4, 3)), shape=(3, 4))
+    with pytest.raises(CheckpointError, match=r"this run's is torch.complex64 \(4, 3\)"):  # DCP would cast
+        check(((0, 0), (4, 3)), dtype=torch.complex64)

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from powertrain import _json, serialize
 from powertrain._compat import safe_dcp_reader
@@ -215,6 +215,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                 if len(md.size) != 1 or not 0 <= math.prod(md.size) <= stored.get(fqn, 0):
                     raise CheckpointError(f"Checkpoint item {fqn!r} claims a size its data file does not hold")
                 value.resize_(md.size)
+            _check_stored(fqn, md, value, metadata)
         if missing:
             ranks = sorted({m.group(0) for k in saved if (m := _RANK_KEY.search(k))})[:8]
             hint = f" (it has per-rank state for {', '.join(ranks)})" if ranks else ""
@@ -241,6 +242,39 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             node[last] = obj
         else:
             self.state_dict[fqn] = obj
+
+
+def _check_stored(fqn: str, md: TensorStorageMetadata, value: torch.Tensor, metadata: Metadata) -> None:
+    """CheckpointError unless ``fqn`` is stored with its destination's (``value``) dtype and shape, in chunks that
+    tile it exactly, each with data: DCP casts what it reads (a complex momentum lost its imaginary part with a
+    warning) and fills whichever chunks overlap a destination, leaving the rest as it was (a shard dropped from the
+    metadata left that rank's freshly initialised rows in place, silently)."""
+    shape = tuple(value.shape)
+    if tuple(md.size) != shape or md.properties.dtype != value.dtype:
+        raise CheckpointError(
+            f"Checkpoint item {fqn!r} is stored as {md.properties.dtype} {tuple(md.size)}, this run's is "
+            f"{value.dtype} {shape}"
+        )
+    covered = torch.zeros(shape, dtype=torch.bool)  # the destination's own size: bounded by what this run holds
+    for chunk in md.chunks:
+        ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=False)]
+        if (
+            len(chunk.offsets) != len(shape)
+            or len(chunk.sizes) != len(shape)
+            or any(o < 0 or e > d for o, e, d in zip(chunk.offsets, ends, shape, strict=True))
+        ):
+            raise CheckpointError(f"Checkpoint item {fqn!r} has a chunk outside its shape {shape}")
+        if MetadataIndex(fqn, chunk.offsets) not in (metadata.storage_data or {}):
+            raise CheckpointError(f"Checkpoint item {fqn!r} has a chunk at {tuple(chunk.offsets)} without data")
+        region = covered[tuple(slice(o, e) for o, e in zip(chunk.offsets, ends, strict=True))]
+        if bool(region.any()):
+            raise CheckpointError(f"Checkpoint item {fqn!r} has overlapping chunks")
+        region.fill_(True)
+    if not bool(covered.all()):
+        raise CheckpointError(
+            f"Checkpoint item {fqn!r} is stored in chunks that leave part of it out: the checkpoint is damaged or "
+            "crafted; resume from another"
+        )
 
 
 def never_stepped(key: str = "optim") -> Optional:

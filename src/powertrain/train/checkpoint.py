@@ -307,10 +307,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if optimizer is None:
             set_model_state_dict(model, state["model"])
         else:
-            from powertrain.train.optimizers import check_param_groups
+            from powertrain.train.optimizers import check_param_groups, check_state_values
 
-            # torch would take the saved hyperparameters as they are (weight_decay=50 included)
+            # torch would take the saved hyperparameters as they are (weight_decay=50 included), and the state's
+            # values too (a NaN momentum, a step of -1)
             check_param_groups(state["optim"].get("param_groups"), groups or [])
+            for fqn, per in (state["optim"].get("state") or {}).items():
+                check_state_values(f"the optimizer's state for {fqn}", per if isinstance(per, dict) else {},
+                                   type(optimizer).__name__)  # fmt: skip
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"Checkpoint {str(path)!r} does not fit this model or optimizer: {e}"[:400]) from None

@@ -181,11 +181,16 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
     kind = type(optimizer).__name__
     # a composite optimizer's parameter keeps its group's algorithm's state (Muon: momentum; AdamW: moments)
     algorithms = [g.get("algorithm", kind) for g in optimizer.param_groups for _ in g["params"]]
+    # a state the optimizer creates with itself (Dion's matrices) is never absent from a state it wrote
+    lost = [i for i, per in form["state"].items() if per and not (isinstance(saved.get(i), dict) and saved[i])]
+    if lost:
+        raise ValueError(f"the optimizer's state has no entry for parameter(s) {lost[:5]}, which this optimizer "
+                         "always keeps state for")  # fmt: skip
     for index, per in saved.items():
         if type(index) is not int or not 0 <= index < len(params) or not isinstance(per, dict):
             raise ValueError(f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} "
                              "parameters")  # fmt: skip
-        _check_tensors(f"the optimizer's state for parameter {index}", per)
+        check_state_values(f"the optimizer's state for parameter {index}", per, kind)
         expected = _PARAM_STATE.get(algorithms[index])
         if expected is None or not per:
             continue
@@ -227,6 +232,24 @@ def check_param_groups(groups: object, mine: list[dict[str, Any]]) -> None:
                 raise ValueError(f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
                                  "the run with its settings; drop the flags that change it, or start a new "
                                  "run")  # fmt: skip
+
+
+def check_state_values(what: str, per: dict[Any, Any], kind: str = "") -> None:
+    """ValueError in one line unless one parameter's optimizer state (``per``) holds values an optimizer could have
+    written: every tensor real and finite, a step count >= 0, the rest floating point, and AdamW's second moment >= 0
+    unless ``kind`` (the optimizer's class name) is FrozenVarianceAdamW, which marks its live entries by their sign (a
+    crafted step of -1 divided by zero in AdamW's first step, a negative second moment gave NaN)."""
+    _check_tensors(what, per)
+    for name, value in per.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if name == "step":
+            if value.numel() != 1 or value.is_complex() or bool(value < 0):
+                raise ValueError(f"{what}: its step is {value.flatten()[:2].tolist()!s:.60}, expected a count >= 0")
+        elif not value.is_floating_point():
+            raise ValueError(f"{what}: its {name} is a {value.dtype} tensor, expected floating point")
+        elif name in ("exp_avg_sq", "max_exp_avg_sq") and kind != "FrozenVarianceAdamW" and bool((value < 0).any()):
+            raise ValueError(f"{what}: its {name} holds negative values, which a second moment cannot")
 
 
 def _check_tensors(what: str, value: object, depth: int = 0) -> None:
