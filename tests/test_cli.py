@@ -367,6 +367,10 @@ def test_adamw_freezes_by_default_with_powersgd_only():
     auto = _continued(TrainConfig(compressor="powersgd:rank=auto"), {"compressor": "powersgd:rank=4"},
                       {"compressor": "powersgd:rank=auto"})  # fmt: skip
     assert auto.compressor == "powersgd:rank=4"  # rank=auto continues with what it chose
+    # the run's own compressor does not fit the optimizer the user asks for: left as resolved, so that the settings
+    # check names the optimizer (it named the compressor, which the user never gave)
+    dion = TrainConfig(optimizer="dion")
+    assert _continued(dion, {"compressor": "powersgd:rank=2,start=2"}, {"optimizer": "dion"}) == dion
 
 
 def test_every_setting_is_either_applied_and_said_or_refused_on_resume():

@@ -319,11 +319,15 @@ def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) ->
     from powertrain.train.config import is_auto, parse_compressor
 
     given = "compressor" in user and not is_auto(*parse_compressor(cfg.compressor))
+    kept = {}
     if compressor != cfg.compressor and isinstance(compressor, str) and not given:
-        cfg = dataclasses.replace(cfg, compressor=compressor)
+        kept["compressor"] = compressor
     if "adam_freeze" not in user and isinstance(freeze, int | float) and not isinstance(freeze, bool):
-        cfg = dataclasses.replace(cfg, adam_freeze=float(freeze))
-    return cfg
+        kept["adam_freeze"] = float(freeze)
+    try:
+        return dataclasses.replace(cfg, **kept)
+    except ValueError:  # the run's own do not fit what the user changed (another --optimizer): the settings check
+        return cfg  # names that change, not a flag the user never gave
 
 
 def _launch(cfg: TrainConfig, out: Path) -> int:
