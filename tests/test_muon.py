@@ -6,7 +6,9 @@ another world size."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import math
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -208,6 +210,43 @@ def test_state_dict_resumes_bitwise():
     resumed, _, _ = run(4, saved, start=2)
     for a, b in zip(whole.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_crafted_state_is_refused_at_load_with_nothing_taken():
+    """Muon.load_state_dict took what torch takes: a momentum of the wrong shape (failing at the next step), a NaN
+    momentum (NaN weights), a saved weight_decay of -5 (the constructor refuses it), a key for no parameter."""
+    model = _gpt()
+    opt = Muon(model.named_parameters(), lr=0.02)
+    model(*_tokens(0)).backward()
+    opt.step()
+    good = opt.state_dict()
+    fc = next(
+        i for i, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p is model.blocks[0].fc.weight
+    )
+
+    def crafted(edit: Callable[[dict], None]) -> dict:
+        state = copy.deepcopy(good)
+        edit(state)
+        return state
+
+    cases = {
+        "momentum_buffer for blocks.0.fc.weight is (3,), this optimizer's is": lambda s: s["state"][fc].update(
+            momentum_buffer=torch.zeros(3)
+        ),
+        "momentum_buffer for blocks.0.fc.weight holds non-finite": lambda s: s["state"][fc]["momentum_buffer"].fill_(
+            math.nan
+        ),
+        "Invalid weight_decay=-5": lambda s: s["param_groups"][0].update(weight_decay=-5.0),
+        "an entry '0' for none of its": lambda s: s["state"].update({"0": {}}),
+    }
+    before = copy.deepcopy(opt.state_dict())
+    for fragment, edit in cases.items():
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            opt.load_state_dict(crafted(edit))
+    after = opt.state_dict()
+    assert all(torch.equal(a, b) for k in before["state"] for a, b in
+               zip(before["state"][k].values(), after["state"][k].values(), strict=True))  # fmt: skip
+    opt.load_state_dict(good)
 
 
 def test_ranks_share_the_work_within_a_tenth_of_fair():

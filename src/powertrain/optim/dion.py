@@ -146,22 +146,9 @@ class Dion(MatrixOptimizer):
         """torch's load, keeping each matrix's momentum and right factor in the dtype Dion keeps them in (at least
         float32; torch casts every state tensor to its parameter's dtype, which for a bfloat16 matrix would lose the
         residual the momentum carries)."""
-        saved = state_dict.get("state", {}) if isinstance(state_dict, dict) else {}
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, st in saved.items() if isinstance(saved, dict) else ():
-            if isinstance(index, int) and 0 <= index < len(params) and isinstance(st, dict):
-                for key, want in self.state_shapes(params[index]).items():
-                    got = st.get(key)
-                    if isinstance(got, torch.Tensor) and tuple(got.shape) != want:
-                        raise ValueError(
-                            f"Dion state_dict's {key} for {self._names.get(id(params[index]), 'a parameter')} is "
-                            f"{tuple(got.shape)}, this optimizer's is {want} (another rank fraction, model or world "
-                            "size: a sharded matrix's state is this rank's rows)"
-                        )
-        super().load_state_dict(state_dict)
-        for index, st in saved.items():
-            if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(st, dict)):
-                continue  # torch's load has taken what it takes
+        super().load_state_dict(state_dict)  # checked: every key names a parameter
+        params = self._saved_keys(state_dict)
+        for index, st in state_dict["state"].items():
             p = params[index]
             for key in ("momentum", "Q"):
                 if isinstance(st.get(key), torch.Tensor) and key in self.state[p]:
@@ -185,7 +172,7 @@ class Dion(MatrixOptimizer):
         local = tuple(local_tensor(p).shape)
         if p.ndim == 2 and any(q is p for g in self.param_groups if g["algorithm"] == "dion" for q in g["params"]):
             return {"momentum": local, "Q": (local[0] if self.sharded else min(p.shape), self.rank_of(p))}
-        return {"step": (), "exp_avg": local, "exp_avg_sq": local}
+        return super().state_shapes(p)
 
     def _state_of(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         """``p``'s state: the momentum (``p``'s shape, this rank's own; a sharded matrix's rows of it) and the right

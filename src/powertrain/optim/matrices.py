@@ -288,6 +288,48 @@ class MatrixOptimizer(torch.optim.Optimizer):
             check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
         super().add_param_group(filled)
 
+    def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The shape of each of ``p``'s state tensors, what a loaded state is checked against: here an AdamW
+        parameter's (its moments the parameter's local shape, its step a scalar); subclasses add their matrices'."""
+        from powertrain.ops.flat import local_tensor
+
+        local = tuple(local_tensor(p).shape)
+        return {"step": (), "exp_avg": local, "exp_avg_sq": local}
+
+    def _saved_keys(self, state_dict: dict[str, Any]) -> dict[Any, torch.Tensor]:
+        """Which of this optimizer's parameters each key of a saved state names: the saved groups' ``params`` list
+        the keys in the order of the parameters (indices, or names through torch.distributed.checkpoint's state
+        dicts), as torch's load maps them."""
+        keys = [k for g in state_dict["param_groups"] for k in g.get("params", ())]
+        return dict(zip(keys, (p for g in self.param_groups for p in g["params"]), strict=False))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_algorithms(type(self).__name__, state_dict, self.param_groups)
+        """torch's load, after checking what it would take as it is: each group's algorithm and options (the
+        constructor's checks: a saved ``weight_decay=-5`` was taken), each state tensor's shape (a wrong one failed
+        at the next step) and values (finite: a NaN momentum made NaN weights)."""
+        owner = type(self).__name__
+        check_algorithms(owner, state_dict, self.param_groups)
+        for group in state_dict["param_groups"]:
+            defaults = self._group_defaults[group["algorithm"]]
+            filled = {**defaults, **{k: v for k, v in group.items() if k in defaults}}
+            if group["algorithm"] == self.algorithm:
+                self._check_options(filled)
+            else:
+                check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
+        saved = state_dict.get("state", {})
+        params = self._saved_keys(state_dict)
+        for index, st in saved.items() if isinstance(saved, dict) else ():
+            if index not in params or not isinstance(st, dict):
+                raise ValueError(f"{owner} state_dict has an entry {index!r:.40} for none of its {len(params)} "
+                                 "parameters")  # fmt: skip
+            name = self._names.get(id(params[index]), "a parameter")
+            for key, want in self.state_shapes(params[index]).items():
+                got = st.get(key)
+                if isinstance(got, torch.Tensor) and tuple(got.shape) != want:
+                    raise ValueError(
+                        f"{owner} state_dict's {key} for {name} is {tuple(got.shape)}, this optimizer's is {want} "
+                        "(another model, rank fraction or world size: a sharded matrix's state is this rank's rows)"
+                    )
+                if isinstance(got, torch.Tensor) and (got.is_complex() or not bool(torch.isfinite(got).all())):
+                    raise ValueError(f"{owner} state_dict's {key} for {name} holds non-finite or complex values")
         super().load_state_dict(state_dict)

@@ -152,6 +152,13 @@ class Muon(MatrixOptimizer):
         else:
             self._dist = Local(costs)
 
+    def state_shapes(self, p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The shape of each of ``p``'s state tensors (a ``"muon"`` matrix: its momentum, the parameter's local
+        shape; AdamW's otherwise): what a loaded state is checked against."""
+        if any(q is p for g in self.param_groups if g["algorithm"] == "muon" for q in g["params"]):
+            return {"momentum_buffer": tuple(local_tensor(p).shape)}
+        return super().state_shapes(p)
+
     @property
     def communicates(self) -> bool:
         """Whether a step sends anything: the work split's all-gather or all-to-alls, on more than one rank."""
