@@ -196,14 +196,14 @@ OPTIMIZER_ROWS = [
     Row("muon-int8", f"int8, Muon lr {MUON_LR:g}", "int8", optimizer="muon", optimizer_options={"muon_lr": MUON_LR}),
     *(
         Row(
-            f"muon-r{rank}",
-            f"powersgd r{rank} paper, bf16 factors, Muon lr {MUON_LR:g}",
+            f"muon-r{rank}" + ("" if lr == MUON_LR else f"-{lr:g}"),
+            f"powersgd r{rank} paper, bf16 factors, Muon lr {lr:g}",
             "powersgd",
             {**_R32, "rank": rank},
             optimizer="muon",
-            optimizer_options={"muon_lr": MUON_LR},
+            optimizer_options={"muon_lr": lr},
         )
-        for rank in (32, 8)
+        for rank, lr in ((32, MUON_LR), (8, MUON_LR), (32, 0.04))  # 0.04: uncompressed Muon's best rate
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
