@@ -319,7 +319,7 @@ def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) ->
     from powertrain.train.config import is_auto, parse_compressor
 
     given = "compressor" in user and not is_auto(*parse_compressor(cfg.compressor))
-    kept = {}
+    kept: dict[str, Any] = {}
     if compressor != cfg.compressor and isinstance(compressor, str) and not given:
         kept["compressor"] = compressor
     if "adam_freeze" not in user and isinstance(freeze, int | float) and not isinstance(freeze, bool):
