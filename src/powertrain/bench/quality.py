@@ -196,14 +196,24 @@ OPTIMIZER_ROWS = [
     Row("muon-int8", f"int8, Muon lr {MUON_LR:g}", "int8", optimizer="muon", optimizer_options={"muon_lr": MUON_LR}),
     *(
         Row(
-            f"muon-r{rank}" + ("" if lr == MUON_LR else f"-{lr:g}"),
-            f"powersgd r{rank} paper, bf16 factors, Muon lr {lr:g}",
+            f"muon-r{rank}",
+            f"powersgd r{rank} paper, bf16 factors, Muon lr {MUON_LR:g}",
             "powersgd",
             {**_R32, "rank": rank},
             optimizer="muon",
-            optimizer_options={"muon_lr": lr},
+            optimizer_options={"muon_lr": MUON_LR},
         )
-        for rank, lr in ((32, MUON_LR), (8, MUON_LR), (32, 0.04))  # 0.04: uncompressed Muon's best rate
+        for rank in (32, 8)
+    ),
+    # at uncompressed Muon's best rate and compressing from the first step: PowerSGD's exact warm-up, there for
+    # AdamW's sake, was a third of the r32 row's time to target at 10 Mbit/s
+    Row(
+        "muon-r32-0.04-start0",
+        "powersgd r32 paper, bf16 factors from step 0, Muon lr 0.04",
+        "powersgd",
+        {**_R32, "start_compressing_after_num_steps": 0},
+        optimizer="muon",
+        optimizer_options={"muon_lr": 0.04},
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
@@ -347,6 +357,14 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
         return None
     spec = _spec(row, 0, p.start, None)
     warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
+    if row.optimizer == "muon" and warm:
+        # the row's own exact steps: PowerSGD before it compresses, with Muon as the row runs it (behind a lossy
+        # compressor every rank orthogonalizes every matrix: no all-gather, which fp32's Muon row sends)
+        exact = _spec(row, 0, p.start, None)
+        exact = dataclasses.replace(
+            exact, options={**exact.options, "start_compressing_after_num_steps": timetotarget.EXACT_ONLY}
+        )
+        return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=exact)
     # fp32's exact all-reduce behind the row's own optimizer (the same timing as fp32's row for AdamW rows)
     exact = dataclasses.replace(FP32, optimizer=row.optimizer, optimizer_options=dict(row.optimizer_options))
     return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))

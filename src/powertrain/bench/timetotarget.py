@@ -115,13 +115,18 @@ def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig |
     return out
 
 
+#: PowerSGD's start for a spec timed in its exact phase (it never compresses while timed): :func:`_variants` keeps it
+EXACT_ONLY = 1 << 30
+
+
 def _variants(spec: Spec, rate: float) -> list[Spec]:
-    """How ``spec`` is timed: compressing from its first step (PowerSGD's exact steps are a phase of their own), with
+    """How ``spec`` is timed: compressing from its first step (PowerSGD's exact steps are a phase of their own,
+    timed as a spec whose start is :data:`EXACT_ONLY`), with
     one bucket and (at :data:`SLOW` and above) with 2 MB buckets for a per-step DDP configuration."""
     if spec.kind == "torch_psgd":
         raise ValueError(f"{spec.label}: torch's PowerSGD hook needs exact steps first (start_powerSGD_iter > 1) and "
                          "is not timed on the link; leave it out of the time to target")  # fmt: skip
-    if spec.kind == "powersgd":
+    if spec.kind == "powersgd" and spec.options.get("start_compressing_after_num_steps") != EXACT_ONLY:
         spec = dataclasses.replace(spec, options={**spec.options, "start_compressing_after_num_steps": 0})
     if spec.parallel != "ddp" or spec.bucket_cap_mb is not None or rate < SLOW:
         return [spec]
