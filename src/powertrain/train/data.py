@@ -252,7 +252,11 @@ def _read(segments: list[Segment]) -> torch.Tensor:
 def _bytes_corpus(plan: tuple[list[Segment], list[Segment]], description: str) -> TokenData:
     """Byte tokens: the train and validation segments of :func:`_plan`."""
     tr, va = _read(plan[0]), _read(plan[1])
-    return TokenData(tr, va, 256, f"{description} ({(tr.numel() + va.numel()) / MB:.1f} MB, bytes)")
+    # what was read, named by its content: the standard library differs between Python builds (a patch release, a
+    # distribution's), so two runs' losses compare only where these agree
+    digest = hashlib.sha256(tr.numpy().tobytes() + b"\0" + va.numpy().tobytes()).hexdigest()[:12]
+    size = (tr.numel() + va.numel()) / MB
+    return TokenData(tr, va, 256, f"{description} ({size:.1f} MB, bytes, sha256 {digest})")
 
 
 def _bin(path: Path, max_bytes: int | None) -> TokenData:
