@@ -25,7 +25,6 @@ from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.preconditioner import Preconditioner
-from powertrain.train.optimizers import MATRIX_LR
 from powertrain.train.strategy import LocalUpdates, Parallel
 from powertrain.train.strategy import check as check_parallel
 
@@ -49,6 +48,10 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
+#: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in). Muon's: the best of
+#: 0.01, 0.02, 0.04 and 0.08 on the default GPT over 300 steps (bench quality --preset muon, 3 seeds); Dion's:
+#: microsoft/dion's.
+MATRIX_LR = {"muon": 0.04, "dion": 0.01}
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25
 #: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off; Dion on

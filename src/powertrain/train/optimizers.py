@@ -36,10 +36,6 @@ from powertrain.comm import CommStats
 if TYPE_CHECKING:
     from powertrain.train.config import TrainConfig
 
-#: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in). Muon's: the best of
-#: 0.01, 0.02, 0.04 and 0.08 on the default GPT over 300 steps (bench quality --preset muon, 3 seeds); Dion's:
-#: microsoft/dion's.
-MATRIX_LR = {"muon": 0.04, "dion": 0.01}
 
 __all__ = ["Built", "RankOptimizer", "Schedule", "build_optimizer", "build_scheduler", "galore_split", "lr_factor"]
 
@@ -301,7 +297,7 @@ class Built:
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
     """The optimizer for ``model`` (already wrapped for ``cfg.parallel``, unwrapped module passed)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    matrix_lr = MATRIX_LR.get(cfg.optimizer, 0.0) if cfg.muon_lr is None else cfg.muon_lr  # resolved by TrainConfig
+    matrix_lr = 0.0 if cfg.muon_lr is None else cfg.muon_lr  # TrainConfig resolves it for muon and dion
     match cfg.optimizer:
         case "adamw":
             if cfg.adam_freeze:
