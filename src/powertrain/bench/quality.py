@@ -360,11 +360,10 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
     if row.optimizer == "muon" and warm:
         # the row's own exact steps: PowerSGD before it compresses, with Muon as the row runs it (behind a lossy
         # compressor every rank orthogonalizes every matrix: no all-gather, which fp32's Muon row sends)
-        exact = _spec(row, 0, p.start, None)
-        exact = dataclasses.replace(
-            exact, options={**exact.options, "start_compressing_after_num_steps": timetotarget.EXACT_ONLY}
+        own = dataclasses.replace(
+            spec, options={**spec.options, "start_compressing_after_num_steps": timetotarget.EXACT_ONLY}
         )
-        return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=exact)
+        return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=own)
     # fp32's exact all-reduce behind the row's own optimizer (the same timing as fp32's row for AdamW rows)
     exact = dataclasses.replace(FP32, optimizer=row.optimizer, optimizer_options=dict(row.optimizer_options))
     return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))
