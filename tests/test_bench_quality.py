@@ -149,6 +149,20 @@ def test_phases_add_up_per_phase():
                              kept=Path("/nonexistent/kept.json"))  # fmt: skip
 
 
+def test_a_muon_rows_exact_steps_are_timed_as_the_row_runs_them():
+    """PowerSGD's exact warm-up behind Muon: the row itself before it compresses (every rank orthogonalizing every
+    matrix, no all-gather), not fp32's Muon row, whose work split sends an all-gather beside the all-reduce."""
+    from powertrain.bench.quality import PRESETS, _phases, select_rows
+
+    (row,) = select_rows(["muon-r32"])[1:]  # after fp32
+    exact, rest = _phases(PRESETS["muon"], row)
+    assert exact.until == PRESETS["muon"].start == 5 and rest.until is None
+    assert exact.spec.kind == "powersgd" and exact.spec.optimizer == "muon"
+    assert exact.spec.options["start_compressing_after_num_steps"] == timetotarget.EXACT_ONLY
+    assert timetotarget._variants(exact.spec, 10.0)[0].options == exact.spec.options  # timed as given
+    assert timetotarget._variants(rest.spec, 10.0)[0].options["start_compressing_after_num_steps"] == 0
+
+
 def test_rows_are_chosen_by_key_with_fp32_first():
     assert [r.key for r in select_rows(["r32", "bf16", "r32"])] == ["fp32", "r32", "bf16"]
     with pytest.raises(ValueError, match=r"Unknown quality row.*nope: choose from fp32, bf16"):
