@@ -307,6 +307,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """torch's load, after checking what it would take as it is: each group's algorithm and options (the
         constructor's checks: a saved ``weight_decay=-5`` was taken), each state tensor's shape (a wrong one failed
         at the next step) and values (finite: a NaN momentum made NaN weights)."""
+        from powertrain.ops.flat import local_tensor
+
         owner = type(self).__name__
         check_algorithms(owner, state_dict, self.param_groups)
         for group in state_dict["param_groups"]:
@@ -325,6 +327,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
             name = self._names.get(id(params[index]), "a parameter")
             for key, want in self.state_shapes(params[index]).items():
                 got = st.get(key)
+                if isinstance(got, torch.Tensor):  # a DTensor through DCP's state dicts: its local rows, as want
+                    got = local_tensor(got)
                 if isinstance(got, torch.Tensor) and tuple(got.shape) != want:
                     raise ValueError(
                         f"{owner} state_dict's {key} for {name} is {tuple(got.shape)}, this optimizer's is {want} "
