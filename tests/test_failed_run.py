@@ -92,7 +92,7 @@ def test_a_full_disk_is_named_in_one_line(small_disk, nproc):
     r = run_cli("train", "--preset", "tiny", "--nproc", nproc, "--steps", "3", "--checkpoint-every", "1",
                 "--out", str(out), "--quiet")  # fmt: skip
     assert r.returncode == 1, r.stderr[-3000:]
-    lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
+    lines = [line for line in _lines(r.stderr) if not line.startswith(("Resume from", "No checkpoint was written"))]
     assert len(lines) == 1, r.stderr[-3000:]
     # ENOSPC itself names the file; a writer that reports a short write instead (torch.save's zip writer: "unexpected
     # pos") is caught by the free space left, and the line names --out: which one a run meets depends on timing.

@@ -10,6 +10,7 @@ import fcntl
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import typing
 from collections.abc import Iterator
@@ -330,6 +331,13 @@ def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) ->
         return cfg  # names that change, not a flag the user never gave
 
 
+def _again(out: Path) -> str:
+    """How to go on after a stopped run: from its last checkpoint, or (none written yet) from the start."""
+    if (out / "checkpoints" / "latest").is_file():
+        return f"; resume from the last checkpoint with: powertrain train ... --resume {out}"
+    return "; no checkpoint was written yet: the same command starts the run over"
+
+
 def _launch(cfg: TrainConfig, out: Path) -> int:
     import torch.distributed as dist
 
@@ -346,14 +354,15 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
         print(f"powertrain train: {e.describe()}", file=sys.stderr)
         diverged = all(f.cause.startswith("FloatingPointError") for f in e.failures)  # its line names the checkpoint
         if cfg.checkpoint_every and not diverged:
-            print(f"Resume from the last checkpoint with: powertrain train ... --resume {out}", file=sys.stderr)
+            again = _again(out).removeprefix("; ")
+            print(again[:1].upper() + again[1:], file=sys.stderr)
         return 1
     except FloatingPointError as e:  # single process: the worker's own error
         print(f"powertrain train: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         how = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
-        hint = f"; resume with: powertrain train ... --resume {out}" if cfg.checkpoint_every else ""
+        hint = _again(out) if cfg.checkpoint_every else ""
         print(f"powertrain train: interrupted ({how}), every worker stopped{hint}", file=sys.stderr)
-        return 130
+        return 128 + signal.Signals[how].value  # a shell's status for that signal: 130 for SIGINT, 143 for SIGTERM
     return 0
