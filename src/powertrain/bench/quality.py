@@ -207,13 +207,16 @@ OPTIMIZER_ROWS = [
     ),
     # at uncompressed Muon's best rate and compressing from the first step: PowerSGD's exact warm-up, there for
     # AdamW's sake, was a third of the r32 row's time to target at 10 Mbit/s
-    Row(
-        "muon-r32-0.04-start0",
-        "powersgd r32 paper, bf16 factors from step 0, Muon lr 0.04",
-        "powersgd",
-        {**_R32, "start_compressing_after_num_steps": 0},
-        optimizer="muon",
-        optimizer_options={"muon_lr": 0.04},
+    *(
+        Row(
+            f"muon-r{rank}-0.04-start0",
+            f"powersgd r{rank} paper, bf16 factors from step 0, Muon lr 0.04",
+            "powersgd",
+            {**_R32, "rank": rank, "start_compressing_after_num_steps": 0},
+            optimizer="muon",
+            optimizer_options={"muon_lr": 0.04},
+        )
+        for rank in (32, 16)
     ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
