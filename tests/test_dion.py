@@ -302,7 +302,7 @@ def test_a_zero_gradient_moves_nothing_but_the_decay():
     iteration starts from the old Q: a zero one would stay zero); only the weight decay acts."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(12, 5))
-    opt = Dion([{"params": [w], "algorithm": "dion"}], weight_decay=0.1, rank_fraction=0.5)
+    opt = Dion([{"params": [w], "algorithm": "dion"}], lr=0.01, weight_decay=0.1, rank_fraction=0.5)
     q = opt.state[w]["Q"].clone()
     before = w.detach().clone()
     w.grad = torch.zeros_like(w)

@@ -81,8 +81,8 @@ class Dion(MatrixOptimizer):
     Args:
         params: ``model.named_parameters()``: split by ``rule`` into a ``"dion"`` group and an ``"adamw"`` group; or
             parameter groups (dicts), each with ``"algorithm": "dion"`` or ``"adamw"`` and any of the options below.
-        lr: the Dion groups' learning rate, scaled per matrix by ``sqrt(fan_out / fan_in)`` (microsoft/dion's
-            defaults from here to ``eps``).
+        lr: the Dion groups' learning rate, scaled per matrix by ``sqrt(fan_out / fan_in)``; the command's default
+            (measured on its GPT, docs/optimizers.md; microsoft/dion's is 0.01, its defaults from here to ``eps``).
         mu: the momentum's decay: what the factors carry leaves it at rate ``1 - mu``.
         weight_decay: decoupled weight decay, ``W <- W (1 - lr wd)``.
         rank_fraction: each matrix's rank as a fraction of its smaller side (rounded up; 1: full rank, no saving).
@@ -101,7 +101,7 @@ class Dion(MatrixOptimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 0.01,
+        lr: float = 0.02,
         mu: float = 0.95,
         weight_decay: float = 0.01,
         rank_fraction: float = 1.0,
