@@ -377,7 +377,8 @@ def test_every_setting_is_either_applied_and_said_or_refused_on_resume():
     """Issue 49, item 1: every field of TrainConfig is in exactly one of RESUME_MAY_CHANGE and RESUME_REFUSED (a new
     flag must be placed); a resume that changes a refused one is refused naming it, one that changes an allowed one
     says it in the log (but where the run is: out, resume); no value the user gives is replaced by the checkpoint's,
-    and of those the user leaves unset only the compressor and the AdamW freeze continue with the run's own."""
+    and of those the user leaves unset only the compressor, the AdamW freeze and the matrices' rate (defaults that
+    depend on other settings and on the version) continue with the run's own."""
     from powertrain.train.checkpoint import RESUME_MAY_CHANGE, RESUME_REFUSED, config_changes, resume_changes
     from powertrain.train.cli import _continued
     from powertrain.train.config import TrainConfig
@@ -385,12 +386,12 @@ def test_every_setting_is_either_applied_and_said_or_refused_on_resume():
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
     assert not RESUME_MAY_CHANGE & RESUME_REFUSED, RESUME_MAY_CHANGE & RESUME_REFUSED
     assert set(fields) == RESUME_MAY_CHANGE | RESUME_REFUSED, set(fields) ^ (RESUME_MAY_CHANGE | RESUME_REFUSED)
-    cfg = TrainConfig()
+    cfg = TrainConfig(optimizer="muon")  # a run with every kind of default, the matrices' rate among them
     saved = dataclasses.asdict(cfg)
 
     def another(name: str, v: object) -> object:  # a value of the field's type (the compressor's: one that parses)
-        if name in ("compressor", "adam_freeze"):
-            return {"compressor": "int8", "adam_freeze": 0.5}[name]
+        if name in ("compressor", "adam_freeze", "muon_lr"):
+            return {"compressor": "int8", "adam_freeze": 0.5, "muon_lr": 0.5}[name]
         return not v if isinstance(v, bool) else v + 1 if isinstance(v, int | float) else "another"
 
     for name in fields:
@@ -402,11 +403,12 @@ def test_every_setting_is_either_applied_and_said_or_refused_on_resume():
         else:
             assert refused == "", (name, refused)
             assert said == ("" if name in ("out", "resume") else change), (name, said)
-        other = {**saved, name: another(name, saved[name])}
-        assert getattr(_continued(cfg, other, {name: getattr(cfg, name)}), name) == getattr(cfg, name), name
-        kept = _continued(cfg, other, {})
-        replaced = getattr(kept, name) != getattr(cfg, name)
-        assert replaced == (name in ("compressor", "adam_freeze")), (name, getattr(kept, name))
+        run = TrainConfig() if name == "adam_freeze" else cfg  # the freeze is AdamW's
+        other = {**dataclasses.asdict(run), name: another(name, getattr(run, name))}
+        assert getattr(_continued(run, other, {name: getattr(run, name)}), name) == getattr(run, name), name
+        kept = _continued(run, other, {})
+        replaced = getattr(kept, name) != getattr(run, name)
+        assert replaced == (name in ("compressor", "adam_freeze", "muon_lr")), (name, getattr(kept, name))
 
 
 def test_a_resume_with_another_compressor_is_refused(tmp_path):

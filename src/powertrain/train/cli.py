@@ -313,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) -> TrainConfig:
     """The settings a resumed run keeps from its checkpoint's config (``saved``) over what ``cfg`` resolved: rank=auto's
-    choice; the compressor and the AdamW freeze when the user (``user``: TOML and flags) did not set them, so that a run
+    choice; the compressor, the AdamW freeze and the matrices' rate when the user (``user``: TOML and flags) did not
+    set them, so that a run
     continues with its own and not with a default that depends on ``--steps`` or on a later version. A compressor the
     user names that differs from the run's is left for :func:`check_settings` to refuse, never replaced."""
     compressor, freeze = saved.get("compressor"), saved.get("adam_freeze")
@@ -325,6 +326,9 @@ def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) ->
         kept["compressor"] = compressor
     if "adam_freeze" not in user and isinstance(freeze, int | float) and not isinstance(freeze, bool):
         kept["adam_freeze"] = float(freeze)
+    matrix_lr = saved.get("muon_lr")  # a default per optimizer and per version: the run's own, unless asked
+    if "muon_lr" not in user and isinstance(matrix_lr, int | float) and not isinstance(matrix_lr, bool):
+        kept["muon_lr"] = float(matrix_lr)
     try:
         return dataclasses.replace(cfg, **kept)
     except ValueError:  # the run's own do not fit what the user changed (another --optimizer): the settings check
