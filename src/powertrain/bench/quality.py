@@ -218,6 +218,14 @@ OPTIMIZER_ROWS = [
         )
         for rank in (32, 16)
     ),
+    # MuLoCo (arXiv 2505.23725): local updates with Muon inside, the command's default outer step
+    dataclasses.replace(
+        LOCAL,
+        key="muon-local",
+        label=LOCAL.label.replace("powertrain local updates, the default", "local updates with Muon lr 0.04 inside"),
+        optimizer="muon",
+        optimizer_options={**LOCAL.optimizer_options, "muon_lr": 0.04},
+    ),
     # Dion sends its own factors (no gradient all-reduce). Its update P Q^T has Frobenius norm sqrt(r) against
     # Muon's sqrt(min(m, n)) (at rank 1/4 of the smaller side half of Muon's per entry, at 1/16 a quarter), which
     # suggested rates 2-4x Muon's; the first seed ended lowest at the sweep's lowest rate, so it reaches down to 0.01.
