@@ -367,6 +367,10 @@ def _proc_status(pid: int) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
+def _terminal_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_terminals_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path):
     """A terminal sends SIGINT to the whole foreground process group. Sent to the console script at 0 to 3 s after its
     code starts (while it imports torch, parses, launches, trains): every time status 130 and one line. Before, the
@@ -375,8 +379,10 @@ def test_a_terminals_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path):
     script = Path(sys.executable).parent / "powertrain"
     for i, delay in enumerate((0.0, 0.1, 0.3, 0.6, 1.0, 1.5, 3.0)):
         args = [*TINY, "--steps", "2000", "--out", str(tmp_path / f"run{i}")]
+        # with a terminal's SIGINT disposition (a shell's background job, as a CI runner may start this suite in,
+        # ignores SIGINT, and a process honours the SIG_IGN it inherits until the launcher installs its handler)
         proc = subprocess.Popen([str(script), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=_terminal_sigint)  # fmt: skip
         try:
             # from when the command's code runs: its entry holds SIGINT back first (the bit in /proc's mask of blocked
             # signals). Before that the interpreter starts up (tens of milliseconds: a Ctrl-C there is Python's own

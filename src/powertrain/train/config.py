@@ -50,8 +50,8 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 
 #: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in), from bench quality
 #: --preset muon on the default GPT over 300 steps. Muon's: the best of 0.01, 0.02, 0.04 and 0.08 (3 seeds). Dion's
-#: (rank 1/4): 0.02 and 0.04 ended within 0.4% of each other, 0.01 6% higher (microsoft/dion's default), 0.08
-#: diverged: the lower of the two best, twice below where it fails.
+#: (rank 1/4): the best of 0.01, 0.02, 0.04 and 0.08 (2 seeds; 0.04 0.3% above it, microsoft/dion's 0.01 6% on the
+#: one seed it ran, 0.08 diverged).
 MATRIX_LR = {"muon": 0.04, "dion": 0.02}
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25
