@@ -149,8 +149,10 @@ def main() -> None:
         if status[0]:
             sys.exit(1)  # another rank said why
         if status[1] != -status[2]:
-            sys.exit(f"rank {rank}: the ranks' checkpoints in {args.out} are from steps {-status[2]}..{status[1]}: a "
-                     "save was interrupted; restore a consistent set")  # fmt: skip
+            sys.exit(
+                f"rank {rank}: the ranks' checkpoints in {args.out} are from steps {-status[2]}..{status[1]}: a save "
+                "was interrupted; restore a consistent set"
+            )
 
     for step in range(start, args.steps):
         x, y = batch(data, args.seed, rank, step, args.batch_size, model.pos.num_embeddings)

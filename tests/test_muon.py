@@ -244,8 +244,11 @@ def test_a_crafted_state_is_refused_at_load_with_nothing_taken():
         with pytest.raises(ValueError, match=re.escape(fragment)):
             opt.load_state_dict(crafted(edit))
     after = opt.state_dict()
-    assert all(torch.equal(a, b) for k in before["state"] for a, b in
-               zip(before["state"][k].values(), after["state"][k].values(), strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for k in before["state"]
+        for a, b in zip(before["state"][k].values(), after["state"][k].values(), strict=True)
+    )
     opt.load_state_dict(good)
 
 

@@ -99,8 +99,12 @@ def test_a_tensors_chunks_must_tile_it_each_with_data():
 
     from powertrain.checkpoint import _check_stored
 
-    def check(*chunks: tuple[tuple[int, int], tuple[int, int]], data: bool = True, shape: tuple = (4, 3),
-              dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def check(
+        *chunks: tuple[tuple[int, int], tuple[int, int]],
+        data: bool = True,
+        shape: tuple = (4, 3),
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         stored = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in chunks]
         tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size((4, 3)), stored)
         index = {MetadataIndex("w", c.offsets): None for c in stored} if data else {}

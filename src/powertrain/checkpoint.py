@@ -257,12 +257,10 @@ def _check_stored(fqn: str, md: TensorStorageMetadata, value: torch.Tensor, meta
         )
     covered = torch.zeros(shape, dtype=torch.bool)  # the destination's own size: bounded by what this run holds
     for chunk in md.chunks:
-        ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=False)]
-        if (
-            len(chunk.offsets) != len(shape)
-            or len(chunk.sizes) != len(shape)
-            or any(o < 0 or e > d for o, e, d in zip(chunk.offsets, ends, shape, strict=True))
-        ):
+        if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
+            raise CheckpointError(f"Checkpoint item {fqn!r} has a chunk outside its shape {shape}")
+        ends = [o + n for o, n in zip(chunk.offsets, chunk.sizes, strict=True)]
+        if any(o < 0 or e > d for o, e, d in zip(chunk.offsets, ends, shape, strict=True)):
             raise CheckpointError(f"Checkpoint item {fqn!r} has a chunk outside its shape {shape}")
         if MetadataIndex(fqn, chunk.offsets) not in (metadata.storage_data or {}):
             raise CheckpointError(f"Checkpoint item {fqn!r} has a chunk at {tuple(chunk.offsets)} without data")

@@ -205,8 +205,8 @@ OPTIMIZER_ROWS = [
         )
         for rank in (32, 8)
     ),
-    # at uncompressed Muon's best rate and compressing from the first step: PowerSGD's exact warm-up, there for
-    # AdamW's sake, was a third of the r32 row's time to target at 10 Mbit/s
+    # at uncompressed Muon's best rate and compressing from the first step: PowerSGD's exact warm-up is there for
+    # AdamW's sake, and on a slow link its full-size steps weigh on the time to target
     *(
         Row(
             f"muon-r{rank}-0.04-start0",

@@ -307,6 +307,7 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """torch's load, after checking what it would take as it is: each group's algorithm and options (the
         constructor's checks: a saved ``weight_decay=-5`` was taken), each state tensor's shape (a wrong one failed
         at the next step) and values (finite: a NaN momentum made NaN weights)."""
+        from powertrain.ops.finite import all_finite
         from powertrain.ops.flat import local_tensor
 
         owner = type(self).__name__
@@ -322,18 +323,19 @@ class MatrixOptimizer(torch.optim.Optimizer):
         params = self._saved_keys(state_dict)
         for index, st in saved.items() if isinstance(saved, dict) else ():
             if index not in params or not isinstance(st, dict):
-                raise ValueError(f"{owner} state_dict has an entry {index!r:.40} for none of its {len(params)} "
-                                 "parameters")  # fmt: skip
+                raise ValueError(
+                    f"{owner} state_dict has an entry {index!r:.40} for none of its {len(params)} parameters"
+                )
             name = self._names.get(id(params[index]), "a parameter")
             for key, want in self.state_shapes(params[index]).items():
-                got = st.get(key)
-                if isinstance(got, torch.Tensor):  # a DTensor through DCP's state dicts: its local rows, as want
-                    got = local_tensor(got)
-                if isinstance(got, torch.Tensor) and tuple(got.shape) != want:
+                if not isinstance(st.get(key), torch.Tensor):
+                    continue  # a missing or misnamed entry is torch's load's (or the caller's check's) to refuse
+                got = local_tensor(st[key])  # a DTensor through DCP's state dicts: its local rows, as want
+                if tuple(got.shape) != want:
                     raise ValueError(
                         f"{owner} state_dict's {key} for {name} is {tuple(got.shape)}, this optimizer's is {want} "
                         "(another model, rank fraction or world size: a sharded matrix's state is this rank's rows)"
                     )
-                if isinstance(got, torch.Tensor) and (got.is_complex() or not bool(torch.isfinite(got).all())):
+                if got.is_complex() or not all_finite([got]):
                     raise ValueError(f"{owner} state_dict's {key} for {name} holds non-finite or complex values")
         super().load_state_dict(state_dict)

@@ -191,7 +191,7 @@ RESUME_MAY_CHANGE = frozenset({"steps", "lr", "muon_lr", "warmup_steps", "min_lr
                                "eval_every", "eval_batches", "checkpoint_every", "quiet", "tensorboard", "timeout_s",
                                "threads", "nproc", "backend"})  # fmt: skip
 #: What a resume refuses to change. Every field of :class:`powertrain.train.config.TrainConfig` is in exactly one of
-#: the two sets (tests/test_resume_settings.py walks them), so a new setting is placed on purpose; one that is in
+#: the two sets (a test in tests/test_cli.py walks them), so a new setting is placed on purpose; one that is in
 #: neither is refused too.
 RESUME_REFUSED = frozenset({
     # the model and its data
@@ -265,9 +265,8 @@ def resume_changes(manifest: dict[str, Any], config: dict[str, Any]) -> str:
     ``resume``), so that a resume's log says each setting it applies anew."""
     saved = manifest.get("config")
     saved = saved if isinstance(saved, dict) else {}
-    changed = [
-        k for k, v in config.items() if k in RESUME_MAY_CHANGE - {"out", "resume"} and k in saved and saved[k] != v
-    ]
+    said = RESUME_MAY_CHANGE - {"out", "resume"}
+    changed = [k for k, v in config.items() if k in said and k in saved and saved[k] != v]
     return ", ".join(f"{k}={saved[k]!r:.40} -> {config[k]!r}" for k in changed)
 
 
@@ -312,9 +311,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             # torch would take the saved hyperparameters as they are (weight_decay=50 included), and the state's
             # values too (a NaN momentum, a step of -1)
             check_param_groups(state["optim"].get("param_groups"), groups or [])
+            kind = type(optimizer).__name__
             for fqn, per in (state["optim"].get("state") or {}).items():
-                check_state_values(f"the optimizer's state for {fqn}", per if isinstance(per, dict) else {},
-                                   type(optimizer).__name__)  # fmt: skip
+                check_state_values(f"the optimizer's state for {fqn}", per if isinstance(per, dict) else {}, kind)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     except (ValueError, TypeError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"Checkpoint {str(path)!r} does not fit this model or optimizer: {e}"[:400]) from None

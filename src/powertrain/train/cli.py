@@ -20,6 +20,7 @@ from typing import Any, Literal
 from powertrain.train.config import (
     DEFAULT_OUTER_COMPRESSOR,
     DEFAULT_START,
+    MATRIX_LR,
     POWERSGD_ADAM_FREEZE,
     PRESETS,
     RECOMMENDED_POWERSGD,
@@ -46,8 +47,8 @@ _HELP = {
     "norms and biases), dion (Dion: low-rank; under reference and ddp it sends its own factors), shampoo "
     "(DistributedShampoo), galore (GaLoreAdamW on the blocks' 2-D weights) or demo "
     "(DeMo: no gradient all-reduce; reference or ddp; sign updates want a smaller --lr, e.g. 3e-4)",
-    "muon_lr": "optimizer muon or dion: the hidden matrices' learning rate (Muon: 0.04, scaled by sqrt(max(1, rows / "
-    "cols)) per matrix; Dion: 0.01, scaled by sqrt(rows / cols))",
+    "muon_lr": f"optimizer muon or dion: the hidden matrices' learning rate (Muon: {MATRIX_LR['muon']:g}, scaled by "
+    f"sqrt(max(1, rows / cols)) per matrix; Dion: {MATRIX_LR['dion']:g}, scaled by sqrt(rows / cols))",
     "dion_rank": "optimizer dion: each matrix's rank as a fraction of its smaller side (Dion sends (rows + cols) x "
     "rank numbers per matrix instead of rows x cols)",
     "adam_freeze": "fraction of the steps after which AdamW's second moment freezes (0: never, torch's AdamW); with "
@@ -338,8 +339,8 @@ def _continued(cfg: TrainConfig, saved: dict[str, Any], user: dict[str, Any]) ->
 def _again(out: Path) -> str:
     """How to go on after a stopped run: from its last checkpoint, or (none written yet) from the start."""
     if (out / "checkpoints" / "latest").is_file():
-        return f"; resume from the last checkpoint with: powertrain train ... --resume {out}"
-    return "; no checkpoint was written yet: the same command starts the run over"
+        return f"resume from the last checkpoint with: powertrain train ... --resume {out}"
+    return "no checkpoint was written yet: the same command starts the run over"
 
 
 def _launch(cfg: TrainConfig, out: Path) -> int:
@@ -358,15 +359,15 @@ def _launch(cfg: TrainConfig, out: Path) -> int:
         print(f"powertrain train: {e.describe()}", file=sys.stderr)
         diverged = all(f.cause.startswith("FloatingPointError") for f in e.failures)  # its line names the checkpoint
         if cfg.checkpoint_every and not diverged:
-            again = _again(out).removeprefix("; ")
-            print(again[:1].upper() + again[1:], file=sys.stderr)
+            again = _again(out)
+            print(again[0].upper() + again[1:], file=sys.stderr)
         return 1
     except FloatingPointError as e:  # single process: the worker's own error
         print(f"powertrain train: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
         how = e.signal_name if isinstance(e, Interrupted) else "SIGINT"
-        hint = _again(out) if cfg.checkpoint_every else ""
+        hint = f"; {_again(out)}" if cfg.checkpoint_every else ""
         print(f"powertrain train: interrupted ({how}), every worker stopped{hint}", file=sys.stderr)
         return 128 + signal.Signals[how].value  # a shell's status for that signal: 130 for SIGINT, 143 for SIGTERM
     return 0

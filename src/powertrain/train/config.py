@@ -48,10 +48,9 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 }
 
 
-#: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in), from bench quality
-#: --preset muon on the default GPT over 300 steps. Muon's: the best of 0.01, 0.02, 0.04 and 0.08 (3 seeds). Dion's
-#: (rank 1/4): the best of 0.01, 0.02, 0.04 and 0.08 (2 seeds; 0.04 0.3% above it, microsoft/dion's 0.01 6% on the
-#: one seed it ran, 0.08 diverged).
+#: The hidden matrices' learning rate when a run does not set --muon-lr (TrainConfig fills it in): for each, the best
+#: of the rates bench quality --preset muon sweeps on the default GPT (BENCHMARKS.md, "Muon against a swept AdamW";
+#: Dion's at rank 1/4, above microsoft/dion's 0.01).
 MATRIX_LR = {"muon": 0.04, "dion": 0.02}
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25

@@ -180,8 +180,10 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
     # a state the optimizer creates with itself (Dion's matrices) is never absent from a state it wrote
     lost = [i for i, per in form["state"].items() if per and not (isinstance(saved.get(i), dict) and saved[i])]
     if lost:
-        raise ValueError(f"the optimizer's state has no entry for parameter(s) {lost[:5]}, which this optimizer "
-                         "always keeps state for")  # fmt: skip
+        raise ValueError(
+            f"the optimizer's state has no entry for parameter(s) {lost[:5]}, which this optimizer always keeps "
+            "state for"
+        )
     for index, per in saved.items():
         if type(index) is not int or not 0 <= index < len(params) or not isinstance(per, dict):
             raise ValueError(f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} "
@@ -240,7 +242,7 @@ def check_state_values(what: str, per: dict[Any, Any], kind: str = "") -> None:
         if not isinstance(value, torch.Tensor):
             continue
         if name == "step":
-            if value.numel() != 1 or value.is_complex() or bool(value < 0):
+            if value.numel() != 1 or bool(value < 0):  # complex ones _check_tensors refused
                 raise ValueError(f"{what}: its step is {value.flatten()[:2].tolist()!s:.60}, expected a count >= 0")
         elif not value.is_floating_point():
             raise ValueError(f"{what}: its {name} is a {value.dtype} tensor, expected floating point")
