@@ -308,7 +308,22 @@ PRESETS = {
         rows=("bf16", *(r.key for r in OPTIMIZER_ROWS)),
         baseline=("fp32", *(f"adamw-{lr:g}" for lr in ADAMW_LRS)),
         target=1.0,
-        rows_at={1000: ("adamw-0.0005", "adamw-0.002", "bf16", "muon-0.02", "muon-int8", "muon-r32")},
+        # the long horizon: the AdamW sweep, Muon's best rate, local updates with AdamW and Muon inside (issue 48
+        # names its targets at 1,000 steps), and the per-step compressed Muon rows
+        rows_at={
+            1000: (
+                *(f"adamw-{lr:g}" for lr in ADAMW_LRS),
+                "bf16",
+                "muon-0.02",
+                "muon-0.04",
+                "muon-int8",
+                "muon-r32",
+                "muon-r16-0.04-start0",
+                "muon-local",
+                "local",
+                "dion-0.25-0.02",
+            )
+        },
     ),
 }
 
