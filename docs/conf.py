@@ -15,7 +15,7 @@ import powertrain  # noqa: E402
 
 project = "powertrain"
 author = "the powertrain developers"
-copyright = "2026, the powertrain developers"  # noqa: A001
+copyright = "2026, the powertrain developers"
 release = version = powertrain.__version__
 
 extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.viewcode"]
@@ -43,8 +43,9 @@ def _google_sections(app, what, name, obj, options, lines):  # type: ignore[no-u
         return
     from sphinx.ext.napoleon import Config, GoogleDocstring
 
-    lines[:] = GoogleDocstring(lines, Config(napoleon_use_param=True, napoleon_use_rtype=True), app, what, name, obj,
-                               options).lines()  # fmt: skip
+    lines[:] = GoogleDocstring(
+        lines, Config(napoleon_use_param=True, napoleon_use_rtype=True), app, what, name, obj, options
+    ).lines()
 
 
 def _front_door(app, exception):  # type: ignore[no-untyped-def]

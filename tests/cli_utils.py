@@ -37,8 +37,13 @@ def _descendants(pid: int) -> list[int]:
 _EXTENSIONS = re.compile(r"^Extension modules: .*?\(total: \d+\)\n?", re.MULTILINE | re.DOTALL)
 
 
-def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: str = "powertrain",
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def run_cli(
+    *args: str,
+    timeout: float = 120,
+    cwd: Path | None = None,
+    module: str = "powertrain",
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """``python -m MODULE ARGS`` (``powertrain`` by default), with ``env`` added to the environment.
 
     If it is still running after ``timeout`` seconds, every process of the run gets SIGABRT, which (with
@@ -46,8 +51,9 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None, module: s
     fails naming the command. The stderr returned leaves out faulthandler's list of loaded extension modules."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     cmd = [sys.executable, "-m", module, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env, cwd=cwd, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -68,6 +74,16 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> 
     :func:`run_cli`."""
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
-    return run_cli("--nproc-per-node", str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-                   str(script), *args, timeout=timeout, module="torch.distributed.run",
-                   env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path})  # fmt: skip
+    return run_cli(
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(script),
+        *args,
+        timeout=timeout,
+        module="torch.distributed.run",
+        env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+    )

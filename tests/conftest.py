@@ -67,9 +67,19 @@ def pytest_configure(config: pytest.Config) -> None:
 #: and torchrun's restarts, the docs' build and examples, the integrations' trainers (tests marked ``slow`` in other
 #: modules: torch.compile's).
 SLOW_MODULES = {
-    "test_bench_optimizers", "test_bench_parallel", "test_bench_quality", "test_bench_torchft", "test_gpu_check",
-    "test_multinode", "test_elastic", "test_netem", "test_docs", "test_examples", "test_hf", "test_lightning",
-}  # fmt: skip
+    "test_bench_optimizers",
+    "test_bench_parallel",
+    "test_bench_quality",
+    "test_bench_torchft",
+    "test_gpu_check",
+    "test_multinode",
+    "test_elastic",
+    "test_netem",
+    "test_docs",
+    "test_examples",
+    "test_hf",
+    "test_lightning",
+}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups

@@ -15,11 +15,17 @@ from powertrain.cli import main
 from powertrain.train.strategy import Parallel
 
 #: Extra runs beyond one per mode: the DDP hook's gather program, and SimpleFSDP compiled (inductor).
-EXTRA = {"ddp+int8": ["--parallel", "ddp", "--compressor", "int8"],
-         "simple_fsdp+compile": ["--parallel", "simple_fsdp", "--compressor", "none", "--compile"]}  # fmt: skip
+EXTRA = {
+    "ddp+int8": ["--parallel", "ddp", "--compressor", "int8"],
+    "simple_fsdp+compile": ["--parallel", "simple_fsdp", "--compressor", "none", "--compile"],
+}
 #: Each mode's compressor: PowerSGD where the mode takes one (the hook's chain, FSDP2's rows), else none.
-COMPRESSOR = {"reference": "powersgd:rank=2,start=2", "ddp": "powersgd:rank=2,start=2",
-              "fsdp": "powersgd:rank=2,start=2", "simple_fsdp": "powersgd:rank=2,start=2"}  # fmt: skip
+COMPRESSOR = {
+    "reference": "powersgd:rank=2,start=2",
+    "ddp": "powersgd:rank=2,start=2",
+    "fsdp": "powersgd:rank=2,start=2",
+    "simple_fsdp": "powersgd:rank=2,start=2",
+}
 
 
 def runs() -> dict[str, list[str]]:
@@ -34,8 +40,21 @@ def run_all(backend: str, out: Path, steps: int = 4) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name, args in runs().items():
         where = out / name.replace("+", "_")
-        argv = ["train", "--preset", "tiny", "--steps", str(steps), "--nproc", "1", "--backend", backend, "--quiet",
-                "--out", str(where), *args]  # fmt: skip
+        argv = [
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            str(steps),
+            "--nproc",
+            "1",
+            "--backend",
+            backend,
+            "--quiet",
+            "--out",
+            str(where),
+            *args,
+        ]
         try:
             code = main(argv)
             if code != 0:

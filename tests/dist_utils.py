@@ -75,8 +75,18 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
 #: interpreter per rank, as "spawn" gives, but ~2.5 s faster per 4-rank launch on 2 cores). The server holds no
 #: threads and no process group; it inherits the environment pytest started with (no test changes it for ranks).
 #: torch._dynamo: every torch optimizer imports it when the first one is built (its __init__ is dynamo-disabled).
-_PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch.distributed.fsdp", "torch._dynamo", "dist_utils",
-            "models", "powertrain.compress", "powertrain.ddp", "powertrain.fsdp"]  # fmt: skip
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.distributed.fsdp",
+    "torch._dynamo",
+    "dist_utils",
+    "models",
+    "powertrain.compress",
+    "powertrain.ddp",
+    "powertrain.fsdp",
+]
 
 
 def _context() -> Any:

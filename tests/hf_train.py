@@ -41,11 +41,29 @@ class Text(Dataset):
 
 def train(out: Path, compress: bool, resume: str | None = None) -> tuple[list[float], int]:
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    args = TrainingArguments(output_dir=str(out), max_steps=STEPS, save_steps=HALF, logging_steps=1,
-                             per_device_train_batch_size=8, learning_rate=1e-3, use_cpu=True, seed=0, report_to=[],
-                             disable_tqdm=True, dataloader_num_workers=0)  # fmt: skip
+    config = GPT2Config(
+        vocab_size=256,
+        n_positions=BLOCK,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=STEPS,
+        save_steps=HALF,
+        logging_steps=1,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        use_cpu=True,
+        seed=0,
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Text())
     callback = (
         compress_gradients(trainer, "powersgd", rank=4, start_compressing_after_num_steps=2) if compress else None
@@ -71,8 +89,9 @@ def accelerate_loop(compress: bool) -> tuple[list[float], int]:
     model, optimizer, data = accelerator.prepare(model, optimizer, DataLoader(Text(), batch_size=8))
     compressor = None
     if compress:
-        compressor = make_compressor("powersgd", model.module.named_parameters(), rank=4,
-                                     start_compressing_after_num_steps=2)  # fmt: skip
+        compressor = make_compressor(
+            "powersgd", model.module.named_parameters(), rank=4, start_compressing_after_num_steps=2
+        )
         register_compressor(model, compressor)
     losses = []
     for _, batch in zip(range(STEPS), data, strict=False):
@@ -89,10 +108,20 @@ resumed, _ = train(OUT / "run", True, resume=str(OUT / "run" / f"checkpoint-{HAL
 plain, _ = train(OUT / "plain", False)
 acc, acc_sent = accelerate_loop(True)
 acc_plain, _ = accelerate_loop(False)
-n_params = sum(p.numel() for p in GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2,
-                                                              n_head=2)).parameters())  # fmt: skip
+n_params = sum(
+    p.numel()
+    for p in GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=64, n_layer=2, n_head=2)).parameters()
+)
 if dist.get_rank() == 0:
-    result = {"full": full, "resumed": resumed, "plain": plain, "sent": sent, "dense": 4 * n_params * STEPS,
-              "accelerate": acc, "accelerate_plain": acc_plain, "accelerate_sent": acc_sent}  # fmt: skip
+    result = {
+        "full": full,
+        "resumed": resumed,
+        "plain": plain,
+        "sent": sent,
+        "dense": 4 * n_params * STEPS,
+        "accelerate": acc,
+        "accelerate_plain": acc_plain,
+        "accelerate_sent": acc_sent,
+    }
     (OUT / "result.json").write_text(json.dumps(result))
 leave_without_teardown()  # the results are written: no interpreter teardown (pytorch/pytorch#190489)

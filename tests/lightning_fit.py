@@ -49,9 +49,17 @@ def fit(out: Path, epochs: int, compress: bool, ckpt: str | None = None) -> tupl
     L.seed_everything(0, verbose=False)
     model = Net()
     compression = GradientCompression("powersgd", rank=4, start_compressing_after_num_steps=4)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=epochs, logger=False,
-                        callbacks=[*([compression] if compress else []), ModelCheckpoint(dirpath=out, save_last=True)],
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_epochs=epochs,
+        logger=False,
+        callbacks=[*([compression] if compress else []), ModelCheckpoint(dirpath=out, save_last=True)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
     trainer.fit(model, data(), ckpt_path=ckpt)
     sent = compression.compressor.comm.stats.bytes_sent if compress and compression.compressor else 0
     return model.losses, sent, compression, (trainer, model)
@@ -72,8 +80,16 @@ except ValueError as e:
     refusal = str(e)
 n_params = sum(p.numel() for p in Net().parameters())
 rank = torch.distributed.get_rank()
-result = {"full": full, "resumed": first + rest, "plain": plain, "sent": full_sent, "dense": 4 * n_params * len(full),
-          "saved_world": state["world_size"], "saved_ranks": len(state["ranks"]), "refusal": refusal,
-          "refit": refit}  # fmt: skip
+result = {
+    "full": full,
+    "resumed": first + rest,
+    "plain": plain,
+    "sent": full_sent,
+    "dense": 4 * n_params * len(full),
+    "saved_world": state["world_size"],
+    "saved_ranks": len(state["ranks"]),
+    "refusal": refusal,
+    "refit": refit,
+}
 (OUT / f"rank{rank}.json").write_text(json.dumps(result))
 leave_without_teardown()  # the results are written: no interpreter teardown (pytorch/pytorch#190489)

@@ -66,5 +66,7 @@ def token_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """3 x 16 tokens and targets for :data:`PARITY_GPT`, different on every data rank and step."""
     g = torch.Generator().manual_seed(1000 * step + rank)
     shape = (3, 16)
-    return (torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g),
-            torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g))  # fmt: skip
+    return (
+        torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g),
+        torch.randint(0, PARITY_GPT.vocab_size, shape, generator=g),
+    )

@@ -49,11 +49,16 @@ def test_choice_follows_the_link():
 
 def test_choice_respects_the_users_other_options():
     model = _default_gpt()
-    c = choose(model.named_parameters(), backward_s=BACKWARD_S, link=Link(1.25e6, 3e-4, 2),
-               options={"start_compressing_after_num_steps": 7})  # fmt: skip
+    c = choose(
+        model.named_parameters(),
+        backward_s=BACKWARD_S,
+        link=Link(1.25e6, 3e-4, 2),
+        options={"start_compressing_after_num_steps": 7},
+    )
     assert c.options["start_compressing_after_num_steps"] == 7 and c.options["factor_dtype"] == "bf16"
-    c = choose(model.named_parameters(), backward_s=BACKWARD_S, link=Link(1.25e6, 3e-4, 2),
-               options={"variant": "alternating"})  # fmt: skip
+    c = choose(
+        model.named_parameters(), backward_s=BACKWARD_S, link=Link(1.25e6, 3e-4, 2), options={"variant": "alternating"}
+    )
     assert c.options["variant"] == "alternating" and c.options["factor_dtype"] == "fp32"
 
 

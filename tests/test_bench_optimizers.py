@@ -36,8 +36,13 @@ def _scheduled_lrs(rank: int, world: int) -> list[float]:
     from powertrain.bench.sidebyside import _Run
     from powertrain.models import GPT, GPTConfig
 
-    spec = Spec("AdamW", "none", optimizer="adamw", steps=5,
-                optimizer_options={"lr": 1e-2, "warmup_steps": 2, "min_lr_ratio": 0.1})  # fmt: skip
+    spec = Spec(
+        "AdamW",
+        "none",
+        optimizer="adamw",
+        steps=5,
+        optimizer_options={"lr": 1e-2, "warmup_steps": 2, "min_lr_ratio": 0.1},
+    )
     torch.manual_seed(0)
     run = _Run(spec, GPT(GPTConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, d_model=16)), 0, 25.0)
     x, y = torch.randint(0, 16, (2, 8)), torch.randint(0, 16, (2, 8))

@@ -19,9 +19,13 @@ from powertrain.train.config import TrainConfig
 from powertrain.train.data import load_data
 
 #: local updates at the tiny horizon: H 4, int4 on the outer step (two syncs in 8 steps)
-TINY_LOCAL = quality.Row("h4-int4", "local updates H 4, int4 outer", "int4",
-                         optimizer_options={"sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
-                         parallel="diloco")  # fmt: skip
+TINY_LOCAL = quality.Row(
+    "h4-int4",
+    "local updates H 4, int4 outer",
+    "int4",
+    optimizer_options={"sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0},
+    parallel="diloco",
+)
 
 
 @pytest.mark.netem
@@ -51,8 +55,16 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     # the target), then the other rows side by side, every seed
     one = ["fp32/None", "alt-r4/None", "fp32-frozen/None"]
     two = ["fp32/None", "fp32/2.0", "alt-r4/None", "alt-r4/2.0", "fp32-frozen/None", "fp32-frozen/2.0"]
-    assert launched == [["link 1", *one], ["link 1", "h4-int4/None"], ["link 100", *two],
-                        ["link 100", "h4-int4/None"], ["fp32"], ["fp32"], rest, rest]  # fmt: skip
+    assert launched == [
+        ["link 1", *one],
+        ["link 1", "h4-int4/None"],
+        ["link 100", *two],
+        ["link 100", "h4-int4/None"],
+        ["fp32"],
+        ["fp32"],
+        rest,
+        rest,
+    ]
     link_s = report["link_s"]
     assert set(link_s) == {"1.0", "100.0"} and set(link_s["1.0"]) == {"fp32", "alt-r4", "fp32-frozen", "h4-int4"}
     assert len(link_s["1.0"]["alt-r4"]) == 2 and link_s["1.0"]["alt-r4"][0] == link_s["1.0"]["fp32"][0]
@@ -71,8 +83,10 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     # What a row keeps: its curve from the run, and bytes counted as sent. After the warm-up's dense steps
     # powertrain's must equal what the compressor says a rank-4 step sends (alternating: P and Q on alternate
     # steps, so the compressed steps average them).
-    kept = {k: json.loads((out / "tiny" / "h8" / "s0" / f"{k}.json").read_text())["measured"]
-            for k in ("fp32", "alt-r4", "torch-r4")}  # fmt: skip
+    kept = {
+        k: json.loads((out / "tiny" / "h8" / "s0" / f"{k}.json").read_text())["measured"]
+        for k in ("fp32", "alt-r4", "torch-r4")
+    }
     # torch's hook counts nothing: its exact warm-up, then P and Q of its rank (computed)
     hook = kept["torch-r4"]
     hook_low = network.modelled_bytes(Spec("h", "torch_psgd", {"rank": 4}), model)
@@ -145,8 +159,14 @@ def test_phases_add_up_per_phase():
     assert got[1].spec.bucket_cap_mb == timetotarget.ONE_BUCKET_MB
     assert got[2].spec.optimizer_options == {"sync_every": 5}
     with pytest.raises(ValueError, match="torch's PowerSGD hook"):
-        timetotarget.measure([Spec("t", "torch_psgd", {"rank": 4})], [10.0], model=None, batch=1, data_mb=0.0,
-                             kept=Path("/nonexistent/kept.json"))  # fmt: skip
+        timetotarget.measure(
+            [Spec("t", "torch_psgd", {"rank": 4})],
+            [10.0],
+            model=None,
+            batch=1,
+            data_mb=0.0,
+            kept=Path("/nonexistent/kept.json"),
+        )
 
 
 def test_a_muon_rows_exact_steps_are_timed_as_the_row_runs_them():
@@ -216,8 +236,11 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "_launch", recording)
     monkeypatch.setattr(quality, "_measured", lambda row, res, p, model: {**res, "row": row.key})
     monkeypatch.setattr(quality._Kept, "put", lambda self, steps, seed, row, m: None)
-    monkeypatch.setattr(quality._Kept, "get", lambda self, steps, seed, row, target: (
-        {"curve": [[steps, 2.0]]} if row is quality.FP32 else None))  # fmt: skip
+    monkeypatch.setattr(
+        quality._Kept,
+        "get",
+        lambda self, steps, seed, row, target: {"curve": [[steps, 2.0]]} if row is quality.FP32 else None,
+    )
     with pytest.raises(Stop):
         run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="", horizon_only=True)
     assert seen == [("int4", False, 0, None)]
@@ -236,7 +259,8 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     at300, at1000 = quality.rows_at(local, chosen, 300), quality.rows_at(local, chosen, 1000)
     assert [(r.key, r.to_target) for r in at1000] == [("fp32", True), ("local", False)]
     assert [r.key for r in at300] == [r.key for r in chosen] and [r.to_target for r in at300] == [
-        r.to_target for r in chosen]  # fmt: skip
+        r.to_target for r in chosen
+    ]
     assert any(r.to_target for r in at300[1:])  # the rows that run on to the target at 300 still do
 
 
@@ -267,7 +291,9 @@ def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, mo
     path = tmp_path / "torchft_link.json"
     got = quality._torchft_link(p, rows, path)
     assert calls == ["torchft 100 h25", "ours 100 local,diloco-paper"] * quality.TORCHFT_PAIRS + [
-        "torchft 1 h25", "ours 1 local,diloco-paper"]  # fmt: skip
+        "torchft 1 h25",
+        "ours 1 local,diloco-paper",
+    ]
     assert got["100.0"][1] == {"torchft": 0.72, "local": 0.79, "diloco-paper": 0.81} and len(got["1.0"]) == 1
     calls.clear()
     assert quality._torchft_link(p, rows, path) == got and calls == []  # kept: nothing runs again
@@ -302,12 +328,22 @@ def test_the_text_says_which_horizons_ran_no_row_on_to_the_target():
     from powertrain.bench.quality_text import markdown
 
     def row(key: str, to_target: bool) -> dict:
-        return {"key": key, "label": key, "to_target": to_target, "hits": [None], "fraction": 0.5,
-                "val_mean": 2.0, "val_min": 2.0, "val_max": 2.0}  # fmt: skip
+        return {
+            "key": key,
+            "label": key,
+            "to_target": to_target,
+            "hits": [None],
+            "fraction": 0.5,
+            "val_mean": 2.0,
+            "val_min": 2.0,
+            "val_max": 2.0,
+        }
 
     p = dataclasses.replace(PRESETS["tiny"], rates=())
-    horizon = [{"steps": 8, "target": 2.02, "rows": [row("fp32", True), row("int4", True)]},
-               {"steps": 16, "target": 2.02, "rows": [row("fp32", True), row("int4", False)]}]  # fmt: skip
+    horizon = [
+        {"steps": 8, "target": 2.02, "rows": [row("fp32", True), row("int4", True)]},
+        {"steps": 16, "target": 2.02, "rows": [row("fp32", True), row("int4", False)]},
+    ]
     report = {"preset": "tiny", "params": 1000, "link_s": {}, "horizons": horizon}
     text = markdown(report, p, 1, CAP)
     assert f"until they reach it (at most {CAP}x the horizon); at 16 steps every row trained its horizon only" in text

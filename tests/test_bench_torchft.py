@@ -46,12 +46,29 @@ def _torchft(label: str, **extra: Any) -> TorchftResult:
 @pytest.fixture(scope="module")
 def powertrain_rows() -> dict[str, SpecResult]:
     """The same rows as powertrain's diloco rows, side by side in one launch of 2 workers."""
-    specs = [Spec(label, "none", steps=steps, optimizer="adamw", parallel="diloco",
-                  optimizer_options={"sync_every": h, "fragments": f, "outer_lr": lr, "outer_momentum": momentum})
-             for label, (steps, h, f, lr, momentum) in ROWS.items()]  # fmt: skip
+    specs = [
+        Spec(
+            label,
+            "none",
+            steps=steps,
+            optimizer="adamw",
+            parallel="diloco",
+            optimizer_options={"sync_every": h, "fragments": f, "outer_lr": lr, "outer_momentum": momentum},
+        )
+        for label, (steps, h, f, lr, momentum) in ROWS.items()
+    ]
     rounds = max(s.steps for s in specs)
-    args = launch_args(specs, model=TINY, batch=RUN["batch"], warmup=0, timed=rounds, start=0,
-                       eval_every=RUN["eval_every"], data_mb=RUN["data_mb"], seed=RUN["seed"])  # fmt: skip
+    args = launch_args(
+        specs,
+        model=TINY,
+        batch=RUN["batch"],
+        warmup=0,
+        timed=rounds,
+        start=0,
+        eval_every=RUN["eval_every"],
+        data_mb=RUN["data_mb"],
+        seed=RUN["seed"],
+    )
     return dict(zip(ROWS, by_spec(launch(worker, 2, args)), strict=True))
 
 
@@ -77,8 +94,13 @@ def test_invalid_settings_are_named() -> None:
 def test_step_times_follow_the_slower_replica_between_meetings() -> None:
     """Replica A stalls at step 2, B at step 1, and they meet at step 2 (A arrives last: its hook is the sync alone):
     the steps up to there are A's, and the times add up to the run's (a per-step maximum would count both stalls)."""
-    a = {"compute_s": [1.0, 5.0, 1.0, 1.0], "hook_s": [0.0, 0.5, 0.0, 0.3], "meets": [2, 4],
-         "syncs": [[2, 8], [4, 8]], "evals": [[2, 10.0, 4], [4, 8.0, 4]]}  # fmt: skip
+    a = {
+        "compute_s": [1.0, 5.0, 1.0, 1.0],
+        "hook_s": [0.0, 0.5, 0.0, 0.3],
+        "meets": [2, 4],
+        "syncs": [[2, 8], [4, 8]],
+        "evals": [[2, 10.0, 4], [4, 8.0, 4]],
+    }
     b = {**a, "compute_s": [4.0, 1.0, 1.0, 1.0], "hook_s": [0.0, 1.5, 0.0, 0.2], "evals": [[2, 12.0, 4], [4, 8.0, 4]]}
     got = _combine([a, b], steps=4, period=2)
     assert got.step_times == [1.0, 5.5, 1.0, 1.2]

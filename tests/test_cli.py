@@ -19,8 +19,17 @@ from cli_utils import run_cli
 from powertrain.cli import main
 from powertrain.train.config import parse_compressor
 
-METRIC_KEYS = {"step", "loss", "lr", "step_time_s", "compute_s", "comm_s", "compress_s", "bytes_sent",
-               "bytes_uncompressed"}  # fmt: skip
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "step_time_s",
+    "compute_s",
+    "comm_s",
+    "compress_s",
+    "bytes_sent",
+    "bytes_uncompressed",
+}
 
 
 _run = run_cli
@@ -110,21 +119,54 @@ _SHAMPOO = ["--optimizer", "shampoo", "--shampoo-frequency", "2", "--shampoo-max
 
 @pytest.mark.parametrize(
     "mode",
-    [["ddp", "int8"], ["simple_fsdp", "none"], ["simple_fsdp", "powersgd:rank=2,start=2", "--adam-freeze", "0.3"],
-     ["ddp", "none", *_SHAMPOO, "--shampoo-vectors", "shampoo"],
-     ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
-     ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
-     ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
-     ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
-     ["tp", "none", "--tp", "2"], ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"],
-     ["diloco", "powersgd:rank=2", "--sync-every", "4", "--fragments", "2", "--sync-delay", "1", "--sync-mix", "0.5"],
-     ["fsdp", "int8", "--optimizer", "muon", "--muon-lr", "0.05"], ["ddp", "none", "--optimizer", "muon"],
-     ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"],
-     ["ddp", "none", "--optimizer", "dion", "--dion-rank", "0.5"], ["fsdp", "none", "--optimizer", "dion"]],
-    ids=["ddp-int8", "simple_fsdp", "simple_fsdp-powersgd", "ddp-shampoo", "fsdp-soap", "reference-shampoo-bf16",
-         "ddp-demo", "fsdp-galore", "tp", "tp-powersgd", "diloco-streaming", "fsdp-muon-int8", "ddp-muon",
-         "diloco-muon", "ddp-dion", "fsdp-dion"],
-)  # fmt: skip
+    [
+        ["ddp", "int8"],
+        ["simple_fsdp", "none"],
+        ["simple_fsdp", "powersgd:rank=2,start=2", "--adam-freeze", "0.3"],
+        ["ddp", "none", *_SHAMPOO, "--shampoo-vectors", "shampoo"],
+        ["fsdp", "none", *_SHAMPOO, "--shampoo-preconditioner", "eigenvalue_corrected"],
+        ["reference", "none", *_SHAMPOO, "--shampoo-comm-dtype", "bf16"],
+        ["ddp", "none", "--optimizer", "demo", "--lr", "3e-4", "--demo-chunk", "16", "--demo-topk", "4"],
+        ["fsdp", "none", "--optimizer", "galore", "--galore-rank", "8", "--galore-gap", "3"],
+        ["tp", "none", "--tp", "2"],
+        ["tp", "powersgd:rank=2,start=2", "--tp", "2", "--nproc", "4"],
+        [
+            "diloco",
+            "powersgd:rank=2",
+            "--sync-every",
+            "4",
+            "--fragments",
+            "2",
+            "--sync-delay",
+            "1",
+            "--sync-mix",
+            "0.5",
+        ],
+        ["fsdp", "int8", "--optimizer", "muon", "--muon-lr", "0.05"],
+        ["ddp", "none", "--optimizer", "muon"],
+        ["diloco", "int4", "--optimizer", "muon", "--sync-every", "3"],
+        ["ddp", "none", "--optimizer", "dion", "--dion-rank", "0.5"],
+        ["fsdp", "none", "--optimizer", "dion"],
+    ],
+    ids=[
+        "ddp-int8",
+        "simple_fsdp",
+        "simple_fsdp-powersgd",
+        "ddp-shampoo",
+        "fsdp-soap",
+        "reference-shampoo-bf16",
+        "ddp-demo",
+        "fsdp-galore",
+        "tp",
+        "tp-powersgd",
+        "diloco-streaming",
+        "fsdp-muon-int8",
+        "ddp-muon",
+        "diloco-muon",
+        "ddp-dion",
+        "fsdp-dion",
+    ],
+)
 # make test runs the corners (DDP with a compressor, SimpleFSDP with PowerSGD and a frozen AdamW, FSDP2 with an
 # optimizer whose state differs per rank, local updates with a sync in flight, Muon's all-to-alls on FSDP2 shards
 # behind a compressed reduce-scatter); make test-slow every mode
@@ -135,8 +177,19 @@ def test_resume_continues_bitwise(tmp_path, mode):
     simple_fsdp-powersgd run's AdamW freezes its second moment after 2 steps, before the checkpoint at 4. (RTP's bitwise
     resume through the same DCP state dicts is in test_rtp; test_data_sources_and_parallel_modes runs it here.)"""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    common = ["train", "--preset", "tiny", "--steps", "8", "--parallel", mode[0], "--compressor", mode[1], "--quiet",
-              *mode[2:]]  # fmt: skip
+    common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "8",
+        "--parallel",
+        mode[0],
+        "--compressor",
+        mode[1],
+        "--quiet",
+        *mode[2:],
+    ]
     r = _run(*common, "--checkpoint-every", "4", "--out", str(full))
     assert r.returncode == 0, r.stderr[-3000:]
     r = _run(*common, "--out", str(resumed), "--resume", str(full / "checkpoints" / "step_00000004"))
@@ -183,8 +236,10 @@ def test_resume_continues_bitwise(tmp_path, mode):
 
         cfg = resolve("tiny", None, {})
         gpt = GPTConfig(256, cfg.block_size, *cfg.gpt_shape)
-        sent = {lp: sum(b for b, _ in traffic(gpt, 2, 1, cfg.batch_size, cfg.block_size, loss_parallel=lp).values())
-                for lp in (True, False)}  # fmt: skip
+        sent = {
+            lp: sum(b for b, _ in traffic(gpt, 2, 1, cfg.batch_size, cfg.block_size, loss_parallel=lp).values())
+            for lp in (True, False)
+        }
         assert sent[True] != sent[False], sent
         if mode[1] == "none":
             assert {row["bytes_sent"] for row in rows} == {sent[True]}, (sent, rows)
@@ -218,8 +273,20 @@ def test_simple_fsdp_compiled_matches_eager(tmp_path):
     its reductions (at most 256 terms, the vocabulary), 4 sqrt(256) eps32 |loss| on each side. Later losses
     depend on weights AdamW moved from rounding-different gradients: test_simple_fsdp's compile parity derives
     that bound from the gradients and AdamW's state; here they must be finite."""
-    common = ["train", "--preset", "tiny", "--steps", "4", "--parallel", "simple_fsdp", "--compressor", "none",
-              "--log-every", "1", "--quiet"]  # fmt: skip
+    common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--parallel",
+        "simple_fsdp",
+        "--compressor",
+        "none",
+        "--log-every",
+        "1",
+        "--quiet",
+    ]
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         r = _run(*common, *extra, "--out", str(tmp_path / name))
         assert r.returncode == 0, r.stderr[-3000:]
@@ -232,11 +299,26 @@ def test_simple_fsdp_compiled_matches_eager(tmp_path):
 
 def test_killed_worker_stops_the_others_and_resume_works(tmp_path):
     out = tmp_path / "run"
-    args = ["train", "--preset", "tiny", "--steps", "400", "--checkpoint-every", "5", "--out", str(out), "--quiet",
-            "--block-size", "64", "--batch-size", "8"]  # fmt: skip
+    args = [
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "400",
+        "--checkpoint-every",
+        "5",
+        "--out",
+        str(out),
+        "--quiet",
+        "--block-size",
+        "64",
+        "--batch-size",
+        "8",
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         deadline = time.monotonic() + 90
         while not (out / "checkpoints" / "latest").exists():
@@ -262,8 +344,24 @@ def test_killed_worker_stops_the_others_and_resume_works(tmp_path):
 
 def test_nonfinite_loss_stops_clearly_and_keeps_the_checkpoint(tmp_path):
     out = tmp_path / "run"
-    r = _run("train", "--preset", "tiny", "--steps", "10", "--lr", "1e30", "--optimizer", "sgd", "--momentum", "0",
-             "--checkpoint-every", "1", "--out", str(out), "--quiet")  # fmt: skip
+    r = _run(
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "10",
+        "--lr",
+        "1e30",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert r.returncode == 1
     assert "training stopped at step" in r.stderr and "non-finite" in r.stderr, r.stderr[-2000:]
     assert (out / "checkpoints" / "latest").exists()
@@ -276,10 +374,14 @@ def test_help_shows_each_default(capsys):
         main(["train", "--help"])
     assert exc.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for expect in ("--steps STEPS default: 300", "--lr LR default: 0.001", "(default: adamw)",
-                   f"(default: {RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
-                   "model's width / 8 (none with simple_fsdp",
-                   "(ignored under torchrun, which sets the world) (default: 2)"):  # fmt: skip
+    for expect in (
+        "--steps STEPS default: 300",
+        "--lr LR default: 0.001",
+        "(default: adamw)",
+        f"(default: {RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
+        "model's width / 8 (none with simple_fsdp",
+        "(ignored under torchrun, which sets the world) (default: 2)",
+    ):
         assert expect in text, expect
 
 
@@ -339,8 +441,12 @@ def test_the_default_compressor_compresses_even_a_short_run():
     # the rank is the width / 8: the same compression ratio on every model (bench quality, BENCHMARKS.md)
     assert TrainConfig(gpt_size="medium").compressor.startswith("powersgd:rank=48,")  # d_model 384
     assert TrainConfig(model="resnet", data="mnist1d").compressor.startswith("powersgd:rank=8,")  # 64 channels
-    assert parse_compressor(RECOMMENDED_POWERSGD)[1] == {"rank": 32, "variant": "paper", "factor_dtype": "bf16",
-                                                        "start_compressing_after_num_steps": DEFAULT_START}  # fmt: skip
+    assert parse_compressor(RECOMMENDED_POWERSGD)[1] == {
+        "rank": 32,
+        "variant": "paper",
+        "factor_dtype": "bf16",
+        "start_compressing_after_num_steps": DEFAULT_START,
+    }
 
 
 def test_adamw_freezes_by_default_with_powersgd_only():
@@ -364,8 +470,11 @@ def test_adamw_freezes_by_default_with_powersgd_only():
     assert _continued(TrainConfig(steps=8), {"compressor": "int8"}, {}).compressor == "int8"
     asked = _continued(TrainConfig(compressor="bf16"), {"compressor": "int8"}, {"compressor": "bf16"})
     assert asked.compressor == "bf16"  # not silently int8 (issue 49)
-    auto = _continued(TrainConfig(compressor="powersgd:rank=auto"), {"compressor": "powersgd:rank=4"},
-                      {"compressor": "powersgd:rank=auto"})  # fmt: skip
+    auto = _continued(
+        TrainConfig(compressor="powersgd:rank=auto"),
+        {"compressor": "powersgd:rank=4"},
+        {"compressor": "powersgd:rank=auto"},
+    )
     assert auto.compressor == "powersgd:rank=4"  # rank=auto continues with what it chose
     # the run's own compressor does not fit the optimizer the user asks for: left as resolved, so that the settings
     # check names the optimizer (it named the compressor, which the user never gave)
@@ -446,9 +555,11 @@ def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
     bad_value.write_text('optimizer = "adam"\n')
     broken = tmp_path / "b.toml"
     broken.write_text("steps = \n")
-    cases += [(["--config", str(bad_key)], "Unknown config key(s) ['stepz']"),
-              (["--config", str(bad_value)], "Invalid optimizer='adam': must be one of 'adamw', 'sgd'"),
-              (["--config", str(broken)], "is not valid TOML")]  # fmt: skip
+    cases += [
+        (["--config", str(bad_key)], "Unknown config key(s) ['stepz']"),
+        (["--config", str(bad_value)], "Invalid optimizer='adam': must be one of 'adamw', 'sgd'"),
+        (["--config", str(broken)], "is not valid TOML"),
+    ]
     for args, message in cases:
         with pytest.raises(SystemExit):
             main(["train", "--preset", "tiny", "--out", str(tmp_path / "o"), *args])
@@ -458,9 +569,14 @@ def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):
 def test_compressor_spec_parsing():
     assert parse_compressor("powersgd:rank=4,iters=2,variant=alternating") == (
         "powersgd",
-        {"rank": 4, "num_iters_per_step": 2, "variant": "alternating", "factor_dtype": "fp32",
-         "start_compressing_after_num_steps": 5},
-    )  # fmt: skip
+        {
+            "rank": 4,
+            "num_iters_per_step": 2,
+            "variant": "alternating",
+            "factor_dtype": "fp32",
+            "start_compressing_after_num_steps": 5,
+        },
+    )
     assert parse_compressor("topk:ratio=0.01") == ("topk", {"ratio": 0.01})
     assert parse_compressor("powersgd:rank=32,variant=paper,factors=bf16,start=5") == (
         "powersgd",
@@ -494,8 +610,17 @@ def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):
     address takes (108 bytes), the launcher spawns its workers instead of failing."""
     long = tmp_path / ("x" * 100)
     long.mkdir()
-    r = _run("train", "--preset", "tiny", "--steps", "4", "--quiet", "--out", str(tmp_path / "run"),
-             env={"TMPDIR": str(long)})  # fmt: skip
+    r = _run(
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "4",
+        "--quiet",
+        "--out",
+        str(tmp_path / "run"),
+        env={"TMPDIR": str(long)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(_metrics(tmp_path / "run")) == 4
 

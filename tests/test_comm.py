@@ -13,8 +13,11 @@ def test_record_and_record_bytes_count_alike_and_combine():
     a, b = CommStats(), CommStats()
     a.record(torch.zeros(10, dtype=torch.float16), "all_gather")  # 20 bytes
     b.record_bytes(20, "all_gather")
-    assert (a.bytes_sent, a.num_collectives, a.by_op) == (b.bytes_sent, b.num_collectives, b.by_op) == (
-        20, 1, {"all_gather": 20})  # fmt: skip
+    assert (
+        (a.bytes_sent, a.num_collectives, a.by_op)
+        == (b.bytes_sent, b.num_collectives, b.by_op)
+        == (20, 1, {"all_gather": 20})
+    )
     b.record_bytes(300, "reduce_scatter", collectives=3)
     b.add_time(comm_s=0.5, compress_s=0.25)
     total = CommStats.combined([a, b])

@@ -46,8 +46,10 @@ def _params(device: torch.device | str = "cpu") -> list[torch.nn.Parameter]:
 
 def _grads(params: list[torch.nn.Parameter], step: int) -> list[torch.Tensor]:
     """Gradients of step ``step``, the same numbers on every device (drawn on the CPU)."""
-    return [torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)).to(p.device)
-            for i, p in enumerate(params)]  # fmt: skip
+    return [
+        torch.randn(p.shape, generator=torch.Generator().manual_seed(step * 10 + i)).to(p.device)
+        for i, p in enumerate(params)
+    ]
 
 
 @pytest.mark.device
@@ -280,8 +282,11 @@ def test_powersgd_reads_one_finiteness_flag_a_call():
     """PowerSGD's exact part, P and Q are three collectives (bf16 factors: the exact part is not fused), and the host
     reads whether to raise once, at the last (guard_nonfinite): the other two results' flags stay on the device and
     travel in the next message. It read one per collective (3) before."""
-    params = [torch.nn.Parameter(torch.randn(64, 48)), torch.nn.Parameter(torch.randn(48, 32)),
-              torch.nn.Parameter(torch.randn(7))]  # fmt: skip
+    params = [
+        torch.nn.Parameter(torch.randn(64, 48)),
+        torch.nn.Parameter(torch.randn(48, 32)),
+        torch.nn.Parameter(torch.randn(7)),
+    ]
     comp = make_compressor("powersgd", params, rank=2, start_compressing_after_num_steps=0)
     comp.aggregate(_grads(params, 0))
     with _HostReads() as reads:

@@ -82,8 +82,9 @@ def _ddp(model: torch.nn.Module, name: str | None, opts: dict[str, Any], **ddp_k
     return ddp, hook
 
 
-def _train(rank: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, device: str = "cpu",
-           **ddp_kwargs: Any) -> dict[str, Any]:  # fmt: skip
+def _train(
+    rank: int, name: str | None, opts: dict[str, Any], steps: int = STEPS, device: str = "cpu", **ddp_kwargs: Any
+) -> dict[str, Any]:
     """``steps`` Adam steps on the teacher task; ``device``: where the model and data live (test_device.py runs
     these on CUDA tensors over gloo). Results come back on the CPU."""
     model = make_model().to(device)
@@ -289,8 +290,18 @@ def test_lossless_equals_plain_ddp_bitwise(results):
 # COMPATIBLE / AVX2, MKL's Intel AVX-512 path with and without CBWR, ATen default / avx2): 16-bit, int8 (incl.
 # LoCo) and PowerSGD paper k=2 <= 0.02%, int4 0.11%; PowerSGD rank 2 alternating 1.4%; sign 4.6%; top-k 10% 9.1%;
 # random-k 25% 21% (10-21% over four seeds: the noisiest). Bounds ~2x the worst measured.
-LOSS_GAP = {"bf16": 0.005, "fp16": 0.005, "powersgd": 0.03, "powersgd_paper_k2": 0.005, "int8": 0.005,
-            "int4": 0.005, "int8_loco": 0.005, "topk": 0.18, "randk": 0.4, "sign": 0.1}  # fmt: skip
+LOSS_GAP = {
+    "bf16": 0.005,
+    "fp16": 0.005,
+    "powersgd": 0.03,
+    "powersgd_paper_k2": 0.005,
+    "int8": 0.005,
+    "int4": 0.005,
+    "int8_loco": 0.005,
+    "topk": 0.18,
+    "randk": 0.4,
+    "sign": 0.1,
+}
 
 
 @pytest.mark.parametrize("name", ON_WORKER)
@@ -544,8 +555,9 @@ def test_only_a_programs_last_collective_is_checked_and_the_worker_issues_none(m
 
     monkeypatch.setattr(chain_mod, "_read_would_hold", lambda device, inline: inline)
     failed: list[BaseException] = []
-    fut = chain_mod.Chain(two_checked(), chain_mod.Sequencer([_Loopback(), _Loopback()]), 0, lambda _: None,
-                          failed.append).start()  # fmt: skip
+    fut = chain_mod.Chain(
+        two_checked(), chain_mod.Sequencer([_Loopback(), _Loopback()]), 0, lambda _: None, failed.append
+    ).start()
     done = threading.Event()
     fut.add_done_callback(lambda _: done.set())
     assert done.wait(10), "the call never completed"
@@ -586,8 +598,9 @@ def test_the_worker_issues_no_later_calls_collectives_either(monkeypatch):
     seq = chain_mod.Sequencer([Recorded(), Recorded()])
     chains: list[chain_mod.Chain] = []
     for k, n in ((0, 1), (1, 2)):
-        chains.append(chain_mod.Chain(program(k, n), seq, k, lambda out, k=k: chains[k].future.set_result(out),
-                                      lambda e: None))  # fmt: skip
+        chains.append(
+            chain_mod.Chain(program(k, n), seq, k, lambda out, k=k: chains[k].future.set_result(out), lambda e: None)
+        )
     release = threading.Event()
     seq.worker.submit(lambda: release.wait(10))  # the worker is busy: whatever it was to issue would wait
     for chain in chains:

@@ -157,8 +157,9 @@ def _basis64(n: int) -> torch.Tensor:
     return scale * torch.cos(math.pi * (2 * i + 1) * k / (2 * n))
 
 
-def _reference_update(params: Sequence[torch.Tensor], grads: list[list[torch.Tensor | None]], moms: list[list[Any]],
-                      opts: dict[str, Any]) -> None:  # fmt: skip
+def _reference_update(
+    params: Sequence[torch.Tensor], grads: list[list[torch.Tensor | None]], moms: list[list[Any]], opts: dict[str, Any]
+) -> None:
     """One DeMo step for ``W = len(grads)`` simulated ranks, float64, dense: each chunked matrix is transformed
     by block-diagonal DCT matrices, top-k is picked chunk by chunk in loops, and the sent coefficients are
     averaged over the ranks that sent them, then the sign step."""
@@ -257,11 +258,14 @@ def test_world_size_1_matches_the_dense_reference_and_skips_frozen_and_unused():
 def test_bad_options_refused():
     p = [torch.nn.Parameter(torch.zeros(3, 3))]
     attempts: dict[str, dict[str, Any]] = {
-        "lr=0": dict(lr=0.0), "compression_decay=1.0": dict(compression_decay=1.0),
-        "compression_decay=-0.1": dict(compression_decay=-0.1), "compression_topk=0": dict(compression_topk=0),
-        "compression_chunk=2.5": dict(compression_chunk=2.5), "weight_decay=-1": dict(weight_decay=-1),
+        "lr=0": dict(lr=0.0),
+        "compression_decay=1.0": dict(compression_decay=1.0),
+        "compression_decay=-0.1": dict(compression_decay=-0.1),
+        "compression_topk=0": dict(compression_topk=0),
+        "compression_chunk=2.5": dict(compression_chunk=2.5),
+        "weight_decay=-1": dict(weight_decay=-1),
         "comm_dtype=torch.int8": dict(comm_dtype=torch.int8),
-    }  # fmt: skip
+    }
     for text, kwargs in attempts.items():
         with pytest.raises(ValueError, match=f"Invalid {text}"):
             DeMo(p, **kwargs)
@@ -313,10 +317,15 @@ def _ddp_case(rank: int) -> dict[str, Any]:
     # control: the profiler does see a normal DDP's gradient all-reduce
     control = DDP(make_model(torch.float64), find_unused_parameters=True)
     control_numel = _allreduced_numel(lambda: loss_fn(control, *batch(rank, 0, torch.float64)).backward())
-    return {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]), "sent": sent,
-            "collectives": opt.comm.stats.num_collectives, "backward_numel": backward_numel,
-            "control_numel": control_numel, "grads_local": grads_local,
-            "grad0": _grad(model.conv.weight).clone()}  # fmt: skip
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+        "sent": sent,
+        "collectives": opt.comm.stats.num_collectives,
+        "backward_numel": backward_numel,
+        "control_numel": control_numel,
+        "grads_local": grads_local,
+        "grad0": _grad(model.conv.weight).clone(),
+    }
 
 
 def _resume_case() -> dict[str, Any]:
@@ -365,8 +374,12 @@ def _mismatch_case() -> str:
 
 
 def demo_2_rank_cases(rank: int, world: int) -> dict[str, Any]:
-    return {"ddp": guard(_ddp_case, rank), "resume": guard(_resume_case), "int32": guard(_int32_case),
-            "mismatch": guard(_mismatch_case)}  # fmt: skip
+    return {
+        "ddp": guard(_ddp_case, rank),
+        "resume": guard(_resume_case),
+        "int32": guard(_int32_case),
+        "mismatch": guard(_mismatch_case),
+    }
 
 
 def test_two_ranks_ddp_resume_and_payload():
@@ -416,8 +429,10 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
         # trusted way: plain DeMo over the replicate group on the shard-shaped pieces of an unsharded copy,
         # given the shard group's mean gradient (all-reduced here with a plain collective)
         plain = make_model()
-        pieces = [torch.nn.Parameter(p.detach().chunk(2, dim=0)[shard_index].clone(), requires_grad=p.requires_grad)
-                  for p in plain.parameters()]  # fmt: skip
+        pieces = [
+            torch.nn.Parameter(p.detach().chunk(2, dim=0)[shard_index].clone(), requires_grad=p.requires_grad)
+            for p in plain.parameters()
+        ]
         ref = DeMo(pieces, group=mesh["replicate"].get_group(), **OPTS)
         sent = []
         for step in range(STEPS):
@@ -442,8 +457,13 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
         local = torch.cat([local_tensor(p).detach().reshape(-1) for p in model.parameters()])
         expect = torch.cat([q.detach().reshape(-1) for q in pieces])
         shapes = [local_tensor(p).shape for p in model.parameters() if p.requires_grad and p.grad is not None]
-        return {"local": local, "expect": expect, "sent": sent, "shapes": [list(s) for s in shapes],
-                "full": torch.cat([_full(p).reshape(-1) for p in model.parameters()])}  # fmt: skip
+        return {
+            "local": local,
+            "expect": expect,
+            "sent": sent,
+            "shapes": [list(s) for s in shapes],
+            "full": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
+        }
 
     def aligned() -> dict[str, Any]:
         """Shards whose boundaries fall on chunk boundaries (every dim 0 is a multiple of 2 x 8): FlexDeMo equals
@@ -464,17 +484,21 @@ def flex_cases(rank: int, world: int) -> dict[str, Any]:
                 _grad(p).div_(2)
             opt.step()
             ref.step()
-        return {"flex": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
-                "full": torch.cat([p.detach().reshape(-1) for p in full.parameters()])}  # fmt: skip
+        return {
+            "flex": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
+            "full": torch.cat([p.detach().reshape(-1) for p in full.parameters()]),
+        }
 
     def refusals() -> dict[str, str]:
         plain = make_model()
-        return value_errors({
-            "plain tensor": lambda: FlexDeMo(plain.parameters(), mesh),
-            "1-D mesh": lambda: FlexDeMo(plain.parameters(), init_device_mesh("cpu", (4,))),
-            "dim name": lambda: FlexDeMo(plain.parameters(), mesh, replicate_dim="dp"),
-            "group": lambda: FlexDeMo(plain.parameters(), mesh, group=None),
-        })  # fmt: skip
+        return value_errors(
+            {
+                "plain tensor": lambda: FlexDeMo(plain.parameters(), mesh),
+                "1-D mesh": lambda: FlexDeMo(plain.parameters(), init_device_mesh("cpu", (4,))),
+                "dim name": lambda: FlexDeMo(plain.parameters(), mesh, replicate_dim="dp"),
+                "group": lambda: FlexDeMo(plain.parameters(), mesh, group=None),
+            }
+        )
 
     return {"run": guard(run), "aligned": guard(aligned), "refusals": guard(refusals)}
 

@@ -109,8 +109,13 @@ def test_cuda_gives_the_cpus_results(device):
             for a, b, pname in zip(ours, theirs, cpu.names, strict=True):
                 assert torch.equal(a, b.cpu()), f"{name} step {step}: {pname} differs between the CPU and CUDA"
     model64 = make_model(torch.float64)
-    opts = {"rank": 2, "variant": "paper", "factor_dtype": "fp32", "start_compressing_after_num_steps": 0,
-            "min_compression_rate": 0}  # fmt: skip
+    opts = {
+        "rank": 2,
+        "variant": "paper",
+        "factor_dtype": "fp32",
+        "start_compressing_after_num_steps": 0,
+        "min_compression_rate": 0,
+    }
     cpu = make_compressor("powersgd", model64.named_parameters(), **opts)
     gpu = make_compressor("powersgd", list(make_model(torch.float64).to(device).named_parameters()), **opts)
     q0 = cpu.state_dict()["q"]
@@ -128,8 +133,9 @@ def test_cuda_gives_the_cpus_results(device):
         n, cols, r = mat.shape[0], mat.shape[1], q.shape[1]
         y = mat @ q
         errors = [basis_errors(method, n, r, torch.float64) for method in ("householder", "cholesky")]
-        d = sum((cols * u * mat.norm() * q.norm() + span * y.norm()) / torch.linalg.svdvals(y)[r - 1]
-                for _, span in errors)  # fmt: skip
+        d = sum(
+            (cols * u * mat.norm() * q.norm() + span * y.norm()) / torch.linalg.svdvals(y)[r - 1] for _, span in errors
+        )
         bound = 2 * (d + sum(2 * (n + r) * u + r * orth for orth, _ in errors)) * mat.norm()
         assert torch.isfinite(bound), f"PowerSGD {pname}: Y = M Q has rank < {r}, the bound is {bound}"
         within((a - b.cpu()).norm(), bound, f"PowerSGD {pname}")
@@ -187,8 +193,10 @@ def test_sync_sites_names_the_first_frame_outside_torch(tmp_path):
     the line here that called it, one raised here at its own line, other warnings not at all."""
     import importlib.util
 
-    (tmp_path / "inner.py").write_text("import warnings\n\ndef sync():\n    warnings.warn('called a synchronizing "
-                                       "CUDA operation')\n    warnings.warn('something else')\n")  # fmt: skip
+    (tmp_path / "inner.py").write_text(
+        "import warnings\n\ndef sync():\n    warnings.warn('called a synchronizing "
+        "CUDA operation')\n    warnings.warn('something else')\n"
+    )
     spec = importlib.util.spec_from_file_location("inner", tmp_path / "inner.py")
     assert spec is not None and spec.loader is not None
     inner = importlib.util.module_from_spec(spec)
@@ -202,11 +210,20 @@ def test_sync_sites_names_the_first_frame_outside_torch(tmp_path):
 
 
 FLAG_READS = "powertrain/ops/finite.py"  # read_flag: the documented reads (one per collective at most)
-SYNC_CASES = [("none", {}), ("bf16", {}), ("int8", {}), ("int4", {"chunk": 64}), ("topk", {"ratio": 0.05}),
-              ("randk", {"ratio": 0.05}), ("sign", {}),
-              ("powersgd", {"rank": 4, "start_compressing_after_num_steps": 0}),  # recommended: paper, bf16 factors
-              ("powersgd", {"rank": 4, "variant": "alternating", "num_iters_per_step": 2,
-                            "start_compressing_after_num_steps": 0})]  # fmt: skip
+SYNC_CASES = [
+    ("none", {}),
+    ("bf16", {}),
+    ("int8", {}),
+    ("int4", {"chunk": 64}),
+    ("topk", {"ratio": 0.05}),
+    ("randk", {"ratio": 0.05}),
+    ("sign", {}),
+    ("powersgd", {"rank": 4, "start_compressing_after_num_steps": 0}),  # recommended: paper, bf16 factors
+    (
+        "powersgd",
+        {"rank": 4, "variant": "alternating", "num_iters_per_step": 2, "start_compressing_after_num_steps": 0},
+    ),
+]
 
 
 def test_no_host_sync_in_hot_paths(device):
@@ -240,8 +257,10 @@ def test_no_host_sync_in_hot_paths(device):
         stray = [s for s in sites if FLAG_READS not in s]
         allowed = 1 if name == "powersgd" else counts[0]  # its earlier collectives' flags stay on the device
         if stray or len(sites) > allowed:
-            failures.append(f"{name} {opts}: {len(sites)} syncs for {counts[0]} collectives ({allowed} allowed), "
-                            f"not in read_flag: {stray}")  # fmt: skip
+            failures.append(
+                f"{name} {opts}: {len(sites)} syncs for {counts[0]} collectives ({allowed} allowed), "
+                f"not in read_flag: {stray}"
+            )
     for name, build, allowed in _optimizers():
         model.zero_grad()
         opt = build(model)
@@ -274,8 +293,9 @@ def test_a_chained_call_leaves_the_issuing_thread_free(device):
     def chained(comp: Any) -> torch.futures.Future:
         chains: list[Chain] = []
         seq = Sequencer([comp.comm] * comp.max_collectives_per_call())
-        chains.append(Chain(comp.program(grads), seq, 0, lambda out: chains[0].future.set_result(out),
-                            lambda e: None, device))  # fmt: skip
+        chains.append(
+            Chain(comp.program(grads), seq, 0, lambda out: chains[0].future.set_result(out), lambda e: None, device)
+        )
         return chains[0].start()
 
     held = []
@@ -376,8 +396,20 @@ def test_checkpoint_from_the_gpu_resumes_on_the_cpu_and_back(device, tmp_path):
     the model, AdamW and the compressor's error feedback and factors cross devices in both directions."""
     _cuda_only(device)
     out = tmp_path / "run"
-    common = ["train", "--preset", "tiny", "--nproc", "1", "--parallel", "ddp", "--checkpoint-every", "2", "--quiet",
-              "--out", str(out)]  # fmt: skip
+    common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        "1",
+        "--parallel",
+        "ddp",
+        "--checkpoint-every",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
     for steps, backend in ((4, "nccl"), (6, "gloo"), (8, "nccl")):
         resume = ["--resume", str(out)] if steps > 4 else []
         r = run_cli(*common, "--steps", str(steps), "--backend", backend, *resume, timeout=180)

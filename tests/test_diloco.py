@@ -42,8 +42,17 @@ class _Reference:
     averaged in fp32 (divided by W, then summed) after inner steps ``offset_k + j H``, and its Nesterov-SGD outer step
     is applied after ``delay`` more inner steps, then mixed into the local weights."""
 
-    def __init__(self, model: torch.nn.Module, H: int, groups: list[list[int]], delay: int, mix: float,
-                 lr: float, momentum: float, warmup: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        H: int,
+        groups: list[list[int]],
+        delay: int,
+        mix: float,
+        lr: float,
+        momentum: float,
+        warmup: int = 0,
+    ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.warmup = warmup
         self.inner = _inner(model)
@@ -79,8 +88,10 @@ class _Reference:
                 flat = torch.cat([(self.anchors[i] - self.params[i]).reshape(-1) for i in group])
                 flat.div_(dist.get_world_size())
                 dist.all_reduce(flat)
-                avg = [v.view(self.params[i].shape) for i, v in
-                       zip(group, flat.split([self.params[i].numel() for i in group]), strict=True)]  # fmt: skip
+                avg = [
+                    v.view(self.params[i].shape)
+                    for i, v in zip(group, flat.split([self.params[i].numel() for i in group]), strict=True)
+                ]
                 self.pending = (k, self.step_count + self.delay, avg)
                 if self.delay == 0:
                     self._apply(k, avg)
@@ -109,11 +120,26 @@ SETTINGS = {"plain": PLAIN, "streaming": STREAMING, "warm": WARM}
 def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
     """DiLoCo and the reference, bitwise: the same operations on the same values in the same order."""
     model, ref_model = make_model(), make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=setting["H"], fragments=setting["fragments"],
-                    delay=setting["delay"], mix=setting["mix"], warmup=setting["warmup"],
-                    outer_optimizer=nesterov(setting["lr"], setting["momentum"]))  # fmt: skip
-    ref = _Reference(ref_model, setting["H"], diloco.fragments, setting["delay"], setting["mix"], setting["lr"],
-                     setting["momentum"], setting["warmup"])  # fmt: skip
+    diloco = DiLoCo(
+        model.named_parameters(),
+        _inner(model),
+        sync_every=setting["H"],
+        fragments=setting["fragments"],
+        delay=setting["delay"],
+        mix=setting["mix"],
+        warmup=setting["warmup"],
+        outer_optimizer=nesterov(setting["lr"], setting["momentum"]),
+    )
+    ref = _Reference(
+        ref_model,
+        setting["H"],
+        diloco.fragments,
+        setting["delay"],
+        setting["mix"],
+        setting["lr"],
+        setting["momentum"],
+        setting["warmup"],
+    )
     mismatch, trajectory = [], []
     for step in range(setting["steps"]):
         _train(model, diloco, rank, range(step, step + 1))
@@ -124,15 +150,22 @@ def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
     sizes = [sum(_params(model)[i].numel() for i in f) for f in diloco.fragments]
     syncs, sent = diloco.syncs, diloco.stats.bytes_sent
     diloco.finish()  # the replicas end on one model (mixed weights too)
-    return {"mismatch": mismatch, "trajectory": trajectory, "syncs": syncs, "bytes": sent,
-            "sizes": sizes, "finished": torch.cat([p.reshape(-1) for p in _params(model)])}  # fmt: skip
+    return {
+        "mismatch": mismatch,
+        "trajectory": trajectory,
+        "syncs": syncs,
+        "bytes": sent,
+        "sizes": sizes,
+        "finished": torch.cat([p.reshape(-1) for p in _params(model)]),
+    }
 
 
 def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, Any]:
     """Per sync: each rank's input (pseudo-gradient + old residual), the average and the new residual."""
     model = make_model(torch.float64)
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, fragments=2, compressor=name,
-                    compressor_options=options)  # fmt: skip
+    diloco = DiLoCo(
+        model.named_parameters(), _inner(model), sync_every=2, fragments=2, compressor=name, compressor_options=options
+    )
     comp = diloco.compressor
     records = []
     program = comp.program
@@ -181,8 +214,11 @@ def _resume(rank: int) -> dict[str, Any]:
     model, diloco = build()
     _train(model, diloco, rank, range(6))
     in_flight = diloco._pending is not None
-    saved = {"diloco": to_blob(diloco.state_dict()), "inner": to_blob(diloco.inner.state_dict()),
-             "model": to_blob(model.state_dict())}  # fmt: skip
+    saved = {
+        "diloco": to_blob(diloco.state_dict()),
+        "inner": to_blob(diloco.inner.state_dict()),
+        "model": to_blob(model.state_dict()),
+    }
     _train(model, diloco, rank, range(6, 9))  # the original goes on; the copy must not depend on it
     model, diloco = build()
     model.load_state_dict(from_blob(saved["model"]))
@@ -198,8 +234,11 @@ def _resume(rank: int) -> dict[str, Any]:
         refused = ""
     except ValueError as e:
         refused = str(e)
-    return {"in_flight": in_flight, "same": all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True)),
-            "refused": refused}  # fmt: skip
+    return {
+        "in_flight": in_flight,
+        "same": all(torch.equal(a, b) for a, b in zip(whole, resumed, strict=True)),
+        "refused": refused,
+    }
 
 
 def _nonfinite(rank: int) -> dict[str, Any]:
@@ -296,8 +335,12 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     }
     if world == 2:
         out["int8"] = guard(_conservation, rank, "int8", {})
-        exact_factors = {"rank": 2, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0,
-                         "factor_dtype": "fp32"}  # fmt: skip
+        exact_factors = {
+            "rank": 2,
+            "start_compressing_after_num_steps": 0,
+            "min_compression_rate": 0.0,
+            "factor_dtype": "fp32",
+        }
         out["powersgd"] = guard(_conservation, rank, "powersgd", exact_factors)
         out["topk-2bit"] = guard(_conservation, rank, "topk", {"ratio": 0.1, "bits": 2})  # SparseLoCo's message
     return out
@@ -311,8 +354,12 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 def _starts(setting: dict[str, Any]) -> list[tuple[int, int]]:
     """(inner step, fragment) of every sync a run of ``setting`` starts: fragment k at offset_k + j H, never at 0."""
     H, F, w = setting["H"], setting["fragments"], setting["warmup"]
-    return [(s + w, k) for s in range(1, setting["steps"] - w + 1) for k in range(F) if s >= k * H // F
-            and (s - k * H // F) % H == 0]  # fmt: skip
+    return [
+        (s + w, k)
+        for s in range(1, setting["steps"] - w + 1)
+        for k in range(F)
+        if s >= k * H // F and (s - k * H // F) % H == 0
+    ]
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -356,8 +403,11 @@ def test_outer_error_feedback_is_conserved(results, name):
             # int8 works in fp32 (its x is the fp32 sum: one more rounding, inside the bound's 3 W terms), PowerSGD in
             # the parameters' float64
             eps = EPS64 if name == "powersgd" else EPS32
-            within(err, feedback_bound(x, e1, eps=eps, iters=1 if matrix else 0, rank=2, matrix=matrix),
-                   f"{name} sync {s} param {i}")  # fmt: skip
+            within(
+                err,
+                feedback_bound(x, e1, eps=eps, iters=1 if matrix else 0, rank=2, matrix=matrix),
+                f"{name} sync {s} param {i}",
+            )
         for r in recs:  # the other fragment's residuals are not touched by this sync
             for before, after in zip(r["untouched"], r["new_untouched"], strict=True):
                 assert torch.equal(before.to(after.dtype), after)
@@ -429,8 +479,12 @@ def test_one_process_is_local_training_with_an_outer_step():
     """World size 1: the average is the replica's own pseudo-gradient, so with outer SGD at lr 1 and no momentum the
     first sync gives back the local weights, up to the roundings of anchor - (anchor - local) in fp32."""
     model, plain = make_model(), make_model()
-    diloco = DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
-                    outer_optimizer=nesterov(1.0, 0.0))  # fmt: skip
+    diloco = DiLoCo(
+        model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sync_every=2,
+        outer_optimizer=nesterov(1.0, 0.0),
+    )
     sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
     _train(model, diloco, 0, range(1))
     _train(plain, sgd, 0, range(1))
@@ -537,8 +591,9 @@ def _inside_node(rank: int, inner_kind: str) -> dict[str, Any]:
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model, mesh=mesh["shard"])
-        diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=3, delay=1,
-                        group=mesh["replicate"].get_group())  # fmt: skip
+        diloco = DiLoCo(
+            model.named_parameters(), _inner(model), sync_every=3, delay=1, group=mesh["replicate"].get_group()
+        )
     records: list[dict[str, Any]] = []
     program = diloco.compressor.program
 
@@ -561,8 +616,15 @@ def _inside_node(rank: int, inner_kind: str) -> dict[str, Any]:
         loss.backward()
         diloco.step()
         losses.append(loss.item())
-        full.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
-                               for p in model.parameters() if p.requires_grad]))  # fmt: skip
+        full.append(
+            torch.cat(
+                [
+                    (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                    for p in model.parameters()
+                    if p.requires_grad
+                ]
+            )
+        )
     return {"records": records, "losses": losses, "full": full, "bytes": diloco.stats.bytes_sent}
 
 
@@ -610,8 +672,9 @@ def test_a_state_that_does_not_fit_changes_nothing():
     """A resume refused part-way (here the warm-up compressor's state, loaded after the compressor's and the outer
     optimizer's) leaves every part as it was."""
     model = make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=1, compressor="int8", warmup=1,
-                    warmup_compressor="int8")  # fmt: skip
+    diloco = DiLoCo(
+        model.named_parameters(), _inner(model), sync_every=1, compressor="int8", warmup=1, warmup_compressor="int8"
+    )
     _train(model, diloco, 0, range(3))
     saved = from_blob(to_blob(diloco.state_dict()))
     _train(model, diloco, 0, range(3, 5))
@@ -629,8 +692,14 @@ def test_a_state_that_does_not_fit_changes_nothing():
     assert after["compressor"]["steps"] == now["compressor"]["steps"] != saved["compressor"]["steps"]
     assert all(same(a, b) for a, b in zip(after["compressor"]["errors"], now["compressor"]["errors"], strict=True))
     # and the outer optimizer (loaded second) too: its momentum is the current run's, not the saved one's
-    moments = [(after["outer"]["state"][k]["momentum_buffer"], now["outer"]["state"][k]["momentum_buffer"],
-                saved["outer"]["state"][k]["momentum_buffer"]) for k in now["outer"]["state"]]  # fmt: skip
+    moments = [
+        (
+            after["outer"]["state"][k]["momentum_buffer"],
+            now["outer"]["state"][k]["momentum_buffer"],
+            saved["outer"]["state"][k]["momentum_buffer"],
+        )
+        for k in now["outer"]["state"]
+    ]
     assert moments and all(torch.equal(a, n) for a, n, _ in moments)
     assert any(not torch.equal(n, s) for _, n, s in moments)
 
@@ -650,8 +719,9 @@ def test_loading_waits_for_the_sync_in_flight():
     for outcome in ("result", "failure"):
         fut: torch.futures.Future = torch.futures.Future()
         diloco._pending = _Pending(0, diloco.step_count + 1, fut)
-        end = lambda fut=fut, outcome=outcome: (fut.set_result([]) if outcome == "result"
-                                                 else fut.set_exception(RuntimeError("lost peer")))  # fmt: skip
+        end = lambda fut=fut, outcome=outcome: (
+            fut.set_result([]) if outcome == "result" else fut.set_exception(RuntimeError("lost peer"))
+        )
         timer = threading.Timer(0.3, end)
         timer.start()
         diloco.load_state_dict(saved)

@@ -32,8 +32,9 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad and not n.startswith("unused")]
 
 
-def _run(world: int, rank: int | None, steps: int, group: Any = None, state: dict | None = None,
-         start: int = 0) -> tuple[torch.nn.Module, Dion]:  # fmt: skip
+def _run(
+    world: int, rank: int | None, steps: int, group: Any = None, state: dict | None = None, start: int = 0
+) -> tuple[torch.nn.Module, Dion]:
     """``steps`` steps of Dion on the float64 adversarial model: with ``rank`` given, that rank's own gradients
     (distributed over ``group``); with None, the mean of the ``world`` ranks' gradients (the single process)."""
     model = make_model(torch.float64)
@@ -61,9 +62,14 @@ def dion_cases(rank: int, world: int) -> dict[str, Any]:
             dist.all_reduce(m)
             m /= world
         ref_m = [ref.state[p]["momentum"] for _, p in _trainable(single) if "momentum" in ref.state[p]]
-        return {"params": [p.detach() for p in model.parameters()], "ref": [p.detach() for p in single.parameters()],
-                "mean_momentum": mean, "ref_momentum": ref_m, "bytes": opt.comm.stats.by_op,
-                "collectives": opt.comm.stats.num_collectives}  # fmt: skip
+        return {
+            "params": [p.detach() for p in model.parameters()],
+            "ref": [p.detach() for p in single.parameters()],
+            "mean_momentum": mean,
+            "ref_momentum": ref_m,
+            "bytes": opt.comm.stats.by_op,
+            "collectives": opt.comm.stats.num_collectives,
+        }
 
     def resume() -> dict[str, Any]:
         whole, _ = _run(world, rank, 4)
@@ -89,8 +95,11 @@ def dion_cases(rank: int, world: int) -> dict[str, Any]:
         except NonFiniteGradientError as e:
             raised = str(e)
         after = opt.state_dict()
-        same_state = all(torch.equal(a, b) for k in before["state"] for a, b in
-                         zip(before["state"][k].values(), after["state"][k].values(), strict=True))  # fmt: skip
+        same_state = all(
+            torch.equal(a, b)
+            for k in before["state"]
+            for a, b in zip(before["state"][k].values(), after["state"][k].values(), strict=True)
+        )
         same_params = all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
         return {"raised": raised, "same": same_state and same_params}
 
@@ -127,12 +136,18 @@ def dion_cases(rank: int, world: int) -> dict[str, Any]:
             out["raised"] = ""
         except NonFiniteGradientError as e:
             out["raised"] = str(e)
-        out["unchanged"] = all(torch.equal(a, p.detach().to_local()) for a, p in zip(before, model.parameters(),
-                                                                                     strict=True))  # fmt: skip
+        out["unchanged"] = all(
+            torch.equal(a, p.detach().to_local()) for a, p in zip(before, model.parameters(), strict=True)
+        )
         return out
 
-    return {"parity": guard(parity), "resume": guard(resume), "nonfinite": guard(nonfinite),
-            "fsdp2": guard(sharded, "fsdp2"), "simple": guard(sharded, "simple")}  # fmt: skip
+    return {
+        "parity": guard(parity),
+        "resume": guard(resume),
+        "nonfinite": guard(nonfinite),
+        "fsdp2": guard(sharded, "fsdp2"),
+        "simple": guard(sharded, "simple"),
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -168,8 +183,12 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
     kinds = {id(p): by_name[n] for n, p in reference.named_parameters()}
     stepped = {id(p) for _, p in _trainable(reference)}
     expect = []
-    adamw = torch.optim.AdamW([p for _, p in _trainable(reference) if kinds[id(p)] == "adamw"], lr=_OPTIONS["adamw_lr"],
-                              betas=(0.9, 0.95), weight_decay=0.01)  # fmt: skip
+    adamw = torch.optim.AdamW(
+        [p for _, p in _trainable(reference) if kinds[id(p)] == "adamw"],
+        lr=_OPTIONS["adamw_lr"],
+        betas=(0.9, 0.95),
+        weight_decay=0.01,
+    )
     for _, p in reference.named_parameters():
         if kinds[id(p)] == "dion":
             q0 = torch.randn(p.shape[0], dion_rank(tuple(p.shape), 0.25), generator=generator).double()
@@ -204,8 +223,17 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
     assert "another rank" in case(runs, "nonfinite")[0]["raised"]
 
 
-def _dense_dion(w: torch.Tensor, q0: torch.Tensor, grads: list[torch.Tensor], *, lr: float, mu: float, wd: float,
-                eps: float, transposed: bool | None = None) -> torch.Tensor:  # fmt: skip
+def _dense_dion(
+    w: torch.Tensor,
+    q0: torch.Tensor,
+    grads: list[torch.Tensor],
+    *,
+    lr: float,
+    mu: float,
+    wd: float,
+    eps: float,
+    transposed: bool | None = None,
+) -> torch.Tensor:
     """Dion's equations for one matrix, written out densely in float64, on ``W^T`` where ``transposed`` (default: a
     wide matrix, so that the view is tall)."""
     wide = w.shape[0] < w.shape[1] if transposed is None else transposed
@@ -265,8 +293,13 @@ def test_low_and_mixed_precision_parameters():
     def run(steps: int, state: dict | None = None, start: int = 0) -> tuple[torch.nn.Module, Dion, dict | None]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 12), torch.nn.Linear(12, 16)).to(torch.bfloat16)
-        opt = Dion([{"params": [model[0].weight, model[1].weight], "algorithm": "dion"},
-                    {"params": [model[0].bias, model[1].bias], "algorithm": "adamw"}], rank_fraction=0.5)  # fmt: skip
+        opt = Dion(
+            [
+                {"params": [model[0].weight, model[1].weight], "algorithm": "dion"},
+                {"params": [model[0].bias, model[1].bias], "algorithm": "adamw"},
+            ],
+            rank_fraction=0.5,
+        )
         if state is not None:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["opt"])
@@ -314,23 +347,32 @@ def test_a_zero_gradient_moves_nothing_but_the_decay():
 def test_bad_input_is_refused_in_one_line():
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, d_model=32))
     named = lambda: model.named_parameters()
-    errors = value_errors({
-        "plain": lambda: Dion(model.parameters()),
-        "rank": lambda: Dion(named(), rank_fraction=0.0),
-        "mu": lambda: Dion(named(), mu=1.0),
-        "lr": lambda: Dion(named(), lr=float("inf")),
-        "seed": lambda: Dion(named(), seed=-1),
-        "vector": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "dion"}]),
-        "typo": lambda: Dion([{"params": [model.head.weight], "algorithm": "dion", "rank_fracton": 0.5}]),
-        "bool": lambda: Dion(named(), adamw_lr=True),
-        "string": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "adamw", "lr": "0.1"}]),
-        "shape": lambda: Dion(named(), rank_fraction=0.5).load_state_dict(Dion(named()).state_dict()),
-    })  # fmt: skip
-    expected = {"plain": "needs model.named_parameters()", "rank": "Invalid rank_fraction=0.0",
-                "mu": "Invalid mu=1.0", "lr": "Invalid lr=inf", "seed": "Invalid seed=-1",
-                "vector": "give it to the 'adamw' group", "typo": "unknown option(s) ['rank_fracton']",
-                "bool": "Invalid adamw_lr=True", "string": "Invalid adamw_lr='0.1'",
-                "shape": "this optimizer's is"}  # fmt: skip
+    errors = value_errors(
+        {
+            "plain": lambda: Dion(model.parameters()),
+            "rank": lambda: Dion(named(), rank_fraction=0.0),
+            "mu": lambda: Dion(named(), mu=1.0),
+            "lr": lambda: Dion(named(), lr=float("inf")),
+            "seed": lambda: Dion(named(), seed=-1),
+            "vector": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "dion"}]),
+            "typo": lambda: Dion([{"params": [model.head.weight], "algorithm": "dion", "rank_fracton": 0.5}]),
+            "bool": lambda: Dion(named(), adamw_lr=True),
+            "string": lambda: Dion([{"params": [model.ln_f.weight], "algorithm": "adamw", "lr": "0.1"}]),
+            "shape": lambda: Dion(named(), rank_fraction=0.5).load_state_dict(Dion(named()).state_dict()),
+        }
+    )
+    expected = {
+        "plain": "needs model.named_parameters()",
+        "rank": "Invalid rank_fraction=0.0",
+        "mu": "Invalid mu=1.0",
+        "lr": "Invalid lr=inf",
+        "seed": "Invalid seed=-1",
+        "vector": "give it to the 'adamw' group",
+        "typo": "unknown option(s) ['rank_fracton']",
+        "bool": "Invalid adamw_lr=True",
+        "string": "Invalid adamw_lr='0.1'",
+        "shape": "this optimizer's is",
+    }
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])
         assert "\n" not in errors[key]

@@ -31,14 +31,29 @@ def _strict(text: str) -> object:
 
 def _lines(text: str) -> list[str]:
     """stderr's lines less Python's warnings (a warning and the source line under it)."""
-    return [line for line in text.splitlines()
-            if line.strip() and not line.startswith(" ") and "Warning" not in line]  # fmt: skip
+    return [line for line in text.splitlines() if line.strip() and not line.startswith(" ") and "Warning" not in line]
 
 
 def test_nan_validation_loss_fails_the_run_and_summary_is_strict_json(tmp_path):
     out = tmp_path / "run"
-    r = run_cli("train", "--preset", "tiny", "--nproc", "1", "--steps", "1", "--lr", "1e30", "--compressor", "none",
-                "--checkpoint-every", "1", "--out", str(out), "--quiet")  # fmt: skip
+    r = run_cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        "1",
+        "--steps",
+        "1",
+        "--lr",
+        "1e30",
+        "--compressor",
+        "none",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     lines = _lines(r.stderr)
     assert len(lines) == 1, r.stderr[-2000:]
@@ -55,8 +70,24 @@ def test_nan_validation_loss_fails_the_run_and_summary_is_strict_json(tmp_path):
 def test_divergence_after_a_checkpoint_names_it(tmp_path):
     """AdamW at lr 1e30: step 1 is finite, step 2's gradient is not; the line names step 1's checkpoint."""
     out = tmp_path / "run"
-    r = run_cli("train", "--preset", "tiny", "--nproc", "1", "--steps", "3", "--lr", "1e30", "--compressor", "none",
-                "--checkpoint-every", "1", "--out", str(out), "--quiet")  # fmt: skip
+    r = run_cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--lr",
+        "1e30",
+        "--compressor",
+        "none",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     lines = _lines(r.stderr)
     assert len(lines) == 1 and "training stopped at step 2: " in lines[0], r.stderr[-2000:]
@@ -80,8 +111,14 @@ def test_strict_json_round_trip():
     obj = {"a": math.nan, "b": [1.0, [math.inf, 2.0]], "c": {"d": -math.inf}, "e": "nan", "f": None}
     text = _json.dumps(obj)
     strict = _strict(text)
-    assert strict == {"a": None, "b": [1.0, [None, 2.0]], "c": {"d": None, "non_finite": {"d": "-inf"}}, "e": "nan",
-                      "f": None, "non_finite": {"a": "nan", "b[1][0]": "inf"}}  # fmt: skip
+    assert strict == {
+        "a": None,
+        "b": [1.0, [None, 2.0]],
+        "c": {"d": None, "non_finite": {"d": "-inf"}},
+        "e": "nan",
+        "f": None,
+        "non_finite": {"a": "nan", "b[1][0]": "inf"},
+    }
     back = _json.loads(text)
     assert math.isnan(back["a"]) and back["b"] == [1.0, [math.inf, 2.0]] and back["c"] == {"d": -math.inf}
     assert back["e"] == "nan" and back["f"] is None and "non_finite" not in back
@@ -107,6 +144,9 @@ def test_every_json_file_is_written_through_the_strict_writer():
     found = []
     for path in sorted([*ROOT.glob("src/**/*.py"), *ROOT.glob("tools/*.py"), *ROOT.glob("examples/*.py")]):
         tree = ast.parse(path.read_text())
-        found += [f"{path.relative_to(ROOT)}:{n.lineno}" for n in ast.walk(tree)
-                  if isinstance(n, ast.Call) and _writes_json(n)]  # fmt: skip
+        found += [
+            f"{path.relative_to(ROOT)}:{n.lineno}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and _writes_json(n)
+        ]
     assert not found, f"JSON written without powertrain._json.dumps: {found}"

@@ -97,8 +97,12 @@ def test_every_skipped_example_says_why_and_markers_sit_on_blocks():
 
 
 def test_every_command_line_shown_parses_with_the_current_flags():
-    shown = [(b, argv) for b in _all_blocks() if b.lang in ("bash", "sh", "console", "shell")
-             for argv in command_lines(b.code)]  # fmt: skip
+    shown = [
+        (b, argv)
+        for b in _all_blocks()
+        if b.lang in ("bash", "sh", "console", "shell")
+        for argv in command_lines(b.code)
+    ]
     assert shown, "no powertrain command line found in README.md or docs/"
     parser = build_parser()
     for block, argv in shown:
@@ -114,8 +118,11 @@ def test_command_lines_are_found_the_way_a_reader_writes_them():
         "$ powertrain train --steps 5\nOMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m powertrain train \\\n"
         "    --parallel ddp  # two workers\npython -m powertrain bench quality --preset tiny\nls runs/\n"
     )
-    assert command_lines(code) == [["train", "--steps", "5"], ["train", "--parallel", "ddp"],
-                                   ["bench", "quality", "--preset", "tiny"]]  # fmt: skip
+    assert command_lines(code) == [
+        ["train", "--steps", "5"],
+        ["train", "--parallel", "ddp"],
+        ["bench", "quality", "--preset", "tiny"],
+    ]
     with pytest.raises(SystemExit):  # and a renamed flag is caught
         build_parser().parse_args(["train", "--sync-evry", "5"])
 
@@ -127,8 +134,11 @@ def _python_blocks() -> list[Block]:
 @pytest.mark.timeout(900)
 def test_every_python_example_runs(tmp_path):
     """One test for all blocks (each a fresh process): a block that fails names its page and line."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     ran = 0
     for b in _python_blocks():
         if b.mark == "skip":
@@ -138,8 +148,9 @@ def test_every_python_example_runs(tmp_path):
         if b.mark.startswith("torchrun"):
             r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300)
         else:
-            r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                               timeout=300)  # fmt: skip
+            r = subprocess.run(
+                [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            )
         assert r.returncode == 0, f"{b.name}: the example failed:\n{r.stderr[-3000:]}"
         ran += 1
     assert ran, "no runnable example in README.md or docs/"
@@ -161,8 +172,19 @@ def test_a_broken_example_fails_the_check(tmp_path):
 def test_the_docs_build_with_no_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="pip install -e '.[docs]'")
     pytest.importorskip("myst_parser", reason="pip install -e '.[docs]'")
-    r = run_cli("-b", "html", "-W", "--keep-going", "-q", "-c", str(ROOT / "docs"), str(ROOT), str(tmp_path / "html"),
-                module="sphinx", timeout=300)  # fmt: skip
+    r = run_cli(
+        "-b",
+        "html",
+        "-W",
+        "--keep-going",
+        "-q",
+        "-c",
+        str(ROOT / "docs"),
+        str(ROOT),
+        str(tmp_path / "html"),
+        module="sphinx",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     api = (tmp_path / "html" / "docs" / "api" / "diloco.html").read_text()
     assert "powertrain.diloco.DiLoCo" in api and "sync_every" in api  # the reference is generated, not empty

@@ -24,8 +24,18 @@ from powertrain.train.config import resolve, to_toml
 from powertrain.train.launch import torchrun_shared_store
 
 STEPS, EVERY = 120, 40
-RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--checkpoint-every",
-       str(EVERY)]  # fmt: skip
+RUN = [
+    "train",
+    "--preset",
+    "tiny",
+    "--parallel",
+    "ddp",
+    "--quiet",
+    "--steps",
+    str(STEPS),
+    "--checkpoint-every",
+    str(EVERY),
+]
 
 
 def _rows(out: Path) -> list[dict]:
@@ -40,12 +50,30 @@ def test_torchrun_restarts_a_killed_worker_and_the_run_continues_bitwise(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
 
     out = tmp_path / "elastic"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend",
-           "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "1", "-m", "powertrain", *RUN, "--out",
-           str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--max-restarts",
+        "1",
+        "-m",
+        "powertrain",
+        *RUN,
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         # kill one worker after the first checkpoint, between two checkpoints
         deadline = time.monotonic() + 120

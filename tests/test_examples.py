@@ -18,8 +18,18 @@ STEPS, HALF = 20, 10
 
 
 def _torchrun(out: Path, *args: str) -> list[dict]:
-    r = torchrun(EXAMPLE, "--out", str(out), "--log-every", "1", "--checkpoint-every", str(HALF), "--decay-steps",
-                 str(STEPS), *args)  # fmt: skip
+    r = torchrun(
+        EXAMPLE,
+        "--out",
+        str(out),
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        str(HALF),
+        "--decay-steps",
+        str(STEPS),
+        *args,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 

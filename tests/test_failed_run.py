@@ -16,8 +16,7 @@ TINY = ["train", "--preset", "tiny", "--nproc", "1", "--steps", "3"]
 
 def _lines(text: str) -> list[str]:
     """stderr's lines less Python's warnings (a warning and the source line under it)."""
-    return [line for line in text.splitlines()
-            if line.strip() and not line.startswith(" ") and "Warning" not in line]  # fmt: skip
+    return [line for line in text.splitlines() if line.strip() and not line.startswith(" ") and "Warning" not in line]
 
 
 def test_too_little_data_is_refused_before_out_exists_and_the_rerun_works(tmp_path):
@@ -52,17 +51,19 @@ def test_what_a_run_left_before_its_first_step_does_not_block_the_rerun(tmp_path
     _leftovers(out)
     r = run_cli(*TINY, "--out", str(out))
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "held only a run that ended before its first logged step (config.toml, logs, metrics.jsonl, pids)" \
-        in r.stdout, r.stdout[-2000:]  # fmt: skip
+    assert (
+        "held only a run that ended before its first logged step (config.toml, logs, metrics.jsonl, pids)" in r.stdout
+    ), r.stdout[-2000:]
     assert not (out / "logs" / "rank1.traceback").exists() and (out / "summary.json").is_file()
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
 
 
 def test_a_run_that_logged_a_step_or_an_unknown_file_still_blocks(tmp_path):
-    for name, damage in (("logged", lambda o: (o / "metrics.jsonl").write_text('{"step": 1}\n')),
-                         ("other", lambda o: (o / "notes.txt").write_text("mine")),
-                         ("link", lambda o: (o / "logs").rename(o / "elsewhere") or (o / "logs").symlink_to(
-                             o / "elsewhere"))):  # fmt: skip
+    for name, damage in (
+        ("logged", lambda o: (o / "metrics.jsonl").write_text('{"step": 1}\n')),
+        ("other", lambda o: (o / "notes.txt").write_text("mine")),
+        ("link", lambda o: (o / "logs").rename(o / "elsewhere") or (o / "logs").symlink_to(o / "elsewhere")),
+    ):
         out = tmp_path / name
         _leftovers(out)
         damage(out)
@@ -77,8 +78,12 @@ def small_disk(tmp_path):
     """A 256 KiB tmpfs (root only; skipped elsewhere): room for a run's config and logs, not for a checkpoint."""
     where = tmp_path / "disk"
     where.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
-                                           capture_output=True).returncode:  # fmt: skip
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True
+        ).returncode
+    ):
         pytest.skip("needs root to mount a small tmpfs")
     try:
         yield where
@@ -89,8 +94,20 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("nproc", ["1", "2"])
 def test_a_full_disk_is_named_in_one_line(small_disk, nproc):
     out = small_disk / f"run{nproc}"
-    r = run_cli("train", "--preset", "tiny", "--nproc", nproc, "--steps", "3", "--checkpoint-every", "1",
-                "--out", str(out), "--quiet")  # fmt: skip
+    r = run_cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        nproc,
+        "--steps",
+        "3",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     lines = [line for line in _lines(r.stderr) if not line.startswith(("Resume from", "No checkpoint was written"))]
     assert len(lines) == 1, r.stderr[-3000:]
@@ -120,8 +137,9 @@ def test_disk_full_is_found_among_the_causes(tmp_path):
             raise RuntimeError("write failed") from None  # the context keeps it
     except RuntimeError as e:
         wrapped = e
-    assert disk_full(wrapped, str(tmp_path)) == (f"no space left on device while writing {tmp_path / 'x.distcp'}: "
-                                                 "free space there or choose another --out")  # fmt: skip
+    assert disk_full(wrapped, str(tmp_path)) == (
+        f"no space left on device while writing {tmp_path / 'x.distcp'}: free space there or choose another --out"
+    )
 
     from torch.distributed.checkpoint.api import CheckpointException  # each rank's (exception, traceback)
 

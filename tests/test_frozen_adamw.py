@@ -50,7 +50,8 @@ def test_adamw_until_the_freeze_then_a_fixed_denominator(dtype):
                 assert torch.equal(v_hat, frozen[id(p)])
                 step_size = KW["lr"] / (1 - KW["betas"][0] ** step)
                 expect = (old * (1 - KW["lr"] * KW["weight_decay"])).addcdiv_(
-                    opt.state[p]["exp_avg"], v_hat.sqrt().add_(KW["eps"]), value=-step_size)  # fmt: skip
+                    opt.state[p]["exp_avg"], v_hat.sqrt().add_(KW["eps"]), value=-step_size
+                )
                 assert torch.equal(p.detach(), expect)
 
 

@@ -39,8 +39,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 LOSSY = ["powersgd", "powersgd_paper", "int8", "int4"]
 
 
-def _sharded(world: int, name: str | None, opts: dict[str, Any], mp: MixedPrecisionPolicy | None = None,
-             qag: bool = False):  # fmt: skip
+def _sharded(
+    world: int, name: str | None, opts: dict[str, Any], mp: MixedPrecisionPolicy | None = None, qag: bool = False
+):
     mesh = init_device_mesh("cpu", (world,))
     model = make_model()
     model.unused.requires_grad_(False)  # compressed FSDP needs every trainable parameter to get a gradient

@@ -53,8 +53,10 @@ def _train_mlp(make_opt: Any, proj_type: str, steps: int = 12) -> torch.Tensor:
     model = _mlp()
     matrices = [p for p in model.parameters() if p.dim() == 2]
     vectors = [p for p in model.parameters() if p.dim() != 2]
-    groups = [{"params": vectors},
-              {"params": matrices, "rank": 4, "update_proj_gap": 3, "scale": 0.25, "proj_type": proj_type}]  # fmt: skip
+    groups = [
+        {"params": vectors},
+        {"params": matrices, "rank": 4, "update_proj_gap": 3, "scale": 0.25, "proj_type": proj_type},
+    ]
     opt = make_opt(groups)
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -87,7 +89,12 @@ def test_exact_svd_matches_galore_torch_bitwise(proj_type):
 
 def test_projection_side_follows_the_reference():
     assert [proj.projection_side(8, 4, t) for t in ("std", "reverse_std", "left", "right", "full")] == [
-        "right", "left", "left", "right", "full"]  # fmt: skip
+        "right",
+        "left",
+        "left",
+        "right",
+        "full",
+    ]
     assert [proj.projection_side(4, 8, t) for t in ("std", "reverse_std")] == ["left", "right"]
     assert proj.projection_side(5, 5, "std") == "right"
     with pytest.raises(ValueError, match="proj_type='up'"):
@@ -341,12 +348,21 @@ def test_load_refuses_other_layouts():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"rank": 0}, "rank=0"), ({"rank": 2.5}, "rank=2.5"), ({"update_proj_gap": 0}, "update_proj_gap=0"),
-     ({"scale": 0.0}, "scale=0.0"), ({"scale": -1}, "scale=-1"), ({"proj_type": "up"}, "proj_type='up'"),
-     ({"svd": "lanczos"}, "svd='lanczos'"), ({"oversample": -1}, "oversample=-1"), ({"lr": -1.0}, "lr=-1.0"),
-     ({"betas": (1.0, 0.9)}, "betas=\\(1.0, 0.9\\)"), ({"moments_on_refresh": "rotate"}, "moments_on_refresh='rotate'"),
-     ({"seed": -2}, "seed=-2")],
-)  # fmt: skip
+    [
+        ({"rank": 0}, "rank=0"),
+        ({"rank": 2.5}, "rank=2.5"),
+        ({"update_proj_gap": 0}, "update_proj_gap=0"),
+        ({"scale": 0.0}, "scale=0.0"),
+        ({"scale": -1}, "scale=-1"),
+        ({"proj_type": "up"}, "proj_type='up'"),
+        ({"svd": "lanczos"}, "svd='lanczos'"),
+        ({"oversample": -1}, "oversample=-1"),
+        ({"lr": -1.0}, "lr=-1.0"),
+        ({"betas": (1.0, 0.9)}, "betas=\\(1.0, 0.9\\)"),
+        ({"moments_on_refresh": "rotate"}, "moments_on_refresh='rotate'"),
+        ({"seed": -2}, "seed=-2"),
+    ],
+)
 def test_bad_options_refused(kwargs, message):
     kwargs = {"rank": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
@@ -418,8 +434,14 @@ def _single(world: int, nudge: bool = False, **kw: Any) -> torch.Tensor:
     return _params(model)
 
 
-def _distributed(rank: int, model: nn.Module, steps: range = range(STEPS), opt: GaLoreAdamW | None = None,
-                 save_at: int = -1, **kw: Any) -> dict[str, Any]:  # fmt: skip
+def _distributed(
+    rank: int,
+    model: nn.Module,
+    steps: range = range(STEPS),
+    opt: GaLoreAdamW | None = None,
+    save_at: int = -1,
+    **kw: Any,
+) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt = opt or GaLoreAdamW(model.parameters(), **{**OPTS, **kw})
@@ -434,8 +456,14 @@ def _distributed(rank: int, model: nn.Module, steps: range = range(STEPS), opt: 
                 saved = buf.getvalue()
     messages = [str(w.message) for w in caught if "projected on its columns" in str(w.message)]
     bases = [st[k].reshape(-1) for st in opt.state.values() for k in ("proj_left", "proj_right") if k in st]
-    return {"params": _params(model), "bases": torch.cat(bases), "bytes": opt.comm.stats.bytes_sent,
-            "warnings": len(messages), "saved": saved, "state_bytes": opt.state_bytes()}  # fmt: skip
+    return {
+        "params": _params(model),
+        "bases": torch.cat(bases),
+        "bytes": opt.comm.stats.bytes_sent,
+        "warnings": len(messages),
+        "saved": saved,
+        "state_bytes": opt.state_bytes(),
+    }
 
 
 def galore_cases(rank: int, world: int) -> dict[str, Any]:

@@ -45,8 +45,13 @@ def test_a_sizes_measurements_and_their_report(tmp_path):
     for label in ("AdamW", "Muon", "Dion rank 1/4"):  # each optimizer's step, and its share of the training step
         o = data["optimizers"][label]
         assert o["seconds"] > 0 and 0 < o["of_step"] < 1, (label, o)
-    results = {"device": "cpu", "started": "now", "budget_s": 60, "elapsed_s": 5,
-               "stages": {"measure:tiny": {"ok": True, "seconds": 3.0, "result": data}}}  # fmt: skip
+    results = {
+        "device": "cpu",
+        "started": "now",
+        "budget_s": 60,
+        "elapsed_s": 5,
+        "stages": {"measure:tiny": {"ok": True, "seconds": 3.0, "result": data}},
+    }
     text = section(results)
     assert "| measure:tiny | ok |" in text and "PowerSGD r32 (powersgd, rank 32)" in text
     assert "| tiny | rtp |" in text and "Target (issue 36)" in text and "| tiny | Muon |" in text
@@ -66,8 +71,16 @@ def test_stages_fail_alone_and_within_the_budget(tmp_path):
     raises = Stage("raises", [sys.executable, "-c", "raise ValueError('Invalid x=3: must be 2')"], 30)
     hangs = Stage("hangs", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"], 2)
     late = Stage("late", [sys.executable, "-c", "pass"], 30)
-    leaves = Stage("leaves", [sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
-                              "'-c', 'import time; time.sleep(60)']); print('child', p.pid)"], 30)  # fmt: skip
+    leaves = Stage(
+        "leaves",
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys; p = subprocess.Popen([sys.executable, "
+            "'-c', 'import time; time.sleep(60)']); print('child', p.pid)",
+        ],
+        30,
+    )
     results_path, log = tmp_path / "r.json", tmp_path / "r.log"
     t0 = time.monotonic()
     data = run([leaves], results_path, log, device="cpu", preset="tiny", budget_s=120)
@@ -97,8 +110,9 @@ def test_stages_fail_alone_and_within_the_budget(tmp_path):
 def _env_stage(tmp_path: Path, **env: str) -> Stage:
     """An env stage that reports ``env`` (a stand-in for ``powertrain.bench.gpu env``)."""
     path = tmp_path / "env.json"
-    return Stage("env", [sys.executable, "-c", f"open({str(path)!r}, 'w').write({json.dumps(json.dumps(env))})"], 30,
-                 path)  # fmt: skip
+    return Stage(
+        "env", [sys.executable, "-c", f"open({str(path)!r}, 'w').write({json.dumps(json.dumps(env))})"], 30, path
+    )
 
 
 def test_a_rerun_of_some_stages_merges_into_the_earlier_results(tmp_path):
@@ -106,21 +120,44 @@ def test_a_rerun_of_some_stages_merges_into_the_earlier_results(tmp_path):
     result; the results file is merged after every stage; another device, torch or CUDA keeps nothing, and says so.
     A worker's failure is named by its exception, behind torch's ``[rank0]:`` prefix and after NCCL's warnings."""
     gpu = {"device_name": "H100", "torch": "2.11.0", "cuda": "13.0"}
-    previous = {"schema": 1, "device": "cpu", "preset": "tiny", "started": "then", "budget_s": 420,
-                "stages": {"env": {"ok": True, "seconds": 5.0, "result": gpu},
-                           "train:ddp": {"ok": True, "seconds": 9.0, "result": {"kept": True}},
-                           "train:fsdp": {"ok": False, "seconds": 9.0, "error": "AttributeError: old"},
-                           "measure:350m": {"ok": False, "seconds": 4.0, "error": "ValueError: old"}}}  # fmt: skip
+    previous = {
+        "schema": 1,
+        "device": "cpu",
+        "preset": "tiny",
+        "started": "then",
+        "budget_s": 420,
+        "stages": {
+            "env": {"ok": True, "seconds": 5.0, "result": gpu},
+            "train:ddp": {"ok": True, "seconds": 9.0, "result": {"kept": True}},
+            "train:fsdp": {"ok": False, "seconds": 9.0, "error": "AttributeError: old"},
+            "measure:350m": {"ok": False, "seconds": 4.0, "error": "ValueError: old"},
+        },
+    }
     prev_path = tmp_path / "prev.json"
     prev_path.write_text(json.dumps(previous))
     assert load_previous(prev_path, "cpu", "tiny") == previous
-    fails = Stage("train:fsdp", [sys.executable, "-c", "import sys; print('[rank0]: RuntimeError: No backend type'); "
-                                 "print('[rank0]:[W1126] Warning: destroy_process_group() was not called'); "
-                                 "sys.exit(1)"], 30)  # fmt: skip
+    fails = Stage(
+        "train:fsdp",
+        [
+            sys.executable,
+            "-c",
+            "import sys; print('[rank0]: RuntimeError: No backend type'); "
+            "print('[rank0]:[W1126] Warning: destroy_process_group() was not called'); "
+            "sys.exit(1)",
+        ],
+        30,
+    )
     new = Stage("train:diloco", [sys.executable, "-c", "pass"], 30)
     results_path, log = tmp_path / "r.json", tmp_path / "r.log"
-    data = run([_env_stage(tmp_path, **gpu), fails, new], results_path, log, device="cpu", preset="tiny",
-               budget_s=120, previous=previous)  # fmt: skip
+    data = run(
+        [_env_stage(tmp_path, **gpu), fails, new],
+        results_path,
+        log,
+        device="cpu",
+        preset="tiny",
+        budget_s=120,
+        previous=previous,
+    )
     st = data["stages"]
     assert list(st) == ["env", "train:ddp", "train:fsdp", "measure:350m", "train:diloco"]
     assert st["train:ddp"] == previous["stages"]["train:ddp"] and st["measure:350m"]["error"] == "ValueError: old"
@@ -129,8 +166,15 @@ def test_a_rerun_of_some_stages_merges_into_the_earlier_results(tmp_path):
     assert json.loads(results_path.read_text()) == data and data["started"] != "then"
     text = section({**data, "device": "cuda"})
     assert "kept from an earlier run on the same device and torch (then): train:ddp, measure:350m" in text
-    other = run([_env_stage(tmp_path, **{**gpu, "device_name": "H200"}), new], results_path, log, device="cpu",
-                preset="tiny", budget_s=120, previous=previous)  # fmt: skip
+    other = run(
+        [_env_stage(tmp_path, **{**gpu, "device_name": "H200"}), new],
+        results_path,
+        log,
+        device="cpu",
+        preset="tiny",
+        budget_s=120,
+        previous=previous,
+    )
     assert list(other["stages"]) == ["env", "train:diloco"] and other["merge"]["kept"] == []
     assert other["merge"]["refused"] == "another setup: device_name 'H100' then, 'H200' now"
     with pytest.raises(ValueError, match="measured with device='cpu', preset='tiny'; this run is device='cuda'"):
@@ -153,26 +197,47 @@ def test_gpu_check_reruns_a_stage_and_merges(tmp_path):
     from powertrain.bench.gpu import env_info
 
     env = env_info()
-    previous = {"schema": 1, "device": "cpu", "preset": "tiny", "started": "then", "budget_s": 240,
-                "stages": {"env": {"ok": True, "seconds": 5.0, "result": env},
-                           "train:ddp": {"ok": False, "seconds": 1.0, "error": "ValueError: from before"}}}  # fmt: skip
+    previous = {
+        "schema": 1,
+        "device": "cpu",
+        "preset": "tiny",
+        "started": "then",
+        "budget_s": 240,
+        "stages": {
+            "env": {"ok": True, "seconds": 5.0, "result": env},
+            "train:ddp": {"ok": False, "seconds": 1.0, "error": "ValueError: from before"},
+        },
+    }
     prev_path = tmp_path / "prev.json"
     prev_path.write_text(json.dumps(previous))
     out = tmp_path / "out"
     cmd = [sys.executable, "tools/gpu_check.py", "--device", "cpu", "--no-tests", "--out", str(out)]
     env_vars = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}
-    r = subprocess.run([*cmd, "--only", "env", "--merge", str(prev_path)], cwd=ROOT, capture_output=True, text=True,
-                       env=env_vars, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--only", "env", "--merge", str(prev_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env_vars,
+        timeout=120,
+    )
     assert r.returncode == 1, r.stderr[-2000:]  # train:ddp failed then: still not ok
     data = json.loads((out / "gpu_check.json").read_text())
     assert list(data["stages"]) == ["env", "train:ddp"] and data["stages"]["env"]["ok"]
     assert data["merge"] == {"from": "then", "kept": ["train:ddp"]}
     assert "| train:ddp | ValueError: from before |" in (out / "gpu_section.md").read_text()
-    r = subprocess.run([*cmd, "--only", "train:nope"], cwd=ROOT, capture_output=True, text=True, env=env_vars,
-                       timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--only", "train:nope"], cwd=ROOT, capture_output=True, text=True, env=env_vars, timeout=120
+    )
     assert r.returncode == 2 and "Unknown stage 'train:nope' in --only" in r.stderr
-    r = subprocess.run([*cmd, "--merge", str(tmp_path / "absent.json")], cwd=ROOT, capture_output=True, text=True,
-                       env=env_vars, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [*cmd, "--merge", str(tmp_path / "absent.json")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env_vars,
+        timeout=120,
+    )
     assert r.returncode == 2 and "no such file" in r.stderr
 
 
@@ -184,8 +249,13 @@ def test_make_gpu_check_never_installs(tmp_path, venv):
     if venv:
         env_dir.mkdir()
         (env_dir / ".installed").touch()
-    r = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", f"VENV={env_dir}", "DEVICE=cpu"], cwd=ROOT,
-                       capture_output=True, text=True, check=True)  # fmt: skip
+    r = subprocess.run(
+        ["make", "--no-print-directory", "-n", "gpu-check", f"VENV={env_dir}", "DEVICE=cpu"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     lines = [line for line in r.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, lines  # nothing else runs: no venv, no pip
     python = f"{env_dir}/bin/python" if venv else "python3"
@@ -200,14 +270,30 @@ SMALL, MEDIUM = 163_109_376, 406_382_592  # the GPT-2 small and medium shapes' p
 
 def _results(backward_124: float, backward_350: float) -> dict:
     def size(name: str, n: int, layers: int, d: int, backward: float) -> dict:
-        return {"ok": True, "result": {"size": name, "params": n, "n_layer": layers, "d_model": d, "block_size": 1024,
-                                       "tokens": 8192, "batch": 8, "vocab": 50304,
-                                       "passes": {"forward_s": backward / 2, "backward_s": backward},
-                                       "compressors": {"PowerSGD r32": {"seconds": backward / 10}}}}  # fmt: skip
+        return {
+            "ok": True,
+            "result": {
+                "size": name,
+                "params": n,
+                "n_layer": layers,
+                "d_model": d,
+                "block_size": 1024,
+                "tokens": 8192,
+                "batch": 8,
+                "vocab": 50304,
+                "passes": {"forward_s": backward / 2, "backward_s": backward},
+                "compressors": {"PowerSGD r32": {"seconds": backward / 10}},
+            },
+        }
 
-    return {"device": "cuda", "stages": {"env": {"ok": True, "result": {"device_name": "a GPU"}},
-                                         "measure:124m": size("124m", SMALL, 12, 768, backward_124),
-                                         "measure:350m": size("350m", MEDIUM, 24, 1024, backward_350)}}  # fmt: skip
+    return {
+        "device": "cuda",
+        "stages": {
+            "env": {"ok": True, "result": {"device_name": "a GPU"}},
+            "measure:124m": size("124m", SMALL, 12, 768, backward_124),
+            "measure:350m": size("350m", MEDIUM, 24, 1024, backward_350),
+        },
+    }
 
 
 def test_gpu_model_takes_measured_figures_and_scales_them():

@@ -101,15 +101,24 @@ def _payloads(marker: Path) -> dict[str, bytes]:
         # protocol 4 resolves dotted names inside an admitted module
         "dotted": b"\x80\x04" + _global("torch.distributed.checkpoint.filesystem", "os.system") + cmd + b"\x85R.",
         # getattr(getattr(getattr(PosixPath, "__init__"), "__globals__")...) reaches os
-        "getattr": b"\x80\x04" + _global("builtins", "getattr") + _global("pathlib", "PosixPath") + _str("__init__")
+        "getattr": b"\x80\x04"
+        + _global("builtins", "getattr")
+        + _global("pathlib", "PosixPath")
+        + _str("__init__")
         + b"\x86R.",
         # BUILD on an admitted class patches it for everyone
-        "build_on_class": b"\x80\x04" + _global("torch.distributed.checkpoint.metadata", "Metadata")
-        + b"}" + _str("pwned") + b"\x88sb.",  # {"pwned": True} applied to the class
+        "build_on_class": b"\x80\x04"
+        + _global("torch.distributed.checkpoint.metadata", "Metadata")
+        + b"}"
+        + _str("pwned")
+        + b"\x88sb.",  # {"pwned": True} applied to the class
         # BUILD with slot state: setattr on the class
-        "build_slots": b"\x80\x04" + _global("torch.distributed.checkpoint.metadata", "Metadata")
-        + b"N}" + _str("pwned") + b"\x88s\x86b.",
-    }  # fmt: skip
+        "build_slots": b"\x80\x04"
+        + _global("torch.distributed.checkpoint.metadata", "Metadata")
+        + b"N}"
+        + _str("pwned")
+        + b"\x88s\x86b.",
+    }
 
 
 def test_crafted_metadata_runs_nothing(tmp_path):
@@ -229,9 +238,13 @@ def _listeners(pids: list[int]) -> list[tuple[int, str]]:
             local, state, inode = cols[1], cols[3], cols[9]
             if state == "0A" and inode in inodes:  # 0A: LISTEN
                 hexaddr = local.split(":")[0]
-                addr = (socket.inet_ntop(socket.AF_INET, bytes.fromhex(hexaddr)[::-1]) if width == 8
-                        else socket.inet_ntop(socket.AF_INET6, b"".join(bytes.fromhex(hexaddr[i:i + 8])[::-1]
-                                                                      for i in range(0, 32, 8))))  # fmt: skip
+                addr = (
+                    socket.inet_ntop(socket.AF_INET, bytes.fromhex(hexaddr)[::-1])
+                    if width == 8
+                    else socket.inet_ntop(
+                        socket.AF_INET6, b"".join(bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, 32, 8))
+                    )
+                )
                 found.append((inodes[inode], addr))
     return found
 
@@ -249,10 +262,26 @@ def test_listener_check_sees_a_wildcard_socket():
 
 def test_launcher_and_workers_listen_on_loopback_only_and_sigterm_stops_cleanly(tmp_path):
     out = tmp_path / "run"
-    args = [*TINY, "--steps", "2000", "--block-size", "64", "--batch-size", "8", "--out", str(out),
-            "--checkpoint-every", "1000"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    args = [
+        *TINY,
+        "--steps",
+        "2000",
+        "--block-size",
+        "64",
+        "--batch-size",
+        "8",
+        "--out",
+        str(out),
+        "--checkpoint-every",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powertrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + 90
         while not ((out / "pids" / "rank1").exists() and (out / "pids" / "rank0").exists()):
@@ -313,9 +342,13 @@ def test_a_ctrl_c_while_the_fork_server_starts_is_not_lost():
 
 @pytest.mark.parametrize(
     ("when", "sig"),
-    [("training", signal.SIGINT), ("starting", signal.SIGINT), ("importing", signal.SIGTERM),
-     ("spawned", signal.SIGINT)],
-)  # fmt: skip
+    [
+        ("training", signal.SIGINT),
+        ("starting", signal.SIGINT),
+        ("importing", signal.SIGTERM),
+        ("spawned", signal.SIGINT),
+    ],
+)
 def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
     """Ctrl-C (to the whole group, as a terminal sends it) while training, and also just as the workers' fork
     server is spawned (it keeps Ctrl-C from its start, as the launcher handles it). SIGTERM to the group while the
@@ -329,8 +362,14 @@ def test_an_interrupt_stops_every_worker_with_one_line(tmp_path, when, sig):
     if when == "spawned":  # a Unix socket's path takes at most 108 bytes
         (tmp_path / ("t" * 110)).mkdir()
         env["TMPDIR"] = str(tmp_path / ("t" * 110))
-    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powertrain", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 90
         if when == "training":
@@ -381,8 +420,14 @@ def test_a_terminals_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path):
         args = [*TINY, "--steps", "2000", "--out", str(tmp_path / f"run{i}")]
         # with a terminal's SIGINT disposition (a shell's background job, as a CI runner may start this suite in,
         # ignores SIGINT, and a process honours the SIG_IGN it inherits until the launcher installs its handler)
-        proc = subprocess.Popen([str(script), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, preexec_fn=_terminal_sigint)  # fmt: skip
+        proc = subprocess.Popen(
+            [str(script), *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_terminal_sigint,
+        )
         try:
             # from when the command's code runs: its entry holds SIGINT back first (the bit in /proc's mask of blocked
             # signals). Before that the interpreter starts up (tens of milliseconds: a Ctrl-C there is Python's own
@@ -507,8 +552,25 @@ def test_worker_failures_reach_the_user_as_one_line(run2, tmp_path):
     lines = _lines(r.stderr)
     assert len(lines) == 1 and "block_size=32 -> 16" in lines[0], r.stderr[-3000:]
     # a non-finite gradient under DDP surfaces as the compressor's error, not as DDP's RuntimeError
-    r = _run(*TINY, "--steps", "4", "--parallel", "ddp", "--compressor", "int8", "--lr", "1e30", "--optimizer", "sgd",
-             "--momentum", "0", "--checkpoint-every", "1", "--out", str(tmp_path / "b"))  # fmt: skip
+    r = _run(
+        *TINY,
+        "--steps",
+        "4",
+        "--parallel",
+        "ddp",
+        "--compressor",
+        "int8",
+        "--lr",
+        "1e30",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(tmp_path / "b"),
+    )
     assert r.returncode == 1
     lines = [line for line in _lines(r.stderr) if not line.startswith("Resume from")]
     assert len(lines) == 1 and "training stopped at step 2: QuantizedCompressor: non-finite gradient" in lines[0]
@@ -605,8 +667,9 @@ def test_compressor_refuses_a_parameter_twice_and_misshapen_state():
     with pytest.raises(ValueError, match="listed twice"):
         make_compressor("int8", [p, p])
     for name, key in (("int8", "errors"), ("powersgd", "q")):
-        comp = make_compressor(name, [("w", p)], **({"rank": 2, "start_compressing_after_num_steps": 0}
-                                                      if name == "powersgd" else {}))  # fmt: skip
+        comp = make_compressor(
+            name, [("w", p)], **({"rank": 2, "start_compressing_after_num_steps": 0} if name == "powersgd" else {})
+        )
         p.grad = torch.randn(64, 48)
         comp.reduce_gradients()
         state = comp.state_dict()
@@ -756,8 +819,19 @@ def test_validation_split_too_small_fails_before_training(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.txt").write_text("x" * 3000)
-    r = _run(*TINY, "--data", "textdir", "--data-path", str(texts), "--block-size", "200", "--steps", "50",
-             "--out", str(tmp_path / "o"))  # fmt: skip
+    r = _run(
+        *TINY,
+        "--data",
+        "textdir",
+        "--data-path",
+        str(texts),
+        "--block-size",
+        "200",
+        "--steps",
+        "50",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert r.returncode == 2 and "val split" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o").exists(), "it failed before --out was made"
 
@@ -767,8 +841,9 @@ def test_workers_die_with_the_launcher(tmp_path):
     args = [*TINY, "--steps", "3000", "--block-size", "64", "--batch-size", "8", "--out", str(out)]
     (tmp_path / "tmp").mkdir()  # a launcher killed with SIGKILL cannot remove its temporary directory: keep it here
     env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
-    proc = subprocess.Popen([sys.executable, "-m", "powertrain", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "powertrain", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
+    )
     try:
         deadline = time.monotonic() + 90
         while not ((out / "pids" / "rank0").exists() and (out / "pids" / "rank1").exists()):

@@ -18,15 +18,15 @@ from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.hierarchical import HierarchicalCompressor
 
 NODES, LOCAL, RANK = 2, 2, 2
-POWERSGD = {"rank": RANK, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0,
-            "factor_dtype": "fp32"}  # fmt: skip
+POWERSGD = {"rank": RANK, "start_compressing_after_num_steps": 0, "min_compression_rate": 0.0, "factor_dtype": "fp32"}
 
 
 def _grads(model: torch.nn.Module, rank: int, step: int, dtype: torch.dtype = torch.float64) -> list[torch.Tensor]:
     model.zero_grad()
     loss_fn(model, *batch(rank, step, dtype)).backward()
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()
-            if p.requires_grad]  # fmt: skip
+    return [
+        p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters() if p.requires_grad
+    ]
 
 
 def _exact(rank: int) -> dict[str, Any]:
@@ -101,8 +101,9 @@ def _state(rank: int) -> dict[str, Any]:
     comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
     comp.aggregate(_grads(model, rank, 0))
     state = from_blob(to_blob(comp.state_dict()))  # as a checkpoint stores it (CompressorState)
-    twin = HierarchicalCompressor(make_model(torch.float64).named_parameters(), "powersgd", local_world=LOCAL,
-                                  **POWERSGD)  # fmt: skip
+    twin = HierarchicalCompressor(
+        make_model(torch.float64).named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD
+    )
     twin.load_state_dict(state)
     grads = _grads(model, rank, 1)
     same = all(torch.equal(a, b) for a, b in zip(comp.aggregate(grads), twin.aggregate(grads), strict=True))
@@ -117,8 +118,9 @@ def _state(rank: int) -> dict[str, Any]:
 
 def _mlp() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 3))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)
+    )
 
 
 def _hsdp_grads(model: torch.nn.Module, rank: int, step: int) -> None:
@@ -149,11 +151,19 @@ def _hsdp(rank: int) -> dict[str, Any]:
         refused = ""
     except ValueError as e:
         refused = str(e)
-    grads = [(a.grad.to_local().clone(), b.grad.to_local().clone()) for a, b in
-             zip(native.parameters(), ours.parameters(), strict=True)]  # fmt: skip
+    grads = [
+        (a.grad.to_local().clone(), b.grad.to_local().clone())
+        for a, b in zip(native.parameters(), ours.parameters(), strict=True)
+    ]
     model = fully_shard(_mlp(), mesh=mesh["shard"])
-    psgd = compress_replicas(model, "powersgd", group=mesh["replicate"].get_group(), rank=2,
-                             start_compressing_after_num_steps=1, min_compression_rate=0.0)  # fmt: skip
+    psgd = compress_replicas(
+        model,
+        "powersgd",
+        group=mesh["replicate"].get_group(),
+        rank=2,
+        start_compressing_after_num_steps=1,
+        min_compression_rate=0.0,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, sent = [], []
     for _ in range(6):
@@ -166,17 +176,31 @@ def _hsdp(rank: int) -> dict[str, Any]:
         losses.append(loss.item())
         sent.append(psgd.comm.stats.bytes_sent)
     shards = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
-    return {"grads": grads, "refused": refused, "exact_bytes": comp.comm.stats.bytes_sent,
-            "psgd_bytes": sent[-1] - sent[-2], "losses": losses, "shards": shards}  # fmt: skip
+    return {
+        "grads": grads,
+        "refused": refused,
+        "exact_bytes": comp.comm.stats.bytes_sent,
+        "psgd_bytes": sent[-1] - sent[-2],
+        "losses": losses,
+        "shards": shards,
+    }
 
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     assert world == NODES * LOCAL
     torch.manual_seed(0)
-    return {name: guard(fn, rank) for name, fn in
-            {"exact": _exact, "conservation": _conservation, "ddp": _ddp_matches_program,
-             "ddp_worker": _ddp_finished_on_the_worker, "nonfinite": _nonfinite,
-             "state": _state, "hsdp": _hsdp}.items()}  # fmt: skip
+    return {
+        name: guard(fn, rank)
+        for name, fn in {
+            "exact": _exact,
+            "conservation": _conservation,
+            "ddp": _ddp_matches_program,
+            "ddp_worker": _ddp_finished_on_the_worker,
+            "nonfinite": _nonfinite,
+            "state": _state,
+            "hsdp": _hsdp,
+        }.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -203,13 +227,18 @@ def test_error_feedback_is_conserved_per_shard(results):
     runs = case(results, "conservation")
     for step in range(len(runs[0]["steps"])):
         for j in range(len(runs[0]["steps"][step]["grads"])):
-            g, old, new, out = (torch.stack([r["steps"][step][key][j] for r in runs])
-                                for key in ("grads", "old", "new", "out"))  # fmt: skip
+            g, old, new, out = (
+                torch.stack([r["steps"][step][key][j] for r in runs]) for key in ("grads", "old", "new", "out")
+            )
             assert (out == out[0]).all(), "ranks got different averages"
             # per node: its mean gradient (bitwise what the ranks averaged: two halves summed) and its residual,
             # the sum of its ranks' shards (disjoint rows: exact)
-            x = torch.stack([g[n * LOCAL : (n + 1) * LOCAL].div(LOCAL).sum(0) + old[n * LOCAL : (n + 1) * LOCAL].sum(0)
-                             for n in range(NODES)])  # fmt: skip
+            x = torch.stack(
+                [
+                    g[n * LOCAL : (n + 1) * LOCAL].div(LOCAL).sum(0) + old[n * LOCAL : (n + 1) * LOCAL].sum(0)
+                    for n in range(NODES)
+                ]
+            )
             e1 = torch.stack([new[n * LOCAL : (n + 1) * LOCAL].sum(0) for n in range(NODES)])
             # The flat compressor's bound over the NODES inputs (dist_utils.feedback_bound), plus the node mean's
             # one rounding and the residual's addition (2 u |x|) inside its 2x safety.
@@ -273,8 +302,9 @@ def test_hsdp_with_a_compressed_replicate_dimension(results):
             # Each entry: 4 ranks' gradients reduced in two stages by both (reduce-scatter in the node, then the
             # replicas), divided by powers of two: the same sums in the same order up to how the halving is placed,
             # which is exact. Allow the 3 roundings of a 4-term sum (u = eps/2) of terms <= |entry| x 4: 6 eps.
-            within((native - ours).abs(), 6 * EPS32 * native.abs().clamp_min(native.abs().max() * 1e-3),
-                   f"gradient {j}")  # fmt: skip
+            within(
+                (native - ours).abs(), 6 * EPS32 * native.abs().clamp_min(native.abs().max() * 1e-3), f"gradient {j}"
+            )
         assert 0 < r["psgd_bytes"] < r["exact_bytes"] / 2, "a compressed step sends less over the replicas"
         assert r["losses"][-1] < r["losses"][0]
     # the two replicas of each shard agree bitwise: the compressor hands both the same average

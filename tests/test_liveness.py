@@ -49,8 +49,10 @@ def test_a_rank_that_never_beat_is_named_and_a_lost_store_names_node_0(monkeypat
     del store  # the store (on node 0) is gone
     lost = beat.diagnose()
     # its host answers (connection refused): the process that held the store is gone, not the node
-    assert lost == (f"the rendezvous store at 127.0.0.1:{port} refused the connection: the process that hosted it "
-                    "(rank 0's, or torchrun's) exited"), lost  # fmt: skip
+    assert lost == (
+        f"the rendezvous store at 127.0.0.1:{port} refused the connection: the process that hosted it "
+        "(rank 0's, or torchrun's) exited"
+    ), lost
     beat.stop()
 
 
@@ -63,8 +65,9 @@ def test_malformed_heartbeat_records_never_replace_the_error(store, monkeypatch)
     store.set("powertrain/heartbeat/0/who/1", b"garbage")  # no address
     store.set("powertrain/heartbeat/0/who/2", b"\xff\x1b[2J " + b"x" * 500)  # not UTF-8, an escape, long
     lost = beat.diagnose()
-    assert lost == ("no heartbeat for 0.5 s from node garbage (unknown address): rank 1; node \ufffd?[2J ("
-                    + "x" * 80 + "): rank 2"), lost  # fmt: skip
+    assert lost == (
+        "no heartbeat for 0.5 s from node garbage (unknown address): rank 1; node \ufffd?[2J (" + "x" * 80 + "): rank 2"
+    ), lost
     beat.stop()
 
     from powertrain.train.loop import _diagnose

@@ -46,8 +46,9 @@ def _refusal(*cmd: str) -> tuple[int, list[str], float]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", _PROBE, *cmd], capture_output=True, text=True, timeout=120, env=env)
     code, kb = r.stdout.split()[-2:]
-    lines = [line for line in r.stderr.splitlines()
-             if line.strip() and not line.startswith(" ") and "Warning" not in line]  # fmt: skip
+    lines = [
+        line for line in r.stderr.splitlines() if line.strip() and not line.startswith(" ") and "Warning" not in line
+    ]
     return int(code), lines, int(kb) / 1024
 
 
@@ -126,9 +127,11 @@ def test_a_case_colliding_bytearray_bomb_is_refused_with_little_memory(tmp_path)
     """The issue's payload: a harmless archive/data.pkl, and an archive/DATA.PKL building bytearray(1.5e9)."""
     path = tmp_path / "item.pt"
     path.write_bytes(_archive("archive/DATA.PKL", BOMB))
-    script = ("import io, sys, torch; from powertrain.serialize import check_torch_pickle; "
-              "data = open(sys.argv[1], 'rb').read(); check_torch_pickle(data, allowed=(), what='item'); "
-              "torch.load(io.BytesIO(data), weights_only=True)")  # fmt: skip
+    script = (
+        "import io, sys, torch; from powertrain.serialize import check_torch_pickle; "
+        "data = open(sys.argv[1], 'rb').read(); check_torch_pickle(data, allowed=(), what='item'); "
+        "torch.load(io.BytesIO(data), weights_only=True)"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(path))
     assert code == 1 and "UnsafeData: item has members whose names collide" in lines[-1], lines
     assert peak < PEAK_MB, peak
@@ -157,10 +160,12 @@ def test_the_examples_checkpoint_loader_is_bounded(tmp_path):
     with pytest.raises(UnsafeData):
         ex.load_checkpoint(bomb, model)  # type: ignore[attr-defined]
     huge = _sparse(tmp_path / "huge.pt")
-    script = ("import importlib.util, sys; from pathlib import Path; "
-              "spec = importlib.util.spec_from_file_location('ex', sys.argv[1]); "
-              "ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex); "
-              "ex.load_checkpoint(Path(sys.argv[2]), ex.GPT())")  # fmt: skip
+    script = (
+        "import importlib.util, sys; from pathlib import Path; "
+        "spec = importlib.util.spec_from_file_location('ex', sys.argv[1]); "
+        "ex = importlib.util.module_from_spec(spec); spec.loader.exec_module(ex); "
+        "ex.load_checkpoint(Path(sys.argv[2]), ex.GPT())"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(ROOT / "examples" / "nanogpt_ddp.py"), str(huge))
     assert code == 1 and f"huge.pt is {SPARSE:,} bytes, more than this model's checkpoint can be" in lines[-1], lines
     assert peak < PEAK_MB, peak
@@ -224,14 +229,23 @@ def test_an_item_longer_than_its_destination_is_refused_before_it_is_read(tmp_pa
     info.length = 1 << 30
     os.truncate(data, max(data.stat().st_size, info.offset + info.length))
     (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
-    _manifest(ckpt, {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in ckpt.iterdir()
-                     if p.name != "manifest.json"})  # fmt: skip
-    script = ("import sys, torch; from pathlib import Path; from powertrain.train.checkpoint import load_checkpoint; "
-              "load_checkpoint(Path(sys.argv[1]), torch.nn.Linear(4, 3), None, {})")  # fmt: skip
+    _manifest(
+        ckpt,
+        {
+            p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in ckpt.iterdir()
+            if p.name != "manifest.json"
+        },
+    )
+    script = (
+        "import sys, torch; from pathlib import Path; from powertrain.train.checkpoint import load_checkpoint; "
+        "load_checkpoint(Path(sys.argv[1]), torch.nn.Linear(4, 3), None, {})"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(ckpt))
     assert code == 1, lines
-    assert "Checkpoint item 'model.weight' is stored in 1,073,741,824 bytes, more than its destination takes" \
-        in lines[-1], lines  # fmt: skip
+    assert (
+        "Checkpoint item 'model.weight' is stored in 1,073,741,824 bytes, more than its destination takes" in lines[-1]
+    ), lines
     assert peak < PEAK_MB, peak
 
 
@@ -239,8 +253,10 @@ def test_a_metrics_log_is_read_row_by_row_within_a_bound(tmp_path):
     from powertrain.train.metrics import supersede
 
     _sparse(tmp_path / "metrics.jsonl")  # one 2 GiB "line" of NUL bytes
-    script = ("import sys; from pathlib import Path; from powertrain.train.metrics import supersede; "
-              "supersede(Path(sys.argv[1]), 3)")  # fmt: skip
+    script = (
+        "import sys; from pathlib import Path; from powertrain.train.metrics import supersede; "
+        "supersede(Path(sys.argv[1]), 3)"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(tmp_path))
     assert code == 1 and "has a line longer than 65,536 bytes: not a metrics log" in lines[-1], lines
     assert peak < PEAK_MB, peak
@@ -294,8 +310,10 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
         f.seek(SPARSE - 5)
         f.write(b"boom\n")
     assert torchft_diloco._tail(log, 10) == "\x00" * 5 + "boom\n"
-    script = ("import sys; from pathlib import Path; from powertrain.bench.torchft_diloco import _tail; "
-              "sys.exit(0 if _tail(Path(sys.argv[1])).endswith('boom\\n') else 3)")  # fmt: skip
+    script = (
+        "import sys; from pathlib import Path; from powertrain.bench.torchft_diloco import _tail; "
+        "sys.exit(0 if _tail(Path(sys.argv[1])).endswith('boom\\n') else 3)"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(log))
     assert code == 0 and peak < PEAK_MB, (code, lines, peak)
     assert torchft_diloco._tail(tmp_path / "none.log") == ""
@@ -315,11 +333,13 @@ def test_a_bench_gpu_stage_s_output_is_read_back_from_its_end_only():
     """bench gpu keeps a stage's output on disk and reads back its last OUTPUT_TAIL bytes: a stage that prints 700 MiB
     (held whole, with its lines, it would take over twice the bound) fails in its one error line and its tail, within
     the memory bound."""
-    script = ("import io, sys, time; from powertrain.bench import gpu; "
-              f"stage = gpu.Stage('chatty', [sys.executable, '-c', {CHATTY!r}], 120); "
-              "res = gpu.run_stage(stage, time.monotonic() + 300, io.StringIO()); "
-              "ok = res['error'] == 'ValueError: the end' and res['tail'].splitlines()[-2] == 'x' * 1023; "
-              "sys.exit(0 if ok and not res['ok'] else 3)")  # fmt: skip
+    script = (
+        "import io, sys, time; from powertrain.bench import gpu; "
+        f"stage = gpu.Stage('chatty', [sys.executable, '-c', {CHATTY!r}], 120); "
+        "res = gpu.run_stage(stage, time.monotonic() + 300, io.StringIO()); "
+        "ok = res['error'] == 'ValueError: the end' and res['tail'].splitlines()[-2] == 'x' * 1023; "
+        "sys.exit(0 if ok and not res['ok'] else 3)"
+    )
     code, lines, peak = _refusal(sys.executable, "-c", script)
     assert code == 0 and peak < PEAK_MB, (code, lines, peak)
 

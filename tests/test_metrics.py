@@ -18,8 +18,15 @@ def _train(writer: RunWriter, steps: range, log_every: int) -> None:
         loss = 5.0 / step
         writer.every_step(step, loss, wall_s=0.1 * step, bytes_total=1e6 * step)
         if step % log_every == 0:
-            writer.log({"step": step, "loss": loss, "wall_s": 0.1 * step, "bytes_total": 1e6 * step,
-                        **({"val_loss": 6.0 / step} if step % (2 * log_every) == 0 else {})})  # fmt: skip
+            writer.log(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "wall_s": 0.1 * step,
+                    "bytes_total": 1e6 * step,
+                    **({"val_loss": 6.0 / step} if step % (2 * log_every) == 0 else {}),
+                }
+            )
 
 
 def test_the_plots_show_every_step_a_smoothed_line_and_the_validation(tmp_path):

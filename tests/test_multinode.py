@@ -20,8 +20,20 @@ from powertrain.bench.netem import EmulatedCluster
 pytestmark = pytest.mark.netem
 
 STEPS = 12
-RUN = ["train", "--preset", "tiny", "--parallel", "ddp", "--quiet", "--steps", str(STEPS), "--log-every", "1",
-       "--compressor", "powersgd:rank=4,start=2"]  # fmt: skip
+RUN = [
+    "train",
+    "--preset",
+    "tiny",
+    "--parallel",
+    "ddp",
+    "--quiet",
+    "--steps",
+    str(STEPS),
+    "--log-every",
+    "1",
+    "--compressor",
+    "powersgd:rank=4,start=2",
+]
 
 
 def _cluster_run(out: Path, *extra: str) -> tuple[list[dict], dict, int]:
@@ -74,8 +86,19 @@ def test_a_lost_node_stops_the_other_within_the_timeout(tmp_path, how):
     then the heartbeat names the silent node). Node 0's workers fail and its torchrun exits, instead of waiting for
     a peer that never answers."""
     out = tmp_path / "run"
-    args = ["-m", "powertrain", *RUN[:-2], "--compressor", "none", "--steps", "100000", "--timeout-s", "5", "--out",
-            str(out)]  # fmt: skip
+    args = [
+        "-m",
+        "powertrain",
+        *RUN[:-2],
+        "--compressor",
+        "none",
+        "--steps",
+        "100000",
+        "--timeout-s",
+        "5",
+        "--out",
+        str(out),
+    ]
     with EmulatedCluster(2, None) as cluster:
         procs = [cluster.torchrun(n, 2, args) for n in range(2)]
         metrics = out / "metrics.jsonl"
@@ -119,8 +142,10 @@ def test_torchrun_restarts_both_nodes_after_a_worker_dies_and_the_run_continues_
     out = tmp_path / "elastic"
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     with EmulatedCluster(2, None) as cluster:
-        procs = [cluster.torchrun(n, 2, ["-m", "powertrain", *run, "--out", str(out)], max_restarts=1, env=env)
-                 for n in range(2)]  # fmt: skip
+        procs = [
+            cluster.torchrun(n, 2, ["-m", "powertrain", *run, "--out", str(out)], max_restarts=1, env=env)
+            for n in range(2)
+        ]
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
         while not (out / "checkpoints" / "latest").is_file() or len(metrics.read_text().splitlines()) <= every + 3:
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no first checkpoint"

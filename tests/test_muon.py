@@ -129,59 +129,98 @@ def test_the_rule_sends_embeddings_head_norms_and_biases_to_adamw():
     muon = sorted(names[id(p)] for p in by_algorithm["muon"])
     assert muon == sorted(f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "fc_out"))
     assert {names[id(p)] for p in by_algorithm["adamw"]} >= {"tok.weight", "pos.weight", "head.weight", "ln_f.weight"}
-    for name in ["model.embed_tokens.weight", "transformer.wte.weight", "lm_head.weight", "output.weight",
-                 "bert.embeddings.word_embeddings.weight", "tok_embeddings.weight"]:  # fmt: skip
+    for name in [
+        "model.embed_tokens.weight",
+        "transformer.wte.weight",
+        "lm_head.weight",
+        "output.weight",
+        "bert.embeddings.word_embeddings.weight",
+        "tok_embeddings.weight",
+    ]:
         assert is_embedding_or_head(name), name
     # parameters registered on a module directly, T5's tied embedding, heads built as a Sequential
-    for name in ["positional_embedding", "transformer.pos_emb", "visual.class_embedding", "shared.weight",
-                 "head.0.weight", "heads.weight", "vit.cls_token"]:  # fmt: skip
+    for name in [
+        "positional_embedding",
+        "transformer.pos_emb",
+        "visual.class_embedding",
+        "shared.weight",
+        "head.0.weight",
+        "heads.weight",
+        "vit.cls_token",
+    ]:
         assert is_embedding_or_head(name), name
-    for name in ["layers.0.attention.wq.weight", "blocks.1.fc.weight", "h.0.mlp.c_proj.weight", "weight",
-                 "decoder.layers.0.fc1.weight", "heads_proj.weight"]:  # fmt: skip
+    for name in [
+        "layers.0.attention.wq.weight",
+        "blocks.1.fc.weight",
+        "h.0.mlp.c_proj.weight",
+        "weight",
+        "decoder.layers.0.fc1.weight",
+        "heads_proj.weight",
+    ]:
         assert not is_embedding_or_head(name), name
     # a rule of one's own, and explicit groups with their own options
     everything = Muon(model.named_parameters(), rule=lambda n, p: p.ndim == 2)
     assert len(everything.param_groups[0]["params"]) == 8 + 3  # the embeddings and the head too
-    groups = Muon([{"params": [model.blocks[0].fc.weight], "algorithm": "muon", "lr": 0.05},
-                   {"params": [model.tok.weight], "algorithm": "adamw"}], adamw_lr=3e-4)  # fmt: skip
+    groups = Muon(
+        [
+            {"params": [model.blocks[0].fc.weight], "algorithm": "muon", "lr": 0.05},
+            {"params": [model.tok.weight], "algorithm": "adamw"},
+        ],
+        adamw_lr=3e-4,
+    )
     assert [(g["algorithm"], g["lr"]) for g in groups.param_groups] == [("muon", 0.05), ("adamw", 3e-4)]
 
 
 def test_bad_input_is_refused_in_one_line():
     model = _gpt()
     named = lambda: model.named_parameters()
-    errors = value_errors({
-        "plain": lambda: Muon(model.parameters()),
-        "algorithm": lambda: Muon([{"params": list(model.parameters()), "algorithm": "sgd"}]),
-        "lr": lambda: Muon(named(), lr=-1.0),
-        "momentum": lambda: Muon(named(), momentum=1.0),
-        "steps": lambda: Muon(named(), ns_steps=0),
-        "coefficients": lambda: Muon(named(), ns_coefficients=(1.0, float("nan"), 2.0)),
-        "adjust": lambda: Muon(named(), adjust_lr_fn="rms"),
-        "betas": lambda: Muon(named(), adamw_betas=(0.9, 1.0)),
-        "dtype": lambda: Muon(named(), ns_dtype=torch.int8),
-        "split": lambda: Muon(named(), split="yes"),
-        "twice": lambda: Muon([*model.named_parameters(), ("again", model.head.weight)]),
-        "later": lambda: Muon(named()).add_param_group({"params": [torch.zeros(2, 2)], "algorithm": "muon"}),
-        "vector": lambda: Muon([{"params": [model.ln_f.weight], "algorithm": "muon"}]),
-        "empty": lambda: Muon([{"params": [torch.nn.Parameter(torch.zeros(5, 0))], "algorithm": "muon"}]),
-        "relabel": lambda: Muon(named()).load_state_dict(
-            {**Muon(named()).state_dict(), "param_groups": [{**g, "algorithm": "adamw"}
-                                                           for g in Muon(named()).state_dict()["param_groups"]]}),
-        "resnet": lambda: TrainConfig(model="resnet", data="mnist1d", optimizer="muon"),
-        "muon_lr": lambda: TrainConfig(muon_lr=0.05),
-        "dion_rank": lambda: TrainConfig(optimizer="muon", dion_rank=0.25),
-    })  # fmt: skip
+    errors = value_errors(
+        {
+            "plain": lambda: Muon(model.parameters()),
+            "algorithm": lambda: Muon([{"params": list(model.parameters()), "algorithm": "sgd"}]),
+            "lr": lambda: Muon(named(), lr=-1.0),
+            "momentum": lambda: Muon(named(), momentum=1.0),
+            "steps": lambda: Muon(named(), ns_steps=0),
+            "coefficients": lambda: Muon(named(), ns_coefficients=(1.0, float("nan"), 2.0)),
+            "adjust": lambda: Muon(named(), adjust_lr_fn="rms"),
+            "betas": lambda: Muon(named(), adamw_betas=(0.9, 1.0)),
+            "dtype": lambda: Muon(named(), ns_dtype=torch.int8),
+            "split": lambda: Muon(named(), split="yes"),
+            "twice": lambda: Muon([*model.named_parameters(), ("again", model.head.weight)]),
+            "later": lambda: Muon(named()).add_param_group({"params": [torch.zeros(2, 2)], "algorithm": "muon"}),
+            "vector": lambda: Muon([{"params": [model.ln_f.weight], "algorithm": "muon"}]),
+            "empty": lambda: Muon([{"params": [torch.nn.Parameter(torch.zeros(5, 0))], "algorithm": "muon"}]),
+            "relabel": lambda: Muon(named()).load_state_dict(
+                {
+                    **Muon(named()).state_dict(),
+                    "param_groups": [{**g, "algorithm": "adamw"} for g in Muon(named()).state_dict()["param_groups"]],
+                }
+            ),
+            "resnet": lambda: TrainConfig(model="resnet", data="mnist1d", optimizer="muon"),
+            "muon_lr": lambda: TrainConfig(muon_lr=0.05),
+            "dion_rank": lambda: TrainConfig(optimizer="muon", dion_rank=0.25),
+        }
+    )
     expected = {
-        "plain": "needs model.named_parameters()", "algorithm": "algorithm='sgd'", "lr": "Invalid lr=-1.0",
-        "momentum": "Invalid momentum=1.0", "steps": "Invalid ns_steps=0", "coefficients": "Invalid ns_coefficients",
-        "adjust": "Invalid adjust_lr_fn='rms'", "betas": "Invalid adamw_betas", "dtype": "Invalid ns_dtype",
-        "split": "Invalid split='yes'", "twice": "listed twice", "later": "pass every parameter group",
-        "vector": "has shape (32,): give it to the 'adamw' group", "empty": "has no entries",
+        "plain": "needs model.named_parameters()",
+        "algorithm": "algorithm='sgd'",
+        "lr": "Invalid lr=-1.0",
+        "momentum": "Invalid momentum=1.0",
+        "steps": "Invalid ns_steps=0",
+        "coefficients": "Invalid ns_coefficients",
+        "adjust": "Invalid adjust_lr_fn='rms'",
+        "betas": "Invalid adamw_betas",
+        "dtype": "Invalid ns_dtype",
+        "split": "Invalid split='yes'",
+        "twice": "listed twice",
+        "later": "pass every parameter group",
+        "vector": "has shape (32,): give it to the 'adamw' group",
+        "empty": "has no entries",
         "relabel": "parameter group 0 is 'adamw''s and this optimizer's 'muon''s",
-        "resnet": "the ResNet's weights are convolutions", "muon_lr": "optimizer='adamw' does not use it",
+        "resnet": "the ResNet's weights are convolutions",
+        "muon_lr": "optimizer='adamw' does not use it",
         "dion_rank": "applies to optimizer='dion', not 'muon'",
-    }  # fmt: skip
+    }
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])
         assert "\n" not in errors[key]
@@ -339,11 +378,13 @@ def muon_cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", (world,))
         model = make_model()
         fully_shard(model, mesh=mesh)
-        return value_errors({
-            "split": lambda: Muon(model.named_parameters(), split=False),
-            "group": lambda: Muon(model.named_parameters(), group=dist.group.WORLD),
-            "mixed": lambda: Muon([*model.named_parameters(), ("plain", torch.nn.Parameter(torch.zeros(3, 3)))]),
-        })  # fmt: skip
+        return value_errors(
+            {
+                "split": lambda: Muon(model.named_parameters(), split=False),
+                "group": lambda: Muon(model.named_parameters(), group=dist.group.WORLD),
+                "mixed": lambda: Muon([*model.named_parameters(), ("plain", torch.nn.Parameter(torch.zeros(3, 3)))]),
+            }
+        )
 
     return {
         "reference": guard(reference),
@@ -389,8 +430,13 @@ def test_across_ranks_equals_one_process_bitwise(world, tmp_path):
     state = {"model": model_sd, "optim": optim_sd}
     checkpoint.load(state, tmp_path / "ckpt")
     # not strict: the unused layer never had a gradient, so it has optimizer state in neither run
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=False))  # fmt: skip
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=StateDictOptions(strict=False),
+    )
     _steps(model, opt, range(2, 4))
     for a, b in zip(_full(model), reference, strict=True):
         assert torch.equal(a, b)

@@ -28,9 +28,12 @@ def test_cost_model():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"world": 1, "rate_mbit": 100}, "world=1"), ({"world": 2, "rate_mbit": 0}, "rate_mbit=0"),
-     ({"world": 2, "rate_mbit": 10, "subnet": 300}, "subnet=300")],
-)  # fmt: skip
+    [
+        ({"world": 1, "rate_mbit": 100}, "world=1"),
+        ({"world": 2, "rate_mbit": 0}, "rate_mbit=0"),
+        ({"world": 2, "rate_mbit": 10, "subnet": 300}, "subnet=300"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EmulatedCluster(**kwargs)

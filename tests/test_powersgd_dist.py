@@ -103,8 +103,13 @@ def _conservation_compressor(rank: int, variant: str, factor_dtype: str = "fp32"
     """Same invariant for the compressor that owns its residuals: mean(g + e_old) == out + mean(e_new); also the
     bytes each step sent against ``bytes_per_step``."""
     model = make_model(torch.float64)
-    cfg = Config(rank=RANK, min_compression_rate=0, start_compressing_after_num_steps=0, variant=variant,
-                 factor_dtype=factor_dtype)  # fmt: skip
+    cfg = Config(
+        rank=RANK,
+        min_compression_rate=0,
+        start_compressing_after_num_steps=0,
+        variant=variant,
+        factor_dtype=factor_dtype,
+    )
     comp = PowerSGDCompressor(model.parameters(), config=cfg)
     records, sent = [], []
     for step in range(4):

@@ -47,8 +47,11 @@ def _train(rank: int, world: int, impl: str, rank_r: int, iters: int, steps: int
         loss.backward()
         optimizer_step(opt, agg)
         losses.append(loss.item())
-    return {"params": torch.cat([p.detach().reshape(-1) for p in params]),
-            "residuals": torch.cat([p.grad.reshape(-1) for p in params]), "losses": losses}  # fmt: skip
+    return {
+        "params": torch.cat([p.detach().reshape(-1) for p in params]),
+        "residuals": torch.cat([p.grad.reshape(-1) for p in params]),
+        "losses": losses,
+    }
 
 
 @pytest.mark.skipif(

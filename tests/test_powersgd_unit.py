@@ -286,8 +286,9 @@ def test_compressor_conserves_at_world_size_1(variant, device):
         out = comp.aggregate(grads)
         for g, e0, a, e1, name in zip(grads, before, out, comp.residuals(), comp.names, strict=True):
             # derivation: dist_utils.feedback_bound, at W = 1 (2 power iterations at rank 1)
-            bound = feedback_bound((g + e0)[None], e1[None], eps=EPS64, iters=2, rank=1,
-                                   matrix=name in comp.compressed_names)  # fmt: skip
+            bound = feedback_bound(
+                (g + e0)[None], e1[None], eps=EPS64, iters=2, rank=1, matrix=name in comp.compressed_names
+            )
             within((a + e1 - (g + e0)).abs(), bound, name)
     assert any(e.abs().sum() > 0 for e in comp.residuals()), "rank 1 must leave a residual"
 
@@ -320,8 +321,13 @@ def test_nonfinite_at_world_size_1_raises_or_skips(device):
     assert model.big.weight.grad[0, 0].isnan()
 
 
-LIMIT_CASES = [("alternating", 1, "fp32"), ("alternating", 2, "fp32"), ("paper", 1, "fp32"), ("paper", 2, "fp32"),
-               ("paper", 1, "bf16")]  # fmt: skip
+LIMIT_CASES = [
+    ("alternating", 1, "fp32"),
+    ("alternating", 2, "fp32"),
+    ("paper", 1, "fp32"),
+    ("paper", 2, "fp32"),
+    ("paper", 1, "bf16"),
+]
 
 
 def _pattern(kind: str, n: int, m: int, device: torch.device) -> torch.Tensor:
@@ -357,8 +363,14 @@ def test_gradients_just_below_the_limit_never_overflow(variant, iters, factors, 
         for rank in (1, 4, 16):
             for kind in ("rand", "ones", "column", "sign"):
                 p = torch.nn.Parameter(torch.zeros(n, m, device=device))
-                config = Config(rank=rank, variant=variant, num_iters_per_step=iters, factor_dtype=factors,
-                                start_compressing_after_num_steps=0, min_compression_rate=0)  # fmt: skip
+                config = Config(
+                    rank=rank,
+                    variant=variant,
+                    num_iters_per_step=iters,
+                    factor_dtype=factors,
+                    start_compressing_after_num_steps=0,
+                    min_compression_rate=0,
+                )
                 comp = PowerSGDCompressor([("w", p)], config=config)
                 limit = _limit_of(comp, 0)
                 for _ in range(4):
@@ -380,8 +392,9 @@ def test_a_gradient_beyond_the_limit_raises_naming_it_and_changes_nothing(varian
     step goes through."""
     torch.manual_seed(0)
     model = make_model().to(device)
-    config = Config(rank=2, variant=variant, num_iters_per_step=iters, factor_dtype=factors,
-                    start_compressing_after_num_steps=0)  # fmt: skip
+    config = Config(
+        rank=2, variant=variant, num_iters_per_step=iters, factor_dtype=factors, start_compressing_after_num_steps=0
+    )
     comp = PowerSGDCompressor(model.named_parameters(), config=config)
     i = comp.names.index("big.weight")
     grads = [torch.randn_like(p) for p in comp.params]
@@ -606,4 +619,8 @@ def test_new_code_gets_the_recommended_config_and_the_reference_config_keeps_its
     # the reference-compatible Config is untouched: the reference's defaults, field for field
     ref = reference_api.Config(rank=4)
     assert (ref.variant, ref.factor_dtype, ref.start_compressing_after_num_steps, ref.min_compression_rate) == (
-        "alternating", "fp32", 100, 2)  # fmt: skip
+        "alternating",
+        "fp32",
+        100,
+        2,
+    )

@@ -24,8 +24,7 @@ from powertrain.train.optimizers import build_scheduler, lr_factor
 
 
 def _lines(text: str) -> list[str]:
-    return [line for line in text.splitlines()
-            if line.strip() and not line.startswith(" ") and "Warning" not in line]  # fmt: skip
+    return [line for line in text.splitlines() if line.strip() and not line.startswith(" ") and "Warning" not in line]
 
 
 def _metrics(out: Path) -> list[dict[str, Any]]:
@@ -41,8 +40,21 @@ def test_the_advice_after_a_divergence_is_followed_and_the_lower_lr_takes_effect
     sets the new rate from the resumed step on: lr x the schedule's factor at each step, exactly as a run started
     with it would have."""
     out = tmp_path / "run"
-    common = ["train", "--preset", "tiny", "--nproc", "1", "--compressor", "none", "--checkpoint-every", "1",
-              "--out", str(out), "--log-every", "1"]  # fmt: skip
+    common = [
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        "1",
+        "--compressor",
+        "none",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(out),
+        "--log-every",
+        "1",
+    ]
     assert run_cli(*common, "--steps", "1", "--quiet").returncode == 0
     r = run_cli(*common, "--steps", "3", "--lr", "1e30")  # the same command continues the run in --out
     assert "with changed settings: steps=1 -> 3, lr=0.001 -> 1e+30, quiet=True -> False (from step 1 on)" in r.stdout, (
@@ -100,8 +112,14 @@ def _stepped(steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
 
 def _refused(tmp_path: Path, step: int, saved: dict[str, Any], match: str, progress: dict | None = None) -> str:
     model, opt, _ = _stepped(2)
-    ckpt = save_checkpoint(tmp_path / f"c{len(list(tmp_path.iterdir()))}", step, model, opt,
-                           {k: _Crafted(v) for k, v in saved.items()}, progress)  # fmt: skip
+    ckpt = save_checkpoint(
+        tmp_path / f"c{len(list(tmp_path.iterdir()))}",
+        step,
+        model,
+        opt,
+        {k: _Crafted(v) for k, v in saved.items()},
+        progress,
+    )
     fresh_model, fresh_opt, schedule = _run_parts()
     with pytest.raises((CheckpointError, ValueError), match=match) as e:  # the run maps resume's ValueError
         load_checkpoint(ckpt, fresh_model, fresh_opt, {"scheduler": schedule})
@@ -140,8 +158,9 @@ def test_a_crafted_rate_never_reaches_the_optimizer_and_the_schedule_must_be_at_
     another step than the checkpoint's is refused."""
     model, opt, schedule = _stepped(2)
     state = schedule.state_dict()
-    ckpt = save_checkpoint(tmp_path / "a", 2, model, opt, {"scheduler": _Crafted({**state, "base_lrs": [1e30],
-                                                                                   "_last_lr": [1e30]})})  # fmt: skip
+    ckpt = save_checkpoint(
+        tmp_path / "a", 2, model, opt, {"scheduler": _Crafted({**state, "base_lrs": [1e30], "_last_lr": [1e30]})}
+    )
     fresh_model, fresh_opt, fresh = _run_parts()
     step, _ = load_checkpoint(ckpt, fresh_model, fresh_opt, {"scheduler": fresh})
     fresh.resume(step)
@@ -179,8 +198,11 @@ def test_a_step_that_differs_from_the_manifest_and_damaged_counters_are_refused(
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="holds step 2 and its manifest names step '7'"):
         load_checkpoint(ckpt, *_run_parts()[:2], {})
-    for progress, name in (({"wall_s": -1.0}, "wall_s=-1.0"), ({"bytes_total": math.inf}, "bytes_total=inf"),
-                           ({"wall_s": math.nan}, "wall_s=nan")):  # fmt: skip
+    for progress, name in (
+        ({"wall_s": -1.0}, "wall_s=-1.0"),
+        ({"bytes_total": math.inf}, "bytes_total=inf"),
+        ({"wall_s": math.nan}, "wall_s=nan"),
+    ):
         ckpt = save_checkpoint(tmp_path / name, 2, model, opt, {}, progress)
         with pytest.raises(CheckpointError, match=f"holds {name}, which no run writes"):
             load_checkpoint(ckpt, *_run_parts()[:2], {})
@@ -348,8 +370,9 @@ def test_complex_tensors_and_a_scalar_outer_momentum_are_refused():
     with pytest.raises(ValueError, match=r"errors\[0\] is a torch\.complex64 tensor, expected real numbers"):
         comp.load_state_dict({**state, "errors": [bad, state["errors"][1]]})
     model = torch.nn.Linear(4, 3)
-    diloco = DiLoCo(model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1,
-                    outer_optimizer=nesterov())  # fmt: skip
+    diloco = DiLoCo(
+        model.named_parameters(), torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1, outer_optimizer=nesterov()
+    )
     for _ in range(2):
         model(torch.randn(2, 4)).sum().backward()
         diloco.step()
@@ -374,8 +397,24 @@ def test_complex_tensors_and_a_scalar_outer_momentum_are_refused():
 def test_the_run_checks_a_per_rank_optimizer_at_load(tmp_path):
     """``powertrain train`` stores a per-rank optimizer through :class:`RankOptimizer`: a DeMo momentum of the wrong
     shape is refused in one line at load (it was a traceback in the step after the resume)."""
-    r = run_cli("train", "--preset", "tiny", "--nproc", "1", "--compressor", "none", "--optimizer", "demo",
-                "--steps", "1", "--checkpoint-every", "1", "--out", str(tmp_path / "run"), "--quiet")  # fmt: skip
+    r = run_cli(
+        "train",
+        "--preset",
+        "tiny",
+        "--nproc",
+        "1",
+        "--compressor",
+        "none",
+        "--optimizer",
+        "demo",
+        "--steps",
+        "1",
+        "--checkpoint-every",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     from powertrain.train import loop
     from powertrain.train.optimizers import RankOptimizer
@@ -439,8 +478,9 @@ def _composite(kind: str) -> Any:
     def make(ps: Any) -> torch.optim.Optimizer:
         ps = list(ps)
         if kind == "dion":
-            return Dion([{"params": ps[:1], "algorithm": "dion"}, {"params": ps[1:], "algorithm": "adamw"}],
-                        rank_fraction=0.5)  # fmt: skip
+            return Dion(
+                [{"params": ps[:1], "algorithm": "dion"}, {"params": ps[1:], "algorithm": "adamw"}], rank_fraction=0.5
+            )
         return Muon([{"params": ps[:1], "algorithm": "muon"}, {"params": ps[1:], "algorithm": "adamw"}])
 
     return make
@@ -482,6 +522,9 @@ def test_a_composite_optimizers_state_is_checked_per_group_at_load(kind, path, v
     assert "\n" not in str(e.value) and len(str(e.value)) < 500, str(e.value)
     after = fresh.state_dict()  # nothing was taken
     assert after["state"].keys() == before["state"].keys()
-    assert all(torch.equal(a, b) for k in before["state"] for a, b in
-               zip(before["state"][k].values(), after["state"][k].values(), strict=True))  # fmt: skip
+    assert all(
+        torch.equal(a, b)
+        for k in before["state"]
+        for a, b in zip(before["state"][k].values(), after["state"][k].values(), strict=True)
+    )
     part.load_state_dict(state)

@@ -49,8 +49,9 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _grads_vs_single_process(rank: int, world: int, group: dist.ProcessGroup | None = None,
-                             ranks: list[int] | None = None) -> dict[str, Any]:  # fmt: skip
+def _grads_vs_single_process(
+    rank: int, world: int, group: dist.ProcessGroup | None = None, ranks: list[int] | None = None
+) -> dict[str, Any]:
     """One forward/backward on each rank's own batch; the single-process reference sees every rank's batch and
     averages the losses (what DDP computes)."""
     ranks = ranks or list(range(world))
@@ -140,11 +141,16 @@ def _checkpoint(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     psd = plain.state_dict()
     checkpoint.load({"model": psd}, ckpt, optional=lambda key: key.startswith("optim"))
     plain.load_state_dict(psd)
-    return {"after": after, "resumed": resumed, "final": final,
-            "resumed_params": torch.cat([_full(p).reshape(-1) for p in fresh.parameters()]),
-            "saved": saved, "plain": torch.cat([p.detach().reshape(-1) for p in plain.parameters()]),
-            "local_numel": sum(p.to_local().numel() for p in model.parameters()),
-            "full_numel": sum(p.numel() for p in plain.parameters())}  # fmt: skip
+    return {
+        "after": after,
+        "resumed": resumed,
+        "final": final,
+        "resumed_params": torch.cat([_full(p).reshape(-1) for p in fresh.parameters()]),
+        "saved": saved,
+        "plain": torch.cat([p.detach().reshape(-1) for p in plain.parameters()]),
+        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "full_numel": sum(p.numel() for p in plain.parameters()),
+    }
 
 
 class _ConvNet(nn.Module):
@@ -180,8 +186,11 @@ def _conv_vs_single_process(rank: int, world: int) -> dict[str, Any]:
     res: dict[str, Any] = {"logits": (out.detach(), ref(_conv_batch(rank)).detach()), "grads": {}}
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         res["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
-    shards = [(m.weight.numel() // world, 0 if m.bias is None else m.bias.numel() // world) for m in ref.modules()
-              if type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)]  # fmt: skip
+    shards = [
+        (m.weight.numel() // world, 0 if m.bias is None else m.bias.numel() // world)
+        for m in ref.modules()
+        if type(m) in (nn.Conv1d, nn.Conv2d, nn.Linear)
+    ]
     res["sent"] = comm_stats(model).by_op.get("send", 0)
     res["expected_sent"] = 8 * (world - 1) * sum((w + b) + (w if i else 0) + (w + b) for i, (w, b) in enumerate(shards))
     return res
@@ -226,8 +235,11 @@ def _attention_vs_single_process(rank: int, world: int) -> dict[str, Any]:
     out.square().sum().backward()
     (sum(ref(*_attention_batch(r))[0].square().sum() for r in range(world)) / world).backward()
     ref_out, ref_weights = ref(*_attention_batch(rank))
-    res: dict[str, Any] = {"logits": (out.detach(), ref_out.detach()), "weights": (weights.detach(), ref_weights),
-                           "grads": {}}  # fmt: skip
+    res: dict[str, Any] = {
+        "logits": (out.detach(), ref_out.detach()),
+        "weights": (weights.detach(), ref_weights),
+        "grads": {},
+    }
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         res["grads"][name] = (_full(p.grad), q.grad.clone(), type(p.grad).__name__, str(p.placements))
     # Per rotation (W - 1 hops each): every call sends its weight and bias shards in forward, its weight shard again
@@ -259,8 +271,10 @@ def _attention_layouts(rank: int, world: int) -> dict[str, Any]:
     got, want = run(model), run(ref)
     sum(t.square().sum() for t in got[::2]).backward()
     sum(t.square().sum() for t in want[::2]).backward()  # this rank's batch only: the test averages the ranks'
-    grads = {n: (_full(p.grad), q.grad.clone()) for (n, p), (_, q) in
-             zip(model.named_parameters(), ref.named_parameters(), strict=True)}  # fmt: skip
+    grads = {
+        n: (_full(p.grad), q.grad.clone())
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True)
+    }
     return {"outputs": [(a.detach(), b.detach()) for a, b in zip(got, want, strict=True)], "grads": grads}
 
 
@@ -300,9 +314,12 @@ def _built_on_meta(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     set_model_state_dict(model, state["model"])
     loss = model(*token_batch(rank, 2))
     loss.backward()
-    return {"on_meta": on_meta, "params": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
-            "local_numel": sum(p.to_local().numel() for p in model.parameters()),
-            "grads_finite": all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters())}  # fmt: skip
+    return {
+        "on_meta": on_meta,
+        "params": torch.cat([_full(p).reshape(-1) for p in model.parameters()]),
+        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "grads_finite": all(bool(p.grad.to_local().isfinite().all()) for p in model.parameters()),
+    }
 
 
 def _overlap_changes_nothing(rank: int, world: int) -> dict[str, Any]:
@@ -321,18 +338,22 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         m.head.weight = m.tok.weight
         rotated_tensor_parallel(m)
 
-    out = value_errors({
-        "odd_width": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 6 if world == 4 else 3))),
-        "tied": tied,
-        "twice": lambda: rotated_tensor_parallel(rotated_tensor_parallel(parity_gpt())),
-        "max_norm": lambda: rotated_tensor_parallel(nn.Embedding(8, 4, max_norm=1.0)),
-        "grouped": lambda: rotated_tensor_parallel(nn.Conv2d(4, 4, 3, groups=2)),
-        "same_even": lambda: rotated_tensor_parallel(nn.Conv1d(4, 4, 2, padding="same")),
-        "half_meta": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))),
-        "overlap": lambda: rotated_tensor_parallel(parity_gpt(), overlap=1),  # type: ignore[arg-type]
-        "bias_kv": lambda: rotated_tensor_parallel(nn.MultiheadAttention(8, 2, add_bias_kv=True)),
-        "odd_attention": lambda: rotated_tensor_parallel(nn.MultiheadAttention(6 if world == 4 else 3, 1)),
-    })  # fmt: skip
+    out = value_errors(
+        {
+            "odd_width": lambda: rotated_tensor_parallel(nn.Sequential(nn.Linear(4, 6 if world == 4 else 3))),
+            "tied": tied,
+            "twice": lambda: rotated_tensor_parallel(rotated_tensor_parallel(parity_gpt())),
+            "max_norm": lambda: rotated_tensor_parallel(nn.Embedding(8, 4, max_norm=1.0)),
+            "grouped": lambda: rotated_tensor_parallel(nn.Conv2d(4, 4, 3, groups=2)),
+            "same_even": lambda: rotated_tensor_parallel(nn.Conv1d(4, 4, 2, padding="same")),
+            "half_meta": lambda: rotated_tensor_parallel(
+                nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+            ),
+            "overlap": lambda: rotated_tensor_parallel(parity_gpt(), overlap=1),  # type: ignore[arg-type]
+            "bias_kv": lambda: rotated_tensor_parallel(nn.MultiheadAttention(8, 2, add_bias_kv=True)),
+            "odd_attention": lambda: rotated_tensor_parallel(nn.MultiheadAttention(6 if world == 4 else 3, 1)),
+        }
+    )
     out["is_rtp"] = str((is_rtp(rotated_tensor_parallel(parity_gpt())), is_rtp(parity_gpt())))
     return out
 

@@ -53,8 +53,16 @@ def test_single_process_matches_dense_float64_reference():
     w0 = w.detach().clone()
     # max_preconditioner_dim=9: the 6x9 matrix is one block with two factors (so it is with any larger limit: a
     # matrix is never merged into a vector, unlike in the reference implementation's default)
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 1.0), eps=1e-4, precondition_frequency=1,
-                             start_preconditioning_step=1, grafting="none", max_preconditioner_dim=9)  # fmt: skip
+    opt = DistributedShampoo(
+        [w],
+        lr=0.05,
+        betas=(0.0, 1.0),
+        eps=1e-4,
+        precondition_frequency=1,
+        start_preconditioning_step=1,
+        grafting="none",
+        max_preconditioner_dim=9,
+    )
     g_ = torch.Generator().manual_seed(1)
     grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
     norms = []
@@ -111,18 +119,30 @@ def _dense_grafted(grads: list[torch.Tensor], w0: torch.Tensor, *, graft: str, s
     return w
 
 
-@pytest.mark.parametrize(("graft", "soap"), [("adam", False), ("rmsprop", False), ("adagrad", False),
-                                             ("none", False), ("adam", True), ("none", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("graft", "soap"),
+    [("adam", False), ("rmsprop", False), ("adagrad", False), ("none", False), ("adam", True), ("none", True)],
+)
 def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference(graft, soap):
     """The optimizer keeps scalar factors (the filter's and Adam's bias corrections) out of its tensors where
     grafting makes them cancel: the result must still be the formulas' with every factor applied."""
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(6, 9))
     w0 = w.detach().clone()
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.01, grafting=graft,
-                             grafting_beta2=0.9, grafting_eps=1e-3, precondition_frequency=1,
-                             start_preconditioning_step=3, max_preconditioner_dim=9,
-                             preconditioner="eigenvalue_corrected" if soap else "shampoo")  # fmt: skip
+    opt = DistributedShampoo(
+        [w],
+        lr=0.05,
+        betas=(0.9, 0.95),
+        eps=1e-4,
+        weight_decay=0.01,
+        grafting=graft,
+        grafting_beta2=0.9,
+        grafting_eps=1e-3,
+        precondition_frequency=1,
+        start_preconditioning_step=3,
+        max_preconditioner_dim=9,
+        preconditioner="eigenvalue_corrected" if soap else "shampoo",
+    )
     g_ = torch.Generator().manual_seed(1)
     grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
     norms = []
@@ -142,13 +162,23 @@ def test_filtering_grafting_and_bias_corrections_match_a_dense_float64_reference
 
 def _options() -> dict[str, Any]:
     # small blocks so that every parameter has several and ranks share the work; every feature on
-    return dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, momentum=0.9, nesterov=True, weight_decay=0.01,
-                max_preconditioner_dim=8, precondition_frequency=2, start_preconditioning_step=2,
-                grafting="adam")  # fmt: skip
+    return dict(
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        momentum=0.9,
+        nesterov=True,
+        weight_decay=0.01,
+        max_preconditioner_dim=8,
+        precondition_frequency=2,
+        start_preconditioning_step=2,
+        grafting="adam",
+    )
 
 
-def _train(opt_group: Any, steps: int, start: int = 0, state: dict | None = None,
-           **extra: Any) -> tuple[torch.Tensor, Any]:  # fmt: skip
+def _train(
+    opt_group: Any, steps: int, start: int = 0, state: dict | None = None, **extra: Any
+) -> tuple[torch.Tensor, Any]:
     model = make_model()
     opt = DistributedShampoo(model.parameters(), group=opt_group, **{**_options(), **extra})
     if state is not None:
@@ -258,8 +288,9 @@ def test_blocks_are_balanced_by_their_estimated_time(precondition_1d):
     from powertrain.optim.shampoo.blocks import block_cost
 
     model = GPT(GPTConfig(vocab_size=256, n_layer=4, n_head=4, d_model=256, block_size=128))
-    opt = DistributedShampoo(model.parameters(), max_preconditioner_dim=256, precondition_frequency=50,
-                             precondition_1d=precondition_1d)  # fmt: skip
+    opt = DistributedShampoo(
+        model.parameters(), max_preconditioner_dim=256, precondition_frequency=50, precondition_1d=precondition_1d
+    )
     costs = [block_cost(b.shape, precondition_1d or len(b.shape) > 1, 2, 50) for b in opt.blocks]
     for world in (2, 4):
         blocks = assign([(b.param, b.index, b.shape, c) for b, c in zip(opt.blocks, costs, strict=True)], world)
@@ -274,9 +305,17 @@ def test_vectors_without_preconditioning_are_adam():
     torch.manual_seed(0)
     bias, weight = torch.nn.Parameter(torch.randn(37)), torch.nn.Parameter(torch.randn(6, 5))
     twin = torch.nn.Parameter(bias.detach().clone())
-    opt = DistributedShampoo([bias, weight], lr=1e-2, betas=(0.9, 0.95), grafting="adam", grafting_beta2=0.95,
-                             grafting_eps=1e-8, precondition_frequency=2, max_preconditioner_dim=8,
-                             precondition_1d=False)  # fmt: skip
+    opt = DistributedShampoo(
+        [bias, weight],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        grafting="adam",
+        grafting_beta2=0.95,
+        grafting_eps=1e-8,
+        precondition_frequency=2,
+        max_preconditioner_dim=8,
+        precondition_1d=False,
+    )
     adam = torch.optim.Adam([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     m_abs, v = torch.zeros(37, dtype=torch.float64), torch.zeros(37, dtype=torch.float64)
     bound = torch.zeros(37, dtype=torch.float64)
@@ -298,13 +337,21 @@ def test_vectors_without_preconditioning_are_adam():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"lr": 0.0}, "lr=0.0"), ({"betas": (1.0, 0.9)}, "betas[0]=1.0"), ({"grafting": "sgd"}, "grafting='sgd'"),
-     ({"precondition_frequency": 0}, "precondition_frequency=0"), ({"root_method": "svd"}, "root_method='svd'"),
-     ({"nesterov": True}, "nesterov=True needs momentum"), ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
-     ({"preconditioner": "kfac"}, "preconditioner='kfac'"), ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
-     ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only"),
-     ({"rel_eps": 1.0}, "rel_eps=1.0"), ({"rel_eps": -1e-7}, "rel_eps=-1e-07")],
-)  # fmt: skip
+    [
+        ({"lr": 0.0}, "lr=0.0"),
+        ({"betas": (1.0, 0.9)}, "betas[0]=1.0"),
+        ({"grafting": "sgd"}, "grafting='sgd'"),
+        ({"precondition_frequency": 0}, "precondition_frequency=0"),
+        ({"root_method": "svd"}, "root_method='svd'"),
+        ({"nesterov": True}, "nesterov=True needs momentum"),
+        ({"max_preconditioner_dim": 0}, "max_preconditioner_dim=0"),
+        ({"preconditioner": "kfac"}, "preconditioner='kfac'"),
+        ({"exponent_multiplier": 0}, "exponent_multiplier=0"),
+        ({"exponent_multiplier": 2.0, "preconditioner": "eigenvalue_corrected"}, "preconditioner='shampoo' only"),
+        ({"rel_eps": 1.0}, "rel_eps=1.0"),
+        ({"rel_eps": -1e-7}, "rel_eps=-1e-07"),
+    ],
+)
 def test_bad_options_refused(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         DistributedShampoo([torch.nn.Parameter(torch.zeros(3, 3))], **kwargs)
@@ -409,8 +456,9 @@ def test_factors_of_another_blocking_refused():
 # ---------------------------------------------------------------- eigenvalue-corrected (SOAP) preconditioner
 
 
-def _dense_soap(grads: list[torch.Tensor], w0: torch.Tensor, lr: float, beta2: float, eps: float,
-                start: int) -> torch.Tensor:  # fmt: skip
+def _dense_soap(
+    grads: list[torch.Tensor], w0: torch.Tensor, lr: float, beta2: float, eps: float, start: int
+) -> torch.Tensor:
     """Textbook eigenvalue-corrected Shampoo on one matrix, float64: factors L, R (EMA beta2); from step
     ``start`` on their eigenbases Q_L, Q_R are recomputed every step (identities before: Adam); every step
     D <- beta2 D + (1 - beta2) (Q_L^T G Q_R)^2, and W -= lr Q_L [(Q_L^T G Q_R) / (sqrt(D / (1 - beta2^t)) + eps)]
@@ -438,9 +486,17 @@ def test_eigenvalue_corrected_matches_dense_float64_reference():
     w0 = w.detach().clone()
     # start at step 3: by then both factors have full rank. Earlier, SOAP's first (sign-like, Adam's first
     # step) update would amplify float32 round-off in the right factor's null space into O(1) steps.
-    opt = DistributedShampoo([w], lr=0.05, betas=(0.0, 0.95), eps=1e-8, precondition_frequency=1,
-                             start_preconditioning_step=3, grafting="none", max_preconditioner_dim=9,
-                             preconditioner="eigenvalue_corrected")  # fmt: skip
+    opt = DistributedShampoo(
+        [w],
+        lr=0.05,
+        betas=(0.0, 0.95),
+        eps=1e-8,
+        precondition_frequency=1,
+        start_preconditioning_step=3,
+        grafting="none",
+        max_preconditioner_dim=9,
+        preconditioner="eigenvalue_corrected",
+    )
     g_ = torch.Generator().manual_seed(1)
     grads = [torch.randn(6, 9, generator=g_) for _ in range(6)]
     norms = []
@@ -465,9 +521,17 @@ def test_exponent_multiplier_changes_the_root():
     outs = {}
     for mult in (1.0, 2.0):
         w = torch.nn.Parameter(torch.zeros(4, 5))
-        opt = DistributedShampoo([w], lr=1.0, betas=(0.0, 1.0), eps=1e-6, precondition_frequency=1,
-                                 start_preconditioning_step=1, grafting="none", max_preconditioner_dim=5,
-                                 exponent_multiplier=mult)  # fmt: skip
+        opt = DistributedShampoo(
+            [w],
+            lr=1.0,
+            betas=(0.0, 1.0),
+            eps=1e-6,
+            precondition_frequency=1,
+            start_preconditioning_step=1,
+            grafting="none",
+            max_preconditioner_dim=5,
+            exponent_multiplier=mult,
+        )
         w.grad = g.clone()
         opt.step()
         outs[mult] = -w.detach().double()
@@ -542,19 +606,24 @@ def sharded_cases(rank: int, world: int) -> dict[str, Any]:
             opt.step()
             ref.step()
         mine = [r[rank] if rank < len(r) else torch.empty(0) for r in rows]
-        return {"local": torch.cat([p.to_local().detach().reshape(-1) for p in params]),
-                "expect": torch.cat([c.detach().reshape(-1) for c in mine]),
-                "start": torch.cat([p.detach().chunk(world)[rank].reshape(-1) for p in trainable
-                                    if rank < len(p.chunk(world))]),
-                "losses": losses}  # fmt: skip
+        return {
+            "local": torch.cat([p.to_local().detach().reshape(-1) for p in params]),
+            "expect": torch.cat([c.detach().reshape(-1) for c in mine]),
+            "start": torch.cat(
+                [p.detach().chunk(world)[rank].reshape(-1) for p in trainable if rank < len(p.chunk(world))]
+            ),
+            "losses": losses,
+        }
 
     def bad() -> dict[str, str]:
         mesh = init_device_mesh("cpu", (world,))
         model = fully_shard(make_model(), mesh=mesh)
-        return value_errors({
-            "mixed": lambda: DistributedShampoo([*model.parameters(), torch.nn.Parameter(torch.zeros(2, 2))]),
-            "group": lambda: DistributedShampoo(model.parameters(), group=solo),
-        })  # fmt: skip
+        return value_errors(
+            {
+                "mixed": lambda: DistributedShampoo([*model.parameters(), torch.nn.Parameter(torch.zeros(2, 2))]),
+                "group": lambda: DistributedShampoo(model.parameters(), group=solo),
+            }
+        )
 
     out = {f"{w}_{p}": guard(run, w, p) for w in ("fsdp2", "simple") for p in ("shampoo", "eigenvalue_corrected")}
     out["bad"] = guard(bad)

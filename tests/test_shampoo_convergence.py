@@ -45,8 +45,11 @@ def _mlp() -> tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]]:
     return x, x @ w.T, lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
 
 
-def _train(problem: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
-           make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], steps: int) -> float:  # fmt: skip
+def _train(
+    problem: tuple[torch.Tensor, torch.Tensor, Callable[[], nn.Module]],
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    steps: int,
+) -> float:
     """Final full-batch mean squared error after ``steps`` steps of a cosine schedule (to 0); ``make`` may keep
     the optimizer it makes."""
     x, y, model_fn = problem
@@ -109,8 +112,9 @@ def test_rank_deficient_vector_factor_is_not_round_off(root_method):
     g = torch.Generator().manual_seed(0)
     basis, _ = torch.linalg.qr(torch.randn(256, 2, generator=g))
     w = nn.Parameter(torch.zeros(256))
-    opt = DistributedShampoo([w], lr=1.0, betas=(0.0, 0.95), grafting="none", precondition_frequency=4,
-                             root_method=root_method)  # fmt: skip
+    opt = DistributedShampoo(
+        [w], lr=1.0, betas=(0.0, 0.95), grafting="none", precondition_frequency=4, root_method=root_method
+    )
     for _ in range(4):
         before = w.detach().clone()
         w.grad = basis @ torch.randn(2, generator=g) * 10

@@ -110,11 +110,22 @@ def test_bad_arguments(kwargs, message):
 
 @pytest.mark.parametrize(
     ("shape", "max_dim", "merged", "blocks"),
-    [((64, 3, 3, 3), 64, (64, 27), 1), ((64, 3, 3, 3), 1024, (64, 27), 1), ((8, 3, 5), 32, (8, 15), 1),
-     ((7, 15), 4, (7, 15), 8), ((300,), 128, (300,), 3), ((1, 1), 8, (1,), 1),
-     ((2, 3, 4), 100, (2, 12), 1), ((5, 1, 9), 4, (5, 9), 6), ((), 8, (1,), 1), ((16, 32), 1024, (16, 32), 1),
-     ((1, 512), 1024, (512,), 1), ((4, 5, 6, 7), 30, (4, 30, 7), 1), ((4, 5, 6, 7), 10**6, (4, 210), 1)],
-)  # fmt: skip
+    [
+        ((64, 3, 3, 3), 64, (64, 27), 1),
+        ((64, 3, 3, 3), 1024, (64, 27), 1),
+        ((8, 3, 5), 32, (8, 15), 1),
+        ((7, 15), 4, (7, 15), 8),
+        ((300,), 128, (300,), 3),
+        ((1, 1), 8, (1,), 1),
+        ((2, 3, 4), 100, (2, 12), 1),
+        ((5, 1, 9), 4, (5, 9), 6),
+        ((), 8, (1,), 1),
+        ((16, 32), 1024, (16, 32), 1),
+        ((1, 512), 1024, (512,), 1),
+        ((4, 5, 6, 7), 30, (4, 30, 7), 1),
+        ((4, 5, 6, 7), 10**6, (4, 210), 1),
+    ],
+)
 def test_blocks_split_and_write_back_round_trip(shape, max_dim, merged, blocks):
     """Writing every block of ``t`` through the same block of a zero tensor's split rebuilds ``t`` (the blocks
     are views that tile it, indexed alike for every tensor of the shape: how the optimizer applies updates)."""
@@ -196,8 +207,9 @@ def test_large_factor_updates_match_the_full_product(shape, beta2):
         left, right = beta2 * left + a * gd @ gd.T, beta2 * right + a * gd.T @ gd
         left_abs = beta2 * left_abs + a * gd.abs() @ gd.abs().T
         right_abs = beta2 * right_abs + a * gd.abs().T @ gd.abs()
-    for f, ref, ref_abs, columns in zip(factors, (left, right), (left_abs, right_abs), (shape[1], shape[0]),
-                                        strict=True):  # fmt: skip
+    for f, ref, ref_abs, columns in zip(
+        factors, (left, right), (left_abs, right_abs), (shape[1], shape[0]), strict=True
+    ):
         # per entry: a `columns`-term product, then the EMA's scaling and sum (2 roundings) per gradient;
         # measured at most 1/5 of the bound; a quarter off by 1e-5 relative fails
         assert ((f.double() - ref).abs() <= _gram_bound(ref_abs, columns + 2 * len(grads))).all()
@@ -266,10 +278,10 @@ def test_damping_is_epsilon_or_the_round_off_floor(eps, rel_eps, damping):
     expect = (vals.double() + 1e-10 + damping) ** -0.5
     torch.testing.assert_close(out.diagonal().double(), expect, rtol=1e-6, atol=0.0)
     if rel_eps != 0.0:  # newton damps by the Frobenius norm, here lambda_max (one dominant eigenvalue) to 1e-6
-        newton = inverse_root(torch.diag(vals.clamp(min=0)), 2, eps=eps, rel_eps=rel_eps,
-                              method="newton")  # fmt: skip
-        torch.testing.assert_close(newton.diagonal().double(), (vals.double().clamp(min=0) + damping) ** -0.5,
-                                   rtol=1e-3, atol=0.0)  # fmt: skip
+        newton = inverse_root(torch.diag(vals.clamp(min=0)), 2, eps=eps, rel_eps=rel_eps, method="newton")
+        torch.testing.assert_close(
+            newton.diagonal().double(), (vals.double().clamp(min=0) + damping) ** -0.5, rtol=1e-3, atol=0.0
+        )
 
 
 def test_newton_takes_a_rank_deficient_factor_with_round_off_negative_eigenvalues():

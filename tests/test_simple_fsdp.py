@@ -51,8 +51,12 @@ def _model(freeze_unused: bool = False) -> Scaled:
 
 
 def _full(model: nn.Module) -> torch.Tensor:
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
-                      for p in model.parameters()])  # fmt: skip
+    return torch.cat(
+        [
+            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1).double()
+            for p in model.parameters()
+        ]
+    )
 
 
 def _train(model: nn.Module, rank: int, steps: int = STEPS, start: int = 0, opt: Any = None) -> dict[str, Any]:
@@ -221,8 +225,12 @@ def _compiled_parity(rank: int, world: int) -> dict[str, Any]:
                 moved = 1e-3 * torch.clamp(2 * delta / (root + 1e-8), max=2.0)
                 parts.append((moved + 2 * EPS32 * p.full_tensor().detach().double().abs()).reshape(-1))
             bound += torch.cat(parts)
-        res["compiled" if compiled else "eager"] = {"losses": losses, "params": _full(model),
-                                                     "bound": 2 * bound, "loss_bounds": loss_bounds}  # fmt: skip
+        res["compiled" if compiled else "eager"] = {
+            "losses": losses,
+            "params": _full(model),
+            "bound": 2 * bound,
+            "loss_bounds": loss_bounds,
+        }
     return res
 
 
@@ -453,9 +461,11 @@ def test_bad_input_refused_with_clear_errors(results):
 
 @pytest.mark.skipif(not heap_available(), reason="needs glibc mallinfo2")
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("compiled", "bucketed"), [(False, False), (False, True),
-                                                   pytest.param(True, False, marks=pytest.mark.slow)],
-                         ids=["eager", "eager-bucketed", "compiled"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("compiled", "bucketed"),
+    [(False, False), (False, True), pytest.param(True, False, marks=pytest.mark.slow)],
+    ids=["eager", "eager-bucketed", "compiled"],
+)
 def test_reshard_after_forward_frees_gathered_parameters(compiled, bucketed):
     """Memory held between forward and backward drops by about the gathered weights of the resharded blocks
     (the root bucket keeps its own, as in FSDP2); gradients unchanged."""

@@ -51,8 +51,11 @@ def _reference_grad(ref: dict[str, torch.Tensor], name: str, shape: torch.Size) 
 
 
 _FUNCOL = torch.ops._c10d_functional
-_OPS = {_FUNCOL.all_gather_into_tensor.default: "all_gather", _FUNCOL.reduce_scatter_tensor.default: "reduce_scatter",
-        _FUNCOL.all_reduce.default: "all_reduce"}  # fmt: skip
+_OPS = {
+    _FUNCOL.all_gather_into_tensor.default: "all_gather",
+    _FUNCOL.reduce_scatter_tensor.default: "reduce_scatter",
+    _FUNCOL.all_reduce.default: "all_reduce",
+}
 
 
 class _Sent(TorchDispatchMode):
@@ -102,8 +105,15 @@ def _parity(rank: int, world: int, dp: int) -> dict[str, Any]:
     refp = dict(ref.named_parameters())
     expect = {n: _reference_grad({k: v.detach() for k, v in refp.items()}, n, params[n].shape) for n in params}
     dist.reduce_scatter_single = real_rs  # type: ignore[assignment]
-    return {"sent": sent.sent, "fsdp_rs": fsdp_rs, "grads": grads, "gmax": gmax, "params": params, "expect": expect,
-            "logits": (logits, ref(token_batch(me, 0)[0]).detach())}  # fmt: skip
+    return {
+        "sent": sent.sent,
+        "fsdp_rs": fsdp_rs,
+        "grads": grads,
+        "gmax": gmax,
+        "params": params,
+        "expect": expect,
+        "logits": (logits, ref(token_batch(me, 0)[0]).detach()),
+    }
 
 
 def _loss_parallel(rank: int, world: int) -> dict[str, Any]:
@@ -135,9 +145,12 @@ def _loss_parallel(rank: int, world: int) -> dict[str, Any]:
     grads = {n: (p.grad.full_tensor(), _reference_grad(refg, n, p.shape)) for n, p in model.named_parameters()}
     logits = model(token_batch(me, 0)[0])
     seen = {k: v for k, v in sent.sent.items() if k != "all_reduce"}
-    return {"loss": (loss.item(), ref(*token_batch(me, 0)).item()), "grads": grads,
-            "logits": (type(logits).__name__, logits.full_tensor().detach(), ref(token_batch(me, 0)[0]).detach()),
-            "sent": {**seen, "all_reduce": tuple(reduced)}}  # fmt: skip
+    return {
+        "loss": (loss.item(), ref(*token_batch(me, 0)).item()),
+        "grads": grads,
+        "logits": (type(logits).__name__, logits.full_tensor().detach(), ref(token_batch(me, 0)[0]).detach()),
+        "sent": {**seen, "all_reduce": tuple(reduced)},
+    }
 
 
 def _compressed(rank: int, world: int) -> dict[str, Any]:
@@ -150,8 +163,11 @@ def _compressed(rank: int, world: int) -> dict[str, Any]:
     me, dp = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
     ref = parity_gpt().float()  # the exact compressor averages in float32, as FSDP2 then does itself
     out: dict[str, Any] = {}
-    for kind, options in (("plain", None), ("none", {}),
-                          ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 1})):  # fmt: skip
+    for kind, options in (
+        ("plain", None),
+        ("none", {}),
+        ("powersgd", {"rank": 2, "start_compressing_after_num_steps": 1}),
+    ):
         model = tensor_parallel(copy.deepcopy(ref), mesh)
         comp = None if options is None else compress_gradients(model, kind, group=dp, **options)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -164,9 +180,13 @@ def _compressed(rank: int, world: int) -> dict[str, Any]:
             losses.append(loss.item())
         params = torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
         built = {} if comp is None else {n: tuple(p.shape) for n, p in zip(comp.names, comp.params, strict=True)}
-        out[kind] = {"losses": losses, "params": params, "shapes": built,
-                     "bytes": None if comp is None else comp.comm.stats.bytes_sent,
-                     "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}}  # fmt: skip
+        out[kind] = {
+            "losses": losses,
+            "params": params,
+            "shapes": built,
+            "bytes": None if comp is None else comp.comm.stats.bytes_sent,
+            "local": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+        }
     model = tensor_parallel(copy.deepcopy(ref), mesh)
     compress_gradients(model, "none")  # the world: 4 ranks, where FSDP2 reduce-scatters over dp's 2
     try:
@@ -181,12 +201,14 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     def pairs() -> DeviceMesh:
         return init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
 
-    return value_errors({
-        "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)), pairs()),
-        "mesh": lambda: tensor_parallel(parity_gpt(), init_device_mesh("cpu", (world,))),
-        "model": lambda: tensor_parallel(nn.Linear(4, 4), pairs()),  # type: ignore[arg-type]
-        "loss_parallel": lambda: tensor_parallel(parity_gpt(), pairs(), loss_parallel=1),  # type: ignore[arg-type]
-    })  # fmt: skip
+    return value_errors(
+        {
+            "heads": lambda: tensor_parallel(GPT(GPTConfig(64, 16, 1, 1, 32)), pairs()),
+            "mesh": lambda: tensor_parallel(parity_gpt(), init_device_mesh("cpu", (world,))),
+            "model": lambda: tensor_parallel(nn.Linear(4, 4), pairs()),  # type: ignore[arg-type]
+            "loss_parallel": lambda: tensor_parallel(parity_gpt(), pairs(), loss_parallel=1),  # type: ignore[arg-type]
+        }
+    )
 
 
 def _uneven(rank: int, world: int) -> dict[str, Any]:
@@ -207,9 +229,13 @@ def _uneven(rank: int, world: int) -> dict[str, Any]:
 
 
 def tp_cases(rank: int, world: int) -> dict[str, Any]:
-    res = {"2d": guard(_parity, rank, world, world // 2), "refusals": guard(_refusals, rank, world),
-           "uneven": guard(_uneven, rank, world), "loss_parallel": guard(_loss_parallel, rank, world),
-           "compressed": guard(_compressed, rank, world)}  # fmt: skip
+    res = {
+        "2d": guard(_parity, rank, world, world // 2),
+        "refusals": guard(_refusals, rank, world),
+        "uneven": guard(_uneven, rank, world),
+        "loss_parallel": guard(_loss_parallel, rank, world),
+        "compressed": guard(_compressed, rank, world),
+    }
     dist.barrier()
     return res
 

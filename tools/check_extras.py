@@ -57,8 +57,11 @@ def main(argv: list[str]) -> int:
             t0 = time.monotonic()
             ok, what = check(extra, Path(tmp))
             failed += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} powertrain{f'[{extra}]' if extra else ''}: {what} "
-                  f"({time.monotonic() - t0:.0f} s)", flush=True)  # fmt: skip
+            print(
+                f"{'ok  ' if ok else 'FAIL'} powertrain{f'[{extra}]' if extra else ''}: {what} "
+                f"({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
     return 1 if failed else 0
 
 

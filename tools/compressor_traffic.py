@@ -24,18 +24,57 @@ from powertrain.compress import make_compressor
 from powertrain.models import GPT
 
 #: Operations that move no data (views, allocations, the host's reads of a flag).
-FREE = frozenset({"view", "_unsafe_view", "as_strided", "reshape", "slice", "select", "unbind", "split", "t",
-                  "split_with_sizes", "transpose", "expand", "alias", "detach", "unsqueeze", "squeeze", "permute",
-                  "narrow", "view_as", "lift_fresh", "_reshape_alias", "empty", "empty_like", "new_empty",
-                  "empty_strided", "_local_scalar_dense"})  # fmt: skip
+FREE = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "as_strided",
+        "reshape",
+        "slice",
+        "select",
+        "unbind",
+        "split",
+        "t",
+        "split_with_sizes",
+        "transpose",
+        "expand",
+        "alias",
+        "detach",
+        "unsqueeze",
+        "squeeze",
+        "permute",
+        "narrow",
+        "view_as",
+        "lift_fresh",
+        "_reshape_alias",
+        "empty",
+        "empty_like",
+        "new_empty",
+        "empty_strided",
+        "_local_scalar_dense",
+    }
+)
 
 
 #: Operations that overwrite their first argument without reading it (their other tensor arguments are read).
-WRITE_ONLY_FIRST = frozenset({"zero_", "fill_", "uniform_", "normal_", "random_", "bernoulli_", "exponential_",
-                              "copy_", "_foreach_copy_", "_foreach_zero_"})  # fmt: skip
+WRITE_ONLY_FIRST = frozenset(
+    {
+        "zero_",
+        "fill_",
+        "uniform_",
+        "normal_",
+        "random_",
+        "bernoulli_",
+        "exponential_",
+        "copy_",
+        "_foreach_copy_",
+        "_foreach_zero_",
+    }
+)
 #: Operations that take only the shape of their tensor argument.
-SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_zeros", "new_ones",
-                        "new_full"})  # fmt: skip
+SHAPE_ONLY = frozenset(
+    {"zeros_like", "ones_like", "full_like", "rand_like", "randn_like", "new_zeros", "new_ones", "new_full"}
+)
 
 
 class Traffic(TorchDispatchMode):
@@ -75,8 +114,10 @@ def main(argv: list[str]) -> None:
     with Traffic() as traffic:
         comp.aggregate(grads)
     total, gradient = sum(traffic.bytes.values()), 4 * sum(g.numel() for g in grads)
-    print(f"{name} {opts}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, {total / gradient:.1f} "
-          "passes over the float32 gradients")  # fmt: skip
+    print(
+        f"{name} {opts}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, {total / gradient:.1f} "
+        "passes over the float32 gradients"
+    )
     for op, n in traffic.bytes.most_common(10):
         print(f"  {op:20s} {traffic.calls[op]:4d} calls {n / 1e9:6.2f} GB")
 

@@ -41,9 +41,18 @@ TEST_FILES = ["tests/test_compressors_unit.py", "tests/test_powersgd_unit.py", "
 
 def _pytest_result(output: str) -> dict[str, Any]:
     """The test leg's counts (pytest's last summary line) and the failed tests' ids."""
-    summary = next((line.strip("= ") for line in reversed(output.splitlines()) if re.search(r"\d+ (passed|failed|"
-                                                                                            r"error|skipped)", line)),
-                   "no summary")  # fmt: skip
+    summary = next(
+        (
+            line.strip("= ")
+            for line in reversed(output.splitlines())
+            if re.search(
+                r"\d+ (passed|failed|"
+                r"error|skipped)",
+                line,
+            )
+        ),
+        "no summary",
+    )
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)))
     return {"summary": summary, "failed": failed}
 
@@ -53,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check"))
     parser.add_argument("--no-tests", action="store_true", help="skip the test leg")
-    parser.add_argument("--only", metavar="STAGES",
-                        help="run only these stages (comma-separated, e.g. tests,train:fsdp; env always runs), in "
-                             "this order")  # fmt: skip
-    parser.add_argument("--merge", metavar="FILE",
-                        help="an earlier run's gpu_check.json: keep its other stages (same device, torch, "
-                             "CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        metavar="STAGES",
+        help="run only these stages (comma-separated, e.g. tests,train:fsdp; env always runs), in this order",
+    )
+    parser.add_argument(
+        "--merge",
+        metavar="FILE",
+        help="an earlier run's gpu_check.json: keep its other stages (same device, torch, CUDA)",
+    )
     args = parser.parse_args(argv)
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
     if only is not None and not only:
@@ -72,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     from powertrain.bench.gpu import Stage, load_previous, run_gpu_bench, select, stages
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"make gpu-check: this torch ({torch.__version__}) sees no CUDA device; run make gpu-check DEVICE=cpu "
-              "for the dry run", file=sys.stderr)  # fmt: skip
+        print(
+            f"make gpu-check: this torch ({torch.__version__}) sees no CUDA device; run make gpu-check DEVICE=cpu "
+            "for the dry run",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,8 +99,21 @@ def main(argv: list[str] | None = None) -> int:
             return []
         env = {"POWERTRAIN_TEST_DEVICE": "cuda"} if args.device == "cuda" else {}
         # each test's own limit (pytest-timeout) below the stage's, so that pytest reports a hang and goes on
-        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "-rfE",
-                "-o", "addopts=", "--timeout=180", *TEST_FILES]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "device",
+            "-rfE",
+            "-o",
+            "addopts=",
+            "--timeout=180",
+            *TEST_FILES,
+        ]
         return [Stage("tests", argv, 240 if args.device == "cuda" else 120, parse=_pytest_result, env=env)]
 
     preset = "default" if args.device == "cuda" else "tiny"
@@ -97,15 +126,25 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"make gpu-check: {e}", file=sys.stderr)
         return 2
-    data = run_gpu_bench(preset=preset, device=args.device, out=str(out), extra=tests,
-                         write=str(ROOT / "BENCHMARKS.md"), only=only, merge=args.merge)  # fmt: skip
+    data = run_gpu_bench(
+        preset=preset,
+        device=args.device,
+        out=str(out),
+        extra=tests,
+        write=str(ROOT / "BENCHMARKS.md"),
+        only=only,
+        merge=args.merge,
+    )
     # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then)
     (out / "cluster_gpu.md").write_text(gpu_scale_section(data if args.device == "cuda" else None) + "\n")
     if args.device == "cuda":
         shutil.copy(ROOT / "BENCHMARKS.md", out / "BENCHMARKS.md")
     bad = {name: r.get("error") or r.get("skipped") for name, r in data["stages"].items() if not r["ok"]}
-    print(json.dumps({"out": str(out), "elapsed_s": data.get("elapsed_s"), "merge": data.get("merge"), "not ok": bad},
-                     indent=1))  # fmt: skip
+    print(
+        json.dumps(
+            {"out": str(out), "elapsed_s": data.get("elapsed_s"), "merge": data.get("merge"), "not ok": bad}, indent=1
+        )
+    )
     return 1 if bad else 0
 
 

@@ -118,11 +118,20 @@ def default_cases() -> list[Case]:
     ]
     if "preconditioner" in inspect.signature(DistributedShampoo).parameters:
         cases += [
-            Case(name="eigenvalue-corrected, Adam grafting", preconditioner="eigenvalue_corrected",
-                 betas=(0.9, 0.95), epsilon=1e-8),
-            Case(name="eigenvalue-corrected, no grafting", preconditioner="eigenvalue_corrected",
-                 betas=(0.9, 0.95), epsilon=1e-8, grafting="none"),
-        ]  # fmt: skip
+            Case(
+                name="eigenvalue-corrected, Adam grafting",
+                preconditioner="eigenvalue_corrected",
+                betas=(0.9, 0.95),
+                epsilon=1e-8,
+            ),
+            Case(
+                name="eigenvalue-corrected, no grafting",
+                preconditioner="eigenvalue_corrected",
+                betas=(0.9, 0.95),
+                epsilon=1e-8,
+                grafting="none",
+            ),
+        ]
     return cases
 
 
@@ -174,12 +183,20 @@ def powertrain_optimizer(params: Any, case: Case) -> DistributedShampoo:
     if case.preconditioner == "shampoo":
         extra["rel_eps"] = 0.0  # the reference damps by epsilon alone
     return DistributedShampoo(
-        params, lr=case.lr, betas=case.betas, eps=case.epsilon, momentum=case.momentum,
-        weight_decay=case.weight_decay, max_preconditioner_dim=case.max_preconditioner_dim,
-        precondition_frequency=case.precondition_frequency, start_preconditioning_step=case.precondition_frequency,
-        grafting=case.grafting, grafting_beta2=case.grafting_beta2, grafting_eps=case.grafting_epsilon,
+        params,
+        lr=case.lr,
+        betas=case.betas,
+        eps=case.epsilon,
+        momentum=case.momentum,
+        weight_decay=case.weight_decay,
+        max_preconditioner_dim=case.max_preconditioner_dim,
+        precondition_frequency=case.precondition_frequency,
+        start_preconditioning_step=case.precondition_frequency,
+        grafting=case.grafting,
+        grafting_beta2=case.grafting_beta2,
+        grafting_eps=case.grafting_epsilon,
         **extra,
-    )  # fmt: skip
+    )
 
 
 def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *, variant: bool = False) -> Any:
@@ -201,13 +218,16 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
     if case.preconditioner == "shampoo":
         pre = ref.RootInvShampooPreconditionerConfig(
             amortized_computation_config=ref.EigenConfig(rank_deficient_stability_config=perturb),
-            inv_factor_matrix_dtype=dtype, **common,
-        )  # fmt: skip
+            inv_factor_matrix_dtype=dtype,
+            **common,
+        )
     else:
         pre = ref.EigenvalueCorrectedShampooPreconditionerConfig(
             amortized_computation_config=ref.EighEigendecompositionConfig(rank_deficient_stability_config=perturb),
-            factor_matrix_eigenvectors_dtype=dtype, corrected_eigenvalues_dtype=dtype, **common,
-        )  # fmt: skip
+            factor_matrix_eigenvectors_dtype=dtype,
+            corrected_eigenvalues_dtype=dtype,
+            **common,
+        )
     match case.grafting:
         case "adam":
             graft = ref.AdamPreconditionerConfig(beta2=case.grafting_beta2, epsilon=case.grafting_epsilon)
@@ -223,12 +243,21 @@ def reference_optimizer(ref: Any, params: Any, case: Case, dtype: torch.dtype, *
     if single is not None and "target_parameter_dimensionality" in {f.name for f in dataclasses.fields(single)}:
         extra["distributed_config"] = single(target_parameter_dimensionality=2)  # powertrain's blocking
     return ref.DistributedShampoo(
-        params, lr=case.lr, betas=case.betas, epsilon=case.epsilon, weight_decay=case.weight_decay,
-        weight_decay_type=types.WeightDecayType.DECOUPLED, max_preconditioner_dim=case.max_preconditioner_dim,
-        precondition_frequency=case.precondition_frequency, start_preconditioning_step=case.precondition_frequency,
-        use_bias_correction=True, grafting_config=graft, iterate_averaging_config=momentum,
-        preconditioner_config=pre, **extra,
-    )  # fmt: skip
+        params,
+        lr=case.lr,
+        betas=case.betas,
+        epsilon=case.epsilon,
+        weight_decay=case.weight_decay,
+        weight_decay_type=types.WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=case.max_preconditioner_dim,
+        precondition_frequency=case.precondition_frequency,
+        start_preconditioning_step=case.precondition_frequency,
+        use_bias_correction=True,
+        grafting_config=graft,
+        iterate_averaging_config=momentum,
+        preconditioner_config=pre,
+        **extra,
+    )
 
 
 # -- 1. agreement ---------------------------------------------------------------------------------------------
@@ -286,8 +315,12 @@ def _forced(case: Case, steps: int, dtype: torch.dtype, make_a: Factory, make_b:
 def _free(case: Case, steps: int, dtype: torch.dtype, ref: Any) -> dict[str, list[float]]:
     a, b = _small_model(case.model, dtype), _small_model(case.model, dtype)
     opt_a, opt_b = powertrain_optimizer(a.parameters(), case), reference_optimizer(ref, b.parameters(), case, dtype)
-    out: dict[str, list[float]] = {"max_abs_param_diff": [], "rel_param_diff": [], "loss_powertrain": [],
-                                   "loss_reference": []}  # fmt: skip
+    out: dict[str, list[float]] = {
+        "max_abs_param_diff": [],
+        "rel_param_diff": [],
+        "loss_powertrain": [],
+        "loss_reference": [],
+    }
     for x, y in _batches(case, steps, dtype):
         for model, opt, key in ((a, opt_a, "loss_powertrain"), (b, opt_b, "loss_reference")):
             opt.zero_grad()
@@ -303,10 +336,16 @@ def _free(case: Case, steps: int, dtype: torch.dtype, ref: Any) -> dict[str, lis
 
 def agreement(ref: Any, case: Case, *, steps: int, dtype: torch.dtype) -> dict[str, Any]:
     """One case in one dtype: teacher-forced update differences, the reference's noise floor, free run."""
-    forced = _forced(case, steps, dtype, lambda p: powertrain_optimizer(p, case),
-                     lambda p: reference_optimizer(ref, p, case, dtype))  # fmt: skip
-    floor = _forced(case, steps, dtype, lambda p: reference_optimizer(ref, p, case, dtype),
-                    lambda p: reference_optimizer(ref, p, case, dtype, variant=True))  # fmt: skip
+    forced = _forced(
+        case, steps, dtype, lambda p: powertrain_optimizer(p, case), lambda p: reference_optimizer(ref, p, case, dtype)
+    )
+    floor = _forced(
+        case,
+        steps,
+        dtype,
+        lambda p: reference_optimizer(ref, p, case, dtype),
+        lambda p: reference_optimizer(ref, p, case, dtype, variant=True),
+    )
     free = _free(case, steps, dtype, ref)
     start = case.precondition_frequency - 1  # index of the first preconditioned step
     return {
@@ -355,10 +394,18 @@ def _heavyball_mode(hb: Any, compiled: bool) -> Iterator[None]:
 
 def _timing_optimizers(ref: Any, hb: Any, frequency: int) -> list[tuple[str, Callable[[Any], Any]]]:
     """(label, factory) for every optimizer timed; hyperparameters as ``powertrain train`` uses them."""
-    shampoo = Case(name="timing", lr=3e-3, betas=(0.9, 0.999), epsilon=1e-12, weight_decay=0.1,
-                   max_preconditioner_dim=1024, precondition_frequency=frequency)  # fmt: skip
-    soap = dataclasses.replace(shampoo, preconditioner="eigenvalue_corrected", betas=(0.9, 0.95), epsilon=1e-8,
-                               grafting="none")  # fmt: skip
+    shampoo = Case(
+        name="timing",
+        lr=3e-3,
+        betas=(0.9, 0.999),
+        epsilon=1e-12,
+        weight_decay=0.1,
+        max_preconditioner_dim=1024,
+        precondition_frequency=frequency,
+    )
+    soap = dataclasses.replace(
+        shampoo, preconditioner="eigenvalue_corrected", betas=(0.9, 0.95), epsilon=1e-8, grafting="none"
+    )
     out: list[tuple[str, Callable[[Any], Any]]] = [
         ("torch AdamW", lambda p: torch.optim.AdamW(p, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)),
         ("powertrain Shampoo", lambda p: powertrain_optimizer(p, shampoo)),
@@ -373,8 +420,15 @@ def _timing_optimizers(ref: Any, hb: Any, frequency: int) -> list[tuple[str, Cal
 
         out += [("reference Shampoo", ref_default(shampoo)), ("reference eigenvalue-corrected", ref_default(soap))]
     if hb is not None:
-        kw = dict(lr=3e-3, betas=(0.9, 0.95), shampoo_beta=0.95, eps=1e-8, weight_decay=0.1,
-                  precondition_frequency=frequency, max_precond_dim=1024)  # fmt: skip
+        kw = dict(
+            lr=3e-3,
+            betas=(0.9, 0.95),
+            shampoo_beta=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            precondition_frequency=frequency,
+            max_precond_dim=1024,
+        )
         out += [
             ("heavyball SOAP", lambda p: hb.SOAP(p, **kw)),
             ("heavyball KLShampoo", lambda p: hb.KLShampoo(p, **kw)),
@@ -394,8 +448,17 @@ def step_times(
     runs = []
     for label, factory in _timing_optimizers(ref, hb, frequency):
         model = copy.deepcopy(base)
-        runs.append({"name": label, "model": model, "opt": factory(list(model.parameters())), "opt_s": [],
-                     "step_s": [], "loss": [], "error": None})  # fmt: skip
+        runs.append(
+            {
+                "name": label,
+                "model": model,
+                "opt": factory(list(model.parameters())),
+                "opt_s": [],
+                "step_s": [],
+                "loss": [],
+                "error": None,
+            }
+        )
     for step in range(warmup + timed):
         x, y = corpus.batch("train", 0, 1, (0, step), p.batch, p.model.block_size)
         for run in runs:
@@ -433,10 +496,18 @@ def step_times(
                 "final_loss": statistics.fmean(run["loss"][-5:]),
             }
         rows.append(row)
-    return {"preset": preset, "model": dataclasses.asdict(p.model), "batch": p.batch, "warmup": warmup,
-            "timed": timed, "frequency": frequency, "threads": torch.get_num_threads(),
-            "params": sum(q.numel() for q in base.parameters()), "heavyball_compile": heavyball_compile,
-            "rows": rows}  # fmt: skip
+    return {
+        "preset": preset,
+        "model": dataclasses.asdict(p.model),
+        "batch": p.batch,
+        "warmup": warmup,
+        "timed": timed,
+        "frequency": frequency,
+        "threads": torch.get_num_threads(),
+        "params": sum(q.numel() for q in base.parameters()),
+        "heavyball_compile": heavyball_compile,
+        "rows": rows,
+    }
 
 
 # -- 3. entry points ------------------------------------------------------------------------------------------
@@ -497,8 +568,9 @@ def compare(
                 for dtype in dtypes:
                     results["agreement"].append(agreement(ref, case, steps=steps, dtype=dtype))
         if timing_steps > 0:
-            results["timing"] = step_times(ref, hb, preset=preset, warmup=warmup, timed=timing_steps,
-                                           heavyball_compile=heavyball_compile)  # fmt: skip
+            results["timing"] = step_times(
+                ref, hb, preset=preset, warmup=warmup, timed=timing_steps, heavyball_compile=heavyball_compile
+            )
     finally:
         torch.set_num_threads(saved_threads)
     return results
@@ -523,10 +595,13 @@ def markdown(results: dict[str, Any]) -> str:
     lines = ["## Shampoo side by side: powertrain vs facebookresearch/optimizers and heavyball", ""]
     lines.append(
         f"Reference: {ref['package']} at commit `{ref['commit'][:12]}` (local clone)."
-        if ref else "Reference: not available (no clone given), so only step times of the others are shown."
-    )  # fmt: skip
-    lines.append(f"heavyball: {results['heavyball'] or 'not installed'}. torch {results['torch']}, "
-                 f"{results['threads']} thread(s).\n")  # fmt: skip
+        if ref
+        else "Reference: not available (no clone given), so only step times of the others are shown."
+    )
+    lines.append(
+        f"heavyball: {results['heavyball'] or 'not installed'}. torch {results['torch']}, "
+        f"{results['threads']} thread(s).\n"
+    )
     if results["agreement"]:
         first = results["agreement"][0]
         c = first["case"]
@@ -545,21 +620,43 @@ def markdown(results: dict[str, Any]) -> str:
         rows = []
         for a in results["agreement"]:
             s, c = a["summary"], a["case"]
-            rows.append([
-                c["name"], a["dtype"], f"{c['betas'][0]:g}, {c['betas'][1]:g}", f"{c['epsilon']:g}", c["grafting"],
-                _sci(s["graft_phase"]), _sci(s["shampoo_phase"]), _sci(s["noise_floor"]),
-                _sci(s["final_max_abs_param_diff"]), _sci(s["final_rel_param_diff"]),
-                f"{s['final_loss_powertrain']:.5f} / {s['final_loss_reference']:.5f}",
-            ])  # fmt: skip
-        headers = ["case", "dtype", "betas", "epsilon", "grafting", "update diff (graft phase)",
-                   "update diff (preconditioned)", "floor (ref vs ref)", "free: max abs diff",
-                   "free: rel diff", "free: final loss pt / ref"]  # fmt: skip
+            rows.append(
+                [
+                    c["name"],
+                    a["dtype"],
+                    f"{c['betas'][0]:g}, {c['betas'][1]:g}",
+                    f"{c['epsilon']:g}",
+                    c["grafting"],
+                    _sci(s["graft_phase"]),
+                    _sci(s["shampoo_phase"]),
+                    _sci(s["noise_floor"]),
+                    _sci(s["final_max_abs_param_diff"]),
+                    _sci(s["final_rel_param_diff"]),
+                    f"{s['final_loss_powertrain']:.5f} / {s['final_loss_reference']:.5f}",
+                ]
+            )
+        headers = [
+            "case",
+            "dtype",
+            "betas",
+            "epsilon",
+            "grafting",
+            "update diff (graft phase)",
+            "update diff (preconditioned)",
+            "floor (ref vs ref)",
+            "free: max abs diff",
+            "free: rel diff",
+            "free: final loss pt / ref",
+        ]
         lines += [table(headers, rows), ""]
         n = len(first["loss_powertrain"])
         picks = sorted({0, *range(4, n, 5), n - 1})
         curve = [[i + 1, f"{first['loss_powertrain'][i]:.5f}", f"{first['loss_reference'][i]:.5f}"] for i in picks]
-        lines += [f"Loss curves of the first case ({first['dtype']}, free-running):\n",
-                  table(["step", "powertrain", "reference"], curve), ""]  # fmt: skip
+        lines += [
+            f"Loss curves of the first case ({first['dtype']}, free-running):\n",
+            table(["step", "powertrain", "reference"], curve),
+            "",
+        ]
         lines += ["Differences (found by reading both; most are visible in a row above):\n"]
         lines += [f"- {d}" for d in results["differences"]] + [""]
     t = results["timing"]
@@ -582,15 +679,28 @@ def markdown(results: dict[str, Any]) -> str:
             if r["error"] or base is None:
                 rows.append([r["name"], "failed", "", "", "", "", "", r["error"] or ""])
                 continue
-            rows.append([
-                r["name"], f"{1e3 * r['opt_median_s']:.1f}", f"{1e3 * r['opt_mean_s']:.1f}",
-                f"{r['step_median_s']:.3f}", f"{r['step_mean_s']:.3f}",
-                f"{r['step_mean_s'] / base['step_mean_s']:.2f}x", f"{r['opt_mean_s'] / base['opt_mean_s']:.1f}x",
-                f"{r['final_loss']:.3f}",
-            ])  # fmt: skip
-        headers = ["optimizer", "step() median (ms)", "step() mean (ms)", "train step median (s)",
-                   "train step mean (s)", "train step mean vs AdamW", "step() mean vs AdamW",
-                   "loss (last 5)"]  # fmt: skip
+            rows.append(
+                [
+                    r["name"],
+                    f"{1e3 * r['opt_median_s']:.1f}",
+                    f"{1e3 * r['opt_mean_s']:.1f}",
+                    f"{r['step_median_s']:.3f}",
+                    f"{r['step_mean_s']:.3f}",
+                    f"{r['step_mean_s'] / base['step_mean_s']:.2f}x",
+                    f"{r['opt_mean_s'] / base['opt_mean_s']:.1f}x",
+                    f"{r['final_loss']:.3f}",
+                ]
+            )
+        headers = [
+            "optimizer",
+            "step() median (ms)",
+            "step() mean (ms)",
+            "train step median (s)",
+            "train step mean (s)",
+            "train step mean vs AdamW",
+            "step() mean vs AdamW",
+            "loss (last 5)",
+        ]
         lines += [table(headers, rows), ""]
     lines.append(f"Machine: {results['machine']}.\n")
     if results.get("command"):
@@ -612,10 +722,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--write", default="", help="Markdown file whose 'shampoo-reference' section to update")
     args = ap.parse_args(argv)
     results = compare(
-        args.reference_path, steps=args.steps, timing_steps=args.timing_steps, warmup=args.warmup,
-        preset=args.preset, threads=args.threads, heavyball_compile=args.heavyball_compile,
+        args.reference_path,
+        steps=args.steps,
+        timing_steps=args.timing_steps,
+        warmup=args.warmup,
+        preset=args.preset,
+        threads=args.threads,
+        heavyball_compile=args.heavyball_compile,
         reference_commit=args.reference_commit,
-    )  # fmt: skip
+    )
     results["command"] = "python tools/shampoo_reference.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
         Path(args.json).write_text(_json.dumps(results, indent=1))

@@ -40,14 +40,19 @@ def check_state(state: Any, layout: Layout) -> None:
     saved = {k: state.get(k) for k in mine}
     if saved != mine:
         diff = ", ".join(f"{k}={saved[k]!r:.80} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
-        raise ValueError(f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
-                         "fragments, delay, mix and warmup")  # fmt: skip
+        raise ValueError(
+            f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
+            "fragments, delay, mix and warmup"
+        )
     fragments, delay, warmup = mine["fragments"], mine["delay"], mine["warmup"]
     step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
     if not (_is_int(step) and _is_int(syncs) and syncs >= 0 and step >= 0):
         raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r:.40}, syncs={syncs!r:.40}")
-    if not (isinstance(applied, list) and len(applied) == len(fragments)
-            and all(_is_int(a) and 0 <= a <= max(step, warmup) for a in applied)):  # fmt: skip
+    if not (
+        isinstance(applied, list)
+        and len(applied) == len(fragments)
+        and all(_is_int(a) and 0 <= a <= max(step, warmup) for a in applied)
+    ):
         raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
     check_state_tensors("DiLoCo", "anchors", state.get("anchors"), layout.shapes)
     if any(a is None for a in state["anchors"]):
@@ -55,12 +60,20 @@ def check_state(state: Any, layout: Layout) -> None:
     pending = state.get("pending")
     if pending is not None:
         f, due = (pending.get("fragment"), pending.get("due")) if isinstance(pending, Mapping) else (None, None)
-        if not (_is_int(f) and _is_int(due) and 0 <= f < len(fragments) and step < due <= step + delay
-                and f in layout.starting(due - delay)):  # fmt: skip
-            raise ValueError(f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r:.40}, due {due!r:.40} at "
-                             f"step {step!r}): not a sync this schedule starts")  # fmt: skip
-        check_state_tensors("DiLoCo", "pending average", pending.get("average"),
-                            [layout.shapes[i] for i in fragments[f]])  # fmt: skip
+        if not (
+            _is_int(f)
+            and _is_int(due)
+            and 0 <= f < len(fragments)
+            and step < due <= step + delay
+            and f in layout.starting(due - delay)
+        ):
+            raise ValueError(
+                f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r:.40}, due {due!r:.40} at "
+                f"step {step!r}): not a sync this schedule starts"
+            )
+        check_state_tensors(
+            "DiLoCo", "pending average", pending.get("average"), [layout.shapes[i] for i in fragments[f]]
+        )
     if layout.warmup_compressor and not isinstance(state.get("warmup_compressor"), Mapping):
         raise ValueError("DiLoCo state_dict lacks the warm-up compressor's state")
     if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
@@ -74,8 +87,10 @@ def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:
     groups = outer.get("param_groups")
     mine = _hyper(layout.outer_groups)
     if not isinstance(groups, list) or len(groups) != len(mine) or _hyper(groups) != mine:
-        raise ValueError(f"DiLoCo state_dict's outer optimizer has other settings ({_hyper(groups)!r:.200} -> "
-                         f"{mine!r:.200}): resume with the same outer optimizer")  # fmt: skip
+        raise ValueError(
+            f"DiLoCo state_dict's outer optimizer has other settings ({_hyper(groups)!r:.200} -> "
+            f"{mine!r:.200}): resume with the same outer optimizer"
+        )
     saved = outer.get("state")
     if not isinstance(saved, Mapping):
         raise ValueError("DiLoCo state_dict's outer optimizer state is not a mapping")
@@ -84,17 +99,22 @@ def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:
             raise ValueError(f"DiLoCo state_dict's outer optimizer has state for an unknown anchor {key!r:.50}")
         unknown = set(per) - layout.outer_keys if layout.outer_keys is not None else set()
         if unknown:
-            raise ValueError(f"DiLoCo state_dict's outer optimizer has {sorted(map(str, unknown))!s:.100} for anchor "
-                             f"{key}, which it never writes")  # fmt: skip
+            raise ValueError(
+                f"DiLoCo state_dict's outer optimizer has {sorted(map(str, unknown))!s:.100} for anchor "
+                f"{key}, which it never writes"
+            )
         for name, value in per.items():
             shape = layout.shapes[key]
             if value is not None and not isinstance(value, torch.Tensor):
-                raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is a "
-                                 f"{type(value).__name__}, not a tensor")  # fmt: skip
+                raise ValueError(
+                    f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is a {type(value).__name__}, not a tensor"
+                )
             scalar_step = name == "step" and isinstance(value, torch.Tensor) and value.numel() == 1
             if isinstance(value, torch.Tensor) and value.shape != shape and not scalar_step:
-                raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
-                                 f"{tuple(value.shape)}, not {tuple(shape)}")  # fmt: skip
+                raise ValueError(
+                    f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} has shape "
+                    f"{tuple(value.shape)}, not {tuple(shape)}"
+                )
             if isinstance(value, torch.Tensor) and (value.is_complex() or not torch.isfinite(value).all()):
                 raise ValueError(f"DiLoCo state_dict's outer {name!r:.50} of anchor {key} is not finite")
 

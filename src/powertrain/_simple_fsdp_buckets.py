@@ -46,8 +46,9 @@ class Bucket:
     buffer holds rank ``r``'s dim-0 chunk of every parameter, each padded to ``ceil(rows / W)`` rows, in
     parameter order."""
 
-    def __init__(self, params: list[nn.Parameter], members: list[nn.Module], mesh: DeviceMesh,
-                 policy: MixedPrecisionPolicy) -> None:  # fmt: skip
+    def __init__(
+        self, params: list[nn.Parameter], members: list[nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy
+    ) -> None:
         self.params, self.members, self.mesh, self.policy = params, members, mesh, policy
         self.world = mesh.size()
         self.chunk_rows = [shard_rows(p.shape[0], self.world) for p in params]
@@ -161,8 +162,9 @@ def _post_order(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-def make_bucket(owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy,
-                reshard: bool) -> Bucket:  # fmt: skip
+def make_bucket(
+    owner: nn.Module, owners: dict[int, nn.Module], mesh: DeviceMesh, policy: MixedPrecisionPolicy, reshard: bool
+) -> Bucket:
     """The bucket of ``owner`` (``owners`` from :func:`bucket_owners`, parameters already DTensors), with
     ``owner``'s forward wrapped; the caller makes it the parametrization of its ``members``. A bucket that
     contains other buckets (the root) is not resharded after forward, as in FSDP2."""
@@ -236,8 +238,16 @@ def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) ->
 # -- reshard after forward ---------------------------------------------------------------------------------
 
 _COLLECTIVES = ("_c10d_functional.", "c10d_functional.")
-_SAVE = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution", "aten._scaled_dot_product",
-         "aten.native_layer_norm", "aten.embedding")  # fmt: skip
+_SAVE = (
+    "aten.mm",
+    "aten.addmm",
+    "aten.bmm",
+    "aten.baddbmm",
+    "aten.convolution",
+    "aten._scaled_dot_product",
+    "aten.native_layer_norm",
+    "aten.embedding",
+)
 
 
 def _recompute_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

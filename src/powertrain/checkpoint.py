@@ -134,8 +134,9 @@ class CompressorState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         key = _rank_key()
         if key not in state:
-            raise CheckpointError(f"The checkpoint has no per-rank state for {key}: resume with the world size it "
-                                  "was saved with")  # fmt: skip
+            raise CheckpointError(
+                f"The checkpoint has no per-rank state for {key}: resume with the world size it was saved with"
+            )
         self.compressor.load_state_dict(from_blob(state[key]))
 
 
@@ -185,8 +186,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().__init__(allow_partial_load=True)  # the strict check is ours (DCP's has no exceptions)
         self.optional = optional or (lambda fqn, md: False)
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:  # fmt: skip
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         assert metadata is not None, "DCP passes the checkpoint's metadata"
         saved = metadata.state_dict_metadata
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -304,9 +306,14 @@ def read_metadata(path: str | Path, manifest: Mapping[str, Any] | None = None) -
         raise CheckpointError(f"{str(Path(path) / '.metadata')!r} cannot be read safely: {_short(e)}") from None
 
 
-def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | None = None,
-         group: dist.ProcessGroup | None = None,
-         manifest: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+def load(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    optional: Optional | None = None,
+    group: dist.ProcessGroup | None = None,
+    manifest: Mapping[str, Any] | None = None,
+) -> None:
     """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
 
     Verifies the checkpoint first (:func:`verify`; skipped when its ``manifest`` is passed), then loads through
@@ -319,8 +326,12 @@ def load(state_dict: dict[str, Any], path: str | Path, *, optional: Optional | N
     for k in wrapped:
         state_dict[k] = {_rank_key(): torch.empty(0, dtype=torch.uint8)}
     try:
-        dcp.load(state_dict, storage_reader=_reader(path, manifest), planner=SafeLoadPlanner(optional=optional),
-                 process_group=group)  # fmt: skip
+        dcp.load(
+            state_dict,
+            storage_reader=_reader(path, manifest),
+            planner=SafeLoadPlanner(optional=optional),
+            process_group=group,
+        )
         for k, v in wrapped.items():
             v.load_state_dict(state_dict[k])
     except CheckpointException as e:  # DCP gathers every rank's traceback into one message: keep the cause
@@ -343,8 +354,13 @@ def _digest(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, Any] | None = None,
-         group: dist.ProcessGroup | None = None) -> None:  # fmt: skip
+def save(
+    state_dict: dict[str, Any],
+    path: str | Path,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """``dcp.save`` to ``path``, then rank 0 writes ``manifest.json``: the format, the world size, each file's
     size and SHA-256, and ``extra`` (JSON values). Every rank of ``group`` must call it; it returns once
     the manifest exists."""
@@ -355,8 +371,11 @@ def save(state_dict: dict[str, Any], path: str | Path, *, extra: Mapping[str, An
     comm = Communicator(group)
     if comm.rank == 0:
         root = Path(path)
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
-                 for p in sorted(root.iterdir()) if p.is_file() and p.name != MANIFEST}  # fmt: skip
+        files = {
+            p.name: {"bytes": p.stat().st_size, "sha256": _digest(p)}
+            for p in sorted(root.iterdir())
+            if p.is_file() and p.name != MANIFEST
+        }
         manifest = {"format": FORMAT, "world_size": comm.world_size, **(extra or {}), "files": files}
         write_atomic(root / MANIFEST, _json.dumps(manifest, indent=1) + "\n")
     if initialized:
@@ -403,9 +422,12 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 def _entry_ok(name: Any, entry: Any) -> bool:
     return (
-        isinstance(name, str) and (name == ".metadata" or bool(_NAME.fullmatch(name))) and isinstance(entry, dict)
-        and type(entry.get("bytes")) is int and isinstance(entry.get("sha256"), str)
-    )  # fmt: skip
+        isinstance(name, str)
+        and (name == ".metadata" or bool(_NAME.fullmatch(name)))
+        and isinstance(entry, dict)
+        and type(entry.get("bytes")) is int
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def verify(path: str | Path) -> dict[str, Any]:
@@ -424,8 +446,10 @@ def verify(path: str | Path) -> dict[str, Any]:
         if not stat.S_ISREG(st.st_mode):
             raise CheckpointError(f"Checkpoint file {str(f)!r} is not a regular file (a link, pipe or device)")
         if name == ".metadata" and st.st_size > METADATA_LIMIT:
-            raise CheckpointError(f"Checkpoint file {str(f)!r} is {st.st_size:,} bytes, more than DCP metadata can be "
-                                  f"({METADATA_LIMIT:,}): the checkpoint is damaged or crafted")  # fmt: skip
+            raise CheckpointError(
+                f"Checkpoint file {str(f)!r} is {st.st_size:,} bytes, more than DCP metadata can be "
+                f"({METADATA_LIMIT:,}): the checkpoint is damaged or crafted"
+            )
         if st.st_size != entry["bytes"] or _digest(f) != entry["sha256"]:
             raise CheckpointError(f"Checkpoint file {str(f)!r} is corrupted: its checksum differs from the manifest")
     extra = sorted(p.name for p in root.iterdir() if p.name not in listed and p.name != MANIFEST)

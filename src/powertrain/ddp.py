@@ -72,8 +72,10 @@ class DDPCompressionHook:
         # bucket by parameter registration, later ones by backward, and at 3+ ranks a message packed in another
         # order is summed in another order (a resume was 1e-6 off). Which parameters share a bucket can still
         # differ on that first step (DDP rebuilds its buckets after it); measured bitwise for the default GPT at 4.
-        order = sorted(zip(self.compressor.indices_of(bucket.parameters()), bucket.gradients(), strict=True),
-                       key=lambda pair: pair[0])  # fmt: skip
+        order = sorted(
+            zip(self.compressor.indices_of(bucket.parameters()), bucket.gradients(), strict=True),
+            key=lambda pair: pair[0],
+        )
         idx, grads = [i for i, _ in order], [g for _, g in order]
         buffer = bucket.buffer()
 

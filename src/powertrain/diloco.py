@@ -85,14 +85,18 @@ def schedule(sync_every: int, fragments: int, delay: int) -> list[int]:
     check_int("fragments", fragments, 1)
     check_int("delay", delay, 0)
     if fragments > sync_every:
-        raise ValueError(f"Invalid fragments={fragments} for sync_every={sync_every}: at most one fragment starts its "
-                         "sync per inner step; use fragments <= sync_every")  # fmt: skip
+        raise ValueError(
+            f"Invalid fragments={fragments} for sync_every={sync_every}: at most one fragment starts its "
+            "sync per inner step; use fragments <= sync_every"
+        )
     offsets = [k * sync_every // fragments for k in range(fragments)]
     gap = min(b - a for a, b in zip(offsets, [*offsets[1:], sync_every], strict=True))
     if delay >= gap:
-        raise ValueError(f"Invalid delay={delay}: must be below the {gap} inner steps between two fragments' syncs "
-                         f"(sync_every / fragments = {sync_every}/{fragments}), so that one sync is in flight at a "
-                         "time")  # fmt: skip
+        raise ValueError(
+            f"Invalid delay={delay}: must be below the {gap} inner steps between two fragments' syncs "
+            f"(sync_every / fragments = {sync_every}/{fragments}), so that one sync is in flight at a "
+            "time"
+        )
     return offsets
 
 
@@ -175,8 +179,10 @@ class DiLoCo:
         if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix < 1:
             raise ValueError(f"Invalid mix={mix!r}: must be in [0, 1) (0: take the outer update as it is)")
         if mix and not delay:
-            raise ValueError(f"Invalid mix={mix!r} with delay=0: mixing keeps local progress made while a sync travels "
-                             "(Streaming DiLoCo's alpha); set delay > 0 or mix=0")  # fmt: skip
+            raise ValueError(
+                f"Invalid mix={mix!r} with delay=0: mixing keeps local progress made while a sync travels "
+                "(Streaming DiLoCo's alpha); set delay > 0 or mix=0"
+            )
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
         if getattr(inner, "communicates", False):
@@ -204,8 +210,11 @@ class DiLoCo:
         self.warmup = warmup
         self.compressor = self._compressor(compressor, dict(compressor_options or {}), group, local)
         #: averages every step's gradients during the warm-up (None without one): the replicas train as one
-        self.warmup_compressor = (self._compressor(warmup_compressor, dict(warmup_options or {}), group, local,
-                                                   own_group=False) if warmup else None)  # fmt: skip
+        self.warmup_compressor = (
+            self._compressor(warmup_compressor, dict(warmup_options or {}), group, local, own_group=False)
+            if warmup
+            else None
+        )
         if self.warmup_compressor is not None and isinstance(warmup_compressor, str):  # one count of what is sent
             warm = self.warmup_compressor
             warm.comm = Communicator(warm.comm.group, stats=self.compressor.comm.stats)
@@ -229,20 +238,30 @@ class DiLoCo:
         with torch.no_grad():
             return [_local(p) for p in self.params]
 
-    def _compressor(self, spec: str | Compressor, options: dict[str, Any], group: dist.ProcessGroup | None,
-                    local: list[torch.Tensor], own_group: bool = True) -> Compressor:  # fmt: skip
+    def _compressor(
+        self,
+        spec: str | Compressor,
+        options: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        local: list[torch.Tensor],
+        own_group: bool = True,
+    ) -> Compressor:
         if isinstance(spec, Compressor):
             if options:
                 raise ValueError("compressor_options go with a compressor name; a Compressor instance has its own")
             shapes = [tuple(p.shape) for p in spec.params]
             if shapes != [tuple(t.shape) for t in local]:
-                raise ValueError(f"The compressor was built for parameters of shapes {shapes[:3]}..., not this "
-                                 "replica's (local) parameters: build it on the same parameters")  # fmt: skip
+                raise ValueError(
+                    f"The compressor was built for parameters of shapes {shapes[:3]}..., not this "
+                    "replica's (local) parameters: build it on the same parameters"
+                )
             used = spec.communicators() or [spec.comm]  # the groups its requests go to
             if self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
-                raise ValueError("With delay > 0 the compressor's collectives overlap training, whose own collectives "
-                                 "use the default group: build the compressor on a group of its own "
-                                 "(dist.new_group(...)), or pass its name")  # fmt: skip
+                raise ValueError(
+                    "With delay > 0 the compressor's collectives overlap training, whose own collectives "
+                    "use the default group: build the compressor on a group of its own "
+                    "(dist.new_group(...)), or pass its name"
+                )
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"compressor must be a name or a powertrain Compressor, got {type(spec).__name__}")
@@ -274,8 +293,10 @@ class DiLoCo:
         begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
         if self.step_count < self.warmup:
             if closure is not None:
-                raise ValueError("A closure recomputes the gradients after the warm-up averaged them: call step() "
-                                 "without a closure during the warm-up (sync_warmup steps)")  # fmt: skip
+                raise ValueError(
+                    "A closure recomputes the gradients after the warm-up averaged them: call step() "
+                    "without a closure during the warm-up (sync_warmup steps)"
+                )
             self._average_gradients()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.step_count += 1
@@ -316,8 +337,10 @@ class DiLoCo:
         replicas take the same inner step. A parameter without a gradient counts as a zero one."""
         comp = self.warmup_compressor
         assert comp is not None, "a warm-up has its compressor"
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(t)
-                 for p, t in zip(self.params, self._locals(), strict=True)]  # fmt: skip
+        grads = [
+            _local(p.grad) if p.grad is not None else torch.zeros_like(t)
+            for p, t in zip(self.params, self._locals(), strict=True)
+        ]
         averaged = run_program(comp.program(grads), comp.comm)
         for p, g, a in zip(self.params, grads, averaged, strict=True):
             if p.grad is None:  # a zeros_like keeps a DTensor's sharding
@@ -420,13 +443,23 @@ class DiLoCo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; ValueError (nothing changed) if it does not fit this DiLoCo."""
-        check_state(state, Layout(
-            settings={"sync_every": self.sync_every, "fragments": [list(f) for f in self.fragments],
-                      "delay": self.delay, "mix": self.mix, "warmup": self.warmup},
-            shapes=[t.shape for t in self._locals()], outer_groups=self.outer.state_dict()["param_groups"],
-            starting=self.starting, warmup_compressor=self.warmup_compressor is not None,
-            outer_keys=frozenset({"momentum_buffer"}) if type(self.outer) is torch.optim.SGD else None,
-        ))  # fmt: skip
+        check_state(
+            state,
+            Layout(
+                settings={
+                    "sync_every": self.sync_every,
+                    "fragments": [list(f) for f in self.fragments],
+                    "delay": self.delay,
+                    "mix": self.mix,
+                    "warmup": self.warmup,
+                },
+                shapes=[t.shape for t in self._locals()],
+                outer_groups=self.outer.state_dict()["param_groups"],
+                starting=self.starting,
+                warmup_compressor=self.warmup_compressor is not None,
+                outer_keys=frozenset({"momentum_buffer"}) if type(self.outer) is torch.optim.SGD else None,
+            ),
+        )
         step: int = state["step"]  # checked above: ints and a list of ints
         syncs: int = state["syncs"]
         applied: list[int] = state["applied"]
@@ -460,8 +493,10 @@ class DiLoCo:
         self._pending = None
         if pending is not None:
             f = pending["fragment"]
-            average = [t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
-                       for i, t in zip(self.fragments[f], pending["average"], strict=True)]  # fmt: skip
+            average = [
+                t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
+                for i, t in zip(self.fragments[f], pending["average"], strict=True)
+            ]
             self._pending = _Pending(f, pending["due"], None, average)
 
 
@@ -484,9 +519,11 @@ def _check_same_start(anchors: list[torch.Tensor], group: dist.ProcessGroup | No
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both.split(prints.numel())
     if not torch.equal(high, -low):  # one host sync, once, at construction
-        raise ValueError("DiLoCo's replicas start from different weights, and local updates would never bring them "
-                         "together: give every replica the same initial weights (the same seed, or broadcast rank "
-                         "0's), and build DiLoCo before loading a checkpoint's per-replica weights")  # fmt: skip
+        raise ValueError(
+            "DiLoCo's replicas start from different weights, and local updates would never bring them "
+            "together: give every replica the same initial weights (the same seed, or broadcast rank "
+            "0's), and build DiLoCo before loading a checkpoint's per-replica weights"
+        )
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -503,6 +540,8 @@ def _fragments(spec: int | Sequence[Sequence[int]], sizes: list[int]) -> list[li
     groups = [list(g) for g in spec]
     flat = sorted(i for g in groups for i in g)
     if not groups or any(not g for g in groups) or flat != list(range(len(sizes))):
-        raise ValueError(f"fragments must be an int or groups of parameter positions that cover 0..{len(sizes) - 1} "
-                         "once each, none empty")  # fmt: skip
+        raise ValueError(
+            f"fragments must be an int or groups of parameter positions that cover 0..{len(sizes) - 1} "
+            "once each, none empty"
+        )
     return [sorted(g) for g in groups]

@@ -266,8 +266,9 @@ class _ReplicaAverage:
                 "trainable parameters of this module: a parameter got no gradient this step. Compressed replicas "
                 "need every trainable parameter to get a gradient; mark unused ones requires_grad_(False)"
             )
-        views = [v.view(s) for v, s in zip(reduce_output.split([s.numel() for s in self.shapes]), self.shapes,
-                                           strict=True)]  # fmt: skip
+        views = [
+            v.view(s) for v, s in zip(reduce_output.split([s.numel() for s in self.shapes]), self.shapes, strict=True)
+        ]
         for v, a in zip(views, self.compressor.aggregate(views, self.indices), strict=True):
             v.copy_(a)
 
@@ -328,8 +329,10 @@ def compress_replicas(
     def shard(p: torch.Tensor, size: torch.Size) -> torch.Size:
         mesh: Any = p.device_mesh  # type: ignore[attr-defined]
         if mesh.ndim != 1:
-            raise ValueError("compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
-                             "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed")  # fmt: skip
+            raise ValueError(
+                "compress_replicas needs fully_shard on the shard dimension only (mesh['shard']): "
+                "on a 2-D mesh FSDP2 all-reduces the replicas itself, uncompressed"
+            )
         return torch.Size([shard_rows(size[0], mesh.size()), *size[1:]])
 
     shards, layout = _on_placeholders(model, "compress_replicas", shard)

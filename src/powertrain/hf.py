@@ -46,8 +46,9 @@ class GradientCompression(TrainerCallback, Rewrapped):
         self.trainer = trainer
         Rewrapped.__init__(self, name, options)
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:  # fmt: skip
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         ddp = self.trainer.model_wrapped
         if not isinstance(ddp, DistributedDataParallel):
             raise ValueError(

@@ -68,9 +68,11 @@ class GradientCompression(Callback, Rewrapped):
             self._restore(self._pending)
             self._pending = None
         elif trainer.ckpt_path is not None:
-            rank_zero_warn(f"GradientCompression: the checkpoint {trainer.ckpt_path} has no compressor state (saved "
-                           "without this callback, or with another compressor name): error feedback starts "
-                           "empty")  # fmt: skip
+            rank_zero_warn(
+                f"GradientCompression: the checkpoint {trainer.ckpt_path} has no compressor state (saved "
+                "without this callback, or with another compressor name): error feedback starts "
+                "empty"
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """Every worker's compressor state, on rank 0 (a collective: Lightning calls this on every rank)."""

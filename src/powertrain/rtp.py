@@ -200,8 +200,9 @@ class _RotatedConv(torch.autograd.Function):
     a slice of the output's channels (dim 1), as a Linear's gives a slice of its features."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ring: _Ring,
-                geometry: tuple[Any, ...]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ring: _Ring, geometry: tuple[Any, ...]
+    ) -> torch.Tensor:
         stride, padding, dilation = geometry
         chans = w.shape[0]
         parts: dict[int, torch.Tensor] = {}
@@ -228,8 +229,9 @@ class _RotatedConv(torch.autograd.Function):
             bias_sizes = [c] if ctx.has_bias else None
             # in the gradient's dtype (autocast: see _RotatedLinear.backward); no-op casts without autocast
             xs, ws = x.to(gy.dtype), weight.to(gy.dtype)
-            return torch.ops.aten.convolution_backward(gy, xs, ws, bias_sizes, stride, padding, dilation, False,
-                                                       [0] * len(stride), 1, mask)  # fmt: skip
+            return torch.ops.aten.convolution_backward(
+                gy, xs, ws, bias_sizes, stride, padding, dilation, False, [0] * len(stride), 1, mask
+            )
 
         def use_weights(j: int, held: list[torch.Tensor]) -> None:
             assert gx is not None, "weights rotate only when the input needs a gradient"
@@ -265,8 +267,9 @@ def _embedding_forward(self: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _conv_forward(self: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = _RotatedConv.apply(x, _local(self, "weight"), _local(self, "bias"), _ring(self),
-                                           _conv_geometry(self))  # fmt: skip
+    out: torch.Tensor = _RotatedConv.apply(
+        x, _local(self, "weight"), _local(self, "bias"), _ring(self), _conv_geometry(self)
+    )
     return out
 
 
@@ -317,8 +320,15 @@ def _mha_forward(
     return (out if self.batch_first else out.transpose(0, 1)), weights
 
 
-def _attention_mask(attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, dtype: torch.dtype,
-                    batch: int, heads: int, length: int, source: int) -> torch.Tensor | None:  # fmt: skip
+def _attention_mask(
+    attn_mask: torch.Tensor | None,
+    key_padding_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    length: int,
+    source: int,
+) -> torch.Tensor | None:
     """nn.MultiheadAttention's masks (boolean: True is masked out; floating: added) as one additive mask that
     broadcasts over ``(batch, heads, length, source)``."""
 
@@ -447,8 +457,10 @@ def rotated_tensor_parallel(
     assert pg is not None, "initialised above"
     params = list(model.parameters())
     if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
-        raise ValueError("rotated_tensor_parallel takes a model entirely on the meta device or entirely off it; "
-                         "move every parameter to one device first")  # fmt: skip
+        raise ValueError(
+            "rotated_tensor_parallel takes a model entirely on the meta device or entirely off it; "
+            "move every parameter to one device first"
+        )
     on_meta = bool(params) and params[0].is_meta  # then the group's device: NCCL's CUDA, otherwise the CPU
     device = collective_device(pg).type if on_meta else (params[0].device.type if params else "cpu")
     mesh = DeviceMesh.from_group(pg, device)

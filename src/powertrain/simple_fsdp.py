@@ -67,8 +67,10 @@ class _Gather:
 
     def __call__(self, stored: torch.Tensor) -> torch.Tensor:
         if not isinstance(stored, DTensor):
-            raise RuntimeError(f"SimpleFSDP expected a DTensor parameter, got {type(stored).__name__}: "
-                               "was it replaced after data_parallel()?")  # fmt: skip
+            raise RuntimeError(
+                f"SimpleFSDP expected a DTensor parameter, got {type(stored).__name__}: "
+                "was it replaced after data_parallel()?"
+            )
         ndim = self.mesh.ndim
         full = redistribute(stored, [Replicate()] * ndim, self.param_dtype, self.reduce_dtype)
         # The gradient of the gathered weight is each rank's partial sum: averaged (all-reduce or
@@ -172,9 +174,15 @@ def data_parallel(
     return model
 
 
-def _parametrize(model: nn.Module, mesh: DeviceMesh, placements: Sequence[Replicate | Shard],
-                 policy: MixedPrecisionPolicy | None = None, *, bucketed: Container[int] = (),
-                 allow_meta: bool = False) -> list[nn.Module]:  # fmt: skip
+def _parametrize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    placements: Sequence[Replicate | Shard],
+    policy: MixedPrecisionPolicy | None = None,
+    *,
+    bucketed: Container[int] = (),
+    allow_meta: bool = False,
+) -> list[nn.Module]:
     """Steps 1 and 2 of :func:`data_parallel`, except the class swap of the modules whose ids are in ``bucketed``
     (their bucket is their parametrization); returns the modules it swapped. ``allow_meta``: parameters on the
     meta device become DTensors on meta (RTP builds on them; the caller allocates with ``to_empty``)."""
@@ -192,11 +200,15 @@ def _parametrize(model: nn.Module, mesh: DeviceMesh, placements: Sequence[Replic
             p = module._parameters[n]
             assert p is not None, "filtered above"
             if isinstance(p, DTensor):
-                raise ValueError(f"Parameter {mod_name}.{n} is already a DTensor (fully_shard or tensor parallel?): "
-                                 "SimpleFSDP takes plain parameters")  # fmt: skip
+                raise ValueError(
+                    f"Parameter {mod_name}.{n} is already a DTensor (fully_shard or tensor parallel?): "
+                    "SimpleFSDP takes plain parameters"
+                )
             if p.device.type != mesh.device_type and not (allow_meta and p.is_meta):
-                raise ValueError(f"Parameter {mod_name}.{n} is on {p.device}, the mesh on {mesh.device_type}: "
-                                 "move the model to the mesh's device first")  # fmt: skip
+                raise ValueError(
+                    f"Parameter {mod_name}.{n} is on {p.device}, the mesh on {mesh.device_type}: "
+                    "move the model to the mesh's device first"
+                )
             if id(p) not in done:
                 dt = distribute_tensor(p.detach(), mesh, placements)
                 done[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
@@ -219,8 +231,9 @@ def _check_policy(policy: object) -> None:
         if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
             raise ValueError(f"Invalid mp_policy {name}={value!r}: must be a floating torch.dtype or None")
     if policy.output_dtype is not None:
-        raise ValueError(f"Invalid mp_policy output_dtype={policy.output_dtype!r}: SimpleFSDP does not cast outputs; "
-                         "leave it None")  # fmt: skip
+        raise ValueError(
+            f"Invalid mp_policy output_dtype={policy.output_dtype!r}: SimpleFSDP does not cast outputs; leave it None"
+        )
 
 
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -45,8 +45,9 @@ class _QKV(nn.Module):
         super().__init__()
         d = fused.out_features // 3
         like = {"dtype": fused.weight.dtype, "device": fused.weight.device}
-        self.q, self.k, self.v = (nn.Linear(fused.in_features, d, bias=fused.bias is not None, **like)
-                                  for _ in range(3))  # fmt: skip
+        self.q, self.k, self.v = (
+            nn.Linear(fused.in_features, d, bias=fused.bias is not None, **like) for _ in range(3)
+        )
         with torch.no_grad():
             for i, lin in enumerate((self.q, self.k, self.v)):
                 lin.weight.copy_(fused.weight[i * d : (i + 1) * d])
@@ -89,24 +90,33 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool = False
     block_plan = {
         "ln1": SequenceParallel(),
         "qkv": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),  # one all-gather
-        "qkv.q": ColwiseParallel(), "qkv.k": ColwiseParallel(), "qkv.v": ColwiseParallel(),
+        "qkv.q": ColwiseParallel(),
+        "qkv.k": ColwiseParallel(),
+        "qkv.v": ColwiseParallel(),
         "proj": RowwiseParallel(output_layouts=seq, use_local_output=False),
         "ln2": SequenceParallel(),
         "fc": ColwiseParallel(input_layouts=seq),
         "fc_out": RowwiseParallel(output_layouts=seq, use_local_output=False),
-    }  # fmt: skip
+    }
     blocks: list[Block] = list(model.blocks)  # type: ignore[arg-type]
     for block in blocks:
         block.qkv = _QKV(block.qkv)  # type: ignore[assignment]
         parallelize_module(block, tp_mesh, block_plan)
-    parallelize_module(model, tp_mesh, {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
-        # positions are (t, d): their sequence dimension is 0, broadcast onto the tokens' dimension 1
-        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False),
-        "ln_f": SequenceParallel(),
-        "head": (ColwiseParallel(input_layouts=seq, use_local_output=False) if loss_parallel
-                 else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq, use_local_output=False),
+            # positions are (t, d): their sequence dimension is 0, broadcast onto the tokens' dimension 1
+            "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False),
+            "ln_f": SequenceParallel(),
+            "head": (
+                ColwiseParallel(input_layouts=seq, use_local_output=False)
+                if loss_parallel
+                else ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
+            ),
+        },
+    )
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)

@@ -46,36 +46,57 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         help="directory for results.json and table.md (network); quality: kept "
         "results, reused by later calls (default runs/bench-quality); gpu: gpu_check.json, its log and the section",
     )
-    bench.add_argument("--preset", choices=["default", "tiny", "paper", *QUALITY_ONLY], default="default",
-                       help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-                       "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows), muon "
-                       "(Muon against a swept AdamW, the best AdamW's loss as the target); "
-                       "cluster only: paper (the on-paper model alone)")  # fmt: skip
-    bench.add_argument("--results", default=None,
-                       help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
-                       "measuring); cluster --preset paper takes its measured GPU compute figures")  # fmt: skip
+    bench.add_argument(
+        "--preset",
+        choices=["default", "tiny", "paper", *QUALITY_ONLY],
+        default="default",
+        help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
+        "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows), muon "
+        "(Muon against a swept AdamW, the best AdamW's loss as the target); "
+        "cluster only: paper (the on-paper model alone)",
+    )
+    bench.add_argument(
+        "--results",
+        default=None,
+        help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
+        "measuring); cluster --preset paper takes its measured GPU compute figures",
+    )
     bench.add_argument("--repeats", type=int, default=None, help="overhead: timed repetitions per configuration")
     bench.add_argument("--threads", type=int, default=None, help="overhead: torch threads (default: all cores)")
-    bench.add_argument("--write", default=None,
-                       help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
-                       "checkout of powertrain)")  # fmt: skip
+    bench.add_argument(
+        "--write",
+        default=None,
+        help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
+        "checkout of powertrain)",
+    )
     bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
     bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
     bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
-    bench.add_argument("--workers", type=int, default=None,
-                       help="quality: data-parallel workers, replicas of local updates (default: 2)")  # fmt: skip
-    bench.add_argument("--horizon-only", action="store_true",
-                       help="quality: no row runs on to the target loss (losses and bytes at the horizon; steps and "
-                            "time to target only where a row reached it within the horizon)")  # fmt: skip
-    bench.add_argument("--rates", default=None,
-                       help="quality: link rates in Mbit/s the time to target is measured at, on an emulated link "
-                       "(needs root; default: 1,10,100; 'none': no time to target)")  # fmt: skip
+    bench.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="quality: data-parallel workers, replicas of local updates (default: 2)",
+    )
+    bench.add_argument(
+        "--horizon-only",
+        action="store_true",
+        help="quality: no row runs on to the target loss (losses and bytes at the horizon; steps and "
+        "time to target only where a row reached it within the horizon)",
+    )
+    bench.add_argument(
+        "--rates",
+        default=None,
+        help="quality: link rates in Mbit/s the time to target is measured at, on an emulated link "
+        "(needs root; default: 1,10,100; 'none': no time to target)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.preset in QUALITY_ONLY and args.suite != "quality":
-        raise ValueError(f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use "
-                         "default or tiny")  # fmt: skip
+        raise ValueError(
+            f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use default or tiny"
+        )
     if args.preset == "paper" and args.suite != "cluster":
         raise ValueError(f"--preset paper is bench cluster's on-paper model, not a preset of {args.suite}")
     if args.results is not None and args.suite not in ("gpu", "cluster"):
@@ -107,8 +128,17 @@ def run(args: argparse.Namespace) -> int:
             rates = None if rates is None else [float(r) for r in rates]
         except ValueError:
             raise ValueError(f"Invalid --rates {args.rates!r}: use Mbit/s such as 1,10,100, or none") from None
-        run_quality_bench(preset=args.preset, rows=rows, horizons=horizons, seeds=args.seeds, workers=args.workers,
-                          rates=rates, out=args.out, write=write, horizon_only=args.horizon_only)  # fmt: skip
+        run_quality_bench(
+            preset=args.preset,
+            rows=rows,
+            horizons=horizons,
+            seeds=args.seeds,
+            workers=args.workers,
+            rates=rates,
+            out=args.out,
+            write=write,
+            horizon_only=args.horizon_only,
+        )
     elif args.suite == "gpu":
         from powertrain.bench.gpu import run_gpu_bench
 
@@ -136,8 +166,10 @@ def _write_target(write: str | None) -> str | None:
     if write is None:
         if Path(BENCHMARKS).is_file():
             return BENCHMARKS
-        print(f"powertrain bench: no {BENCHMARKS} here: the results are printed only (--write PATH writes them)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"powertrain bench: no {BENCHMARKS} here: the results are printed only (--write PATH writes them)",
+            file=sys.stderr,
+        )
         return None
     path = Path(write)
     if path.is_dir() or not path.parent.is_dir():

@@ -36,10 +36,24 @@ ROWS: list[tuple[str, list[str]]] = [
     ("HSDP, PowerSGD r8 over the nodes", ["--parallel", "fsdp", "--compressor", PSGD, "--hierarchy", "node"]),
 ]
 PRESETS = {
-    "default": ["--gpt-size", "small", "--steps", "60", "--batch-size", "8", "--block-size", "64", "--eval-batches",
-                "4", "--warmup-steps", "5", "--log-every", "1"],
+    "default": [
+        "--gpt-size",
+        "small",
+        "--steps",
+        "60",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "64",
+        "--eval-batches",
+        "4",
+        "--warmup-steps",
+        "5",
+        "--log-every",
+        "1",
+    ],
     "tiny": ["--preset", "tiny", "--steps", "8", "--log-every", "1"],
-}  # fmt: skip
+}
 
 
 def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: float) -> dict[str, Any]:
@@ -53,13 +67,18 @@ def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: floa
     sent = sum(cluster.sent_bytes(n) - b for n, b in zip(range(NODES), before, strict=True))
     rows, summary = read_run(out)
     times = [r["step_time_s"] for r in rows[WARM:]] or [r["step_time_s"] for r in rows]
-    return {"step_s": statistics.median(times), "link_mb_per_step": sent / 1e6 / len(rows),
-            "payload_mb_per_step": summary["bytes_sent"] / 1e6 / len(rows), "final_loss": summary["final_loss"],
-            "val_loss": summary["val_loss"]}  # fmt: skip
+    return {
+        "step_s": statistics.median(times),
+        "link_mb_per_step": sent / 1e6 / len(rows),
+        "payload_mb_per_step": summary["bytes_sent"] / 1e6 / len(rows),
+        "final_loss": summary["final_loss"],
+        "val_loss": summary["val_loss"],
+    }
 
 
-def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md",
-                      gpu_results: str | None = None) -> dict[str, Any]:  # fmt: skip
+def run_cluster_bench(
+    *, preset: str = "default", write: str | None = "BENCHMARKS.md", gpu_results: str | None = None
+) -> dict[str, Any]:
     """The emulated cluster and the models on paper; ``preset="paper"``: the on-paper models only (no root needed),
     the GPU one with the compute figures of ``gpu_results`` (a ``make gpu-check`` results file) when given."""
     if preset == "paper" or gpu_results is not None:
@@ -70,8 +89,10 @@ def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARK
 
         gpu = read_results(gpu_results) if gpu_results is not None else None
         if gpu is not None and gpu.get("device") != "cuda":
-            raise ValueError(f"{gpu_results} was measured on {gpu.get('device')!r}: the GPU model takes a CUDA run's "
-                             "results (make gpu-check on a GPU)")  # fmt: skip
+            raise ValueError(
+                f"{gpu_results} was measured on {gpu.get('device')!r}: the GPU model takes a CUDA run's "
+                "results (make gpu-check on a GPU)"
+            )
         text = gpu_scale_section(gpu)
         publish(scale_model(), write, "cluster-scale")
         publish(text, write, "cluster-gpu")
@@ -91,18 +112,40 @@ def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARK
                     out = Path(tmp) / f"{rate:g}-{i}"
                     results[rate][label] = _run_row(cluster, [*PRESETS[preset], *args], out, timeout)
                     r = results[rate][label]
-                    print(f"{rate:g} Mbit/s  {label:28s} {r['step_s']:.3f} s/step  {r['link_mb_per_step']:.3f} MB/step "
-                          f"between nodes  val {r['val_loss']:.4f}", flush=True)  # fmt: skip
-    headers = ["link", "row", "step (s)", "vs flat PowerSGD", "MB/step between nodes", "vs flat PowerSGD",
-               "payload MB/step/rank", "final train loss", "val loss"]  # fmt: skip
+                    print(
+                        f"{rate:g} Mbit/s  {label:28s} {r['step_s']:.3f} s/step  {r['link_mb_per_step']:.3f} MB/step "
+                        f"between nodes  val {r['val_loss']:.4f}",
+                        flush=True,
+                    )
+    headers = [
+        "link",
+        "row",
+        "step (s)",
+        "vs flat PowerSGD",
+        "MB/step between nodes",
+        "vs flat PowerSGD",
+        "payload MB/step/rank",
+        "final train loss",
+        "val loss",
+    ]
     body = []
     for rate, by in results.items():
         ref = by["flat PowerSGD r8"]
         for label, r in by.items():
             link = r["link_mb_per_step"]
-            body.append([f"{rate:g} Mbit/s", label, f"{r['step_s']:.3f}", f"{r['step_s'] / ref['step_s']:.2f}x",
-                         f"{link:.3f}", f"{link / ref['link_mb_per_step']:.2f}x", f"{r['payload_mb_per_step']:.3f}",
-                         f"{r['final_loss']:.4f}", f"{r['val_loss']:.4f}"])  # fmt: skip
+            body.append(
+                [
+                    f"{rate:g} Mbit/s",
+                    label,
+                    f"{r['step_s']:.3f}",
+                    f"{r['step_s'] / ref['step_s']:.2f}x",
+                    f"{link:.3f}",
+                    f"{link / ref['link_mb_per_step']:.2f}x",
+                    f"{r['payload_mb_per_step']:.3f}",
+                    f"{r['final_loss']:.4f}",
+                    f"{r['val_loss']:.4f}",
+                ]
+            )
     flags = " ".join(PRESETS[preset])
     text = (
         f"## Two nodes x two workers, torchrun per node (`powertrain bench cluster --preset {preset}`)\n\n"
@@ -154,8 +197,12 @@ def _payloads(n_layer: int, n_head: int, d_model: int, block: int) -> dict[str, 
         model = GPT(GPTConfig(256 if d_model < 1024 else 50304, block, n_layer, n_head, d_model))
     n = sum(p.numel() for p in model.parameters())
     comp = PowerSGDCompressor(model.named_parameters(), config=recommended_config())
-    return {"params": float(n), "fp32": 4.0 * n, "bf16": 2.0 * n,
-            "PowerSGD r32": float(comp.bytes_per_step(compressed_step_index=0))}  # fmt: skip
+    return {
+        "params": float(n),
+        "fp32": 4.0 * n,
+        "bf16": 2.0 * n,
+        "PowerSGD r32": float(comp.bytes_per_step(compressed_step_index=0)),
+    }
 
 
 def _comm_s(payload: float, nodes: int, gpus: int, rate_bps: float, hierarchical: bool) -> float:
@@ -181,13 +228,35 @@ def scale_model() -> str:
                     flat = compute + _comm_s(pay[how], nodes, 8, rate, False)
                     hier = compute + _comm_s(pay[how], nodes, 8, rate, True)
                     steps = STEPS_TO_TARGET[how]
-                    rows.append([label, f"{rate / 1e9:g} Gbit/s", nodes, how, f"{pay[how] / 1e6:,.1f}",
-                                 f"{compute * 1e3:,.2f}", f"{flat * 1e3:,.1f}", f"{hier * 1e3:,.1f}",
-                                 f"{steps * flat:,.1f}", f"{steps * hier:,.1f}"])  # fmt: skip
-    headers = ["model", "link between nodes", "nodes x 8", "sent as", "MB/step/GPU", "compute ms", "flat step ms",
-               "hierarchical step ms", "flat s to target", "hierarchical s to target"]  # fmt: skip
+                    rows.append(
+                        [
+                            label,
+                            f"{rate / 1e9:g} Gbit/s",
+                            nodes,
+                            how,
+                            f"{pay[how] / 1e6:,.1f}",
+                            f"{compute * 1e3:,.2f}",
+                            f"{flat * 1e3:,.1f}",
+                            f"{hier * 1e3:,.1f}",
+                            f"{steps * flat:,.1f}",
+                            f"{steps * hier:,.1f}",
+                        ]
+                    )
+    headers = [
+        "model",
+        "link between nodes",
+        "nodes x 8",
+        "sent as",
+        "MB/step/GPU",
+        "compute ms",
+        "flat step ms",
+        "hierarchical step ms",
+        "flat s to target",
+        "hierarchical s to target",
+    ]
     assumptions = table(["assumption", "value"], [[k, v] for k, v in SCALE_ASSUMPTIONS.items()])
-    return ("## At scale, on paper (`powertrain bench cluster`, computed)\n\nThe alpha-beta model of the cluster "
-            "benchmark at data-centre scale. Nothing here is measured except the bytes (the compressor's own count on "
-            "the models' shapes) and the steps to target (default GPT).\n\n" + assumptions + "\n\n"
-            + table(headers, rows))  # fmt: skip
+    return (
+        "## At scale, on paper (`powertrain bench cluster`, computed)\n\nThe alpha-beta model of the cluster "
+        "benchmark at data-centre scale. Nothing here is measured except the bytes (the compressor's own count on "
+        "the models' shapes) and the steps to target (default GPT).\n\n" + assumptions + "\n\n" + table(headers, rows)
+    )

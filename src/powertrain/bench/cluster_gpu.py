@@ -77,8 +77,10 @@ def figures(results: dict[str, Any] | None) -> dict[str, Figures]:
     """Each model's figures: measured where ``results`` has them, else published H100 figures."""
     measured = {}
     if results is not None and results.get("device") != "cuda":
-        raise ValueError(f"The results were measured on {results.get('device')!r}: the GPU model takes a CUDA run's "
-                         "(make gpu-check on a GPU)")  # fmt: skip
+        raise ValueError(
+            f"The results were measured on {results.get('device')!r}: the GPU model takes a CUDA run's "
+            "(make gpu-check on a GPU)"
+        )
     stages = (results or {}).get("stages") or {}
     gpu = ((stages.get("env") or {}).get("result") or {}).get("device_name", "GPU")
     for name, r in stages.items():
@@ -97,11 +99,14 @@ def figures(results: dict[str, Any] | None) -> dict[str, Figures]:
             theirs = _flops_per_token(m["params"], m["n_layer"], m["d_model"], m["block_size"]) * m["tokens"]
             scale, grow = ours / theirs, n / m["params"]
             comps = m.get("compressors") or {}
-            compress = {k: comps[k]["seconds"] * grow if "seconds" in (comps.get(k) or {}) else
-                        _estimate(k, n, psgd_flops) for k in METHODS}  # fmt: skip
+            compress = {
+                k: comps[k]["seconds"] * grow if "seconds" in (comps.get(k) or {}) else _estimate(k, n, psgd_flops)
+                for k in METHODS
+            }
             source = f"measured ({size}, {gpu})" if abs(scale - 1) < 1e-9 else f"extrapolated from the measured {size}"
-            out[label] = Figures(n, m["passes"]["forward_s"] * scale, m["passes"]["backward_s"] * scale, compress,
-                                 payload, source)  # fmt: skip
+            out[label] = Figures(
+                n, m["passes"]["forward_s"] * scale, m["passes"]["backward_s"] * scale, compress, payload, source
+            )
             continue
         step = _flops_per_token(n, cfg.n_layer, cfg.d_model, cfg.block_size) * tokens / (MFU * H100["bf16_flops"])
         compress = {k: _estimate(k, n, psgd_flops) for k in METHODS}
@@ -149,8 +154,9 @@ def step_s(fig: Figures, method: str, nodes: int, rate_bps: float, hierarchical:
 def break_even_bps(fig: Figures, method: str, nodes: int, hierarchical: bool, overlap: bool = True) -> float | None:
     """The inter-node bandwidth below which ``method`` gives a shorter step than bf16 all-reduce on the same topology
     (None: never, it sends no fewer bytes there, or costs more even on the slowest link)."""
-    faster = lambda bps: step_s(fig, method, nodes, bps, hierarchical, overlap) < step_s(
-        fig, "bf16", nodes, bps, hierarchical, overlap)  # fmt: skip
+    faster = lambda bps: (
+        step_s(fig, method, nodes, bps, hierarchical, overlap) < step_s(fig, "bf16", nodes, bps, hierarchical, overlap)
+    )
     lo, hi = 1e6, 1e15  # 1 Mbit/s .. 1 Pbit/s
     if not faster(lo):
         return None
@@ -171,10 +177,18 @@ def _gbit(bps: float | None) -> str:
 def gpu_scale_section(results: dict[str, Any] | None) -> str:
     """The Markdown section: the figures used, step times, break-even bandwidths, and the comparison."""
     figs = figures(results)
-    src = [[label, f"{f.params / 1e6:,.0f}M", f"{1e3 * f.forward_s:,.1f} / {1e3 * f.backward_s:,.1f}",
+    src = [
+        [
+            label,
+            f"{f.params / 1e6:,.0f}M",
+            f"{1e3 * f.forward_s:,.1f} / {1e3 * f.backward_s:,.1f}",
             " / ".join(f"{1e3 * f.compress_s[m]:,.2f}" for m in METHODS[1:]) + " (bf16 cast: "
-            f"{1e3 * f.compress_s['bf16']:,.2f})", " / ".join(f"{f.payload[m] / 1e6:,.1f}" for m in METHODS), f.source]
-           for label, f in figs.items()]  # fmt: skip
+            f"{1e3 * f.compress_s['bf16']:,.2f})",
+            " / ".join(f"{f.payload[m] / 1e6:,.1f}" for m in METHODS),
+            f.source,
+        ]
+        for label, f in figs.items()
+    ]
     steps = []
     for label, f in figs.items():
         for nodes in NODES:
@@ -184,9 +198,14 @@ def gpu_scale_section(results: dict[str, Any] | None) -> str:
     even = []
     for label, f in figs.items():
         for nodes in NODES:
-            even.append([label, f"{nodes} x 8", *(_gbit(break_even_bps(f, m, nodes, h)) for m in METHODS[1:]
-                                                   for h in (False, True)),
-                         *(_gbit(break_even_bps(f, m, nodes, True, overlap=False)) for m in METHODS[1:])])  # fmt: skip
+            even.append(
+                [
+                    label,
+                    f"{nodes} x 8",
+                    *(_gbit(break_even_bps(f, m, nodes, h)) for m in METHODS[1:] for h in (False, True)),
+                    *(_gbit(break_even_bps(f, m, nodes, True, overlap=False)) for m in METHODS[1:]),
+                ]
+            )
     method_cols = [f"{m} {'hier.' if h else 'flat'} ms" for m in METHODS for h in (False, True)]
     return (
         "## Where compression pays on GPUs, on paper (`powertrain bench cluster --preset paper`)\n\n"

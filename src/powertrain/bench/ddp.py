@@ -87,8 +87,10 @@ def run_ddp_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
     model = GPT(p.model)
     rows = []
     # Step time is the slower rank's, per round.
-    step_times = [[max(results[r]["times"][i][j] for r in results) for j in range(len(r0["times"][i]))]
-                  for i in range(len(CONFIGS))]  # fmt: skip
+    step_times = [
+        [max(results[r]["times"][i][j] for r in results) for j in range(len(r0["times"][i]))]
+        for i in range(len(CONFIGS))
+    ]
     base = statistics.median(step_times[0])
     for i, spec in enumerate(CONFIGS):
         ts = sorted(step_times[i])

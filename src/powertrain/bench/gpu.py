@@ -67,8 +67,24 @@ class Plan:
 
 #: default: the GPU run (GPT-2 small and medium shapes; train on the command's "gpt2" size, 8 x 1024 tokens a step);
 #: tiny: the CPU dry run (``make gpu-check DEVICE=cpu``), the same stages on stand-in sizes, in a minute or two.
-_GPT2_RUN = ("--gpt-size", "gpt2", "--block-size", "1024", "--batch-size", "8", "--steps", "50", "--precision",
-             "bf16", "--data-max-mb", "8", "--eval-batches", "2", "--warmup-steps", "5")  # fmt: skip
+_GPT2_RUN = (
+    "--gpt-size",
+    "gpt2",
+    "--block-size",
+    "1024",
+    "--batch-size",
+    "8",
+    "--steps",
+    "50",
+    "--precision",
+    "bf16",
+    "--data-max-mb",
+    "8",
+    "--eval-batches",
+    "2",
+    "--warmup-steps",
+    "5",
+)
 PRESETS = {
     "default": Plan(("124m", "350m"), _GPT2_RUN, 170, 100, 420),
     "tiny": Plan(("tiny",), ("--preset", "tiny", "--steps", "5", "--precision", "bf16"), 120, 60, 240),
@@ -103,14 +119,32 @@ def stages(preset: str, device: str, work: Path) -> list[Stage]:
     out = [Stage("env", [*py, "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json")]
     sizes = list(plan.sizes)
     first, rest = sizes[:1], sizes[1:]
-    measure = lambda s: Stage(f"measure:{s}", [*py, "powertrain.bench.gpu_measure", s, device, str(work / f"{s}.json")],
-                              plan.measure_timeout_s, work / f"{s}.json")  # fmt: skip
+    measure = lambda s: Stage(
+        f"measure:{s}",
+        [*py, "powertrain.bench.gpu_measure", s, device, str(work / f"{s}.json")],
+        plan.measure_timeout_s,
+        work / f"{s}.json",
+    )
     out += [measure(s) for s in first]
     backend = "nccl" if device == "cuda" else "gloo"
     for name, args in train_runs().items():
         run_dir = work / "train" / re.sub(r"\W+", "_", name)
-        argv = [*py, "powertrain", "train", *plan.train_flags, "--nproc", "1", "--backend", backend, "--log-every", "1",
-                "--quiet", "--out", str(run_dir), *args]  # fmt: skip
+        argv = [
+            *py,
+            "powertrain",
+            "train",
+            *plan.train_flags,
+            "--nproc",
+            "1",
+            "--backend",
+            backend,
+            "--log-every",
+            "1",
+            "--quiet",
+            "--out",
+            str(run_dir),
+            *args,
+        ]
         out.append(Stage(f"train:{name}", argv, plan.train_timeout_s, parse=functools.partial(_train_result, run_dir)))
     out += [measure(s) for s in rest]
     return out
@@ -138,16 +172,29 @@ def env_info() -> dict[str, Any]:
 
     import torch
 
-    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-                            "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available()}  # fmt: skip
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        info.update(device_name=props.name, capability=f"{props.major}.{props.minor}",
-                    memory_gb=props.total_memory / 1e9, nccl=".".join(map(str, torch.cuda.nccl.version())),
-                    cudnn=torch.backends.cudnn.version())  # fmt: skip
+        info.update(
+            device_name=props.name,
+            capability=f"{props.major}.{props.minor}",
+            memory_gb=props.total_memory / 1e9,
+            nccl=".".join(map(str, torch.cuda.nccl.version())),
+            cudnn=torch.backends.cudnn.version(),
+        )
         try:
-            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=20)  # fmt: skip
+            smi = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             info["driver"] = smi.stdout.strip()
         except (OSError, subprocess.SubprocessError) as e:
             info["driver"] = f"unknown ({e})"
@@ -191,8 +238,11 @@ def run_stage(stage: Stage, deadline: float, log: Any) -> dict[str, Any]:
     log.write(f"\n===== {stage.name} ({seconds:.1f} s, exit {proc.returncode}): {' '.join(stage.argv)}\n")
     log.write("\n".join(lines[-300:]) + "\n")
     log.flush()
-    res: dict[str, Any] = {"ok": proc.returncode == 0 and not timed_out, "seconds": round(seconds, 1),
-                           "returncode": proc.returncode}  # fmt: skip
+    res: dict[str, Any] = {
+        "ok": proc.returncode == 0 and not timed_out,
+        "seconds": round(seconds, 1),
+        "returncode": proc.returncode,
+    }
     try:
         if stage.result is not None and stage.result.exists():
             res["result"] = _json.load(stage.result, RESULTS_LIMIT, f"Stage {stage.name}'s result")
@@ -219,16 +269,30 @@ def _last_error(lines: Sequence[str]) -> str:
     return (lines[-1].strip() if lines else "no output")[:500]
 
 
-def run(run_stages: list[Stage], results_path: Path, log_path: Path, *, device: str, preset: str,
-        budget_s: float, previous: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    run_stages: list[Stage],
+    results_path: Path,
+    log_path: Path,
+    *,
+    device: str,
+    preset: str,
+    budget_s: float,
+    previous: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Run ``run_stages`` in order within ``budget_s``; the results file is rewritten after each.
 
     ``previous``: an earlier run's results (:func:`load_previous`); its stages that this run does not repeat are kept,
     in their place, once this run's ``env`` stage shows the same device, torch and CUDA (otherwise nothing is kept,
     and ``merge`` says why)."""
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    results: dict[str, Any] = {"schema": SCHEMA, "device": device, "preset": preset, "budget_s": budget_s,
-                               "started": started, "stages": {}}  # fmt: skip
+    results: dict[str, Any] = {
+        "schema": SCHEMA,
+        "device": device,
+        "preset": preset,
+        "budget_s": budget_s,
+        "started": started,
+        "stages": {},
+    }
     deadline = time.monotonic() + budget_s
     t0 = time.monotonic()
     new: dict[str, Any] = {}
@@ -265,11 +329,14 @@ def load_previous(path: str | Path, device: str, preset: str) -> dict[str, Any]:
     cannot be (another device type or preset, another schema, no env stage)."""
     data = read_results(path)
     if data.get("schema") != SCHEMA or not isinstance(data.get("stages"), dict):
-        raise ValueError(f"{path} is not a gpu-check results file of schema {SCHEMA}: pass the gpu_check.json a "
-                         "make gpu-check wrote")  # fmt: skip
+        raise ValueError(
+            f"{path} is not a gpu-check results file of schema {SCHEMA}: pass the gpu_check.json a make gpu-check wrote"
+        )
     if (data.get("device"), data.get("preset")) != (device, preset):
-        raise ValueError(f"{path} was measured with device={data.get('device')!r}, preset={data.get('preset')!r}; "
-                         f"this run is device={device!r}, preset={preset!r}: merge runs of one kind only")  # fmt: skip
+        raise ValueError(
+            f"{path} was measured with device={data.get('device')!r}, preset={data.get('preset')!r}; "
+            f"this run is device={device!r}, preset={preset!r}: merge runs of one kind only"
+        )
     if not ((data["stages"].get("env") or {}).get("result")):
         raise ValueError(f"{path} has no env stage result: it cannot show which device it ran on, so it is not merged")
     return data
@@ -281,12 +348,18 @@ def _merged(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     before = previous["stages"]["env"]["result"]
     now = (new.get("env") or {}).get("result")
     if now is None:
-        return {"merge": {"from": previous.get("started"), "kept": [], "refused": "this run's env stage has no "
-                          "result yet (or failed): nothing of the earlier run is kept"}}  # fmt: skip
+        return {
+            "merge": {
+                "from": previous.get("started"),
+                "kept": [],
+                "refused": "this run's env stage has no result yet (or failed): nothing of the earlier run is kept",
+            }
+        }
     differs = [f"{k} {before.get(k)!r} then, {now.get(k)!r} now" for k in SAME_SETUP if before.get(k) != now.get(k)]
     if differs:
-        return {"merge": {"from": previous.get("started"), "kept": [],
-                          "refused": f"another setup: {'; '.join(differs)}"}}  # fmt: skip
+        return {
+            "merge": {"from": previous.get("started"), "kept": [], "refused": f"another setup: {'; '.join(differs)}"}
+        }
     stages = {**previous["stages"], **new}  # a repeated stage stays in its place, with this run's result
     kept = [name for name in previous["stages"] if name not in new]
     return {"stages": stages, "merge": {"from": previous.get("started"), "kept": kept}}
@@ -301,10 +374,17 @@ def select(run_stages: list[Stage], only: Sequence[str]) -> list[Stage]:
     return [by_name["env"], *(by_name[n] for n in dict.fromkeys(only) if n != "env")]
 
 
-def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md", out: str | None = None,
-                  results: str | None = None, device: str | None = None,
-                  extra: Callable[[Path], list[Stage]] | None = None, only: Sequence[str] | None = None,
-                  merge: str | None = None) -> dict[str, Any]:  # fmt: skip
+def run_gpu_bench(
+    *,
+    preset: str = "default",
+    write: str | None = "BENCHMARKS.md",
+    out: str | None = None,
+    results: str | None = None,
+    device: str | None = None,
+    extra: Callable[[Path], list[Stage]] | None = None,
+    only: Sequence[str] | None = None,
+    merge: str | None = None,
+) -> dict[str, Any]:
     """Measure (or, with ``results``, only report a results file); write the section and the files in ``out``.
 
     ``extra(work)``: stages to run right after the first size's measurements (``make gpu-check``'s test leg);
@@ -313,8 +393,10 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
     if results is not None:
         data = read_results(results)
         if data.get("device") != "cuda":
-            raise ValueError(f"{results} was measured on {data.get('device')!r}: the GPU section takes a CUDA run's "
-                             "results (make gpu-check on a GPU)")  # fmt: skip
+            raise ValueError(
+                f"{results} was measured on {data.get('device')!r}: the GPU section takes a CUDA run's "
+                "results (make gpu-check on a GPU)"
+            )
         publish(section(data), write, "gpu")
         return data
     if preset not in PRESETS:
@@ -333,8 +415,15 @@ def run_gpu_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md
         run_stages = select(run_stages, only)
     previous = load_previous(merge, device, preset) if merge is not None else None
     budget = float(os.environ.get("POWERTRAIN_GPU_BUDGET_S", plan.budget_s))
-    data = run(run_stages, outdir / "gpu_check.json", outdir / "gpu_check.log", device=device, preset=preset,
-               budget_s=budget, previous=previous)  # fmt: skip
+    data = run(
+        run_stages,
+        outdir / "gpu_check.json",
+        outdir / "gpu_check.log",
+        device=device,
+        preset=preset,
+        budget_s=budget,
+        previous=previous,
+    )
     if (data.get("merge") or {}).get("refused"):
         print(f"not merged with {merge}: {data['merge']['refused']}", file=sys.stderr, flush=True)
     write_profiles(data, outdir)
@@ -357,17 +446,31 @@ def section(data: dict[str, Any]) -> str:
     """BENCHMARKS.md's GPU section from a results file."""
     st = data["stages"]
     env = (st.get("env") or {}).get("result") or {}
-    where = (f"{env.get('device_name', data['device'])}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
-             f"NCCL {env.get('nccl')}, driver {env.get('driver')}, Python {env.get('python')}, "
-             f"{env.get('cpus')} CPUs")  # fmt: skip
+    where = (
+        f"{env.get('device_name', data['device'])}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
+        f"NCCL {env.get('nccl')}, driver {env.get('driver')}, Python {env.get('python')}, "
+        f"{env.get('cpus')} CPUs"
+    )
     merge = data.get("merge") or {}
-    kept = (f"; kept from an earlier run on the same device and torch ({merge['from']}): {', '.join(merge['kept'])}"
-            if merge.get("kept") else "")  # fmt: skip
-    parts = [f"## GPU (`make gpu-check`)\n\nDevice: {where}; run {data['started']}, {data.get('elapsed_s', 0):.0f} s "
-             f"of a {data['budget_s']:.0f} s budget{kept}. Every figure at world size 1, under bf16 autocast unless "
-             "a table's precision says otherwise.\n"]  # fmt: skip
-    parts.append(table(["stage", "result", "s"], [[name, "ok" if r["ok"] else (r.get("error") or r.get("skipped")),
-                                                   r.get("seconds", "")] for name, r in st.items()]))  # fmt: skip
+    kept = (
+        f"; kept from an earlier run on the same device and torch ({merge['from']}): {', '.join(merge['kept'])}"
+        if merge.get("kept")
+        else ""
+    )
+    parts = [
+        f"## GPU (`make gpu-check`)\n\nDevice: {where}; run {data['started']}, {data.get('elapsed_s', 0):.0f} s "
+        f"of a {data['budget_s']:.0f} s budget{kept}. Every figure at world size 1, under bf16 autocast unless "
+        "a table's precision says otherwise.\n"
+    ]
+    parts.append(
+        table(
+            ["stage", "result", "s"],
+            [
+                [name, "ok" if r["ok"] else (r.get("error") or r.get("skipped")), r.get("seconds", "")]
+                for name, r in st.items()
+            ],
+        )
+    )
     measured = {n.split(":", 1)[1]: r["result"] for n, r in st.items() if n.startswith("measure:") and r.get("result")}
     parts += [
         _compute_table(measured),
@@ -399,12 +502,14 @@ def _compute_table(measured: dict[str, Any]) -> str:
             rows.append([model, name, _ms(c["seconds"]), f"{100 * c['seconds'] / passes['backward_s']:.1f}%", ratio])
     if not rows:
         return ""
-    return ("Compress + decompress: the compressor's `aggregate` at world size 1 (all its math, no collectives), "
-            "median of 10, after 2 warm-up calls; PowerSGD in the recommended config (paper variant, bf16 factors). "
-            "`auto`: what `rank=auto` picks for this backward on 2 nodes x 8 GPUs at 100 Gbit/s. TF32: the same "
-            "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off). Householder QR: the same "
-            "with `torch.linalg.qr` as PowerSGD's orthonormalisation (on CUDA powertrain runs a Cholesky QR).\n\n"
-            + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows))  # fmt: skip
+    return (
+        "Compress + decompress: the compressor's `aggregate` at world size 1 (all its math, no collectives), "
+        "median of 10, after 2 warm-up calls; PowerSGD in the recommended config (paper variant, bf16 factors). "
+        "`auto`: what `rank=auto` picks for this backward on 2 nodes x 8 GPUs at 100 Gbit/s. TF32: the same "
+        "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off). Householder QR: the same "
+        "with `torch.linalg.qr` as PowerSGD's orthonormalisation (on CUDA powertrain runs a Cholesky QR).\n\n"
+        + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows)
+    )
 
 
 def _optimizer_table(measured: dict[str, Any]) -> str:
@@ -446,8 +551,10 @@ def _target_line(measured: dict[str, Any]) -> str:
 
     met = c["of_backward"] <= TARGET
     verdict = "met" if met else "not met: the top operations are in `powersgd_profile.txt`"
-    return (f"Target (issue 36): PowerSGD rank 32 at most {100 * TARGET:.0f}% of backward on the {first['size']} GPT: "
-            f"{100 * c['of_backward']:.1f}%, {verdict}.")  # fmt: skip
+    return (
+        f"Target (issue 36): PowerSGD rank 32 at most {100 * TARGET:.0f}% of backward on the {first['size']} GPT: "
+        f"{100 * c['of_backward']:.1f}%, {verdict}."
+    )
 
 
 def _memory_table(measured: dict[str, Any]) -> str:
@@ -472,10 +579,12 @@ def _memory_table(measured: dict[str, Any]) -> str:
             rows.append([size, "GaLore", g["error"], "", "", ""])
     if not rows:
         return ""
-    return ("Memory of one AdamW training step (`torch.cuda.max_memory_allocated`, GB), what stays allocated between "
-            "steps, the step time and the first step's (compile, state) in s; each strategy as `powertrain train` "
-            "builds it, on a world of one.\n\n"
-            + table(["model", "strategy", "peak GB", "held GB", "step ms", "first step s"], rows))  # fmt: skip
+    return (
+        "Memory of one AdamW training step (`torch.cuda.max_memory_allocated`, GB), what stays allocated between "
+        "steps, the step time and the first step's (compile, state) in s; each strategy as `powertrain train` "
+        "builds it, on a world of one.\n\n"
+        + table(["model", "strategy", "peak GB", "held GB", "step ms", "first step s"], rows)
+    )
 
 
 def _train_table(st: dict[str, Any]) -> str:
@@ -488,12 +597,22 @@ def _train_table(st: dict[str, Any]) -> str:
             rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
             continue
         s, unit = res["summary"], res["unit"]
-        rows.append([name[6:], f"{res[unit + '_steady']:,.0f}", _ms(res["step_s_median"]), f"{s['final_loss']:.3f}",
-                     s.get("compressor", ""), res.get("precision", "")])  # fmt: skip
+        rows.append(
+            [
+                name[6:],
+                f"{res[unit + '_steady']:,.0f}",
+                _ms(res["step_s_median"]),
+                f"{s['final_loss']:.3f}",
+                s.get("compressor", ""),
+                res.get("precision", ""),
+            ]
+        )
     if not rows:
         return ""
-    return ("`powertrain train` on one worker (NCCL on CUDA): tokens/s from the median step after the first 10.\n\n"
-            + table(["run", "tokens/s", "step ms", "final loss", "compressor", "precision"], rows))  # fmt: skip
+    return (
+        "`powertrain train` on one worker (NCCL on CUDA): tokens/s from the median step after the first 10.\n\n"
+        + table(["run", "tokens/s", "step ms", "final loss", "compressor", "precision"], rows)
+    )
 
 
 if __name__ == "__main__":

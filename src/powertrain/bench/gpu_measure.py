@@ -114,8 +114,9 @@ def _batch(cfg: GPTConfig, batch: int, device: torch.device) -> tuple[torch.Tens
     return x[:, :-1].to(device), x[:, 1:].to(device)
 
 
-def _passes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device,
-            repeats: int) -> dict[str, float]:  # fmt: skip
+def _passes(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device, repeats: int
+) -> dict[str, float]:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     forward, backward = [], []
     for _ in range(repeats + 2):  # two warm-ups: cuBLAS handles, the allocator's pool
@@ -133,8 +134,7 @@ def _passes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, device: to
     return {"forward_s": statistics.median(forward[2:]), "backward_s": statistics.median(backward[2:])}
 
 
-def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device,
-                 repeats: int) -> dict[str, Any]:  # fmt: skip
+def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device, repeats: int) -> dict[str, Any]:
     from powertrain.compress.auto import Link, choose
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -160,8 +160,9 @@ def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device
     return out
 
 
-def _optimizer_steps(model: torch.nn.Module, passes: dict[str, float], device: torch.device,
-                     repeats: int) -> dict[str, Any]:  # fmt: skip
+def _optimizer_steps(
+    model: torch.nn.Module, passes: dict[str, float], device: torch.device, repeats: int
+) -> dict[str, Any]:
     """Each optimizer's ``step()`` on the gradients of the last backward, at world size 1 (no work to split): seconds
     (median of ``repeats`` after 2 warm-ups, the parameters restored after) and the share of forward + backward +
     step. Muon's Newton-Schulz runs in bf16 on CUDA (float32 on the CPU: the dry run)."""
@@ -210,8 +211,16 @@ def _householder() -> Iterator[None]:
         powersgd.orthonormalize = chosen
 
 
-def _time_compressor(model: torch.nn.Module, grads: list[torch.Tensor], name: str, options: dict[str, Any],
-                     backward_s: float, dense: int, device: torch.device, repeats: int) -> dict[str, Any]:  # fmt: skip
+def _time_compressor(
+    model: torch.nn.Module,
+    grads: list[torch.Tensor],
+    name: str,
+    options: dict[str, Any],
+    backward_s: float,
+    dense: int,
+    device: torch.device,
+    repeats: int,
+) -> dict[str, Any]:
     """One compressor's ``aggregate`` at world size 1: its median time, as a fraction of backward, and its bytes."""
     from powertrain.compress import make_compressor
 
@@ -275,8 +284,9 @@ def _memory(kind: str, cfg: GPTConfig, batch: int, device: torch.device) -> dict
     return _train_step_memory(strategy, opt, x, y, device)
 
 
-def _train_step_memory(strategy: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                       device: torch.device) -> dict[str, Any]:  # fmt: skip
+def _train_step_memory(
+    strategy: Any, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, device: torch.device
+) -> dict[str, Any]:
     def step() -> None:
         with strategy.loss_scope(), torch.autocast(device.type, dtype=torch.bfloat16):
             loss = strategy.model(x, y)
@@ -345,8 +355,15 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10, memory: tuple[str, ...] = tuple(MEMORY),
-            profile_above: float = TARGET) -> dict[str, Any]:  # fmt: skip
+def measure(
+    size: str,
+    device: torch.device,
+    path: Path,
+    *,
+    repeats: int = 10,
+    memory: tuple[str, ...] = tuple(MEMORY),
+    profile_above: float = TARGET,
+) -> dict[str, Any]:
     """Every measurement of one size (module docstring; ``memory``: which :data:`MEMORY` ways to train;
     ``profile_above``: the share of backward past which a :data:`PROFILED` compressor is profiled), written to
     ``path`` as it goes."""
@@ -362,8 +379,15 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10, m
     if joined:  # the strategies' world of one, left again at the end
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        head = {"size": size, "batch": batch, "block_size": cfg.block_size, "tokens": batch * cfg.block_size,
-                "n_layer": cfg.n_layer, "d_model": cfg.d_model, "vocab": cfg.vocab_size}  # fmt: skip
+        head = {
+            "size": size,
+            "batch": batch,
+            "block_size": cfg.block_size,
+            "tokens": batch * cfg.block_size,
+            "n_layer": cfg.n_layer,
+            "d_model": cfg.d_model,
+            "vocab": cfg.vocab_size,
+        }
         rec = _Record(path, **head)
         _compute(rec, cfg, batch, device, repeats, profile_above)  # its model is gone when it returns
         _free(device)
@@ -380,8 +404,9 @@ def measure(size: str, device: torch.device, path: Path, *, repeats: int = 10, m
             dist.destroy_process_group()
 
 
-def _compute(rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, repeats: int,
-             profile_above: float) -> None:  # fmt: skip
+def _compute(
+    rec: _Record, cfg: GPTConfig, batch: int, device: torch.device, repeats: int, profile_above: float
+) -> None:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
     rec.data["params"] = model.num_params()

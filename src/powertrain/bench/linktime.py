@@ -58,10 +58,27 @@ def _per_step(spec: Spec, res: SpecResult) -> float:
     return statistics.median(times)
 
 
-def _launch(specs: list[Spec], *, model: GPTConfig | None, batch: int, rate: float, timing: Timing, data_mb: float,
-            world: int, timeout: float) -> list[SpecResult]:  # fmt: skip
-    args = launch_args(specs, model=model, batch=batch, warmup=timing.warmup, timed=timing.timed, start=0,
-                       data_mb=data_mb, timeout_s=timeout)  # fmt: skip
+def _launch(
+    specs: list[Spec],
+    *,
+    model: GPTConfig | None,
+    batch: int,
+    rate: float,
+    timing: Timing,
+    data_mb: float,
+    world: int,
+    timeout: float,
+) -> list[SpecResult]:
+    args = launch_args(
+        specs,
+        model=model,
+        batch=batch,
+        warmup=timing.warmup,
+        timed=timing.timed,
+        start=0,
+        data_mb=data_mb,
+        timeout_s=timeout,
+    )
     cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
     with EmulatedCluster(world, rate) as cluster:
         procs = [cluster.spawn(r, cmd) for r in range(world)]
@@ -74,8 +91,17 @@ def _launch(specs: list[Spec], *, model: GPTConfig | None, batch: int, rate: flo
     return by_spec(results)
 
 
-def seconds_per_step(specs: list[Spec], timings: list[Timing], *, model: GPTConfig | None, batch: int, rate: float,
-                     data_mb: float, world: int = 2, timeout: float = 3600.0) -> list[float]:  # fmt: skip
+def seconds_per_step(
+    specs: list[Spec],
+    timings: list[Timing],
+    *,
+    model: GPTConfig | None,
+    batch: int,
+    rate: float,
+    data_mb: float,
+    world: int = 2,
+    timeout: float = 3600.0,
+) -> list[float]:
     """Each of ``specs`` trained on an emulated cluster of ``world`` workers whose links run at ``rate`` Mbit/s, for
     its :class:`Timing` (side by side where they can be, see the module; rows of one launch take the most rounds any of
     them asks for); returns the measured seconds per step, in order. Local updates should time whole periods
@@ -92,10 +118,20 @@ def seconds_per_step(specs: list[Spec], timings: list[Timing], *, model: GPTConf
         timed = max(timings[i].timed for i in group)
         # a constant learning rate and no end of schedule (local updates would end theirs with one more sync)
         run = [dataclasses.replace(specs[i], steps=0, extra_steps=0, stop_below=None) for i in group]
-        print(f"[link timing] {rate:g} Mbit/s: {', '.join(s.label for s in run)} ({warmup} + {timed} rounds)",
-              file=sys.stderr)  # fmt: skip
-        results = _launch(run, model=model, batch=batch, rate=rate, timing=Timing(warmup, timed), data_mb=data_mb,
-                          world=world, timeout=timeout)  # fmt: skip
+        print(
+            f"[link timing] {rate:g} Mbit/s: {', '.join(s.label for s in run)} ({warmup} + {timed} rounds)",
+            file=sys.stderr,
+        )
+        results = _launch(
+            run,
+            model=model,
+            batch=batch,
+            rate=rate,
+            timing=Timing(warmup, timed),
+            data_mb=data_mb,
+            world=world,
+            timeout=timeout,
+        )
         for i, spec, res in zip(group, run, results, strict=True):
             out[i] = _per_step(spec, res)
     assert all(t is not None for t in out), "every spec was timed"

@@ -16,8 +16,21 @@ _MARK = "powertrain.peak_allocated"
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                              "uordblks", "fordblks", "keepcost")]  # fmt: skip
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -68,8 +81,10 @@ def peak_allocated(fn: Callable[[], object]) -> int:
             fn()
     events = prof.profiler.kineto_results.events()
     start = next(e.start_ns() for e in events if e.name() == _MARK)
-    memory = sorted(((e.start_ns(), e.nbytes()) for e in events
-                     if e.name() == "[memory]" and e.device_type() == DeviceType.CPU), key=lambda e: e[0])  # fmt: skip
+    memory = sorted(
+        ((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU),
+        key=lambda e: e[0],
+    )
     level = sum(n for t, n in memory if t < start)
     base = peak = level
     for _, n in (m for m in memory if m[0] >= start):

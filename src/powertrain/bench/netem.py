@@ -164,8 +164,25 @@ class EmulatedCluster:
                 # Both directions: tbf on the rank's end shapes what it sends, on the hub's end what it gets.
                 burst = max(32_000, int(self.rate_mbit * 1e6 / 8 / 250))  # at least one timer tick's worth
                 for where, dev in ((ns, inner), (self.hub, outer)):
-                    _sh("ip", "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "400ms")  # fmt: skip
+                    _sh(
+                        "ip",
+                        "netns",
+                        "exec",
+                        where,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        f"{self.rate_mbit}mbit",
+                        "burst",
+                        str(burst),
+                        "latency",
+                        "400ms",
+                    )
 
     def interface(self, rank: int) -> str:
         return f"{self.tag}e{rank}"
@@ -186,31 +203,60 @@ class EmulatedCluster:
     def exec(self, node: int, argv: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         """Start ``argv`` in namespace ``node`` with ``env`` over this process's environment (no torch variables:
         for a launcher such as torchrun that sets up its workers itself). Killed on :meth:`close`."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.namespaces[node], *argv],
-                                env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespaces[node], *argv],
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self._procs.append(proc)
         return proc
 
-    def torchrun(self, node: int, nproc: int, args: Sequence[str], *, max_restarts: int = 0,
-                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:  # fmt: skip
+    def torchrun(
+        self, node: int, nproc: int, args: Sequence[str], *, max_restarts: int = 0, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[str]:
         """Run ``torchrun`` on ``node`` as a user runs it on each machine of a cluster: ``nproc`` workers per node,
         every namespace one node, c10d rendezvous at node 0's address. ``args``: what follows torchrun's own
         options (``-m powertrain train ...``). Workers of one node talk over its loopback, nodes over the
         bridge (``GLOO_SOCKET_IFNAME``: the node's link)."""
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.world), "--nproc-per-node",
-                str(nproc), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.master_addr}:{self.port}",
-                "--rdzv-id", self.tag, "--max-restarts", str(max_restarts),
-                # torch finds which node hosts the store, and where a node's workers are, from the host name, the
-                # same in every namespace: say both
-                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", self.addresses[node], *args]  # fmt: skip
-        return self.exec(node, argv, {"GLOO_SOCKET_IFNAME": self.interface(node), "OMP_NUM_THREADS": "1",
-                                      **(env or {})})  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.world),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.master_addr}:{self.port}",
+            "--rdzv-id",
+            self.tag,
+            "--max-restarts",
+            str(max_restarts),
+            # torch finds which node hosts the store, and where a node's workers are, from the host name, the
+            # same in every namespace: say both
+            "--rdzv-conf",
+            f"is_host={int(node == 0)}",
+            "--local-addr",
+            self.addresses[node],
+            *args,
+        ]
+        return self.exec(
+            node, argv, {"GLOO_SOCKET_IFNAME": self.interface(node), "OMP_NUM_THREADS": "1", **(env or {})}
+        )
 
     def sent_bytes(self, node: int) -> int:
         """Bytes node ``node`` has sent on its link to the bridge (the kernel's counter: headers included)."""
-        out = subprocess.run(["ip", "-n", self.namespaces[node], "-j", "-s", "link", "show", "dev",
-                              self.interface(node)], capture_output=True, text=True, check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["ip", "-n", self.namespaces[node], "-j", "-s", "link", "show", "dev", self.interface(node)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
 
     def close(self) -> None:
@@ -267,6 +313,10 @@ def validate(
     expected = (
         collective_seconds("all_reduce", numel * 4, cluster.world, cluster.rate_mbit) if cluster.rate_mbit else 0.0
     )
-    return {"bytes": numel * 4.0, "measured_s": measured, "expected_s": expected,
-            "ratio": measured / expected if expected else float("nan"),
-            "latency_s": max(r["latency_s"] for r in results)}  # fmt: skip
+    return {
+        "bytes": numel * 4.0,
+        "measured_s": measured,
+        "expected_s": expected,
+        "ratio": measured / expected if expected else float("nan"),
+        "latency_s": max(r["latency_s"] for r in results),
+    }

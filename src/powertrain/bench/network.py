@@ -50,8 +50,17 @@ from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, 
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
 
-__all__ = ["PRESETS", "START", "Preset", "RateRun", "Report", "fsdp2_weight_bytes", "modelled_bytes",
-           "run_network_bench", "run_rate"]  # fmt: skip
+__all__ = [
+    "PRESETS",
+    "START",
+    "Preset",
+    "RateRun",
+    "Report",
+    "fsdp2_weight_bytes",
+    "modelled_bytes",
+    "run_network_bench",
+    "run_rate",
+]
 
 START = 2  # PowerSGD's exact warm-up steps (both implementations): expensive on slow links
 BUCKET_MB = 2.0  # several buckets: DDP hands each to the hook as backward produces it (overlap)
@@ -68,20 +77,30 @@ SPECS: dict[str, Spec] = {
     "torch-r1": Spec("torch powerSGD_hook r1", "torch_psgd", {"rank": 1}),
     "torch-r4": Spec("torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     "r4": Spec("powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}),
-    "r1-2mb": Spec("powertrain powersgd r1, 2 MB buckets", "powersgd", {"rank": 1, "variant": "alternating"},
-                   BUCKET_MB),
-    "r4-2mb": Spec("powertrain powersgd r4, 2 MB buckets", "powersgd", {"rank": 4, "variant": "alternating"},
-                   BUCKET_MB),
+    "r1-2mb": Spec(
+        "powertrain powersgd r1, 2 MB buckets", "powersgd", {"rank": 1, "variant": "alternating"}, BUCKET_MB
+    ),
+    "r4-2mb": Spec(
+        "powertrain powersgd r4, 2 MB buckets", "powersgd", {"rank": 4, "variant": "alternating"}, BUCKET_MB
+    ),
     # Algorithm 1 of the paper (P and Q every step, torch's hook's algorithm): the variant whose quality holds with
     # AdamW (bench quality compares it with the alternating, reference, variant).
-    "r4-paper-2mb": Spec("powertrain powersgd r4 paper, 2 MB buckets", "powersgd",
-                         {"rank": 4, "variant": "paper", "factor_dtype": "fp32"}, BUCKET_MB),
+    "r4-paper-2mb": Spec(
+        "powertrain powersgd r4 paper, 2 MB buckets",
+        "powersgd",
+        {"rank": 4, "variant": "paper", "factor_dtype": "fp32"},
+        BUCKET_MB,
+    ),
     "int8-2mb": Spec("powertrain int8, 2 MB buckets", "int8", bucket_cap_mb=BUCKET_MB),
-    "r4-reference": Spec("powertrain powersgd r4, reference optimizer_step", "powersgd",
-                         {"rank": 4, "variant": "alternating"}, parallel="reference"),
+    "r4-reference": Spec(
+        "powertrain powersgd r4, reference optimizer_step",
+        "powersgd",
+        {"rank": 4, "variant": "alternating"},
+        parallel="reference",
+    ),
     "fsdp-fp32": Spec("FSDP2 fp32", "none", parallel="fsdp"),
     "fsdp-r4": Spec("FSDP2 powertrain powersgd r4", "powersgd", {"rank": 4, "variant": "alternating"}, parallel="fsdp"),
-}  # fmt: skip
+}
 COMPUTE = "compute"  # the compute-only row: every row's compute time
 FP32 = ("fp32", "fp32-2mb")
 SIXTEEN = ("fp16", "fp16-2mb")
@@ -101,13 +120,19 @@ class Preset(ddp.Preset):
 
 PRESETS = {
     "default": Preset(
-        GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, START + 2, 10, (None, 1000.0, 100.0, 10.0),
-        4.0, 300, 25,
+        GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128),
+        16,
+        START + 2,
+        10,
+        (None, 1000.0, 100.0, 10.0),
+        4.0,
+        300,
+        25,
     ),
     "tiny": Preset(
         GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, START + 1, 2, (None, 100.0), 4.0, 4, 2
     ),
-}  # fmt: skip
+}
 
 
 def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
@@ -169,9 +194,15 @@ def run_rate(p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool,
     ``steps`` steps with validation every ``p.eval_every``. ``emulate``: on an emulated cluster
     (:mod:`powertrain.bench.netem`, validated first at a finite rate); else on loopback, whatever ``rate``."""
     quality = steps is not None
-    args = launch_args(specs, model=p.model, batch=p.batch, warmup=0 if quality else p.warmup,
-                       timed=steps if quality else p.timed, start=START,
-                       eval_every=p.eval_every if quality else 0)  # fmt: skip
+    args = launch_args(
+        specs,
+        model=p.model,
+        batch=p.batch,
+        warmup=0 if quality else p.warmup,
+        timed=steps if quality else p.timed,
+        start=START,
+        eval_every=p.eval_every if quality else 0,
+    )
     if not emulate:
         return RateRun(by_spec(launch(worker, 2, args)), None)
     cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
@@ -221,9 +252,19 @@ class Row:
     def to_json(self) -> dict[str, Any]:
         m = self.measured
         timing = {} if m is None else {"q1": m.q1, "q3": m.q3, "val_loss": m.val_loss}
-        return {"label": self.spec.label, "kind": self.spec.kind, "measured": m is not None, "median_s": self.median_s,
-                **timing, "by_op": self.by_op, "bytes": self.total_bytes, "compress_s": self.compress_s,
-                "collectives": self.collectives, "model_s": self.model_s, "ideal_s": self.ideal_s}  # fmt: skip
+        return {
+            "label": self.spec.label,
+            "kind": self.spec.kind,
+            "measured": m is not None,
+            "median_s": self.median_s,
+            **timing,
+            "by_op": self.by_op,
+            "bytes": self.total_bytes,
+            "compress_s": self.compress_s,
+            "collectives": self.collectives,
+            "model_s": self.model_s,
+            "ideal_s": self.ideal_s,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +281,14 @@ class RateResult:
 
     def to_json(self) -> dict[str, Any]:
         """As in ``results.json``, and as :mod:`powertrain.bench.plots` reads it (step times by label)."""
-        return {"rate_mbit": self.rate_mbit, "check": self.check, "rows": [r.to_json() for r in self.rows.values()],
-                "best_fp32_s": self.best_s(FP32), "best_16_s": self.best_s(SIXTEEN),
-                "step_s": {r.spec.label: r.median_s for r in self.rows.values()}}  # fmt: skip
+        return {
+            "rate_mbit": self.rate_mbit,
+            "check": self.check,
+            "rows": [r.to_json() for r in self.rows.values()],
+            "best_fp32_s": self.best_s(FP32),
+            "best_16_s": self.best_s(SIXTEEN),
+            "step_s": {r.spec.label: r.median_s for r in self.rows.values()},
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +304,15 @@ class QualityRow:
     steps_to_target: int | None  # the first evaluation at or below the target; None: not reached
 
     def to_json(self) -> dict[str, Any]:
-        return {"label": self.spec.label, "val_curve": self.val_curve, "val_loss": self.val_loss,
-                "train_loss": self.train_loss, "bytes_per_step": self.bytes_per_step, "vs_fp32": self.vs_fp32,
-                "steps_to_target": self.steps_to_target}  # fmt: skip
+        return {
+            "label": self.spec.label,
+            "val_curve": self.val_curve,
+            "val_loss": self.val_loss,
+            "train_loss": self.train_loss,
+            "bytes_per_step": self.bytes_per_step,
+            "vs_fp32": self.vs_fp32,
+            "steps_to_target": self.steps_to_target,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,8 +325,12 @@ class Quality:
     rows: dict[str, QualityRow]  # by key of SPECS, in QUALITY's order
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "eval_every": self.eval_every, "target": self.target,
-                "rows": [r.to_json() for r in self.rows.values()]}  # fmt: skip
+        return {
+            "steps": self.steps,
+            "eval_every": self.eval_every,
+            "target": self.target,
+            "rows": [r.to_json() for r in self.rows.values()],
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,9 +344,13 @@ class Report:
     quality: Quality | None  # None: the preset has no quality run
 
     def to_json(self) -> dict[str, Any]:
-        return {"preset": self.preset, "emulated": self.emulated, "rates": [e.to_json() for e in self.rates],
-                "break_even_mbit": {SPECS[key].label: b for key, b in self.break_even_mbit.items()},
-                "quality": None if self.quality is None else self.quality.to_json()}  # fmt: skip
+        return {
+            "preset": self.preset,
+            "emulated": self.emulated,
+            "rates": [e.to_json() for e in self.rates],
+            "break_even_mbit": {SPECS[key].label: b for key, b in self.break_even_mbit.items()},
+            "quality": None if self.quality is None else self.quality.to_json(),
+        }
 
 
 def _measured(res: SpecResult) -> Measured:
@@ -366,8 +426,10 @@ def _quality(p: Preset) -> Quality | None:
     results = run_rate(p, None, specs, emulate=False, steps=p.quality_steps).results
     model = GPT(p.model)
     fp32 = results[0].first.val_loss  # QUALITY starts with fp32
-    rows = {key: _quality_row(SPECS[key], res, p.quality_steps, model, fp32)
-            for key, res in zip(QUALITY, results, strict=True)}  # fmt: skip
+    rows = {
+        key: _quality_row(SPECS[key], res, p.quality_steps, model, fp32)
+        for key, res in zip(QUALITY, results, strict=True)
+    }
     return Quality(p.quality_steps, p.eval_every, TARGET * fp32, rows)
 
 
@@ -376,9 +438,15 @@ def _quality_row(spec: Spec, res: SpecResult, steps: int, model: GPT, fp32: floa
     r0 = res.first
     by_op = r0.sent_per_step if r0.measured_stats else modelled_bytes(spec, model)
     hit = [step for step, v in r0.val_curve if v <= TARGET * fp32]
-    return QualityRow(spec, r0.val_curve, r0.val_loss, train_loss=sum(losses[-10:]) / min(10, len(losses)),
-                      bytes_per_step=sum(by_op.values()), vs_fp32=r0.val_loss / fp32 - 1,
-                      steps_to_target=hit[0] if hit else None)  # fmt: skip
+    return QualityRow(
+        spec,
+        r0.val_curve,
+        r0.val_loss,
+        train_loss=sum(losses[-10:]) / min(10, len(losses)),
+        bytes_per_step=sum(by_op.values()),
+        vs_fp32=r0.val_loss / fp32 - 1,
+        steps_to_target=hit[0] if hit else None,
+    )
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -393,13 +461,23 @@ def _rate_section(e: RateResult) -> str:
         m = r.measured
         communicates = m is not None and r.spec.kind != "noop"  # measured, with communication to expose
         exposed = r.median_s - compute - (r.compress_s or 0.0) if communicates else None
-        cells.append([
-            r.spec.label + ("" if m else " (model, not run)"), f"{r.median_s:.3f}",
-            f"{m.q1:.3f}-{m.q3:.3f}" if m else "-", f"{compute:.3f}", _fmt(r.compress_s), _fmt(exposed),
-            f"{r.total_bytes / 1e6:.3f}", f"{r.model_s:.3f}", f"{r.ideal_s:.3f}",
-            f"{r.median_s / r.ideal_s:.2f}" if communicates else "-",
-            f"{best_fp32 / r.median_s:.2f}x", f"{best_16 / r.median_s:.2f}x", f"{m.val_loss:.4f}" if m else "-",
-        ])  # fmt: skip
+        cells.append(
+            [
+                r.spec.label + ("" if m else " (model, not run)"),
+                f"{r.median_s:.3f}",
+                f"{m.q1:.3f}-{m.q3:.3f}" if m else "-",
+                f"{compute:.3f}",
+                _fmt(r.compress_s),
+                _fmt(exposed),
+                f"{r.total_bytes / 1e6:.3f}",
+                f"{r.model_s:.3f}",
+                f"{r.ideal_s:.3f}",
+                f"{r.median_s / r.ideal_s:.2f}" if communicates else "-",
+                f"{best_fp32 / r.median_s:.2f}x",
+                f"{best_16 / r.median_s:.2f}x",
+                f"{m.val_loss:.4f}" if m else "-",
+            ]
+        )
     head = f"### {rate_name(e.rate_mbit)}"
     if e.check:
         head += (
@@ -407,8 +485,21 @@ def _rate_section(e: RateResult) -> str:
             f"the model says {e.check['expected_s']:.3f} s (ratio {e.check['ratio']:.2f}); "
             f"latency (4-byte all-reduce) {1e3 * e.check['latency_s']:.2f} ms."
         )
-    headers = ["configuration", "s/step", "IQR", "compute", "compress", "exposed comm", "MB/step", "model (serial)",
-               "ideal (overlap)", "measured/ideal", "vs fp32", "vs 16-bit", "val loss"]  # fmt: skip
+    headers = [
+        "configuration",
+        "s/step",
+        "IQR",
+        "compute",
+        "compress",
+        "exposed comm",
+        "MB/step",
+        "model (serial)",
+        "ideal (overlap)",
+        "measured/ideal",
+        "vs fp32",
+        "vs 16-bit",
+        "val loss",
+    ]
     return f"{head}\n\n{table(headers, cells)}"
 
 
@@ -434,8 +525,16 @@ def _quality_section(quality: Quality, rates: list[RateResult]) -> str:
     for key, q in quality.rows.items():
         n = q.steps_to_target
         times = [f"{n * e.rows[key].median_s:.3g} s" if n else "not reached" for e in rates]
-        cells.append([q.spec.label, f"{q.train_loss:.4f}", f"{q.val_loss:.4f}", f"{100 * q.vs_fp32:+.2f}%",
-                      n or "not reached", *times])  # fmt: skip
+        cells.append(
+            [
+                q.spec.label,
+                f"{q.train_loss:.4f}",
+                f"{q.val_loss:.4f}",
+                f"{100 * q.vs_fp32:+.2f}%",
+                n or "not reached",
+                *times,
+            ]
+        )
     return (
         f"### Quality: {quality.steps} steps, validation every {quality.eval_every}\n\n"
         f"Same model, data order and seed for every row; train loss is the mean of the last 10 steps. Target: "
@@ -465,11 +564,13 @@ def _markdown(report: Report, model: GPT, out: str | None) -> str:
         "several buckets or FSDP2. vs fp32 / vs 16-bit: speed against the fastest fp32 / 16-bit row at that rate. "
         f"Rows whose modelled communication exceeds {p.max_comm_s:g} s a step are not run at that rate. "
         + ("" if report.emulated else "**No emulated network was available: loopback only.** ")
-        + "\n\n" + "\n\n".join(sections)
+        + "\n\n"
+        + "\n\n".join(sections)
         + f"\n\nMachine: {machine_info()}.\n\nCommand: `powertrain bench network"
-        + ("" if report.preset == "default" else f" --preset {report.preset}") + (f" --out {out}" if out else "")
+        + ("" if report.preset == "default" else f" --preset {report.preset}")
+        + (f" --out {out}" if out else "")
         + "`\n"
-    )  # fmt: skip
+    )
 
 
 def _write_out(d: Path, report: Report, text: str) -> None:
@@ -483,8 +584,9 @@ def _write_out(d: Path, report: Report, text: str) -> None:
         plots.val_loss_curves(data["quality"], data["rates"], d / "val_loss.png")
 
 
-def run_network_bench(*, preset: str = "default", out: str | None = None,
-                      write: str | None = "BENCHMARKS.md") -> Report:  # fmt: skip
+def run_network_bench(
+    *, preset: str = "default", out: str | None = None, write: str | None = "BENCHMARKS.md"
+) -> Report:
     """Run ``preset``'s sweep and quality run; write results.json, table.md and the plots to ``out`` (if given)
     and publish the Markdown section to ``write`` (if given)."""
     p = PRESETS[preset]

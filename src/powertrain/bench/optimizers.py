@@ -55,15 +55,31 @@ def _specs(p: Preset, steps: int = 0, lr: float = 1e-3, shampoo_lr: float | None
     label = f"blocks {p.max_dim}, every {p.frequency}"
     return [
         Spec(f"AdamW lr {lr:g}", "none", optimizer="adamw", optimizer_options=common, steps=steps),
-        Spec(f"Shampoo ({label}) lr {shampoo['lr']:g}", "none", optimizer="shampoo", optimizer_options=shampoo,
-             steps=steps),
-        Spec(f"SOAP ({label}) lr {shampoo['lr']:g}", "none", optimizer="shampoo", steps=steps,
-             optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"}),
-        Spec(f"GaLore r{p.galore_rank} (randomized) lr {lr:g}", "none", optimizer="galore", steps=steps,
-             optimizer_options={**common, "galore_rank": p.galore_rank}),
-        Spec(f"DeMo lr {DEMO_LR:g}", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR},
-             steps=steps),
-    ]  # fmt: skip
+        Spec(
+            f"Shampoo ({label}) lr {shampoo['lr']:g}",
+            "none",
+            optimizer="shampoo",
+            optimizer_options=shampoo,
+            steps=steps,
+        ),
+        Spec(
+            f"SOAP ({label}) lr {shampoo['lr']:g}",
+            "none",
+            optimizer="shampoo",
+            steps=steps,
+            optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"},
+        ),
+        Spec(
+            f"GaLore r{p.galore_rank} (randomized) lr {lr:g}",
+            "none",
+            optimizer="galore",
+            steps=steps,
+            optimizer_options={**common, "galore_rank": p.galore_rank},
+        ),
+        Spec(
+            f"DeMo lr {DEMO_LR:g}", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR}, steps=steps
+        ),
+    ]
 
 
 def budgeted_steps(steps: int, ratio: float) -> int:
@@ -87,14 +103,45 @@ class Preset(network.Preset):
 
 
 PRESETS = {
-    "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), 16, 5, 0, (100.0,), 0.0,
-                      quality_steps=200, eval_every=25, frequency=50, max_dim=256, galore_rank=64, scaling_steps=50,
-                      link_steps=100, link_rate=100.0, lr_warmup=20,
-                      lr_grid=(5e-4, 1e-3, 2e-3), long_steps=1000),
-    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, 1, 0, (100.0,), 0.0,
-                   quality_steps=4, eval_every=2, frequency=2, max_dim=16, galore_rank=8, scaling_steps=2, link_steps=2,
-                   link_rate=100.0, lr_warmup=1, lr_grid=(1e-3, 3e-3), long_steps=6),
-}  # fmt: skip
+    "default": Preset(
+        GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128),
+        16,
+        5,
+        0,
+        (100.0,),
+        0.0,
+        quality_steps=200,
+        eval_every=25,
+        frequency=50,
+        max_dim=256,
+        galore_rank=64,
+        scaling_steps=50,
+        link_steps=100,
+        link_rate=100.0,
+        lr_warmup=20,
+        lr_grid=(5e-4, 1e-3, 2e-3),
+        long_steps=1000,
+    ),
+    "tiny": Preset(
+        GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32),
+        2,
+        1,
+        0,
+        (100.0,),
+        0.0,
+        quality_steps=4,
+        eval_every=2,
+        frequency=2,
+        max_dim=16,
+        galore_rank=8,
+        scaling_steps=2,
+        link_steps=2,
+        link_rate=100.0,
+        lr_warmup=1,
+        lr_grid=(1e-3, 3e-3),
+        long_steps=6,
+    ),
+}
 
 
 # ---------------------------------------------------------------- analysis (pure; unit-tested)
@@ -130,13 +177,20 @@ def _rows(results: list[SpecResult], specs: list[Spec], skip: int) -> dict[str, 
     for i, (spec, res) in enumerate(zip(specs, results, strict=True)):
         t = times[i][skip:]
         reached = equal["reached"][i]
-        rows.append({
-            "label": spec.label, "steps": len(times[i]), "mean_s": statistics.fmean(t),
-            "median_s": statistics.median(t),
-            "bytes": sum(res.first.sent_per_step.values()), "val_loss": res.first.val_loss,
-            "val_curve": res.first.val_curve, "total_s": sum(times[i]),
-            "wall_step": reached[0] if reached else None, "wall_loss": reached[1] if reached else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "label": spec.label,
+                "steps": len(times[i]),
+                "mean_s": statistics.fmean(t),
+                "median_s": statistics.median(t),
+                "bytes": sum(res.first.sent_per_step.values()),
+                "val_loss": res.first.val_loss,
+                "val_curve": res.first.val_curve,
+                "total_s": sum(times[i]),
+                "wall_step": reached[0] if reached else None,
+                "wall_loss": reached[1] if reached else None,
+            }
+        )
     base = rows[0]
     for row in rows:
         row["time_vs_adamw"] = row["mean_s"] / base["mean_s"]
@@ -202,8 +256,16 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
         warmup = p.frequency + 5
         results = _side_by_side(p, specs, warmup + p.scaling_steps, world)
         t = [statistics.fmean(res.step_times()[warmup:]) for res in results]
-        out.append({"world": world, "adamw_s": t[0], "shampoo_s": t[1], "ratio": t[1] / t[0],
-                    "vectors_s": t[2], "vectors_ratio": t[2] / t[0]})  # fmt: skip
+        out.append(
+            {
+                "world": world,
+                "adamw_s": t[0],
+                "shampoo_s": t[1],
+                "ratio": t[1] / t[0],
+                "vectors_s": t[2],
+                "vectors_ratio": t[2] / t[0],
+            }
+        )
     return out
 
 
@@ -215,8 +277,14 @@ def _slow_link(p: Preset, lr: float) -> dict[str, Any]:
     results, check = network.run_rate(p, rate, specs, emulate=reason is None, steps=p.link_steps)
     result = _rows(results, specs, skip=min(2, p.link_steps - 1))
     rows = result["rows"]
-    return {"rate_mbit": rate, "unavailable": reason, "check": check, "steps": p.link_steps, **result,
-            "bytes_ratio": rows[0]["bytes"] / max(rows[1]["bytes"], 1)}  # fmt: skip
+    return {
+        "rate_mbit": rate,
+        "unavailable": reason,
+        "check": check,
+        "steps": p.link_steps,
+        **result,
+        "bytes_ratio": rows[0]["bytes"] / max(rows[1]["bytes"], 1),
+    }
 
 
 def load_galore_torch() -> Any:
@@ -232,9 +300,11 @@ def load_galore_torch() -> Any:
     if importlib.util.find_spec("transformers") is None:
         versions = types.ModuleType("transformers.utils.versions")
         versions.require_version = lambda *args, **kwargs: None  # type: ignore[attr-defined]
-        stand_ins |= {"transformers": types.ModuleType("transformers"),
-                      "transformers.utils": types.ModuleType("transformers.utils"),
-                      "transformers.utils.versions": versions}  # fmt: skip
+        stand_ins |= {
+            "transformers": types.ModuleType("transformers"),
+            "transformers.utils": types.ModuleType("transformers.utils"),
+            "transformers.utils.versions": versions,
+        }
     before = {name: sys.modules.get(name) for name in stand_ins}
     sys.modules.update(stand_ins)
     try:
@@ -259,8 +329,7 @@ def _galore(p: Preset, repeats: int) -> dict[str, Any]:
     gap = 1000  # refreshes are timed on their own: steps 1 (refresh) and 2.. (no refresh)
 
     def groups(**low: Any) -> list[dict[str, Any]]:
-        return [{"params": mats, "rank": p.galore_rank, "update_proj_gap": gap, "scale": 0.25, **low},
-                {"params": rest}]  # fmt: skip
+        return [{"params": mats, "rank": p.galore_rank, "update_proj_gap": gap, "scale": 0.25, **low}, {"params": rest}]
 
     makers: dict[str, Any] = {
         "torch AdamW": lambda: torch.optim.AdamW(model.parameters(), lr=1e-3),
@@ -286,17 +355,27 @@ def _galore(p: Preset, repeats: int) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 opt.step()
                 (refresh if step == 0 else plain).append(time.perf_counter() - t0)
-        rows.append({"label": label, "state_bytes": optimizer_state_bytes(opt),
-                     "projected_bytes": optimizer_state_bytes(opt, mats),
-                     "first_s": statistics.median(refresh), "step_s": statistics.median(plain)})  # fmt: skip
+        rows.append(
+            {
+                "label": label,
+                "state_bytes": optimizer_state_bytes(opt),
+                "projected_bytes": optimizer_state_bytes(opt, mats),
+                "first_s": statistics.median(refresh),
+                "step_s": statistics.median(plain),
+            }
+        )
     base, base_projected = rows[0]["state_bytes"], rows[0]["projected_bytes"]
     for row in rows:
         row["state_vs_adamw"] = row["state_bytes"] / base - 1
         row["projected_vs_adamw"] = row["projected_bytes"] / base_projected - 1
         # per step with a refresh every 200 steps (the default update_proj_gap)
         row["amortized_s"] = row["step_s"] + (row["first_s"] - row["step_s"]) / 200
-    return {"rank": p.galore_rank, "params": sum(q.numel() for q in model.parameters()), "rows": rows,
-            "reference": reference is not None}  # fmt: skip
+    return {
+        "rank": p.galore_rank,
+        "params": sum(q.numel() for q in model.parameters()),
+        "rows": rows,
+        "reference": reference is not None,
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -308,11 +387,31 @@ def _f(x: float | None, spec: str = ".3f") -> str:
 
 def _quality_table(rows: list[dict[str, Any]], budget: float | None = None) -> str:
     """One row per run; with ``budget``, each run's last validation within that many seconds of training."""
-    cells = [[r["label"], r["steps"], _f(r["mean_s"]), _f(r["median_s"]), f"{r['time_vs_adamw']:.2f}x",
-              _f(r["total_s"], ".1f"), f"{r['bytes'] / 1e6:.2f}", _f(r["val_loss"]),
-              f"{100 * r['loss_vs_adamw']:+.1f}%"] for r in rows]  # fmt: skip
-    head = ["optimizer", "steps", "mean s/step", "median s/step", "time vs AdamW", "training s", "MB sent/step",
-            "val loss", "vs AdamW"]  # fmt: skip
+    cells = [
+        [
+            r["label"],
+            r["steps"],
+            _f(r["mean_s"]),
+            _f(r["median_s"]),
+            f"{r['time_vs_adamw']:.2f}x",
+            _f(r["total_s"], ".1f"),
+            f"{r['bytes'] / 1e6:.2f}",
+            _f(r["val_loss"]),
+            f"{100 * r['loss_vs_adamw']:+.1f}%",
+        ]
+        for r in rows
+    ]
+    head = [
+        "optimizer",
+        "steps",
+        "mean s/step",
+        "median s/step",
+        "time vs AdamW",
+        "training s",
+        "MB sent/step",
+        "val loss",
+        "vs AdamW",
+    ]
     if budget is not None:
         head.append(f"val loss at {budget:.1f} s")
         for row, r in zip(cells, rows, strict=True):
@@ -354,16 +453,22 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"### Peak learning rate: AdamW and Shampoo over {grid}\n\n{p.quality_steps} steps each; the best rate "
         f"of each (AdamW {sweep['best']['adamw']:g}, Shampoo {sweep['best']['shampoo']:g}) is used below, "
         f"AdamW's also for GaLore and Shampoo's for SOAP; DeMo's sign updates use {DEMO_LR:g}.\n\n"
-        + table(["optimizer", "peak lr", "mean s/step", "val loss"],
-                [[r["optimizer"], f"{r['lr']:g}", _f(r["mean_s"]), _f(r["val_loss"])] for r in sweep["rows"]]),
+        + table(
+            ["optimizer", "peak lr", "mean s/step", "val loss"],
+            [[r["optimizer"], f"{r['lr']:g}", _f(r["mean_s"]), _f(r["val_loss"])] for r in sweep["rows"]],
+        ),
         f"### Quality: {q['steps']} steps, tuned rates\n\nThe last row is Shampoo with only the steps that "
-        "AdamW's time buys it, on a schedule over those steps.\n\n" + _quality_table(q["rows"]) + "\n\n"
+        "AdamW's time buys it, on a schedule over those steps.\n\n"
+        + _quality_table(q["rows"])
+        + "\n\n"
         + equal_time_sentence(q),
         f"### Longer horizon: AdamW and Shampoo, {report['long']['steps']} steps\n\nThe same comparison over "
         f"{report['long']['steps']} steps (rates as tuned over {q['steps']}); the last row is Shampoo with the steps "
-        "AdamW's time buys it.\n\n" + _quality_table(report["long"]["rows"]) + "\n\n"
+        "AdamW's time buys it.\n\n"
+        + _quality_table(report["long"]["rows"])
+        + "\n\n"
         + equal_time_sentence(report["long"]),
-    ]  # fmt: skip
+    ]
     sc = report["scaling"]
     parts.append(
         "### Shampoo's overhead against AdamW by number of workers (loopback)\n\nMean step time over "
@@ -374,23 +479,48 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "by the Adam graft alone (`--shampoo-vectors graft`, the default, as SOAP does); the last two columns "
         "are Shampoo with full factors on them too (`--shampoo-vectors shampoo`, the reference implementation's "
         "way), in the same run.\n\n"
-        + table(["workers", "AdamW s/step", "Shampoo s/step", "Shampoo / AdamW", "1-D preconditioned s/step",
-                 "1-D preconditioned / AdamW"],
-                [[s["world"], _f(s["adamw_s"]), _f(s["shampoo_s"]), f"{s['ratio']:.2f}x", _f(s["vectors_s"]),
-                  f"{s['vectors_ratio']:.2f}x"] for s in sc])
-    )  # fmt: skip
+        + table(
+            [
+                "workers",
+                "AdamW s/step",
+                "Shampoo s/step",
+                "Shampoo / AdamW",
+                "1-D preconditioned s/step",
+                "1-D preconditioned / AdamW",
+            ],
+            [
+                [
+                    s["world"],
+                    _f(s["adamw_s"]),
+                    _f(s["shampoo_s"]),
+                    f"{s['ratio']:.2f}x",
+                    _f(s["vectors_s"]),
+                    f"{s['vectors_ratio']:.2f}x",
+                ]
+                for s in sc
+            ],
+        )
+    )
     link = report["slow_link"]
-    where = (f"an emulated {link['rate_mbit']:g} Mbit/s link (2 workers in network namespaces, tc tbf)"
-             if link["rate_mbit"] else f"loopback (**no emulated network: {link['unavailable']}**)")  # fmt: skip
+    where = (
+        f"an emulated {link['rate_mbit']:g} Mbit/s link (2 workers in network namespaces, tc tbf)"
+        if link["rate_mbit"]
+        else f"loopback (**no emulated network: {link['unavailable']}**)"
+    )
     check = link["check"]
     parts.append(
         f"### DeMo against AdamW (fp32 DDP all-reduce) on {where}\n\n{link['steps']} steps at constant "
         "learning rates; the last column is each run's last validation within the faster run's training time. "
         f"DeMo sends {link['bytes_ratio']:.1f}x fewer bytes per step."
-        + (f" Emulation check: a {check['bytes'] / 1e6:g} MB all-reduce took {check['measured_s']:.2f} s against "
-           f"{check['expected_s']:.2f} s expected ({check['ratio']:.2f}x)." if check else "")
-        + "\n\n" + _quality_table(link["rows"], link["budget_s"])
-    )  # fmt: skip
+        + (
+            f" Emulation check: a {check['bytes'] / 1e6:g} MB all-reduce took {check['measured_s']:.2f} s against "
+            f"{check['expected_s']:.2f} s expected ({check['ratio']:.2f}x)."
+            if check
+            else ""
+        )
+        + "\n\n"
+        + _quality_table(link["rows"], link["budget_s"])
+    )
     g = report["galore"]
     parts.append(
         f"### GaLore: optimizer state and step time (default GPT, rank {g['rank']} on the blocks' 2-D weights, one "
@@ -399,13 +529,32 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "steps. "
         + ("" if g["reference"] else "**galore-torch is not installed: no reference row.** ")
         + "\n\n"
-        + table(["optimizer", "state MB, projected weights", "vs AdamW", "state MB, whole model", "vs AdamW",
-                 "step ms", "first step (refresh) ms", "amortised ms"],
-                [[r["label"], f"{r['projected_bytes'] / 1e6:.2f}", f"{100 * r['projected_vs_adamw']:+.1f}%",
-                  f"{r['state_bytes'] / 1e6:.2f}", f"{100 * r['state_vs_adamw']:+.1f}%",
-                  f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['first_s']:.1f}", f"{1e3 * r['amortized_s']:.1f}"]
-                 for r in g["rows"]])
-    )  # fmt: skip
+        + table(
+            [
+                "optimizer",
+                "state MB, projected weights",
+                "vs AdamW",
+                "state MB, whole model",
+                "vs AdamW",
+                "step ms",
+                "first step (refresh) ms",
+                "amortised ms",
+            ],
+            [
+                [
+                    r["label"],
+                    f"{r['projected_bytes'] / 1e6:.2f}",
+                    f"{100 * r['projected_vs_adamw']:+.1f}%",
+                    f"{r['state_bytes'] / 1e6:.2f}",
+                    f"{100 * r['state_vs_adamw']:+.1f}%",
+                    f"{1e3 * r['step_s']:.1f}",
+                    f"{1e3 * r['first_s']:.1f}",
+                    f"{1e3 * r['amortized_s']:.1f}",
+                ]
+                for r in g["rows"]
+            ],
+        )
+    )
     parts.append(f"Machine: {machine_info()}.\n\nCommand: `{command}`")
     return "\n\n".join(parts) + "\n"
 

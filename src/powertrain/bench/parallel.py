@@ -178,19 +178,35 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 fsdp_t = med if kind == "fsdp2" else fsdp_t
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 peak = None if state is None else max(state + res[r]["peak"][kind] for r in ranks)
-                sent = (statistics.mean(res[r]["bytes"][kind] for r in ranks) if kind in res[0]["bytes"]
-                        else _computed_bytes(kind, gpt, world, cfg, p.batch * p.block))  # fmt: skip
-                cells.append([
-                    world, kind,
-                    "-" if state is None else f"{state / 1e6:.1f}",
-                    "-" if state is None or not ddp_state else f"{state / ddp_state:.2f} (1/W = {1 / world:.2f})",
-                    "-" if peak is None else f"{peak / 1e6:.1f}",
-                    f"{med:.3f}", "-" if fsdp_t is None else f"{med / fsdp_t:.2f}x",
-                    f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
-                    f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
-                ])  # fmt: skip
-        headers = ["W", "configuration", "state MB/rank", "vs DDP", "peak MB/rank", "s/step", "vs FSDP2",
-                   "MB sent/step/rank", "last loss"]  # fmt: skip
+                sent = (
+                    statistics.mean(res[r]["bytes"][kind] for r in ranks)
+                    if kind in res[0]["bytes"]
+                    else _computed_bytes(kind, gpt, world, cfg, p.batch * p.block)
+                )
+                cells.append(
+                    [
+                        world,
+                        kind,
+                        "-" if state is None else f"{state / 1e6:.1f}",
+                        "-" if state is None or not ddp_state else f"{state / ddp_state:.2f} (1/W = {1 / world:.2f})",
+                        "-" if peak is None else f"{peak / 1e6:.1f}",
+                        f"{med:.3f}",
+                        "-" if fsdp_t is None else f"{med / fsdp_t:.2f}x",
+                        f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
+                        f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
+                    ]
+                )
+        headers = [
+            "W",
+            "configuration",
+            "state MB/rank",
+            "vs DDP",
+            "peak MB/rank",
+            "s/step",
+            "vs FSDP2",
+            "MB sent/step/rank",
+            "last loss",
+        ]
         n = gpt.num_params() / 1e6
         title = f"### GPT `{size}`: {cfg.n_layer} layers x d_model {cfg.d_model} ({n:.2f}M parameters)"
         parts.append(f"{title}\n\n" + table(headers, cells))

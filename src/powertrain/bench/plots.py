@@ -37,8 +37,13 @@ def speedup_vs_bandwidth(report: dict[str, Any], path: Path) -> bool:
             modelled.append(not row["measured"])
         order = sorted(range(len(xs)), key=xs.__getitem__)
         (line,) = ax.plot([xs[i] for i in order], [ys[i] for i in order], marker="o", label=label)
-        ax.scatter([xs[i] for i in order if modelled[i]], [ys[i] for i in order if modelled[i]],
-                   facecolors="white", edgecolors=line.get_color(), zorder=3)  # fmt: skip
+        ax.scatter(
+            [xs[i] for i in order if modelled[i]],
+            [ys[i] for i in order if modelled[i]],
+            facecolors="white",
+            edgecolors=line.get_color(),
+            zorder=3,
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -69,8 +74,11 @@ def val_loss_curves(quality: dict[str, Any], rates: list[dict[str, Any]], path: 
         ax.set_xscale("log")
     ax = axes[-1]
     for q in quality["rows"]:
-        ax.plot([step * q["bytes_per_step"] / 1e6 for step, _ in q["val_curve"]], [v for _, v in q["val_curve"]],
-                label=q["label"])  # fmt: skip
+        ax.plot(
+            [step * q["bytes_per_step"] / 1e6 for step, _ in q["val_curve"]],
+            [v for _, v in q["val_curve"]],
+            label=q["label"],
+        )
     ax.set_xscale("log")
     ax.set_xlabel("MB sent per worker")
     ax.set_ylabel("validation loss")

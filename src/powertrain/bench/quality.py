@@ -351,28 +351,51 @@ def rows_at(p: Preset, chosen: list[Row], steps: int) -> list[Row]:
 
 def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     if row.optimizer_options.get("sync_warmup"):
-        raise ValueError(f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
-                         "yet (they would be spread over a run to target): drop sync_warmup from its rows")  # fmt: skip
+        raise ValueError(
+            f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
+            "yet (they would be spread over a run to target): drop sync_warmup from its rows"
+        )
     opts = dict(row.options)
     if row.kind == "powersgd":  # local updates compress from their first sync
         opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)
     extra = 0 if target is None else (CAP - 1) * steps
-    return Spec(row.key, row.kind, opts, steps=steps, optimizer=row.optimizer, extra_steps=extra,
-                optimizer_options=dict(row.optimizer_options), stop_below=target, parallel=row.parallel)  # fmt: skip
+    return Spec(
+        row.key,
+        row.kind,
+        opts,
+        steps=steps,
+        optimizer=row.optimizer,
+        extra_steps=extra,
+        optimizer_options=dict(row.optimizer_options),
+        stop_below=target,
+        parallel=row.parallel,
+    )
 
 
 def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> list[SpecResult]:
     """``specs`` side by side on the preset's loopback workers with its model and data."""
-    args = launch_args(specs, model=p.model, batch=p.batch, warmup=warmup, timed=timed, start=p.start,
-                       eval_every=eval_every, data_mb=p.data_mb, seed=seed)  # fmt: skip
+    args = launch_args(
+        specs,
+        model=p.model,
+        batch=p.batch,
+        warmup=warmup,
+        timed=timed,
+        start=p.start,
+        eval_every=eval_every,
+        data_mb=p.data_mb,
+        seed=seed,
+    )
     return by_spec(launch(worker, p.workers, args))
 
 
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> list[SpecResult]:
     """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
     specs = [_spec(r, steps, p.start, target if r.to_target else None) for r in rows]
-    print(f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
-          + (f", to target {target:.4f}" if target else ""), file=sys.stderr)  # fmt: skip
+    print(
+        f"[bench quality] {steps} steps, seed {seed}: {', '.join(r.key for r in rows)}"
+        + (f", to target {target:.4f}" if target else ""),
+        file=sys.stderr,
+    )
     rounds = max(s.steps + s.extra_steps for s in specs)
     return _run(p, specs, warmup=0, timed=rounds, eval_every=p.eval_every, seed=seed)
 
@@ -398,8 +421,9 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
 def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float]]:
     """Seconds per step on the emulated link, at each rate, of every phase of every row (by timing key)."""
     specs = [ph.spec for r in rows for ph in _phases(p, r) or []]
-    return timetotarget.measure(specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept,
-                                world=p.workers)  # fmt: skip
+    return timetotarget.measure(
+        specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept, world=p.workers
+    )
 
 
 #: torchft's DiLoCo and powertrain's local-update rows are timed on the link in alternation: a run of torchft, then a
@@ -428,13 +452,16 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     for rate, key in keys.items():
         pairs = kept.get(key, [])
         while len(pairs) < (TORCHFT_PAIRS if rate >= timetotarget.SLOW else 1):
-            print(f"[bench quality] torchft's DiLoCo and {names} on the link at {rate:g} Mbit/s, pair {len(pairs) + 1}",
-                  file=sys.stderr)  # fmt: skip
+            print(
+                f"[bench quality] torchft's DiLoCo and {names} on the link at {rate:g} Mbit/s, pair {len(pairs) + 1}",
+                file=sys.stderr,
+            )
             theirs = torchft_diloco.link_seconds_per_step(
                 model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
             )
-            mine = seconds_per_step(specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb,
-                                    world=p.workers)  # fmt: skip
+            mine = seconds_per_step(
+                specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb, world=p.workers
+            )
             pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
             kept[key] = pairs
             _write(path, kept)  # after every pair: a stopped call loses one
@@ -446,9 +473,15 @@ def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> di
     step (by collective)."""
     r0 = res.first
     n = len(r0.losses)
-    warm = (0 if row.parallel == "diloco"
-            else row.options.get("start_compressing_after_num_steps", p.start) if row.kind == "powersgd"
-            else p.start if row.kind == "torch_psgd" else 0)  # fmt: skip
+    warm = (
+        0
+        if row.parallel == "diloco"
+        else row.options.get("start_compressing_after_num_steps", p.start)
+        if row.kind == "powersgd"
+        else p.start
+        if row.kind == "torch_psgd"
+        else 0
+    )
     warm = min(warm, n)
     dense = {"all_reduce": 4.0 * model.num_params()}
     if row.kind == "torch_psgd":  # torch's hook counts nothing: its exact warm-up, then the paper variant's P and Q
@@ -509,10 +542,18 @@ def _write(path: Path, obj: Any) -> None:
     write_atomic(path, _json.dumps(obj) + "\n")
 
 
-def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = None,
-                      horizons: Sequence[int] | None = None, seeds: int | None = None, workers: int | None = None,
-                      rates: Sequence[float] | None = None, out: str | None = None,
-                      write: str | None = "BENCHMARKS.md", horizon_only: bool = False) -> dict[str, Any]:  # fmt: skip
+def run_quality_bench(
+    *,
+    preset: str = "default",
+    rows: Sequence[str] | None = None,
+    horizons: Sequence[int] | None = None,
+    seeds: int | None = None,
+    workers: int | None = None,
+    rates: Sequence[float] | None = None,
+    out: str | None = None,
+    write: str | None = "BENCHMARKS.md",
+    horizon_only: bool = False,
+) -> dict[str, Any]:
     """Run what is missing of ``rows`` (keys of :data:`ROWS`, :data:`GRID`, ``local``, ``diloco-paper``; the preset's
     by default) at ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s
     (the preset's by default; empty: no time to target, and no root needed), keeping results in ``out`` (default
@@ -535,8 +576,10 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     n_seeds = p.seeds if seeds is None else seeds
     bad = [h for h in horizons if h < 1 or h % p.eval_every]
     if bad or n_seeds < 1:
-        raise ValueError(f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
-                         f"of the preset's eval_every ({p.eval_every}), seeds >= 1")  # fmt: skip
+        raise ValueError(
+            f"Invalid horizons={list(horizons)} or seeds={n_seeds}: horizons must be positive multiples "
+            f"of the preset's eval_every ({p.eval_every}), seeds >= 1"
+        )
     model: GPT | ResNet1d = ResNet1d() if p.model is None else GPT(p.model)
     name = preset if p.workers == 2 else f"{preset}-w{p.workers}"
     kept = _Kept(Path(out or "runs/bench-quality") / name, p)
@@ -544,8 +587,14 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
     link = _link(p, chosen, kept.root / "linktime.json")
     phases = {r.key: _phases(p, r) for r in chosen}
     report["torchft_s"] = _torchft_link(p, chosen, kept.root / "torchft_link.json")
-    report["link_s"] = {str(rate): {r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
-                                    for r in chosen if phases[r.key]} for rate in p.rates}  # fmt: skip
+    report["link_s"] = {
+        str(rate): {
+            r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
+            for r in chosen
+            if phases[r.key]
+        }
+        for rate in p.rates
+    }
     for steps in horizons:
         here = rows_at(p, chosen, steps)
         base = [r for r in here if r.key in p.baseline]
@@ -567,8 +616,10 @@ def run_quality_bench(*, preset: str = "default", rows: Sequence[str] | None = N
                 for r, measured in zip(todo, res, strict=True):
                     kept.put(steps, seed, r, _measured(r, measured, p, model))
         # fp32 ran its horizon only: a seed that ended above the target has no curve that decides it, and needs none
-        runs = {r.key: [kept.get(steps, s, r, target if r.to_target and r not in base else None)
-                        for s in range(n_seeds)] for r in here}  # fmt: skip
+        runs = {
+            r.key: [kept.get(steps, s, r, target if r.to_target and r not in base else None) for s in range(n_seeds)]
+            for r in here
+        }
         summary = _summarise(here, runs, steps, target, p, phases, link)
         report["horizons"].append({**summary, "baseline": best, "baseline_rows": [r.key for r in base]})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
@@ -587,18 +638,31 @@ def _bytes(m: dict[str, Any], k: float) -> float:
     return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
 
 
-def _summarise(rows: list[Row], runs: dict[str, list[Any]], steps: int, target: float, p: Preset,
-               phases: dict[str, list[timetotarget.Phase] | None],
-               link: dict[float, dict[str, float]]) -> dict[str, Any]:  # fmt: skip
+def _summarise(
+    rows: list[Row],
+    runs: dict[str, list[Any]],
+    steps: int,
+    target: float,
+    p: Preset,
+    phases: dict[str, list[timetotarget.Phase] | None],
+    link: dict[float, dict[str, float]],
+) -> dict[str, Any]:
     fp32_bytes = statistics.mean(_bytes(m, steps) for m in runs[FP32.key])
     out: dict[str, Any] = {"steps": steps, "target": target, "rows": []}
     for row in rows:
         ms = runs[row.key]
         vals = [_at(m, steps) for m in ms]
         hits = [next((k for k, v in m["curve"] if v <= target), None) for m in ms]
-        res: dict[str, Any] = {"key": row.key, "label": row.label, "to_target": row.to_target, "hits": hits,
-                               "val_mean": statistics.mean(vals), "val_min": min(vals), "val_max": max(vals),
-                               "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes}  # fmt: skip
+        res: dict[str, Any] = {
+            "key": row.key,
+            "label": row.label,
+            "to_target": row.to_target,
+            "hits": hits,
+            "val_mean": statistics.mean(vals),
+            "val_min": min(vals),
+            "val_max": max(vals),
+            "fraction": statistics.mean(_bytes(m, steps) for m in ms) / fp32_bytes,
+        }
         if "acc_curve" in ms[0]:
             accs = [_at(m, steps, "acc_curve") for m in ms]
             res.update(acc_mean=statistics.mean(accs), acc_min=min(accs), acc_max=max(accs))

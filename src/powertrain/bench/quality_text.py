@@ -71,8 +71,10 @@ def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]
     """Each row's seconds per step on the link (one figure per phase, '/'-separated), at every rate."""
     if not rates:
         return ""
-    rows = [f"{key} " + ", ".join(f"{'/'.join(f'{t:.3g}' for t in link_s[str(r)][key])} s at {r:g} Mbit/s"
-                                  for r in rates) for key in link_s[str(rates[0])]]  # fmt: skip
+    rows = [
+        f"{key} " + ", ".join(f"{'/'.join(f'{t:.3g}' for t in link_s[str(r)][key])} s at {r:g} Mbit/s" for r in rates)
+        for key in link_s[str(rates[0])]
+    ]
     return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
 
 
@@ -83,17 +85,22 @@ def _torchft_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
     out = []
     for rate, pairs in pairs_at.items():
         ours = [k for k in pairs[0] if k != "torchft"]
-        ratios = "; ".join(f"{k} {statistics.median(p[k] for p in pairs):.3g} s "
-                           f"({'/'.join(format(p[k] / p['torchft'], '.2f') for p in pairs)}x torchft's)"
-                           for k in ours)  # fmt: skip
+        ratios = "; ".join(
+            f"{k} {statistics.median(p[k] for p in pairs):.3g} s "
+            f"({'/'.join(format(p[k] / p['torchft'], '.2f') for p in pairs)}x torchft's)"
+            for k in ours
+        )
         n = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "one pair"
         out.append(
             f"at {float(rate):g} Mbit/s ({n}) torchft {statistics.median(p['torchft'] for p in pairs):.3g} s, {ratios}"
         )
-    return ("\n\ntorchft's DiLoCo (the paper's outer step, fp32, an all-reduce per parameter after a quorum) timed "
-            "side by side with powertrain's local-update rows, seconds per step over one sync period after another, "
-            "a run of torchft then one launch of powertrain's rows per pair (each pair's ratio in brackets): "
-            + "; ".join(out) + ".")  # fmt: skip
+    return (
+        "\n\ntorchft's DiLoCo (the paper's outer step, fp32, an all-reduce per parameter after a quorum) timed "
+        "side by side with powertrain's local-update rows, seconds per step over one sync period after another, "
+        "a run of torchft then one launch of powertrain's rows per pair (each pair's ratio in brackets): "
+        + "; ".join(out)
+        + "."
+    )
 
 
 def _target_text(p: Preset) -> str:
@@ -120,20 +127,44 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         for r in h["rows"]:
             cap_steps = (cap if r.get("to_target", True) else 1) * h["steps"]
             times = [_seconds(r["seconds"][str(rate)]) if "seconds" in r else "-" for rate in p.rates]
-            acc = ([f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
-                    f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}"] if accuracy else [])  # fmt: skip
-            cells.append([r["label"], f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
-                          f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%", *acc, f"1/{1 / r['fraction']:.1f}",
-                          _hits_text(r["hits"], cap_steps), *times])  # fmt: skip
+            acc = (
+                [
+                    f"{100 * r['acc_mean']:.2f}% ({100 * r['acc_min']:.1f}-{100 * r['acc_max']:.1f})",
+                    f"{100 * (r['acc_mean'] - fp32['acc_mean']):+.2f}",
+                ]
+                if accuracy
+                else []
+            )
+            cells.append(
+                [
+                    r["label"],
+                    f"{r['val_mean']:.4f} ({r['val_min']:.4f}-{r['val_max']:.4f})",
+                    f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%",
+                    *acc,
+                    f"1/{1 / r['fraction']:.1f}",
+                    _hits_text(r["hits"], cap_steps),
+                    *times,
+                ]
+            )
         acc_headers = [f"accuracy at {h['steps']}, mean (min-max)", "vs fp32 (points)"] if accuracy else []
-        headers = ["configuration", f"val loss at {h['steps']}, mean (min-max)", f"vs {base}", *acc_headers,
-                   "bytes vs fp32", "steps to target",
-                   *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates]]  # fmt: skip
+        headers = [
+            "configuration",
+            f"val loss at {h['steps']}, mean (min-max)",
+            f"vs {base}",
+            *acc_headers,
+            "bytes vs fp32",
+            "steps to target",
+            *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates],
+        ]
         margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
         swept = h.get("baseline_rows", list(p.baseline))  # the baseline's rows that ran at this horizon
         origin = "fp32's mean" if swept == ["fp32"] else f"the best of {', '.join(swept)}: {base}'s mean"
-        parts.append(f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, {origin}{margin})\n\n"
-                     + table(headers, cells) + "\n\n" + "\n".join(_speedups(h, p.rates)))  # fmt: skip
+        parts.append(
+            f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, {origin}{margin})\n\n"
+            + table(headers, cells)
+            + "\n\n"
+            + "\n".join(_speedups(h, p.rates))
+        )
     if p.model is None:
         title = "Quality on a second workload: the 1-D ResNet on mnist1d"
         what = (
@@ -141,22 +172,25 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             f"convolutions viewed as matrices) on mnist1d, {p.workers} workers, {p.batch} samples per worker per step"
         )
     else:
-        title = {"wide": "Quality on a second text shape: a wider, shallower GPT",
-                 "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
-                 "muon": "Muon against a swept AdamW: loss, bytes and time to the best AdamW's loss",
-                 }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")  # fmt: skip
+        title = {
+            "wide": "Quality on a second text shape: a wider, shallower GPT",
+            "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
+            "muon": "Muon against a swept AdamW: loss, bytes and time to the best AdamW's loss",
+        }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")
         what = (
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
             f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
         )
     # horizons at which every row but fp32 trained its horizon only (--horizon-only, or the preset's horizon_only_at)
-    only = [h["steps"] for h in report["horizons"]
-            if len(h["rows"]) > 1 and not any(r.get("to_target", True) for r in h["rows"][1:])]  # fmt: skip
+    only = [
+        h["steps"]
+        for h in report["horizons"]
+        if len(h["rows"]) > 1 and not any(r.get("to_target", True) for r in h["rows"][1:])
+    ]
     if only and len(only) == len(report["horizons"]):
         on = "every row trained its horizon only (`--horizon-only`): steps to target where it reached it within that"
     else:
-        on = (f"rows run on past the horizon at the final learning rate until they reach it (at most {cap}x the "
-              "horizon)")  # fmt: skip
+        on = f"rows run on past the horizon at the final learning rate until they reach it (at most {cap}x the horizon)"
         if only:
             at = " and ".join(f"{n:,}" for n in only)
             on += f"; at {at} steps every row trained its horizon only: steps to target where it reached it within it"

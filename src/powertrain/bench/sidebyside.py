@@ -67,8 +67,10 @@ class Spec:
 
     def __post_init__(self) -> None:
         if self.steps < 0 or (self.steps and not self.optimizer):
-            raise ValueError(f"Invalid Spec {self.label!r}: steps={self.steps}; use steps >= 0, and > 0 only with "
-                             "an optimizer (the schedule is powertrain train's)")  # fmt: skip
+            raise ValueError(
+                f"Invalid Spec {self.label!r}: steps={self.steps}; use steps >= 0, and > 0 only with "
+                "an optimizer (the schedule is powertrain train's)"
+            )
         if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
             raise ValueError(f"Invalid Spec {self.label!r}: kind {self.kind!r} is a DDP hook; use parallel='ddp'")
 
@@ -100,8 +102,9 @@ class _Run:
             if spec.kind == "powersgd":  # the outer step of local updates compresses from its first sync
                 opts.setdefault("start_compressing_after_num_steps", 0 if spec.parallel == "diloco" else start)
             local = None if cfg is None else cfg.local_updates
-            self.strategy = build_strategy(spec.parallel, model, spec.kind, opts,
-                                           gradient_sync=cfg is None or cfg.gradient_sync, local=local)  # fmt: skip
+            self.strategy = build_strategy(
+                spec.parallel, model, spec.kind, opts, gradient_sync=cfg is None or cfg.gradient_sync, local=local
+            )
             self.wrapped, stats = self.strategy.model, self.strategy.stats
         # After wrapping: fully_shard replaces the parameters with sharded ones.
         self.sources = [stats] if stats is not None else []
@@ -180,9 +183,20 @@ def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: fl
     return ddp, stats
 
 
-def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, timed: int, start: int,
-        bucket_cap_mb: float = 100, data_mb: float = 4.0, eval_batches: int = 8,
-        eval_every: int = 0, seed: int = 0) -> dict[str, Any]:  # fmt: skip
+def run(
+    specs: list[Spec],
+    *,
+    model: GPTConfig | None,
+    batch: int,
+    warmup: int,
+    timed: int,
+    start: int,
+    bucket_cap_mb: float = 100,
+    data_mb: float = 4.0,
+    eval_batches: int = 8,
+    eval_every: int = 0,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Per configuration: step times of the timed rounds, all losses, payload bytes per step by collective,
     compression and blocked-communication seconds per step, and validation losses (mean over ranks): the
     final one, plus one every ``eval_every`` steps (``val_curve``: (step, loss) pairs) when > 0. A run with
@@ -243,14 +257,19 @@ def run(specs: list[Spec], *, model: GPTConfig | None, batch: int, warmup: int, 
                 stopped[i] = target is not None and step + 1 >= specs[i].steps and curves[i][-1][1] <= target
     val = [r.evaluate(val_batches, classes)[0] for r in runs]
     timed_steps = [max(len(t), 1) for t in times]
-    return {"times": times, "losses": losses,
-            "sent_per_step": [{k: v / timed_steps[i] for k, v in s.items()} for i, s in enumerate(sent)],
-            "compress_s": [c / timed_steps[i] for i, (c, _, _) in enumerate(spent)],
-            "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
-            "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
-            "measured_stats": [bool(r.sources) for r in runs],
-            "val_loss": val, "val_curve": curves, "acc_curve": acc_curves if classes else None,
-            "params": runs[0].model.num_params()}  # fmt: skip
+    return {
+        "times": times,
+        "losses": losses,
+        "sent_per_step": [{k: v / timed_steps[i] for k, v in s.items()} for i, s in enumerate(sent)],
+        "compress_s": [c / timed_steps[i] for i, (c, _, _) in enumerate(spent)],
+        "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
+        "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
+        "measured_stats": [bool(r.sources) for r in runs],
+        "val_loss": val,
+        "val_curve": curves,
+        "acc_curve": acc_curves if classes else None,
+        "params": runs[0].model.num_params(),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,12 +315,17 @@ def by_spec(results: Mapping[int, dict[str, Any]]) -> list[SpecResult]:
 def _rank_result(res: dict[str, Any], i: int) -> RankResult:
     acc = res["acc_curve"]
     return RankResult(
-        times=res["times"][i], losses=res["losses"][i], sent_per_step=res["sent_per_step"][i],
-        compress_s=res["compress_s"][i], comm_s=res["comm_s"][i], collectives=res["collectives"][i],
-        measured_stats=res["measured_stats"][i], val_loss=res["val_loss"][i],
+        times=res["times"][i],
+        losses=res["losses"][i],
+        sent_per_step=res["sent_per_step"][i],
+        compress_s=res["compress_s"][i],
+        comm_s=res["comm_s"][i],
+        collectives=res["collectives"][i],
+        measured_stats=res["measured_stats"][i],
+        val_loss=res["val_loss"][i],
         val_curve=[(step, v) for step, v in res["val_curve"][i]],  # JSON has made the pairs lists
         acc_curve=None if acc is None else [(step, a) for step, a in acc[i]],
-    )  # fmt: skip
+    )
 
 
 def launch_args(specs: Sequence[Spec], *, model: GPTConfig | None, **options: Any) -> dict[str, Any]:

@@ -113,8 +113,12 @@ def _worker(preset: str) -> dict[str, Any]:
             held[i].append(heap_in_use() - before)
             loss.backward()
     leave_world()
-    return {"times": times, "held": [min(h) if h else None for h in held], "loss": losses,
-            "params": runs[0][0].num_params()}  # fmt: skip
+    return {
+        "times": times,
+        "held": [min(h) if h else None for h in held],
+        "loss": losses,
+        "params": runs[0][0].num_params(),
+    }
 
 
 def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
@@ -134,11 +138,26 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
     for s, ts, peak in rows:
         mem = "-" if peak is None else f"{peak / 1e6:.1f}"
         rel = "-" if peak is None or not base_m else f"{peak / base_m:.2f}x"
-        cells.append([s.label, f"{med[s.label]:.3f}", f"{ts[len(ts) // 4]:.3f}-{ts[(3 * len(ts)) // 4]:.3f}",
-                      f"{base_t / med[s.label]:.2f}x", mem, rel,
-                      f"{sum(results[r]['loss'][SETUPS.index(s)] for r in ranks) / len(ranks):.4f}"])  # fmt: skip
-    headers = ["configuration", "s/step", "IQR", "throughput vs FSDP2 eager", "MB held fwd->bwd", "vs FSDP2 eager",
-               "last loss"]  # fmt: skip
+        cells.append(
+            [
+                s.label,
+                f"{med[s.label]:.3f}",
+                f"{ts[len(ts) // 4]:.3f}-{ts[(3 * len(ts)) // 4]:.3f}",
+                f"{base_t / med[s.label]:.2f}x",
+                mem,
+                rel,
+                f"{sum(results[r]['loss'][SETUPS.index(s)] for r in ranks) / len(ranks):.4f}",
+            ]
+        )
+    headers = [
+        "configuration",
+        "s/step",
+        "IQR",
+        "throughput vs FSDP2 eager",
+        "MB held fwd->bwd",
+        "vs FSDP2 eager",
+        "last loss",
+    ]
     text = (
         "## SimpleFSDP vs FSDP2 (2 gloo workers on loopback, CPU)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({results[0]['params'] / 1e6:.2f}M parameters), "

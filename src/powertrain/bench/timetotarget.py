@@ -82,8 +82,16 @@ def _timing(spec: Spec, rate: float) -> Timing:
     return Timing(1, 1) if rate < SLOW else Timing(2, 3)
 
 
-def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig | None, batch: int, data_mb: float,
-            kept: Path, world: int = 2) -> dict[float, dict[str, float]]:  # fmt: skip
+def measure(
+    specs: Sequence[Spec],
+    rates: Sequence[float],
+    *,
+    model: GPTConfig | None,
+    batch: int,
+    data_mb: float,
+    kept: Path,
+    world: int = 2,
+) -> dict[float, dict[str, float]]:
     """Seconds per step of every spec at every rate, by :func:`timing_key` (measured now, or kept from an earlier call
     in the JSON file ``kept``). Per-step DDP configurations: the faster of one bucket and 2 MB buckets (one bucket
     below :data:`SLOW`). ``model`` None: ``powertrain train``'s 1-D ResNet."""
@@ -104,14 +112,17 @@ def measure(specs: Sequence[Spec], rates: Sequence[float], *, model: GPTConfig |
         for _, variant in todo:
             by_timing.setdefault(_timing(variant, rate), []).append(variant)
         for timing, group in by_timing.items():
-            got = seconds_per_step(group, [timing] * len(group), model=model, batch=batch, rate=rate,
-                                   data_mb=data_mb, world=world)  # fmt: skip
+            got = seconds_per_step(
+                group, [timing] * len(group), model=model, batch=batch, rate=rate, data_mb=data_mb, world=world
+            )
             for variant, t in zip(group, got, strict=True):
                 store[_store_key(model_id, rate, variant)] = t
             kept.parent.mkdir(parents=True, exist_ok=True)  # kept after every launch: a stopped call loses one
             write_atomic(kept, _json.dumps(store, indent=1) + "\n")
-        out[rate] = {key: min(store[_store_key(model_id, rate, v)] for v in _variants(spec, rate))
-                     for key, spec in unique.items()}  # fmt: skip
+        out[rate] = {
+            key: min(store[_store_key(model_id, rate, v)] for v in _variants(spec, rate))
+            for key, spec in unique.items()
+        }
     return out
 
 
@@ -124,8 +135,10 @@ def _variants(spec: Spec, rate: float) -> list[Spec]:
     timed as a spec whose start is :data:`EXACT_ONLY`), with
     one bucket and (at :data:`SLOW` and above) with 2 MB buckets for a per-step DDP configuration."""
     if spec.kind == "torch_psgd":
-        raise ValueError(f"{spec.label}: torch's PowerSGD hook needs exact steps first (start_powerSGD_iter > 1) and "
-                         "is not timed on the link; leave it out of the time to target")  # fmt: skip
+        raise ValueError(
+            f"{spec.label}: torch's PowerSGD hook needs exact steps first (start_powerSGD_iter > 1) and "
+            "is not timed on the link; leave it out of the time to target"
+        )
     if spec.kind == "powersgd" and spec.options.get("start_compressing_after_num_steps") != EXACT_ONLY:
         spec = dataclasses.replace(spec, options={**spec.options, "start_compressing_after_num_steps": 0})
     if spec.parallel != "ddp" or spec.bucket_cap_mb is not None or rate < SLOW:
@@ -149,8 +162,14 @@ def phases_of(spec: Spec, *, exact_warmup: int, exact: Spec) -> list[Phase]:
         kind, options = parse_compressor(str(opts.get("warmup_compressor", "none")))
         inner = {k: v for k, v in opts.items() if k not in ("sync_warmup", "warmup_compressor")}
         # DiLoCo's warm-up sends the whole model's gradients in one blocking message after backward: one bucket
-        per_step = Spec(f"{spec.label} warm-up", kind, options, bucket_cap_mb=ONE_BUCKET_MB, optimizer=spec.optimizer,
-                        optimizer_options={k: v for k, v in inner.items() if k in ("adam_freeze", "lr")})  # fmt: skip
+        per_step = Spec(
+            f"{spec.label} warm-up",
+            kind,
+            options,
+            bucket_cap_mb=ONE_BUCKET_MB,
+            optimizer=spec.optimizer,
+            optimizer_options={k: v for k, v in inner.items() if k in ("adam_freeze", "lr")},
+        )
         local = dataclasses.replace(spec, optimizer_options=inner)
         exact_steps = min(warm, int(options.get("start_compressing_after_num_steps", 0))) if kind == "powersgd" else 0
         head = [Phase(exact_steps, exact)] if exact_steps else []

@@ -99,19 +99,43 @@ class TorchftResult:
     val_loss: float  # the final validation loss (the curve's last point)
 
 
-def _config(steps: int, sync_every: int, fragments: int, delay: int, alpha: float, outer_lr: float,
-            outer_momentum: float) -> TrainConfig:  # fmt: skip
+def _config(
+    steps: int, sync_every: int, fragments: int, delay: int, alpha: float, outer_lr: float, outer_momentum: float
+) -> TrainConfig:
     """The config of the powertrain diloco row this run mirrors: it checks the values, and builds the inner AdamW and
     its schedule exactly as sidebyside does."""
-    return TrainConfig(optimizer="adamw", parallel="diloco", compressor="none", steps=steps, sync_every=sync_every,
-                       fragments=fragments, sync_delay=delay, sync_mix=alpha, outer_lr=outer_lr,
-                       outer_momentum=outer_momentum)  # fmt: skip
+    return TrainConfig(
+        optimizer="adamw",
+        parallel="diloco",
+        compressor="none",
+        steps=steps,
+        sync_every=sync_every,
+        fragments=fragments,
+        sync_delay=delay,
+        sync_mix=alpha,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+    )
 
 
-def run_torchft(*, model: GPTConfig, batch: int, steps: int, sync_every: int, seed: int, eval_every: int,
-                data_mb: float, outer_lr: float = 0.7, outer_momentum: float = 0.9, fragments: int = 1, delay: int = 0,
-                alpha: float = 0.0, world: int = 2, rate_mbit: float | None = None,
-                timeout: float = 3600.0) -> TorchftResult:  # fmt: skip
+def run_torchft(
+    *,
+    model: GPTConfig,
+    batch: int,
+    steps: int,
+    sync_every: int,
+    seed: int,
+    eval_every: int,
+    data_mb: float,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    fragments: int = 1,
+    delay: int = 0,
+    alpha: float = 0.0,
+    world: int = 2,
+    rate_mbit: float | None = None,
+    timeout: float = 3600.0,
+) -> TorchftResult:
     """Train ``world`` torchft DiLoCo replicas of the GPT ``model`` for ``steps`` steps; see the module docstring.
 
     Args:
@@ -126,8 +150,9 @@ def run_torchft(*, model: GPTConfig, batch: int, steps: int, sync_every: int, se
     Raises ValueError for invalid settings, RuntimeError when a replica fails or a sync is not committed."""
     cfg = _config(steps, sync_every, fragments, delay, alpha, outer_lr, outer_momentum)
     if sync_every % fragments:
-        raise ValueError(f"Invalid fragments={fragments} for sync_every={sync_every}: torchft needs fragments to "
-                         "divide sync_every")  # fmt: skip
+        raise ValueError(
+            f"Invalid fragments={fragments} for sync_every={sync_every}: torchft needs fragments to divide sync_every"
+        )
     for name, value, low in (("batch", batch, 1), ("seed", seed, 0), ("eval_every", eval_every, 0)):
         check_int(name, value, low)
     if rate_mbit is None:
@@ -141,12 +166,26 @@ def run_torchft(*, model: GPTConfig, batch: int, steps: int, sync_every: int, se
     if (version := importlib.metadata.version("torchft")) != TORCHFT_VERSION:
         warnings.warn(f"torchft {version} is installed; this bench was written for {TORCHFT_VERSION}", stacklevel=2)
     if rate_mbit is not None and (reason := netem.unavailable()):
-        raise RuntimeError(f"rate_mbit={rate_mbit} needs an emulated cluster, unavailable here: {reason} (use "
-                           "rate_mbit=None for loopback)")  # fmt: skip
-    job = {"model": dataclasses.asdict(model), "batch": batch, "steps": steps, "seed": seed, "eval_every": eval_every,
-           "data_mb": data_mb, "world": world, "timeout": timeout, "outer_lr": outer_lr,
-           "outer_momentum": outer_momentum, "sync_every": sync_every, "fragments": fragments, "delay": delay,
-           "alpha": alpha}  # fmt: skip
+        raise RuntimeError(
+            f"rate_mbit={rate_mbit} needs an emulated cluster, unavailable here: {reason} (use "
+            "rate_mbit=None for loopback)"
+        )
+    job = {
+        "model": dataclasses.asdict(model),
+        "batch": batch,
+        "steps": steps,
+        "seed": seed,
+        "eval_every": eval_every,
+        "data_mb": data_mb,
+        "world": world,
+        "timeout": timeout,
+        "outer_lr": outer_lr,
+        "outer_momentum": outer_momentum,
+        "sync_every": sync_every,
+        "fragments": fragments,
+        "delay": delay,
+        "alpha": alpha,
+    }
     with tempfile.TemporaryDirectory(prefix="powertrain-torchft-") as tmp, contextlib.ExitStack() as stack:
         cluster = stack.enter_context(netem.EmulatedCluster(world, rate_mbit)) if rate_mbit is not None else None
         results = _launch(job, Path(tmp), cluster, timeout)
@@ -158,13 +197,23 @@ def available() -> bool:
     return importlib.util.find_spec("torchft") is not None
 
 
-def link_seconds_per_step(*, model: GPTConfig, batch: int, sync_every: int, data_mb: float, rate_mbit: float,
-                          world: int = 2) -> float:  # fmt: skip
+def link_seconds_per_step(
+    *, model: GPTConfig, batch: int, sync_every: int, data_mb: float, rate_mbit: float, world: int = 2
+) -> float:
     """torchft's DiLoCo (the paper's outer step, fp32, one fragment) on an emulated link of ``rate_mbit`` Mbit/s: its
     seconds per step over its second sync period (the first has the start-up), as
     :func:`powertrain.bench.linktime.seconds_per_step` times powertrain's local updates."""
-    res = run_torchft(model=model, batch=batch, steps=2 * sync_every, sync_every=sync_every, seed=0, eval_every=0,
-                      data_mb=data_mb, world=world, rate_mbit=rate_mbit)  # fmt: skip
+    res = run_torchft(
+        model=model,
+        batch=batch,
+        steps=2 * sync_every,
+        sync_every=sync_every,
+        seed=0,
+        eval_every=0,
+        data_mb=data_mb,
+        world=world,
+        rate_mbit=rate_mbit,
+    )
     return sum(res.step_times[sync_every:]) / sync_every
 
 
@@ -182,8 +231,13 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
         lighthouse = [_lighthouse_binary(), "--bind", f"{hosts[0]}:{port}", "--min_replicas", str(world)]
         procs.append(_start(lighthouse, tmp / "lighthouse.log", env, cluster, 0))
         for r in range(world):
-            args = {**job, "replica": r, "host": hosts[r], "lighthouse": f"{hosts[0]}:{port}",
-                    "result": str(tmp / f"replica{r}.json")}  # fmt: skip
+            args = {
+                **job,
+                "replica": r,
+                "host": hosts[r],
+                "lighthouse": f"{hosts[0]}:{port}",
+                "result": str(tmp / f"replica{r}.json"),
+            }
             ifname = cluster.interface(r) if cluster is not None else "lo"
             argv = [sys.executable, "-m", "powertrain.bench.torchft_diloco", "--worker", json.dumps(args)]
             procs.append(_start(argv, tmp / f"replica{r}.log", {**env, "GLOO_SOCKET_IFNAME": ifname}, cluster, r))
@@ -195,8 +249,9 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
             time.sleep(0.2)
         failed = [r for r, p in enumerate(workers) if p.poll() != 0 or not (tmp / f"replica{r}.json").exists()]
         if failed and procs[0].poll() is not None:
-            raise RuntimeError(f"The torchft lighthouse exited ({procs[0].returncode}); its log ends:\n"
-                               f"{_tail(tmp / 'lighthouse.log')}")  # fmt: skip
+            raise RuntimeError(
+                f"The torchft lighthouse exited ({procs[0].returncode}); its log ends:\n{_tail(tmp / 'lighthouse.log')}"
+            )
         if failed:
             r = failed[0]
             why = "still running at the timeout" if workers[r].poll() is None else f"exit {workers[r].returncode}"
@@ -208,14 +263,16 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
             _kill(p)
 
 
-def _start(argv: list[str], log: Path, env: dict[str, str], cluster: netem.EmulatedCluster | None,
-           node: int) -> subprocess.Popen[Any]:  # fmt: skip
+def _start(
+    argv: list[str], log: Path, env: dict[str, str], cluster: netem.EmulatedCluster | None, node: int
+) -> subprocess.Popen[Any]:
     """``argv`` in its own session (in namespace ``node`` of ``cluster``, if any), its output into ``log``."""
     if cluster is not None:  # the cluster pipes the output; redirect it in the namespace so that no pipe fills up
         return cluster.exec(node, ["sh", "-c", 'exec "$@" >"$0" 2>&1', str(log), *argv], env)
     with open(log, "w") as out:
-        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+        )
 
 
 def _kill(p: subprocess.Popen[Any]) -> None:
@@ -262,8 +319,10 @@ def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftR
     if any(r["syncs"] != syncs for r in results):
         raise RuntimeError(f"The replicas committed different syncs: {[r['syncs'] for r in results]}")
     if len(syncs) != steps // period:
-        raise RuntimeError(f"torchft committed {len(syncs)} of {steps // period} syncs (a failed all-reduce makes it "
-                           f"skip one): committed at steps {[s for s, _ in syncs]}")  # fmt: skip
+        raise RuntimeError(
+            f"torchft committed {len(syncs)} of {steps // period} syncs (a failed all-reduce makes it "
+            f"skip one): committed at steps {[s for s, _ in syncs]}"
+        )
     # validation: sidebyside sums (loss x samples, samples) per rank in float64 and all-reduces the sums
     curve = []
     for i, (step, _, _) in enumerate(results[0]["evals"]):
@@ -279,8 +338,13 @@ def _combine(results: list[dict[str, Any]], steps: int, period: int) -> TorchftR
         for i in range(start, end):  # a meeting as the last replica to arrive saw it
             hook = min(r["hook_s"][i] for r in results) if i + 1 in meets else slow["hook_s"][i]
             times.append(slow["compute_s"][i] + hook)
-    return TorchftResult(val_curve=curve, step_times=times, bytes_per_sync=[b for _, b in syncs],
-                         sync_steps=[s for s, _ in syncs], val_loss=curve[-1][1])  # fmt: skip
+    return TorchftResult(
+        val_curve=curve,
+        step_times=times,
+        bytes_per_sync=[b for _, b in syncs],
+        sync_steps=[s for s, _ in syncs],
+        val_loss=curve[-1][1],
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ worker
@@ -335,14 +399,16 @@ def _worker(a: dict[str, Any]) -> None:
     from powertrain.train.optimizers import build_optimizer, build_scheduler
 
     r, world, host, timeout = a["replica"], a["world"], a["host"], timedelta(seconds=a["timeout"])
-    cfg = _config(a["steps"], a["sync_every"], a["fragments"], a["delay"], a["alpha"], a["outer_lr"],
-                  a["outer_momentum"])  # fmt: skip
+    cfg = _config(
+        a["steps"], a["sync_every"], a["fragments"], a["delay"], a["alpha"], a["outer_lr"], a["outer_momentum"]
+    )
     server = tf_manager.ManagerServer
 
     def bound_server(*args: Any, **kw: Any) -> Any:  # torchft's Manager binds its server to "[::]:port"
         if "bind" not in kw:
-            raise RuntimeError(f"torchft's Manager no longer passes bind= to its server: this bench needs torchft "
-                               f"{TORCHFT_VERSION}")  # fmt: skip
+            raise RuntimeError(
+                f"torchft's Manager no longer passes bind= to its server: this bench needs torchft {TORCHFT_VERSION}"
+            )
         kw["bind"] = f"{host}:{kw['bind'].rsplit(':', 1)[1]}"
         return server(*args, **kw)
 
@@ -379,17 +445,36 @@ def _worker(a: dict[str, Any]) -> None:
     outer = [nesterov(cfg.outer_lr, cfg.outer_momentum)(list(f.parameters())) for f in fragments]
 
     listener = socket.create_server((host, 0))  # the store's socket, on this replica's address only
-    store = TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                     master_listen_fd=listener.fileno(), timeout=timeout)  # fmt: skip
+    store = TCPStore(
+        host,
+        listener.getsockname()[1],
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=listener.fileno(),
+        timeout=timeout,
+    )
     lh_host, lh_port = a["lighthouse"].rsplit(":", 1)
     _wait_for(lh_host, int(lh_port), 60)
     manager = tf_manager.Manager(
-        pg=CountingGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=world,
-        use_async_quorum=False, init_sync=False, replica_id=f"powertrain_{r}", rank=0, world_size=1,
-        store_addr=host, store_port=store.port, lighthouse_addr=f"http://{a['lighthouse']}", hostname=host, port=0,
-        timeout=timeout, quorum_timeout=timeout, connect_timeout=timedelta(seconds=60),
+        pg=CountingGloo(timeout=timeout),
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=world,
+        use_async_quorum=False,
+        init_sync=False,
+        replica_id=f"powertrain_{r}",
+        rank=0,
+        world_size=1,
+        store_addr=host,
+        store_port=store.port,
+        lighthouse_addr=f"http://{a['lighthouse']}",
+        hostname=host,
+        port=0,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timedelta(seconds=60),
         checkpoint_transport=NoCheckpoints(),
-    )  # fmt: skip
+    )
 
     @torch.no_grad()
     def evaluate() -> tuple[float, int]:
@@ -404,8 +489,17 @@ def _worker(a: dict[str, Any]) -> None:
     marks: list[float] = []
     inner.register_step_post_hook(lambda *_: marks.append(time.perf_counter()))  # before torchft's hook: AdamW done
     compute_s, hook_s, evals, syncs, meets = [], [], [], [], []
-    with DiLoCo(manager, fragments, inner, outer, sync_every=cfg.sync_every, backup_device=torch.device("cpu"),
-                pin_memory=False, fragment_sync_delay=cfg.sync_delay, fragment_update_alpha=cfg.sync_mix):  # fmt: skip
+    with DiLoCo(
+        manager,
+        fragments,
+        inner,
+        outer,
+        sync_every=cfg.sync_every,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+        fragment_sync_delay=cfg.sync_delay,
+        fragment_update_alpha=cfg.sync_mix,
+    ):
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             x, y = corpus.batch("train", r, world, (seed, r, step), batch, block)
@@ -424,8 +518,9 @@ def _worker(a: dict[str, Any]) -> None:
                 sent.clear()
             if step + 1 == cfg.steps or (eval_every and (step + 1) % eval_every == 0):
                 evals.append((step + 1, *evaluate()))
-    Path(a["result"]).write_text(_json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals,
-                                             "syncs": syncs, "meets": meets}))  # fmt: skip
+    Path(a["result"]).write_text(
+        _json.dumps({"compute_s": compute_s, "hook_s": hook_s, "evals": evals, "syncs": syncs, "meets": meets})
+    )
     manager.shutdown(wait=False)
 
 

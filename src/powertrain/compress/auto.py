@@ -59,8 +59,13 @@ class Choice:
         return self.name + "".join(f"{',' if i else ':'}{k}={v}" for i, (k, v) in enumerate(self.options.items()))
 
 
-def measure_link(comm: Communicator, *, min_probe_s: float = 0.25, max_probe_bytes: int = 64 << 20,
-                 device: torch.device | str = "cpu") -> Link:  # fmt: skip
+def measure_link(
+    comm: Communicator,
+    *,
+    min_probe_s: float = 0.25,
+    max_probe_bytes: int = 64 << 20,
+    device: torch.device | str = "cpu",
+) -> Link:
     """Time all-reduces of 4 bytes (latency) and of a probe that grows 4x from 1 MB until it takes
     ``min_probe_s`` (so that a token bucket's burst and TCP's ramp-up are a small part of it) or reaches
     ``max_probe_bytes``. Each size: one warm-up, then the fastest of two, then the slowest rank's time, so every
@@ -125,8 +130,12 @@ def choose(
     bf16 = link.all_reduce_s(2 * numel)
     seen = f"backward {backward_s:.3g} s, link {_rate(link)}, latency {1e3 * link.latency_s:.2g} ms"
     if bf16 <= backward_s:
-        return Choice("bf16", {}, f"rank=auto chose bf16 all-reduce: its {2 * numel / 1e6:.2f} MB take {bf16:.3g} s, "
-                      f"hidden behind backward ({seen})")  # fmt: skip
+        return Choice(
+            "bf16",
+            {},
+            f"rank=auto chose bf16 all-reduce: its {2 * numel / 1e6:.2f} MB take {bf16:.3g} s, "
+            f"hidden behind backward ({seen})",
+        )
     base = {k: v for k, v in recommended_options(options or {}).items() if k != "rank"}
     costs = []
     for rank in RANKS:
@@ -135,13 +144,18 @@ def choose(
         seconds = link.all_reduce_s(nbytes, comp.max_collectives_per_call())
         costs.append((rank, nbytes, seconds))
         if seconds <= backward_s:
-            why = (f"rank=auto chose rank {rank}: the largest whose {nbytes / 1e6:.2f} MB per step take "
-                   f"{seconds:.3g} s, hidden behind backward ({seen}; bf16 all-reduce: {bf16:.3g} s)")  # fmt: skip
+            why = (
+                f"rank=auto chose rank {rank}: the largest whose {nbytes / 1e6:.2f} MB per step take "
+                f"{seconds:.3g} s, hidden behind backward ({seen}; bf16 all-reduce: {bf16:.3g} s)"
+            )
             return Choice("powersgd", {"rank": rank, **base}, why)
     rank, nbytes, seconds = costs[-1]
-    return Choice("powersgd", {"rank": rank, **base},
-                  f"rank=auto chose rank {rank}, the smallest offered: no message hides behind backward ({seen}); "
-                  f"its {nbytes / 1e6:.2f} MB per step take {seconds:.3g} s, bf16 all-reduce {bf16:.3g} s")  # fmt: skip
+    return Choice(
+        "powersgd",
+        {"rank": rank, **base},
+        f"rank=auto chose rank {rank}, the smallest offered: no message hides behind backward ({seen}); "
+        f"its {nbytes / 1e6:.2f} MB per step take {seconds:.3g} s, bf16 all-reduce {bf16:.3g} s",
+    )
 
 
 def _rate(link: Link) -> str:

@@ -167,8 +167,15 @@ class Chain:
     """Runs one program: each collective's completion advances the program to the next one. ``device``: where the
     program's tensors are (None: the CPU)."""
 
-    def __init__(self, program: Program, seq: Sequencer, call: int, done: Callable[[list[torch.Tensor]], None],
-                 failed: Callable[[BaseException], None], device: torch.device | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        program: Program,
+        seq: Sequencer,
+        call: int,
+        done: Callable[[list[torch.Tensor]], None],
+        failed: Callable[[BaseException], None],
+        device: torch.device | None = None,
+    ) -> None:
         self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
         self.device = device
         self.future = future_on(device)

@@ -112,8 +112,11 @@ class ErrorFeedbackCompressor(Compressor):
         x = pack(grads, torch.float32, self.device)
         old = torch.zeros_like(x) if self._keeps_old else None
         owed = x if old is None else old
-        pairs = [(v, e) for v, i in zip(flat_views(owed, [self._shapes[i] for i in idx]), idx, strict=True)
-                 if (e := self._errors[i]) is not None]  # fmt: skip
+        pairs = [
+            (v, e)
+            for v, i in zip(flat_views(owed, [self._shapes[i] for i in idx]), idx, strict=True)
+            if (e := self._errors[i]) is not None
+        ]
         if pairs and self.error_decay != 1:  # SparseLoCo's decayed accumulator (not with _keeps_old: checked)
             foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs], alpha=self.error_decay)
         elif pairs:

@@ -59,18 +59,24 @@ def node_layout(local_world: int | None = None, group: dist.ProcessGroup | None 
     if local_world is None:
         env = os.environ.get("LOCAL_WORLD_SIZE")
         if env is None:
-            raise ValueError("HierarchicalCompressor needs local_world= (ranks per node): it is not under torchrun, "
-                             "which sets LOCAL_WORLD_SIZE")  # fmt: skip
+            raise ValueError(
+                "HierarchicalCompressor needs local_world= (ranks per node): it is not under torchrun, "
+                "which sets LOCAL_WORLD_SIZE"
+            )
         local_world = int(env)
     check_int("local_world", local_world, 1, " (ranks per node)")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if world % local_world:
-        raise ValueError(f"local_world={local_world} does not divide the world size {world}: every node must run "
-                         "the same number of ranks")  # fmt: skip
+        raise ValueError(
+            f"local_world={local_world} does not divide the world size {world}: every node must run "
+            "the same number of ranks"
+        )
     node = os.environ.get("GROUP_RANK")
     if node is not None and world > 1 and int(node) != dist.get_rank() // local_world:
-        raise ValueError(f"Rank {dist.get_rank()} is on node {node} but local_world={local_world} puts it on node "
-                         f"{dist.get_rank() // local_world}: run the same --nproc-per-node on every node")  # fmt: skip
+        raise ValueError(
+            f"Rank {dist.get_rank()} is on node {node} but local_world={local_world} puts it on node "
+            f"{dist.get_rank() // local_world}: run the same --nproc-per-node on every node"
+        )
     return world // local_world, local_world
 
 
@@ -147,8 +153,10 @@ class HierarchicalCompressor(Compressor):
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
         if rows is not None:
-            raise ValueError("HierarchicalCompressor averages whole gradients (DDP); FSDP's row shards are not "
-                             "supported: use parallel='ddp' or 'reference' with hierarchy")  # fmt: skip
+            raise ValueError(
+                "HierarchicalCompressor averages whole gradients (DDP); FSDP's row shards are not "
+                "supported: use parallel='ddp' or 'reference' with hierarchy"
+            )
         idx = self._resolve(grads, indices)
         return self._run(grads, idx)
 
@@ -158,8 +166,11 @@ class HierarchicalCompressor(Compressor):
         flat = torch.cat([g.reshape(-1).to(dtype) for g in grads])
         yield ReduceRequest(flat, "mean", comm=self._node[0], check=False)  # exact: the fast link; not the last
         node_means = flat.split([g.numel() for g in grads])
-        mine = [(self._inner_index[i], m.view(g.shape)) for g, i, m in zip(grads, idx, node_means, strict=True)
-                if self.owner[i] == self.local_rank]  # fmt: skip
+        mine = [
+            (self._inner_index[i], m.view(g.shape))
+            for g, i, m in zip(grads, idx, node_means, strict=True)
+            if self.owner[i] == self.local_rank
+        ]
         if mine:
             # A rank of this node sent NaN/Inf, maybe in a parameter another rank owns: every owner of this call
             # poisons what it sends, so that every node learns of it (on the device: the host does not wait here).
@@ -203,8 +214,10 @@ class HierarchicalCompressor(Compressor):
             request = next(program)
             while True:
                 if phase >= len(self._cross):
-                    raise RuntimeError(f"the inner compressor issued more than {len(self._cross)} collectives in a "
-                                       "call (its max_collectives_per_call)")  # fmt: skip
+                    raise RuntimeError(
+                        f"the inner compressor issued more than {len(self._cross)} collectives in a "
+                        "call (its max_collectives_per_call)"
+                    )
                 # unchecked for the driver: the gather follows (the inner program still reads its own last result)
                 value = yield dataclasses.replace(request, comm=self._cross[phase], check=False)
                 phase += 1
@@ -225,8 +238,13 @@ class HierarchicalCompressor(Compressor):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": type(self).__name__, "nodes": self.nodes, "local_world": self.local_world,
-                "local_rank": self.local_rank, "inner": self.inner.state_dict()}  # fmt: skip
+        return {
+            "kind": type(self).__name__,
+            "nodes": self.nodes,
+            "local_world": self.local_world,
+            "local_rank": self.local_rank,
+            "inner": self.inner.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("kind") != type(self).__name__:

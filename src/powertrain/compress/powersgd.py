@@ -365,9 +365,10 @@ class PowerSGDCompressor(Compressor):
         names = [self.names[i] for i in idx]
         errors = [self._errors[i] for i in idx]
         return guard_nonfinite(
-            collectives(), local_ok=local_ok, error=lambda: self._too_large(grads, batches, errors) or
-            self._nonfinite_error(names, grads, errors)
-        )  # fmt: skip
+            collectives(),
+            local_ok=local_ok,
+            error=lambda: self._too_large(grads, batches, errors) or self._nonfinite_error(names, grads, errors),
+        )
 
     def _limit(self, b: _Batch) -> float:
         """The largest ``|gradient + residual|`` entry of batch ``b`` that nothing computed from it can overflow.

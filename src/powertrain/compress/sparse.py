@@ -73,8 +73,9 @@ class TopKCompressor(ErrorFeedbackCompressor):
         # each pick's parameter offset in the flat vector, filled on the device (no copy from the host)
         starts = [sum(p.numel() for p in parts[:j]) for j in range(len(parts))]
         device = values.device
-        base = torch.cat([torch.full((k,), start, dtype=torch.long, device=device)
-                          for start, k in zip(starts, ks, strict=True)])  # fmt: skip
+        base = torch.cat(
+            [torch.full((k,), start, dtype=torch.long, device=device) for start, k in zip(starts, ks, strict=True)]
+        )
         n = sum(p.numel() for p in parts)
         mean = torch.zeros(n, device=values.device)
         for row in gathered:

@@ -22,12 +22,15 @@ if TYPE_CHECKING:
 
 __all__ = ["DeMo", "Dion", "DistributedShampoo", "FlexDeMo", "FrozenVarianceAdamW", "GaLoreAdamW", "Muon"]
 
-__getattr__ = lazy_exports(__name__, {
-    "DeMo": "powertrain.optim.demo",
-    "Dion": "powertrain.optim.dion",
-    "FlexDeMo": "powertrain.optim.demo",
-    "FrozenVarianceAdamW": "powertrain.optim.frozen_adamw",
-    "GaLoreAdamW": "powertrain.optim.galore",
-    "DistributedShampoo": "powertrain.optim.shampoo",
-    "Muon": "powertrain.optim.muon",
-})  # fmt: skip
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "DeMo": "powertrain.optim.demo",
+        "Dion": "powertrain.optim.dion",
+        "FlexDeMo": "powertrain.optim.demo",
+        "FrozenVarianceAdamW": "powertrain.optim.frozen_adamw",
+        "GaLoreAdamW": "powertrain.optim.galore",
+        "DistributedShampoo": "powertrain.optim.shampoo",
+        "Muon": "powertrain.optim.muon",
+    },
+)

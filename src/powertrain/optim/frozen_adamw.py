@@ -56,9 +56,12 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         freeze_after: int,
     ) -> None:
         check_int("freeze_after", freeze_after, 1, " (AdamW steps first)")
-        limits = {"lr": (lr, lr >= 0, ">= 0"), "eps": (eps, eps > 0, "> 0"),
-                  "weight_decay": (weight_decay, weight_decay >= 0, ">= 0"),
-                  "betas": (betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two in [0, 1)")}  # fmt: skip
+        limits = {
+            "lr": (lr, lr >= 0, ">= 0"),
+            "eps": (eps, eps > 0, "> 0"),
+            "weight_decay": (weight_decay, weight_decay >= 0, ">= 0"),
+            "betas": (betas, len(betas) == 2 and all(0 <= b < 1 for b in betas), "two in [0, 1)"),
+        }
         for name, (value, ok, what) in limits.items():
             if not ok:
                 raise ValueError(f"Invalid {name}={value!r}: must be {what}")
@@ -88,8 +91,18 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         return loss
 
 
-def _update(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *, lr: float, beta1: float, beta2: float,
-            eps: float, wd: float, freeze: int) -> None:  # fmt: skip
+def _update(
+    p: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, Any],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    wd: float,
+    freeze: int,
+) -> None:
     """One step of one parameter: torch's single-tensor AdamW (same operations, same order) up to the freeze; after
     it, ``exp_avg_sq`` holds the frozen, bias-corrected second moment of step ``freeze`` (AdamW's, negated, where that
     was 0: see the module)."""

@@ -96,8 +96,9 @@ def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     return get_state_dict(model, optimizer)
 
 
-def _state(model_sd: dict, optim_sd: dict, per_rank: dict[str, Any], step: int,
-           progress: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+def _state(
+    model_sd: dict, optim_sd: dict, per_rank: dict[str, Any], step: int, progress: dict[str, float]
+) -> dict[str, Any]:
     return {
         "model": model_sd,
         "optim": optim_sd,
@@ -107,9 +108,15 @@ def _state(model_sd: dict, optim_sd: dict, per_rank: dict[str, Any], step: int,
     }
 
 
-def save_checkpoint(out: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    per_rank: dict[str, Any], progress: dict[str, float] | None = None,
-                    config: dict[str, Any] | None = None) -> Path:  # fmt: skip
+def save_checkpoint(
+    out: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    per_rank: dict[str, Any],
+    progress: dict[str, float] | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
     """Save after ``step`` completed steps; returns the checkpoint directory. Every rank must call it. ``config``
     (JSON values: the run's resolved configuration) goes into the manifest, for :func:`check_settings`."""
     root = out / "checkpoints"
@@ -187,24 +194,77 @@ def _older_than(ckpt: Path) -> str:
 #: tries after a divergence, more --steps extend a run; the schedule is a function of the step and these settings
 #: (:class:`powertrain.train.optimizers.Schedule`), so the change takes effect from the resumed step on.
 #: backend: a run saved on GPUs (nccl) may continue on CPUs (gloo) and back; checkpoints hold CPU-loadable tensors.
-RESUME_MAY_CHANGE = frozenset({"steps", "lr", "muon_lr", "warmup_steps", "min_lr_ratio", "out", "resume", "log_every",
-                               "eval_every", "eval_batches", "checkpoint_every", "quiet", "tensorboard", "timeout_s",
-                               "threads", "nproc", "backend"})  # fmt: skip
+RESUME_MAY_CHANGE = frozenset(
+    {
+        "steps",
+        "lr",
+        "muon_lr",
+        "warmup_steps",
+        "min_lr_ratio",
+        "out",
+        "resume",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "checkpoint_every",
+        "quiet",
+        "tensorboard",
+        "timeout_s",
+        "threads",
+        "nproc",
+        "backend",
+    }
+)
 #: What a resume refuses to change. Every field of :class:`powertrain.train.config.TrainConfig` is in exactly one of
 #: the two sets (a test in tests/test_cli.py walks them), so a new setting is placed on purpose; one that is in
 #: neither is refused too.
-RESUME_REFUSED = frozenset({
-    # the model and its data
-    "model", "gpt_size", "data", "data_path", "data_max_mb", "block_size", "batch_size", "grad_accum", "seed",
-    "precision", "compile",
-    # the optimizer (the checkpoint restores its state, which these shape or give meaning to)
-    "optimizer", "weight_decay", "momentum", "adam_freeze", "shampoo_frequency", "shampoo_max_dim",
-    "shampoo_preconditioner", "shampoo_comm_dtype", "shampoo_vectors", "galore_rank", "galore_gap", "galore_scale",
-    "galore_svd", "demo_topk", "demo_chunk", "demo_decay", "dion_rank",
-    # how the workers share the work, and what each keeps of it (error feedback, local weights, the outer step)
-    "parallel", "tp", "compressor", "hierarchy", "sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr",
-    "outer_momentum", "sync_warmup", "warmup_compressor",
-})  # fmt: skip
+RESUME_REFUSED = frozenset(
+    {
+        # the model and its data
+        "model",
+        "gpt_size",
+        "data",
+        "data_path",
+        "data_max_mb",
+        "block_size",
+        "batch_size",
+        "grad_accum",
+        "seed",
+        "precision",
+        "compile",
+        # the optimizer (the checkpoint restores its state, which these shape or give meaning to)
+        "optimizer",
+        "weight_decay",
+        "momentum",
+        "adam_freeze",
+        "shampoo_frequency",
+        "shampoo_max_dim",
+        "shampoo_preconditioner",
+        "shampoo_comm_dtype",
+        "shampoo_vectors",
+        "galore_rank",
+        "galore_gap",
+        "galore_scale",
+        "galore_svd",
+        "demo_topk",
+        "demo_chunk",
+        "demo_decay",
+        "dion_rank",
+        # how the workers share the work, and what each keeps of it (error feedback, local weights, the outer step)
+        "parallel",
+        "tp",
+        "compressor",
+        "hierarchy",
+        "sync_every",
+        "fragments",
+        "sync_delay",
+        "sync_mix",
+        "outer_lr",
+        "outer_momentum",
+        "sync_warmup",
+        "warmup_compressor",
+    }
+)
 
 
 def check_resumable(path: Path, world_size: int) -> dict[str, Any]:
@@ -287,8 +347,9 @@ def _auto(spec: Any) -> bool:
     return isinstance(spec, str) and is_auto(*parse_compressor(spec))
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    per_rank: dict[str, Any]) -> tuple[int, dict[str, float]]:  # fmt: skip
+def load_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, per_rank: dict[str, Any]
+) -> tuple[int, dict[str, float]]:
     """Restore everything saved by :func:`save_checkpoint`; returns the number of completed steps and the run's
     progress counters (:data:`PROGRESS`) at that step."""
     model_sd, optim_sd = _state_dicts(model, optimizer)
@@ -347,8 +408,10 @@ def _checked_progress(path: Path, progress: dict[str, torch.Tensor]) -> dict[str
     out = {k: float(v) for k, v in progress.items()}
     for k, v in out.items():
         if (math.isnan(v) and k != "first_loss") or math.isinf(v) or (k != "first_loss" and v < 0):
-            raise CheckpointError(f"Checkpoint {str(path)!r} holds {k}={v}, which no run writes: it is damaged; "
-                                  "resume from another checkpoint")  # fmt: skip
+            raise CheckpointError(
+                f"Checkpoint {str(path)!r} holds {k}={v}, which no run writes: it is damaged; "
+                "resume from another checkpoint"
+            )
     return out
 
 

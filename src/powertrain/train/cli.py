@@ -97,11 +97,13 @@ _HELP = {
 
 
 #: What an empty or None default means, for --help.
-_DEFAULT_TEXT = {"compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
-                               f"model's width / {WIDTH_PER_RANK} (none with simple_fsdp, rtp, tp and optimizer demo; "
-                               f"{DEFAULT_OUTER_COMPRESSOR} with diloco)",
-                 "adam_freeze": f"{POWERSGD_ADAM_FREEZE} with compressor powersgd and optimizer adamw, else 0",
-                 "out": "runs/<timestamp>"}  # fmt: skip
+_DEFAULT_TEXT = {
+    "compressor": f"{RECOMMENDED_POWERSGD},start={DEFAULT_START} on the default GPT: the rank is the "
+    f"model's width / {WIDTH_PER_RANK} (none with simple_fsdp, rtp, tp and optimizer demo; "
+    f"{DEFAULT_OUTER_COMPRESSOR} with diloco)",
+    "adam_freeze": f"{POWERSGD_ADAM_FREEZE} with compressor powersgd and optimizer adamw, else 0",
+    "out": "runs/<timestamp>",
+}
 
 
 def _help(f: dataclasses.Field[Any]) -> str:
@@ -217,8 +219,11 @@ def _clear_unstarted(out: Path, quiet: bool) -> None:
         else:
             p.unlink()
     if not quiet:
-        print(f"out={str(out)!r} held only a run that ended before its first logged step ({', '.join(names)}): "
-              "starting afresh there", flush=True)  # fmt: skip
+        print(
+            f"out={str(out)!r} held only a run that ended before its first logged step ({', '.join(names)}): "
+            "starting afresh there",
+            flush=True,
+        )
 
 
 @contextlib.contextmanager
@@ -283,17 +288,20 @@ def run(args: argparse.Namespace) -> int:
                 raise
             raise ValueError(f"out={cfg.out!r} holds a run that this command would continue, but {e}") from None
         if int(manifest.get("step", -1)) >= cfg.steps:
-            print(f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
-                  "--steps to train further.")  # fmt: skip
+            print(
+                f"Nothing to do: the checkpoint has {manifest['step']} steps and --steps is {cfg.steps}; raise "
+                "--steps to train further."
+            )
             return 0
         if rank0 and changed:
-            print(f"Resuming {ckpt} with changed settings: {changed} (from step {manifest.get('step')} on)",
-                  flush=True)  # fmt: skip
+            print(f"Resuming {ckpt} with changed settings: {changed} (from step {manifest.get('step')} on)", flush=True)
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if rank0 and restarts and torchrun_shared_store() == "nodes":  # see powertrain.train.loop._restart_store
-        warning = ("powertrain train: warning: torchrun --max-restarts across nodes needs "
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: torch shares one store across "
-                   "restarts (pytorch/pytorch#135712) and the restarted workers would not connect")  # fmt: skip
+        warning = (
+            "powertrain train: warning: torchrun --max-restarts across nodes needs "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: torch shares one store across "
+            "restarts (pytorch/pytorch#135712) and the restarted workers would not connect"
+        )
         print(warning, file=sys.stderr, flush=True)
     if not rank0:
         return _launch(cfg, Path(str(cfg.out)))

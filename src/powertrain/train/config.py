@@ -126,8 +126,16 @@ DEFAULT_OUTER_MOMENTUM = 0.0
 #: The outer step's compressor when a diloco run names none.
 DEFAULT_OUTER_COMPRESSOR = "int4"
 #: The fields that only ``--parallel diloco`` reads.
-DILOCO_FIELDS = ("sync_every", "fragments", "sync_delay", "sync_mix", "outer_lr", "outer_momentum", "sync_warmup",
-                 "warmup_compressor")  # fmt: skip
+DILOCO_FIELDS = (
+    "sync_every",
+    "fragments",
+    "sync_delay",
+    "sync_mix",
+    "outer_lr",
+    "outer_momentum",
+    "sync_warmup",
+    "warmup_compressor",
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,9 +211,25 @@ class TrainConfig:
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), hints[f.name])
-        positive = ["block_size", "steps", "batch_size", "grad_accum", "nproc", "threads", "log_every", "eval_batches",
-                    "tp", "shampoo_frequency", "shampoo_max_dim", "galore_rank", "galore_gap", "demo_topk",
-                    "demo_chunk", "sync_every", "fragments"]  # fmt: skip
+        positive = [
+            "block_size",
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "nproc",
+            "threads",
+            "log_every",
+            "eval_batches",
+            "tp",
+            "shampoo_frequency",
+            "shampoo_max_dim",
+            "galore_rank",
+            "galore_gap",
+            "demo_topk",
+            "demo_chunk",
+            "sync_every",
+            "fragments",
+        ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
@@ -352,8 +376,14 @@ class TrainConfig:
                 f"hierarchy='node' compresses gradients between nodes; optimizer={self.optimizer!r} sends its own "
                 "messages and none of the gradients: use hierarchy='flat'"
             )
-        check_parallel(self.parallel, name, options, compiled=self.compile, gradient_sync=self.gradient_sync,
-                       hierarchical=self.hierarchy == "node")  # fmt: skip
+        check_parallel(
+            self.parallel,
+            name,
+            options,
+            compiled=self.compile,
+            gradient_sync=self.gradient_sync,
+            hierarchical=self.hierarchy == "node",
+        )
         start = options.get("start_compressing_after_num_steps", 0) if name == "powersgd" else 0
         if start >= self.steps and self.parallel != "diloco":
             raise ValueError(
@@ -365,11 +395,16 @@ class TrainConfig:
         """The diloco fields: their ranges, their schedule (powertrain.diloco.schedule), and that only diloco sets
         them."""
         if self.parallel != "diloco":
-            changed = [f.name for f in dataclasses.fields(self) if f.name in DILOCO_FIELDS
-                       and getattr(self, f.name) != f.default]  # fmt: skip
+            changed = [
+                f.name
+                for f in dataclasses.fields(self)
+                if f.name in DILOCO_FIELDS and getattr(self, f.name) != f.default
+            ]
             if changed:
-                raise ValueError(f"{changed[0]}={getattr(self, changed[0])!r} applies to parallel='diloco' (local "
-                                 f"updates), not {self.parallel!r}: drop it or use --parallel diloco")  # fmt: skip
+                raise ValueError(
+                    f"{changed[0]}={getattr(self, changed[0])!r} applies to parallel='diloco' (local "
+                    f"updates), not {self.parallel!r}: drop it or use --parallel diloco"
+                )
             return
         from powertrain.diloco import schedule
 
@@ -377,31 +412,45 @@ class TrainConfig:
         if not 0 <= self.sync_mix < 1:
             raise ValueError(f"Invalid sync_mix={self.sync_mix!r}: must be in [0, 1) (0: take the outer update as is)")
         if self.sync_mix and not self.sync_delay:
-            raise ValueError(f"Invalid sync_mix={self.sync_mix!r} with sync_delay=0: mixing keeps the local progress "
-                             "made while a sync travels; set --sync-delay or drop --sync-mix")  # fmt: skip
+            raise ValueError(
+                f"Invalid sync_mix={self.sync_mix!r} with sync_delay=0: mixing keeps the local progress "
+                "made while a sync travels; set --sync-delay or drop --sync-mix"
+            )
         if self.sync_every >= self.steps:
-            warnings.warn(f"sync_every={self.sync_every} >= steps={self.steps}: the replicas never sync before the "
-                          "run's end (one sync at the end); lower --sync-every", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"sync_every={self.sync_every} >= steps={self.steps}: the replicas never sync before the "
+                "run's end (one sync at the end); lower --sync-every",
+                stacklevel=2,
+            )
         if self.warmup_compressor != "none" and not self.sync_warmup:
-            warnings.warn(f"warmup_compressor={self.warmup_compressor!r} has no effect without sync_warmup: set "
-                          "--sync-warmup N or drop --warmup-compressor", stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"warmup_compressor={self.warmup_compressor!r} has no effect without sync_warmup: set "
+                "--sync-warmup N or drop --warmup-compressor",
+                stacklevel=2,
+            )
         if not 0 < self.outer_lr <= 10:
-            raise ValueError(f"Invalid outer_lr={self.outer_lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with "
-                             "outer_momentum 0 averages the replicas)")  # fmt: skip
+            raise ValueError(
+                f"Invalid outer_lr={self.outer_lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with "
+                "outer_momentum 0 averages the replicas)"
+            )
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"Invalid outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
         parse_compressor(self.warmup_compressor)  # its name and options, checked now
         if self.sync_warmup >= self.steps:
-            raise ValueError(f"Invalid sync_warmup={self.sync_warmup}: the run has {self.steps} steps; a warm-up "
-                             "shorter than the run leaves room for local updates")  # fmt: skip
+            raise ValueError(
+                f"Invalid sync_warmup={self.sync_warmup}: the run has {self.steps} steps; a warm-up "
+                "shorter than the run leaves room for local updates"
+            )
         if self.optimizer not in ("adamw", "sgd", "muon"):
             raise ValueError(
                 f"parallel='diloco' trains with optimizer='adamw', 'sgd' or 'muon' as the inner optimizer, not "
                 f"{self.optimizer!r}"
             )
         if self.compile and self.hierarchy == "node":
-            raise ValueError("parallel='diloco' with hierarchy='node' runs DDP inside each node, which does not "
-                             "compile here: drop --compile or use hierarchy='flat'")  # fmt: skip
+            raise ValueError(
+                "parallel='diloco' with hierarchy='node' runs DDP inside each node, which does not "
+                "compile here: drop --compile or use hierarchy='flat'"
+            )
 
     @property
     def local_updates(self) -> LocalUpdates | None:
@@ -409,8 +458,17 @@ class TrainConfig:
         if self.parallel != "diloco":
             return None
         name, options = parse_compressor(self.warmup_compressor)
-        return LocalUpdates(self.sync_every, self.fragments, self.sync_delay, self.sync_mix, self.outer_lr,
-                            self.outer_momentum, self.sync_warmup, name, options)  # fmt: skip
+        return LocalUpdates(
+            self.sync_every,
+            self.fragments,
+            self.sync_delay,
+            self.sync_mix,
+            self.outer_lr,
+            self.outer_momentum,
+            self.sync_warmup,
+            name,
+            options,
+        )
 
     @property
     def gradient_sync(self) -> bool:

@@ -112,8 +112,11 @@ def load_data(cfg: TrainConfig) -> TokenData | ClassData:
     match cfg.data:
         case "stdlib" | "textdir":
             root, plan = _byte_plan(cfg, max_bytes)
-            desc = (f"Python {sysconfig.get_python_version()} standard library sources" if cfg.data == "stdlib"
-                    else f"text files under {root}")  # fmt: skip
+            desc = (
+                f"Python {sysconfig.get_python_version()} standard library sources"
+                if cfg.data == "stdlib"
+                else f"text files under {root}"
+            )
             return _bytes_corpus(plan, desc)
         case "bin":
             return _bin(Path(str(cfg.data_path)), max_bytes)
@@ -327,6 +330,10 @@ def _mnist1d() -> ClassData:
     x = torch.as_tensor(d["x"], dtype=torch.float32)[:, None, :]
     x_val = torch.as_tensor(d["x_test"], dtype=torch.float32)[:, None, :]
     return ClassData(
-        x, torch.as_tensor(d["y"]).long(), x_val, torch.as_tensor(d["y_test"]).long(), 10,
+        x,
+        torch.as_tensor(d["y"]).long(),
+        x_val,
+        torch.as_tensor(d["y_test"]).long(),
+        10,
         f"mnist1d generated locally ({x.shape[0]} train / {x_val.shape[0]} test sequences of length {x.shape[2]})",
-    )  # fmt: skip
+    )

@@ -104,8 +104,11 @@ class WorkerFailed(RuntimeError):
             groups.setdefault(f.cause.rstrip(". "), []).append(f)
         parts = []
         for cause, fs in groups.items():
-            who = (f"worker rank {fs[0].rank} (pid {fs[0].pid})" if len(fs) == 1
-                   else "worker ranks " + ", ".join(str(f.rank) for f in fs))  # fmt: skip
+            who = (
+                f"worker rank {fs[0].rank} (pid {fs[0].pid})"
+                if len(fs) == 1
+                else "worker ranks " + ", ".join(str(f.rank) for f in fs)
+            )
             parts.append(f"{who} failed: {cause}")
         return "; ".join(parts) + ". The other workers were stopped."
 
@@ -155,8 +158,10 @@ def disk_full(e: BaseException, where: str) -> str | None:
         todo += [x.__cause__, x.__context__]
         failures = getattr(x, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
         if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else None
-                     for f in failures.values()]  # fmt: skip
+            todo += [
+                f[0] if isinstance(f, tuple) and f and isinstance(f[0], BaseException) else None
+                for f in failures.values()
+            ]
     if isinstance(e, ValueError | FloatingPointError | KeyboardInterrupt):
         return None
     try:
@@ -215,8 +220,17 @@ def _release_fork_server() -> None:
         server._forkserver_alive_fd = None  # type: ignore[attr-defined]  # not in typeshed
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, trace_dir: str | None,
-            parent: int, env: dict[str, str], args: tuple) -> None:  # fmt: skip
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    tmp: str,
+    trace_dir: str | None,
+    parent: int,
+    env: dict[str, str],
+    args: tuple,
+) -> None:
     _release_fork_server()
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C and stops us
@@ -226,11 +240,18 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, tmp: str, 
     if os.environ != env:  # the fork server's is the launcher's when the server started
         os.environ.clear()
         os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the launcher's loopback store as a client (env:// init)
-    })  # fmt: skip
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",  # join the launcher's loopback store as a client (env:// init)
+        }
+    )
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     code = 0
     try:
@@ -271,8 +292,15 @@ def _loopback_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
     return store, port
 
 
@@ -346,8 +374,14 @@ def _stop(procs: list[Any], grace_s: float) -> None:
             p.join(5)
 
 
-def launch(fn: Callable[..., T], nproc: int, *args: Any, trace_dir: str | Path | None = None, grace_s: float = 5.0,
-           store_timeout_s: float = 300.0) -> dict[int, T]:  # fmt: skip
+def launch(
+    fn: Callable[..., T],
+    nproc: int,
+    *args: Any,
+    trace_dir: str | Path | None = None,
+    grace_s: float = 5.0,
+    store_timeout_s: float = 300.0,
+) -> dict[int, T]:
     """Run ``fn(*args)`` on ``nproc`` local processes (forked from the fork server); return each rank's result.
 
     Under ``torchrun`` (or any launcher that sets RANK/WORLD_SIZE), runs ``fn`` in this process only, in the world

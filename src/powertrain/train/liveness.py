@@ -69,8 +69,14 @@ class Heartbeat:
             time.sleep(wait)
             after = [self._ask.add(f"beat/{r}", 0) for r in range(self.world)]
             silent = [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
-            where = {r: (_who(self._ask.get(f"who/{r}")) if self._ask.check([f"who/{r}"])
-                         else ("?", "never started its heartbeat")) for r in silent}  # fmt: skip
+            where = {
+                r: (
+                    _who(self._ask.get(f"who/{r}"))
+                    if self._ask.check([f"who/{r}"])
+                    else ("?", "never started its heartbeat")
+                )
+                for r in silent
+            }
         except Exception as e:  # the store failed us
             store = f"the rendezvous store at {self.host}:{self.port}"
             text = str(e).lower()

@@ -77,8 +77,9 @@ def _restart_store(timeout: datetime.timedelta) -> dist.Store | None:
     if attempt == 0 or torchrun_shared_store() != "one node":
         return None
     world = int(os.environ["WORLD_SIZE"])
-    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                           timeout=timeout)  # fmt: skip
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"powertrain/attempt_{attempt}", client)
 
 
@@ -181,9 +182,18 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
         cfg = dataclasses.replace(cfg, compressor=choice.spec)
         if rank == 0:
             print(choice.reason, flush=True)
-    strategy = build_strategy(cfg.parallel, model, name, options, compiled=cfg.compile,
-                              gradient_sync=cfg.gradient_sync, tp=cfg.tp, batch=cfg.batch_size,
-                              hierarchical=cfg.hierarchy == "node", local=cfg.local_updates)  # fmt: skip
+    strategy = build_strategy(
+        cfg.parallel,
+        model,
+        name,
+        options,
+        compiled=cfg.compile,
+        gradient_sync=cfg.gradient_sync,
+        tp=cfg.tp,
+        batch=cfg.batch_size,
+        hierarchical=cfg.hierarchy == "node",
+        local=cfg.local_updates,
+    )
     if cfg.compile and cfg.parallel == "simple_fsdp":
         from powertrain.simple_fsdp import compile_model
 
@@ -198,13 +208,22 @@ def _setup(cfg: TrainConfig, device: torch.device) -> _Run:
     if own_optimizer:
         per_rank["optimizer"] = RankOptimizer(built.optimizer)  # checked at load
     return _Run(
-        cfg, device, out, metrics, data, model, strategy, built.optimizer, scheduler, per_rank,
+        cfg,
+        device,
+        out,
+        metrics,
+        data,
+        model,
+        strategy,
+        built.optimizer,
+        scheduler,
+        per_rank,
         None if own_optimizer else built.optimizer,
         [strategy.stats] + ([built.stats] if built.stats is not None else []),
         sum(p.numel() for p in model.parameters()),
         sum(p.numel() for p in model.parameters() if p.requires_grad) * 4,
         torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16"),
-    )  # fmt: skip
+    )
 
 
 def _resume(run: _Run) -> tuple[int, dict[str, float]]:
@@ -236,8 +255,9 @@ def _step(run: _Run, step: int) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     loss_sum = 0.0
     for micro in range(cfg.grad_accum):
-        x, y = data.batch("train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size,
-                          cfg.block_size)  # fmt: skip
+        x, y = data.batch(
+            "train", data_rank, data_world, (cfg.seed, data_rank, step, micro), cfg.batch_size, cfg.block_size
+        )
         try:
             with strategy.loss_scope():  # forward's loss and its backward
                 with strategy.sync(micro == cfg.grad_accum - 1), run.autocast:
@@ -278,8 +298,11 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     start, counters = _resume(run)
     if start >= cfg.steps:
         if rank == 0:
-            print(f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
-                  "train further.", flush=True)  # fmt: skip
+            print(
+                f"Nothing to do: the checkpoint has {start} steps and --steps is {cfg.steps}; raise --steps to "
+                "train further.",
+                flush=True,
+            )
         leave_world()
         return {"steps": start}
     writer = (
@@ -306,13 +329,23 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
     def summary(**more: Any) -> dict[str, Any]:
         """summary.json: the run so far, and ``more``."""
         return {
-            "world_size": world, "parallel": cfg.parallel, "compressor": cfg.compressor, "hierarchy": cfg.hierarchy,
-            "steps": cfg.steps, "steps_done": done,
-            "first_loss": first_loss, "final_loss": last_loss, "val_loss": val, "wall_s": wall,
-            "bytes_sent": total_sent, "bytes_uncompressed": dense_bytes * done,
+            "world_size": world,
+            "parallel": cfg.parallel,
+            "compressor": cfg.compressor,
+            "hierarchy": cfg.hierarchy,
+            "steps": cfg.steps,
+            "steps_done": done,
+            "first_loss": first_loss,
+            "final_loss": last_loss,
+            "val_loss": val,
+            "wall_s": wall,
+            "bytes_sent": total_sent,
+            "bytes_uncompressed": dense_bytes * done,
             f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (done - start) / max(wall - prev_wall, 1e-9),
-            "params": run.n_params, "device": str(device), **more,
-        }  # fmt: skip
+            "params": run.n_params,
+            "device": str(device),
+            **more,
+        }
 
     try:
         for step in range(start, cfg.steps):
@@ -334,12 +367,19 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             logged = done % cfg.log_every == 0 or validated
             if logged:
                 row = {
-                    "step": done, "loss": last_loss, "lr": run.scheduler.logged_lr(), "step_time_s": step_time,
-                    "compute_s": compute_s, "comm_s": after.comm_s - before.comm_s,
-                    "compress_s": after.compress_s - before.compress_s, "bytes_sent": sent,
-                    "bytes_uncompressed": dense_bytes, "wall_s": wall, "bytes_total": total_sent,
+                    "step": done,
+                    "loss": last_loss,
+                    "lr": run.scheduler.logged_lr(),
+                    "step_time_s": step_time,
+                    "compute_s": compute_s,
+                    "comm_s": after.comm_s - before.comm_s,
+                    "compress_s": after.compress_s - before.compress_s,
+                    "bytes_sent": sent,
+                    "bytes_uncompressed": dense_bytes,
+                    "wall_s": wall,
+                    "bytes_total": total_sent,
                     **({"val_loss": val} if validated else {}),
-                }  # fmt: skip
+                }
                 if writer:
                     writer.log(row)
             if validated and not math.isfinite(val):  # every rank: the mean is the same everywhere
@@ -361,8 +401,9 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
         raise
 
     roots = _root_stats(run.optimizer, device)
-    result = summary(status="completed", **({"shampoo_roots": roots} if roots is not None else {}),
-                     **run.strategy.report())  # fmt: skip
+    result = summary(
+        status="completed", **({"shampoo_roots": roots} if roots is not None else {}), **run.strategy.report()
+    )
     if writer:
         writer.finish(result)
         progress.message(_summary_text(result, cfg, data, world, run.n_params, out, wall - prev_wall, start > 0))
@@ -386,12 +427,17 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else p
 
 
-def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData | ClassData, comm: Communicator,
-                     device: torch.device, options: dict[str, Any]) -> Choice:  # fmt: skip
+def _auto_compressor(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    data: TokenData | ClassData,
+    comm: Communicator,
+    device: torch.device,
+    options: dict[str, Any],
+) -> Choice:
     """``rank=auto``: time this model's backward pass on a training batch (the second of two: the first warms up;
     the model is left as it was, gradients cleared), measure the link, choose (every rank the same)."""
-    x, y = data.batch("train", comm.rank, comm.world_size, (cfg.seed, comm.rank, 0, 0), cfg.batch_size,
-                      cfg.block_size)  # fmt: skip
+    x, y = data.batch("train", comm.rank, comm.world_size, (cfg.seed, comm.rank, 0, 0), cfg.batch_size, cfg.block_size)
     x, y = x.to(device), y.to(device)
     for _ in range(2):
         loss = model(x, y)
@@ -402,8 +448,12 @@ def _auto_compressor(cfg: TrainConfig, model: torch.nn.Module, data: TokenData |
         backward = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
     others = {k: v for k, v in options.items() if k != "rank"}
-    return choose(model.named_parameters(), backward_s=slowest(comm, backward, device),
-                  link=measure_link(comm, device=device), options=others)  # fmt: skip
+    return choose(
+        model.named_parameters(),
+        backward_s=slowest(comm, backward, device),
+        link=measure_link(comm, device=device),
+        options=others,
+    )
 
 
 def _root_stats(optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int] | None:
@@ -430,8 +480,16 @@ def _roots_text(roots: dict[str, int] | None) -> str:
     )
 
 
-def _evaluate(strategy: Strategy, data: TokenData | ClassData, cfg: TrainConfig, rank: int, world: int,
-              metrics: Communicator, device: torch.device, autocast: Any) -> float:  # fmt: skip
+def _evaluate(
+    strategy: Strategy,
+    data: TokenData | ClassData,
+    cfg: TrainConfig,
+    rank: int,
+    world: int,
+    metrics: Communicator,
+    device: torch.device,
+    autocast: Any,
+) -> float:
     model = strategy.model
     model.eval()
     total = 0.0
@@ -464,8 +522,11 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
         good, kept = None, "there is no checkpoint (use --checkpoint-every)"
     what = str(what).rstrip(". ")
     lower = f"{cfg.lr / 2:g}"
-    advice = (f"continue from it at a lower learning rate with the same command and --resume {good} --lr {lower}"
-              if good else f"try a lower --lr (now {cfg.lr:g}, e.g. {lower})")  # fmt: skip
+    advice = (
+        f"continue from it at a lower learning rate with the same command and --resume {good} --lr {lower}"
+        if good
+        else f"try a lower --lr (now {cfg.lr:g}, e.g. {lower})"
+    )
     return f"training stopped at step {step + 1}: {what}; {kept}; {advice}"
 
 
@@ -499,20 +560,32 @@ def _wait_text(s: dict[str, Any], cfg: TrainConfig, trained_s: float, resumed: b
         return "the link kept up: compute never waited for a sync"
     waited = s["waited_s"]
     if cfg.sync_delay:
-        return (f"compute waited {waited:.1f} s for {s['late_syncs']} of them: the link did not keep up (raise "
-                "--sync-every or --sync-delay, or compress more)")  # fmt: skip
+        return (
+            f"compute waited {waited:.1f} s for {s['late_syncs']} of them: the link did not keep up (raise "
+            "--sync-every or --sync-delay, or compress more)"
+        )
     share = waited / trained_s if trained_s > 0 else 1.0
     since = " since the resume" if resumed else ""
     text = f"compute waited {waited:.1f} s for them, {share:.1%} of the {trained_s:.1f} s it trained{since}"
     if share <= STREAM_ABOVE:
         return text + " (--sync-delay lets a sync overlap the next steps)"
-    advice = (f": past {STREAM_ABOVE:.1%}, streamed syncs that overlap the next steps reached a target loss sooner on "
-              f"the default GPT, although they need more steps ({STREAMED}; docs/local-updates.md)")  # fmt: skip
+    advice = (
+        f": past {STREAM_ABOVE:.1%}, streamed syncs that overlap the next steps reached a target loss sooner on "
+        f"the default GPT, although they need more steps ({STREAMED}; docs/local-updates.md)"
+    )
     return text + advice
 
 
-def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassData, world: int, n_params: int,
-                  out: Path, trained_s: float, resumed: bool) -> str:  # fmt: skip
+def _summary_text(
+    s: dict[str, Any],
+    cfg: TrainConfig,
+    data: TokenData | ClassData,
+    world: int,
+    n_params: int,
+    out: Path,
+    trained_s: float,
+    resumed: bool,
+) -> str:
     sent, dense = s["bytes_sent"], s["bytes_uncompressed"]
     if not sent:
         ratio = "nothing to send with one worker"
@@ -520,21 +593,26 @@ def _summary_text(s: dict[str, Any], cfg: TrainConfig, data: TokenData | ClassDa
         ratio = f"{dense / sent:.1f}x less"
     else:  # Shampoo's all-gather of its directions on top of the gradients; RTP's weights travel too
         ratio = f"{sent / dense:.1f}x more" if dense else "plain all-reduce would send nothing"
-    what = {"rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
-            "tp": "Sequence/tensor parallelism's activations and FSDP2's gradient reduce-scatter (computed)"}.get(
-        cfg.parallel, f"Gradient communication ({cfg.compressor})")  # fmt: skip
+    what = {
+        "rtp": "RTP's rotations (weights and gradients) and replicated all-reduce",
+        "tp": "Sequence/tensor parallelism's activations and FSDP2's gradient reduce-scatter (computed)",
+    }.get(cfg.parallel, f"Gradient communication ({cfg.compressor})")
     if cfg.hierarchy == "node":
         what = f"Gradient communication between nodes ({cfg.compressor}; exact inside each node)"
     syncs = ""
     if cfg.parallel == "diloco":
         between = " between nodes" if cfg.hierarchy == "node" else ""
-        what = (f"Local updates{between} (a sync every {s['sync_every']} steps"
-                + (f" of each of {s['fragments']} fragments" if s["fragments"] > 1 else "")
-                + f", {cfg.compressor} pseudo-gradients)")  # fmt: skip
+        what = (
+            f"Local updates{between} (a sync every {s['sync_every']} steps"
+            + (f" of each of {s['fragments']} fragments" if s["fragments"] > 1 else "")
+            + f", {cfg.compressor} pseudo-gradients)"
+        )
         late = _wait_text(s, cfg, trained_s, resumed)
         per = f"{sent / max(1, s['syncs']) / MB:.2f} MB each on average" + (
-            f", the {cfg.sync_warmup} warm-up steps' averaging ({cfg.warmup_compressor}) included" if cfg.sync_warmup
-            else "")  # fmt: skip
+            f", the {cfg.sync_warmup} warm-up steps' averaging ({cfg.warmup_compressor}) included"
+            if cfg.sync_warmup
+            else ""
+        )
         syncs = f" It ran {s['syncs']} syncs ({per}); {late}."
     uniform = f" (a uniform guess scores {math.log(data.vocab_size):.3f})" if isinstance(data, TokenData) else ""
     return (

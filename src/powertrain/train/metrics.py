@@ -36,8 +36,9 @@ class Progress:
         self.t0 = time.perf_counter()
         self._drawn = -math.inf
 
-    def update(self, step: int, loss: float, rate: float, unit: str, mb: float, dense_mb: float, *,
-               logged: bool = True) -> None:  # fmt: skip
+    def update(
+        self, step: int, loss: float, rate: float, unit: str, mb: float, dense_mb: float, *, logged: bool = True
+    ) -> None:
         """Step ``step`` is done (``logged``: a step metrics.jsonl records)."""
         if self.quiet or not (self.tty or logged):
             return
@@ -58,8 +59,10 @@ class Progress:
             )
         else:
             filled = round(20 * step / self.total)
-            line = (f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} {unit}/s"
-                    f"  {mb:.3f} MB/step ({ratio.strip()})  {_clock(eta)} left")  # fmt: skip
+            line = (
+                f"[{'#' * filled}{'.' * (20 - filled)}] {step}/{self.total}  loss {loss:.4f}  {rate:,.0f} {unit}/s"
+                f"  {mb:.3f} MB/step ({ratio.strip()})  {_clock(eta)} left"
+            )
             width = shutil.get_terminal_size((120, 24)).columns
             self.stream.write("\r" + line[: width - 1] + "\x1b[K" + ("\n" if step == self.total else ""))
         self.stream.flush()
@@ -94,8 +97,9 @@ def supersede(out: Path, step: int) -> list[dict[str, Any]]:
         elif len(kept) < step:
             kept.append(row)
         else:
-            raise ValueError(f"{str(path)!r} has more rows up to step {step} than steps: not this run's log; "
-                             "choose another --out")  # fmt: skip
+            raise ValueError(
+                f"{str(path)!r} has more rows up to step {step} than steps: not this run's log; choose another --out"
+            )
     if later:
         with (out / "metrics.superseded.jsonl").open("a") as f:
             f.writelines(line + "\n" for line in _lines(path) if _row(line, path)["step"] > step)
@@ -134,8 +138,7 @@ def _lines(path: Path, fix: str = _RESUME) -> Iterator[str]:
     with path.open("rb") as f:
         while raw := f.readline(ROW_LIMIT + 1):
             if len(raw) > ROW_LIMIT:
-                raise ValueError(f"{str(path)!r} has a line longer than {ROW_LIMIT:,} bytes: not a metrics log; "
-                                 f"{fix}")  # fmt: skip
+                raise ValueError(f"{str(path)!r} has a line longer than {ROW_LIMIT:,} bytes: not a metrics log; {fix}")
             if line := raw.decode(errors="replace").strip():
                 yield line
 
@@ -198,11 +201,13 @@ class RunWriter:
         validation points as (step, wall_s, bytes_total, val_loss)."""
         rows = [r for r in self.rows if "loss" in r]
         first = self.steps[0][0] if self.steps else math.inf
-        train = [(r["step"], r["loss"], r.get("wall_s", 0.0), r.get("bytes_total", 0)) for r in rows
-                 if r["step"] < first] + self.steps  # fmt: skip
+        train = [
+            (r["step"], r["loss"], r.get("wall_s", 0.0), r.get("bytes_total", 0)) for r in rows if r["step"] < first
+        ] + self.steps
         smooth = _ema([loss for _, loss, _, _ in train], span=max(1, len(train) // 25))
-        val = [(r["step"], r.get("wall_s", 0.0), r.get("bytes_total", 0), r["val_loss"]) for r in rows
-               if "val_loss" in r]  # fmt: skip
+        val = [
+            (r["step"], r.get("wall_s", 0.0), r.get("bytes_total", 0), r["val_loss"]) for r in rows if "val_loss" in r
+        ]
         return train, smooth, val
 
     def plot(self) -> list[Path]:
@@ -218,8 +223,11 @@ class RunWriter:
         if not train:
             return []
         paths = []
-        for name, axis, label in (("loss_vs_step", 0, "step"), ("loss_vs_wallclock", 2, "wall-clock (s)"),
-                                  ("loss_vs_bytes", 3, "MB sent per worker")):  # fmt: skip
+        for name, axis, label in (
+            ("loss_vs_step", 0, "step"),
+            ("loss_vs_wallclock", 2, "wall-clock (s)"),
+            ("loss_vs_bytes", 3, "MB sent per worker"),
+        ):
             scale = 1e-6 if axis == 3 else 1.0  # cumulative gradient bytes per worker, in MB
             xs = [t[axis] * scale for t in train]
             fig, ax = plt.subplots(figsize=(6, 4))

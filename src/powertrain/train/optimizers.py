@@ -154,9 +154,15 @@ class RankOptimizer:
 
 #: Per-parameter state of torch-style optimizers: the keys each parameter's entry holds once it stepped ("step" a
 #: scalar tensor, the others the shape of the rank's own parameter).
-_PARAM_STATE = {"AdamW": {"step", "exp_avg", "exp_avg_sq"}, "FrozenVarianceAdamW": {"step", "exp_avg", "exp_avg_sq"},
-                "SGD": {"momentum_buffer"}, "DeMo": {"momentum"}, "adamw": {"step", "exp_avg", "exp_avg_sq"},
-                "muon": {"momentum_buffer"}, "dion": {"momentum", "Q"}}  # fmt: skip
+_PARAM_STATE = {
+    "AdamW": {"step", "exp_avg", "exp_avg_sq"},
+    "FrozenVarianceAdamW": {"step", "exp_avg", "exp_avg_sq"},
+    "SGD": {"momentum_buffer"},
+    "DeMo": {"momentum"},
+    "adamw": {"step", "exp_avg", "exp_avg_sq"},
+    "muon": {"momentum_buffer"},
+    "dion": {"momentum", "Q"},
+}
 #: Group entries that follow the schedule, not a fixed setting: their type is checked, their value is this run's.
 _SCHEDULED = ("lr", "initial_lr", "freeze_after")
 _RENAMED = {"epsilon": "eps", "grafting_epsilon": "grafting_eps"}
@@ -186,15 +192,18 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
         )
     for index, per in saved.items():
         if type(index) is not int or not 0 <= index < len(params) or not isinstance(per, dict):
-            raise ValueError(f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} "
-                             "parameters")  # fmt: skip
+            raise ValueError(
+                f"the optimizer's state has an entry {index!r:.40} for none of its {len(params)} parameters"
+            )
         check_state_values(f"the optimizer's state for parameter {index}", per, kind)
         expected = _PARAM_STATE.get(algorithms[index])
         if expected is None or not per:
             continue
         if set(per) != expected:
-            raise ValueError(f"the optimizer's state for parameter {index} holds {sorted(map(str, per))!s:.200}, "
-                             f"expected {sorted(expected)}")  # fmt: skip
+            raise ValueError(
+                f"the optimizer's state for parameter {index} holds {sorted(map(str, per))!s:.200}, "
+                f"expected {sorted(expected)}"
+            )
         shape = tuple(local_tensor(params[index]).shape)
         own = getattr(optimizer, "state_shapes", None)  # an optimizer whose state is not all its parameter's shape
         shapes = own(params[index]) if own is not None else {}
@@ -202,8 +211,9 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, state: object) -> No
             want = shapes.get(name, () if name == "step" else shape)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
                 shape_got: object = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise ValueError(f"the optimizer's {name} for parameter {index} is {shape_got}, expected a tensor of "
-                                 f"shape {want}")  # fmt: skip
+                raise ValueError(
+                    f"the optimizer's {name} for parameter {index} is {shape_got}, expected a tensor of shape {want}"
+                )
 
 
 def check_param_groups(groups: object, mine: list[dict[str, Any]]) -> None:
@@ -227,9 +237,11 @@ def check_param_groups(groups: object, mine: list[dict[str, Any]]) -> None:
                 if group[key] < (key == "freeze_after"):
                     raise ValueError(f"{what} is {group[key]!r:.40}, expected a number >= 0")
             elif group[key] != value:
-                raise ValueError(f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
-                                 "the run with its settings; drop the flags that change it, or start a new "
-                                 "run")  # fmt: skip
+                raise ValueError(
+                    f"{what} is {group[key]!r:.60} and this run's {value!r:.60}: a resume continues "
+                    "the run with its settings; drop the flags that change it, or start a new "
+                    "run"
+                )
 
 
 def check_state_values(what: str, per: dict[Any, Any], kind: str = "") -> None:
@@ -305,8 +317,9 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             if cfg.adam_freeze:
                 from powertrain.optim import FrozenVarianceAdamW
 
-                frozen = FrozenVarianceAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
-                                             freeze_after=cfg.freeze_after)  # fmt: skip
+                frozen = FrozenVarianceAdamW(
+                    params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), freeze_after=cfg.freeze_after
+                )
                 return Built(frozen, per_rank=False, stats=None)
             adamw = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
             return Built(adamw, per_rank=False, stats=None)
@@ -355,12 +368,19 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             # (beta2 0.95, DistributedShampoo's default): on runs this short a 0.999 average still mostly holds
             # the first steps' gradients
             shampoo = DistributedShampoo(
-                params, lr=cfg.lr, betas=(0.9, 0.95), eps=eps, weight_decay=cfg.weight_decay,
-                max_preconditioner_dim=cfg.shampoo_max_dim, precondition_frequency=cfg.shampoo_frequency,
-                grafting="adam", grafting_beta2=0.95, preconditioner=cfg.shampoo_preconditioner,
+                params,
+                lr=cfg.lr,
+                betas=(0.9, 0.95),
+                eps=eps,
+                weight_decay=cfg.weight_decay,
+                max_preconditioner_dim=cfg.shampoo_max_dim,
+                precondition_frequency=cfg.shampoo_frequency,
+                grafting="adam",
+                grafting_beta2=0.95,
+                preconditioner=cfg.shampoo_preconditioner,
                 comm_dtype=torch.bfloat16 if cfg.shampoo_comm_dtype == "bf16" else torch.float32,
                 precondition_1d=cfg.shampoo_vectors == "shampoo",
-            )  # fmt: skip
+            )
             return Built(shampoo, per_rank=True, stats=shampoo.comm.stats)
         case "galore":
             from powertrain.optim import GaLoreAdamW
@@ -369,16 +389,27 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> Built:
             if not low_rank:
                 raise ValueError(f"optimizer='galore' found no 2-D weights in {type(model).__name__}.blocks to project")
             groups = [
-                {"params": low_rank, "rank": cfg.galore_rank, "update_proj_gap": cfg.galore_gap,
-                 "scale": cfg.galore_scale, "svd": cfg.galore_svd},
+                {
+                    "params": low_rank,
+                    "rank": cfg.galore_rank,
+                    "update_proj_gap": cfg.galore_gap,
+                    "scale": cfg.galore_scale,
+                    "svd": cfg.galore_svd,
+                },
                 {"params": rest},
-            ]  # fmt: skip
+            ]
             galore = GaLoreAdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
             return Built(galore, per_rank=True, stats=galore.comm.stats)
         case "demo":
             from powertrain.optim import DeMo
 
-            demo = DeMo(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compression_topk=cfg.demo_topk,
-                        compression_chunk=cfg.demo_chunk, compression_decay=cfg.demo_decay)  # fmt: skip
+            demo = DeMo(
+                params,
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                compression_topk=cfg.demo_topk,
+                compression_chunk=cfg.demo_chunk,
+                compression_decay=cfg.demo_decay,
+            )
             return Built(demo, per_rank=True, stats=demo.comm.stats)
     raise ValueError(f"Invalid optimizer={cfg.optimizer!r}: choose adamw, sgd, muon, dion, shampoo, galore or demo")

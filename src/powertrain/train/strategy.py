@@ -296,8 +296,9 @@ class _DiLoCo(Strategy):
     """Local updates (:class:`powertrain.diloco.DiLoCo`); ``hierarchical``: DDP inside each node, the compressor
     between nodes. Each rank's weights and inner optimizer are its own: ``replica`` checkpoints the weights."""
 
-    def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any], local: LocalUpdates,
-                 hierarchical: bool) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, name: str, options: dict[str, Any], local: LocalUpdates, hierarchical: bool
+    ) -> None:
         self.model, self.local = model, local
         if hierarchical:
             from torch.distributed.device_mesh import init_device_mesh
@@ -327,10 +328,19 @@ class _DiLoCo(Strategy):
         from powertrain.diloco import DiLoCo, nesterov
 
         lu = self.local
-        self.diloco = DiLoCo(self.module.named_parameters(), optimizer, sync_every=lu.sync_every,
-                             compressor=self.comp, outer_optimizer=nesterov(lu.outer_lr, lu.outer_momentum),
-                             fragments=lu.fragments, delay=lu.delay, mix=lu.mix, warmup=lu.warmup,
-                             warmup_compressor=lu.warmup_compressor, warmup_options=lu.warmup_options)  # fmt: skip
+        self.diloco = DiLoCo(
+            self.module.named_parameters(),
+            optimizer,
+            sync_every=lu.sync_every,
+            compressor=self.comp,
+            outer_optimizer=nesterov(lu.outer_lr, lu.outer_momentum),
+            fragments=lu.fragments,
+            delay=lu.delay,
+            mix=lu.mix,
+            warmup=lu.warmup,
+            warmup_compressor=lu.warmup_compressor,
+            warmup_options=lu.warmup_options,
+        )
         self.state = self.diloco
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -343,8 +353,13 @@ class _DiLoCo(Strategy):
 
     def report(self) -> dict[str, Any]:
         d = self.diloco
-        return {"syncs": d.syncs, "late_syncs": d.late, "waited_s": d.waited_s, "sync_every": d.sync_every,
-                "fragments": len(d.fragments)}  # fmt: skip
+        return {
+            "syncs": d.syncs,
+            "late_syncs": d.late,
+            "waited_s": d.waited_s,
+            "sync_every": d.sync_every,
+            "fragments": len(d.fragments),
+        }
 
 
 class _Replica:
@@ -377,8 +392,10 @@ class _NoState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state:
-            raise ValueError(f"Unexpected per-rank state {sorted(state)}: was the checkpoint written with "
-                             "another --parallel mode or --compressor?")  # fmt: skip
+            raise ValueError(
+                f"Unexpected per-rank state {sorted(state)}: was the checkpoint written with "
+                "another --parallel mode or --compressor?"
+            )
 
 
 def _names(keep: Any) -> str:
@@ -387,8 +404,15 @@ def _names(keep: Any) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}"
 
 
-def check(parallel: str, name: str, options: Mapping[str, Any], *, compiled: bool = False,
-          gradient_sync: bool = True, hierarchical: bool = False) -> None:  # fmt: skip
+def check(
+    parallel: str,
+    name: str,
+    options: Mapping[str, Any],
+    *,
+    compiled: bool = False,
+    gradient_sync: bool = True,
+    hierarchical: bool = False,
+) -> None:
     """Refuse, in one line naming the value and the fix, a compressor or option that ``parallel`` cannot run (as
     :func:`build_strategy` takes them); the command checks its flags with this before it starts any worker."""
     if not gradient_sync and parallel not in ("reference", "ddp"):

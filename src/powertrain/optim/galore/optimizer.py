@@ -196,10 +196,21 @@ class GaLoreAdamW(torch.optim.Optimizer):
         seed: int = 0,
     ) -> None:
         check_int("seed", seed, 0)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, correct_bias=correct_bias,
-                        rank=rank, update_proj_gap=update_proj_gap, scale=scale, proj_type=proj_type, svd=svd,
-                        oversample=oversample, power_iters=power_iters,
-                        moments_on_refresh=moments_on_refresh)  # fmt: skip
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            correct_bias=correct_bias,
+            rank=rank,
+            update_proj_gap=update_proj_gap,
+            scale=scale,
+            proj_type=proj_type,
+            svd=svd,
+            oversample=oversample,
+            power_iters=power_iters,
+            moments_on_refresh=moments_on_refresh,
+        )
         super().__init__(params, defaults)
         self.seed = seed
         #: the world's communicator; the communicators of sharded parameters' meshes count into its ``stats``
@@ -286,9 +297,11 @@ class GaLoreAdamW(torch.optim.Optimizer):
         for (comm_key, oversample, power_iters), batch in sketches.items():
             comm = None if comm_key is None else comms[comm_key]
             bases = proj.randomized_right_bases(
-                [s for _, _, s in batch], oversample=oversample, power_iters=power_iters,
+                [s for _, _, s in batch],
+                oversample=oversample,
+                power_iters=power_iters,
                 sum_shards=(lambda ts: None) if comm is None else functools.partial(sum_shards, comm),
-            )  # fmt: skip
+            )
             for (pid, which, _), b in zip(batch, bases, strict=True):
                 left, right = new.get(pid, (None, None))
                 new[pid] = (b.t().contiguous(), right) if which == "left" else (left, b)
@@ -388,8 +401,9 @@ class GaLoreAdamW(torch.optim.Optimizer):
         params = list(self._indexed())
         for key, saved in state_dict["state"].items():
             if type(key) is not int or not 0 <= key < len(params) or not isinstance(saved, dict):
-                raise ValueError(f"Invalid GaLoreAdamW state: an entry {key!r:.40} for none of its {len(params)} "
-                                 "parameters")  # fmt: skip
+                raise ValueError(
+                    f"Invalid GaLoreAdamW state: an entry {key!r:.40} for none of its {len(params)} parameters"
+                )
             index = key
             _, p, group = params[index]
             lay = self._layout(p, group, index)

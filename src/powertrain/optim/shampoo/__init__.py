@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DistributedShampoo", "RootStats"]
 
-__getattr__ = lazy_exports(__name__, {
-    "DistributedShampoo": "powertrain.optim.shampoo.optimizer",
-    "RootStats": "powertrain.optim.shampoo.stats",
-})  # fmt: skip
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "DistributedShampoo": "powertrain.optim.shampoo.optimizer",
+        "RootStats": "powertrain.optim.shampoo.stats",
+    },
+)

@@ -60,8 +60,7 @@ def _eigh_root(a: torch.Tensor, root: float, eps: float, rel_eps: float) -> torc
     return (vecs * vals.pow(-1.0 / root).unsqueeze(-2)) @ vecs.mT
 
 
-def _newton_root(a: torch.Tensor, root: int, eps: float, rel_eps: float, max_iters: int,
-                 tol: float) -> torch.Tensor:  # fmt: skip
+def _newton_root(a: torch.Tensor, root: int, eps: float, rel_eps: float, max_iters: int, tol: float) -> torch.Tensor:
     n = a.shape[-1]
     eye = torch.eye(n, dtype=a.dtype, device=a.device)
     # ||A||_F bounds lambda_max from above; the floor also makes a factor with round-off-negative eigenvalues

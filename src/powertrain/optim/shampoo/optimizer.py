@@ -111,8 +111,9 @@ class _Shampoo:
         if self.bias_correction and beta2 < 1.0:
             # the EMA's bias correction: it sets eps's weight against the statistics early on
             factors = [f / (1.0 - beta2**step) for f in factors]
-        st["roots"] = inverse_roots(factors, eps=eps, rel_eps=self.rel_eps, method=self.method,
-                                    exponent_multiplier=self.exponent_multiplier)  # fmt: skip
+        st["roots"] = inverse_roots(
+            factors, eps=eps, rel_eps=self.rel_eps, method=self.method, exponent_multiplier=self.exponent_multiplier
+        )
 
     def observe(self, st: BlockState, raw: torch.Tensor, beta2: float) -> None:
         pass
@@ -120,8 +121,9 @@ class _Shampoo:
     def ready(self, st: BlockState, started: bool) -> bool:
         return started and "roots" in st
 
-    def direction(self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float,
-                  step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+    def direction(
+        self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float, step: int
+    ) -> tuple[torch.Tensor, float]:
         """The preconditioned filtered gradient as ``(t, c)``, direction ``= c * t``."""
         return precondition(filtered, st["roots"]), scale
 
@@ -154,8 +156,9 @@ class _EigenvalueCorrected:
     def ready(self, st: BlockState, started: bool) -> bool:
         return True
 
-    def direction(self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float,
-                  step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+    def direction(
+        self, st: BlockState, filtered: torch.Tensor, scale: float, eps: float, beta2: float, step: int
+    ) -> tuple[torch.Tensor, float]:
         bias = 1.0 - beta2**step if beta2 < 1.0 else 1.0
         # the eps compares with the scaled gradient's root second moment, so the filter's scale stays in
         rotated = rotate(filtered, st["bases"]).mul_(scale)
@@ -234,14 +237,16 @@ class DistributedShampoo(torch.optim.Optimizer):
         rel_eps: float | None = None,
     ) -> None:
         checks = [
-            ("lr", lr, lr > 0, "> 0"), ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
-            ("betas[1]", betas[1], 0 < betas[1] <= 1, "in (0, 1]"), ("eps", eps, eps > 0, "> 0"),
+            ("lr", lr, lr > 0, "> 0"),
+            ("betas[0]", betas[0], 0 <= betas[0] < 1, "in [0, 1)"),
+            ("betas[1]", betas[1], 0 < betas[1] <= 1, "in (0, 1]"),
+            ("eps", eps, eps > 0, "> 0"),
             ("momentum", momentum, 0 <= momentum < 1, "in [0, 1)"),
             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0"),
             ("grafting_beta2", grafting_beta2, 0 < grafting_beta2 <= 1, "in (0, 1]"),
             ("grafting_eps", grafting_eps, grafting_eps > 0, "> 0"),
             ("max_root_failures", max_root_failures, max_root_failures >= 0, ">= 0"),
-        ]  # fmt: skip
+        ]
         for name, value, ok, want in checks:
             if not ok:
                 raise ValueError(f"Invalid {name}={value!r}: must be {want}")
@@ -277,9 +282,17 @@ class DistributedShampoo(torch.optim.Optimizer):
             raise ValueError("nesterov=True needs momentum > 0")
         if comm_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"Invalid comm_dtype={comm_dtype!r}: a floating dtype")
-        defaults = dict(lr=lr, betas=betas, eps=eps, momentum=momentum, nesterov=nesterov,
-                        weight_decay=weight_decay, grafting=grafting, grafting_beta2=grafting_beta2,
-                        grafting_eps=grafting_eps)  # fmt: skip
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            grafting=grafting,
+            grafting_beta2=grafting_beta2,
+            grafting_eps=grafting_eps,
+        )
         super().__init__(params, defaults)
         self.max_dim, self.frequency, self.start = max_preconditioner_dim, precondition_frequency, start
         self.root_method, self.max_root_failures, self.comm_dtype = root_method, max_root_failures, comm_dtype
@@ -337,8 +350,9 @@ class DistributedShampoo(torch.optim.Optimizer):
     # enters a tensor pass unless the graft itself is the direction (each pass over a block costs about as much
     # as the arithmetic it carries on a CPU, where these steps are memory-bound).
 
-    def _graft(self, st: BlockState, g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any],
-               step: int) -> tuple[torch.Tensor, float]:  # fmt: skip
+    def _graft(
+        self, st: BlockState, g: torch.Tensor, numer: torch.Tensor, scale: float, group: dict[str, Any], step: int
+    ) -> tuple[torch.Tensor, float]:
         """The grafting direction as ``(t, c)`` with direction ``= c * t``, given the filtered gradient as
         ``scale * numer``: ``numer`` over the root of the raw gradient's second moment (plus eps)."""
         grafting, eps = group["grafting"], group["grafting_eps"]
@@ -358,8 +372,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         denom = v.sqrt().add_(eps * root_corr)
         return torch.div(numer.to(v.dtype), denom, out=denom), scale * root_corr
 
-    def _direction(self, blk: Block, raw: torch.Tensor, group: dict[str, Any],
-                   out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def _direction(
+        self, blk: Block, raw: torch.Tensor, group: dict[str, Any], out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """This block's direction, written into ``out`` (a flat slice of the all-gather's buffer) when given."""
         st: BlockState = self.state[self._params[blk.param]].setdefault("blocks", {}).setdefault(blk.index, {})
         step, kind = self.steps, self._kind
@@ -427,8 +442,14 @@ class DistributedShampoo(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Per-rank state (this rank's blocks), with the step counter and the world size it belongs to."""
         out = super().state_dict()
-        out["shampoo"] = {"steps": self.steps, "world": self.world, "rank": self.rank, "layout": _LAYOUT,
-                          "owned": self._owned(), "root_stats": self._root_counter.state_dict()}  # fmt: skip
+        out["shampoo"] = {
+            "steps": self.steps,
+            "world": self.world,
+            "rank": self.rank,
+            "layout": _LAYOUT,
+            "owned": self._owned(),
+            "root_stats": self._root_counter.state_dict(),
+        }
         return out
 
     def _owned(self) -> list[list[int]]:
@@ -499,46 +520,66 @@ class DistributedShampoo(torch.optim.Optimizer):
         owned = {(b.param, b.index): b for b in self._dist.owned(self.blocks)}
         per_dim, whole = ("factors", "roots", "bases"), ("filtered", "graft", "corrected")
         for param, entry in state.items():
-            if not (isinstance(entry, dict) and set(entry) <= {"blocks", "momentum"}
-                    and isinstance(entry.get("blocks", {}), dict)
-                    and type(param) is int and 0 <= param < len(self._params)):  # fmt: skip
-                raise ValueError(f"This DistributedShampoo state's entry {param!r:.40} is not a parameter's blocks "
-                                 "and momentum")  # fmt: skip
+            if not (
+                isinstance(entry, dict)
+                and set(entry) <= {"blocks", "momentum"}
+                and isinstance(entry.get("blocks", {}), dict)
+                and type(param) is int
+                and 0 <= param < len(self._params)
+            ):
+                raise ValueError(
+                    f"This DistributedShampoo state's entry {param!r:.40} is not a parameter's blocks and momentum"
+                )
             momentum, shape = entry.get("momentum"), tuple(local_tensor(self._params[param]).shape)
             if momentum is not None and not (isinstance(momentum, torch.Tensor) and tuple(momentum.shape) == shape):
                 got_m = tuple(momentum.shape) if isinstance(momentum, torch.Tensor) else type(momentum).__name__
-                raise ValueError(f"This DistributedShampoo state's momentum of parameter {param} is {got_m}, the "
-                                 f"parameter is {shape} here")  # fmt: skip
+                raise ValueError(
+                    f"This DistributedShampoo state's momentum of parameter {param} is {got_m}, the "
+                    f"parameter is {shape} here"
+                )
             blocks = entry.get("blocks", {})
             for index, st in blocks.items():
                 blk = owned.get((param, index))
                 if blk is None or not isinstance(st, dict):
-                    raise ValueError(f"This DistributedShampoo state holds block {index!r:.40} of parameter "
-                                     f"{param!r:.40}, which this rank does not own; resume with the same "
-                                     "settings")  # fmt: skip
+                    raise ValueError(
+                        f"This DistributedShampoo state holds block {index!r:.40} of parameter "
+                        f"{param!r:.40}, which this rank does not own; resume with the same "
+                        "settings"
+                    )
                 for name, value in st.items():
                     if name in whole:
                         want: list[tuple[int, ...]] | tuple[int, ...] = tuple(blk.shape)
                         got: Any = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     elif name in per_dim:
                         want = [(d, d) for d in blk.shape]
-                        got = ([tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in value]
-                               if isinstance(value, list) else type(value).__name__)  # fmt: skip
+                        got = (
+                            [tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in value]
+                            if isinstance(value, list)
+                            else type(value).__name__
+                        )
                     elif name == "failures":
                         want, got = (), tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                     else:
-                        raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} holds "
-                                         f"{name!r:.40}, which no block keeps")  # fmt: skip
+                        raise ValueError(
+                            f"This DistributedShampoo state's block {index} of parameter {param} holds "
+                            f"{name!r:.40}, which no block keeps"
+                        )
                     if got != want:
-                        raise ValueError(f"This DistributedShampoo state's {name} of block {index} of parameter "
-                                         f"{param} is {got!s:.80}, the block needs {want!s:.80}")  # fmt: skip
+                        raise ValueError(
+                            f"This DistributedShampoo state's {name} of block {index} of parameter "
+                            f"{param} is {got!s:.80}, the block needs {want!s:.80}"
+                        )
                 if ("factors" in st) != ("failures" in st):
-                    raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} holds "
-                                     "factors without their failure count, or the count without them")  # fmt: skip
+                    raise ValueError(
+                        f"This DistributedShampoo state's block {index} of parameter {param} holds "
+                        "factors without their failure count, or the count without them"
+                    )
                 missing = sorted(self._kept_by_every_block(blk, param) - set(st)) if st else []
                 if missing:  # a block that stepped keeps these from its first step: torch would restart them
-                    raise ValueError(f"This DistributedShampoo state's block {index} of parameter {param} lacks "
-                                     f"{missing}, which every block of it keeps from its first step")  # fmt: skip
+                    raise ValueError(
+                        f"This DistributedShampoo state's block {index} of parameter {param} lacks "
+                        f"{missing}, which every block of it keeps from its first step"
+                    )
 
     def _kept_by_every_block(self, blk: Block, param: int) -> set[str]:
         """What a block's state holds from its first step on, whatever the step (roots, bases and the corrected

@@ -77,8 +77,14 @@ def update_factors(factors: list[torch.Tensor], g: torch.Tensor, beta2: float) -
             _add_gram(f, u, beta2, 1.0 - beta2)
 
 
-def inverse_roots(factors: list[torch.Tensor], *, eps: float, rel_eps: float | None = None,
-                  method: Method = "eigh", exponent_multiplier: float = 1.0) -> list[torch.Tensor]:  # fmt: skip
+def inverse_roots(
+    factors: list[torch.Tensor],
+    *,
+    eps: float,
+    rel_eps: float | None = None,
+    method: Method = "eigh",
+    exponent_multiplier: float = 1.0,
+) -> list[torch.Tensor]:
     """``(L_i + delta_i I)^(-1/(2k))`` for each of the ``k`` factors, with ``delta_i = max(eps, rel_eps
     lambda_max(L_i))`` (:func:`.matrix.inverse_root`; ``exponent_multiplier`` scales the root's exponent, as in the
     reference implementation; 1: Shampoo's own). May raise RootFailure."""
