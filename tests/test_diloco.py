@@ -4,6 +4,7 @@ non-finite pseudo-gradients, DDP inside a node with the hierarchical compressor 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from dist_utils import EPS32, EPS64, case, feedback_bound, guard, run_ranks, sam
 from models import batch, loss_fn, make_model
 from powertrain.checkpoint import from_blob, to_blob
 from powertrain.compress import NonFiniteGradientError
-from powertrain.diloco import DiLoCo, nesterov, split_by_size
+from powertrain.diloco import DiLoCo, DiLoCoConfig, split_by_size
 
 LR = 1e-2  # the inner AdamW's
 
@@ -123,12 +124,16 @@ def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
     diloco = DiLoCo(
         model.named_parameters(),
         _inner(model),
-        sync_every=setting["H"],
-        fragments=setting["fragments"],
-        delay=setting["delay"],
-        mix=setting["mix"],
-        warmup=setting["warmup"],
-        outer_optimizer=nesterov(setting["lr"], setting["momentum"]),
+        DiLoCoConfig(
+            sync_every=setting["H"],
+            compressor="none",
+            outer_lr=setting["lr"],
+            outer_momentum=setting["momentum"],
+            fragments=setting["fragments"],
+            sync_delay=setting["delay"],
+            sync_mix=setting["mix"],
+            sync_warmup=setting["warmup"],
+        ),
     )
     ref = _Reference(
         ref_model,
@@ -164,7 +169,9 @@ def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, An
     """Per sync: each rank's input (pseudo-gradient + old residual), the average and the new residual."""
     model = make_model(torch.float64)
     diloco = DiLoCo(
-        model.named_parameters(), _inner(model), sync_every=2, fragments=2, compressor=name, compressor_options=options
+        model.named_parameters(),
+        _inner(model),
+        DiLoCoConfig(sync_every=2, fragments=2, compressor=name, compressor_options=options),
     )
     comp = diloco.compressor
     records = []
@@ -200,11 +207,14 @@ def _conservation(rank: int, name: str, options: dict[str, Any]) -> dict[str, An
 def _resume(rank: int) -> dict[str, Any]:
     """Save after inner step 6 (fragment 0's sync starts there and is due at step 7: in flight), restore into fresh
     objects, finish the run; the uninterrupted run must end bit-identical."""
-    settings = dict(sync_every=6, fragments=3, delay=1, mix=0.5, compressor="int8")
+    # with outer momentum: its buffer is resumed too
+    settings = DiLoCoConfig(
+        sync_every=6, fragments=3, sync_delay=1, sync_mix=0.5, compressor="int8", outer_lr=0.7, outer_momentum=0.9
+    )
 
     def build() -> tuple[torch.nn.Module, DiLoCo]:
         model = make_model()
-        return model, DiLoCo(model.named_parameters(), _inner(model), **settings)  # type: ignore[arg-type]
+        return model, DiLoCo(model.named_parameters(), _inner(model), settings)
 
     model, diloco = build()
     _train(model, diloco, rank, range(14))
@@ -228,7 +238,7 @@ def _resume(rank: int) -> dict[str, Any]:
     diloco.finish()
     resumed = _params(model)
     fresh = make_model()
-    other = DiLoCo(fresh.named_parameters(), _inner(fresh), sync_every=5)
+    other = DiLoCo(fresh.named_parameters(), _inner(fresh), DiLoCoConfig(sync_every=5))
     try:
         other.load_state_dict(from_blob(saved["diloco"]))
         refused = ""
@@ -243,7 +253,9 @@ def _resume(rank: int) -> dict[str, Any]:
 
 def _nonfinite(rank: int) -> dict[str, Any]:
     model = make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, delay=1, compressor="int8")
+    diloco = DiLoCo(
+        model.named_parameters(), _inner(model), DiLoCoConfig(sync_every=2, sync_delay=1, compressor="int8")
+    )
     _train(model, diloco, rank, range(1))
     if rank == 1:
         with torch.no_grad():
@@ -258,9 +270,11 @@ def _nonfinite(rank: int) -> dict[str, Any]:
 def _crafted(rank: int) -> dict[str, Any]:
     """A state saved with a sync in flight (and outer momentum), then changed as an attacker would: each change is
     refused at load in one line, and a finish()'s syncs are not counted as late ones."""
-    settings = dict(sync_every=6, fragments=3, delay=1, compressor="int8")
+    settings = DiLoCoConfig(
+        sync_every=6, fragments=3, sync_delay=1, compressor="int8", outer_lr=0.7, outer_momentum=0.9
+    )
     model = make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), **settings)  # type: ignore[arg-type]
+    diloco = DiLoCo(model.named_parameters(), _inner(model), settings)
     _train(model, diloco, rank, range(6))
     good = from_blob(to_blob(diloco.state_dict()))
     late = diloco.late
@@ -271,7 +285,7 @@ def _crafted(rank: int) -> dict[str, Any]:
         state = from_blob(to_blob(good))
         change(state)
         fresh = make_model()
-        target = DiLoCo(fresh.named_parameters(), _inner(fresh), **{**settings, **other})  # type: ignore[arg-type]
+        target = DiLoCo(fresh.named_parameters(), _inner(fresh), dataclasses.replace(settings, **other))
         try:
             target.load_state_dict(state)
             refused[name] = ""
@@ -285,7 +299,7 @@ def _crafted(rank: int) -> dict[str, Any]:
     attempt("momentum shape", lambda st: st["outer"]["state"][momentum].update(momentum_buffer=torch.zeros(3)))
     attempt("momentum nan", lambda st: st["outer"]["state"][momentum]["momentum_buffer"].fill_(float("nan")))
     attempt("lr nan", lambda st: st["outer"]["param_groups"][0].update(lr=float("nan")))
-    attempt("other outer", lambda st: None, outer_optimizer=nesterov(1.0, 0.0))
+    attempt("other outer", lambda st: None, outer_lr=1.0, outer_momentum=0.0)
     return {"refused": refused, "in_flight": good["pending"] is not None, "late": (late, diloco.late)}
 
 
@@ -299,23 +313,23 @@ def _apart(rank: int) -> dict[str, Any]:
     model = torch.nn.Linear(3, 2)
     out = {}
     try:
-        DiLoCo(model.named_parameters(), _inner(model), sync_every=2)
+        DiLoCo(model.named_parameters(), _inner(model), DiLoCoConfig(sync_every=2))
         out["raised"] = ""
     except ValueError as e:
         out["raised"] = str(e)
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
     try:
-        DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters()), sync_every=2)
+        DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters()), DiLoCoConfig(sync_every=2))
         out["shared"] = ""
     except ValueError as e:
         out["shared"] = str(e)
     try:
-        DiLoCo(mlp.named_parameters(), Dion(mlp.named_parameters()), sync_every=2)
+        DiLoCo(mlp.named_parameters(), Dion(mlp.named_parameters()), DiLoCoConfig(sync_every=2))
         out["dion"] = ""
     except ValueError as e:
         out["dion"] = str(e)
-    diloco = DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters(), split=False), sync_every=2)
+    diloco = DiLoCo(mlp.named_parameters(), Muon(mlp.named_parameters(), split=False), DiLoCoConfig(sync_every=2))
     for step in range(4):
         diloco.zero_grad()
         mlp(torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * rank + step))).pow(2).mean().backward()
@@ -458,21 +472,29 @@ def test_bad_settings_are_refused_in_one_line():
     inner = _inner(model)
     for kwargs, text in [
         ({"sync_every": 0}, "sync_every=0"),
-        ({"sync_every": 4, "delay": 4}, "delay=4"),
-        ({"sync_every": 4, "fragments": 2, "delay": 2}, "delay=2"),
+        ({"sync_every": 4, "sync_delay": 4}, "sync_delay=4"),
+        ({"sync_every": 4, "fragments": 2, "sync_delay": 2}, "sync_delay=2"),
         ({"sync_every": 2, "fragments": 3}, "fragments=3"),
-        ({"sync_every": 4, "mix": 1.0}, "mix=1.0"),
-        ({"sync_every": 4, "mix": 0.5}, "mix=0.5 with delay=0"),
+        ({"sync_every": 4, "sync_mix": 1.0}, "sync_mix=1.0"),
+        ({"sync_every": 4, "sync_mix": 0.5}, "sync_mix=0.5 with sync_delay=0"),
         ({"sync_every": 4, "fragments": [[0]]}, "cover"),
+        ({"sync_every": 4, "fragments": [[0], []]}, "none empty"),
         ({"sync_every": 4, "compressor": "zip"}, "Unknown compressor"),
+        ({"compressor": "int8", "compressor_options": 3}, "mapping"),
+        ({"outer_lr": 0}, "outer_lr=0"),
+        ({"outer_lr": float("nan")}, "outer_lr=nan"),
+        ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"sync_warmup": -1}, "sync_warmup=-1"),
     ]:
         with pytest.raises(ValueError, match=text.replace("[", r"\[")) as e:
-            DiLoCo(model.named_parameters(), inner, **kwargs)
+            DiLoCo(model.named_parameters(), inner, DiLoCoConfig(**kwargs))
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="does not step"):
-        DiLoCo(model.named_parameters(), torch.optim.SGD(model.fc1.parameters(), lr=1), sync_every=2)
-    with pytest.raises(ValueError, match="outer lr"):
-        nesterov(lr=0)
+        DiLoCo(model.named_parameters(), torch.optim.SGD(model.fc1.parameters(), lr=1), DiLoCoConfig(sync_every=2))
+    with pytest.raises(ValueError, match="config must be a DiLoCoConfig"):
+        DiLoCo(model.named_parameters(), inner, {"sync_every": 2})  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="warmup_compressor='int8' has no effect without sync_warmup"):
+        DiLoCoConfig(warmup_compressor="int8")
 
 
 def test_one_process_is_local_training_with_an_outer_step():
@@ -482,8 +504,7 @@ def test_one_process_is_local_training_with_an_outer_step():
     diloco = DiLoCo(
         model.named_parameters(),
         torch.optim.SGD(model.parameters(), lr=0.1),
-        sync_every=2,
-        outer_optimizer=nesterov(1.0, 0.0),
+        DiLoCoConfig(sync_every=2, compressor="none", outer_lr=1.0, outer_momentum=0.0),
     )
     sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
     _train(model, diloco, 0, range(1))
@@ -545,8 +566,10 @@ def test_command_settings_are_checked_before_any_worker_starts():
     cfg = TrainConfig(parallel="diloco", compressor="powersgd:rank=4", sync_every=10, fragments=2, sync_delay=4)
     assert cfg.compressor == "powersgd:rank=4,start=0"  # the outer step compresses from its first sync
     assert cfg.adam_freeze == 0  # the inner AdamW is torch's: PowerSGD sends pseudo-gradients here
-    assert cfg.local_updates is not None and cfg.local_updates.delay == 4
+    assert cfg.local_updates is not None and cfg.local_updates.sync_delay == 4
     assert TrainConfig(parallel="diloco").compressor == "int4"  # the measured default
+    # one default: a script's DiLoCo(params, inner) runs what the command runs
+    assert TrainConfig(parallel="diloco").local_updates == DiLoCoConfig()
     for fields, text in [
         ({"parallel": "ddp", "sync_every": 10}, "sync_every=10 applies to parallel='diloco'"),
         ({"parallel": "diloco", "sync_every": 4, "fragments": 5}, "fragments=5"),
@@ -586,13 +609,18 @@ def _inside_node(rank: int, inner_kind: str) -> dict[str, Any]:
 
         wrapped = DistributedDataParallel(model, process_group=mesh["shard"].get_group(), find_unused_parameters=True)
         comp = HierarchicalCompressor(model.named_parameters(), "none", local_world=LOCAL)
-        diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=3, delay=1, compressor=comp)
+        diloco = DiLoCo(
+            model.named_parameters(), _inner(model), DiLoCoConfig(sync_every=3, sync_delay=1, compressor=comp)
+        )
     else:
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model, mesh=mesh["shard"])
         diloco = DiLoCo(
-            model.named_parameters(), _inner(model), sync_every=3, delay=1, group=mesh["replicate"].get_group()
+            model.named_parameters(),
+            _inner(model),
+            DiLoCoConfig(sync_every=3, sync_delay=1, compressor="none"),
+            group=mesh["replicate"].get_group(),
         )
     records: list[dict[str, Any]] = []
     program = diloco.compressor.program
@@ -673,7 +701,12 @@ def test_a_state_that_does_not_fit_changes_nothing():
     optimizer's) leaves every part as it was."""
     model = make_model()
     diloco = DiLoCo(
-        model.named_parameters(), _inner(model), sync_every=1, compressor="int8", warmup=1, warmup_compressor="int8"
+        model.named_parameters(),
+        _inner(model),
+        # outer momentum: its buffers are a part that must be left as it was
+        DiLoCoConfig(
+            sync_every=1, compressor="int8", sync_warmup=1, warmup_compressor="int8", outer_lr=0.7, outer_momentum=0.9
+        ),
     )
     _train(model, diloco, 0, range(3))
     saved = from_blob(to_blob(diloco.state_dict()))
@@ -713,7 +746,7 @@ def test_loading_waits_for_the_sync_in_flight():
     from powertrain.diloco import _Pending
 
     model = make_model()
-    diloco = DiLoCo(model.named_parameters(), _inner(model), sync_every=2, compressor="int8")
+    diloco = DiLoCo(model.named_parameters(), _inner(model), DiLoCoConfig(sync_every=2, compressor="int8"))
     _train(model, diloco, 0, range(3))
     saved = from_blob(to_blob(diloco.state_dict()))
     for outcome in ("result", "failure"):

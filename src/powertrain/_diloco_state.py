@@ -42,7 +42,7 @@ def check_state(state: Any, layout: Layout) -> None:
         diff = ", ".join(f"{k}={saved[k]!r:.80} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
         raise ValueError(
             f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
-            "fragments, delay, mix and warmup"
+            "fragments, sync_delay, sync_mix and sync_warmup"
         )
     fragments, delay, warmup = mine["fragments"], mine["delay"], mine["warmup"]
     step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")

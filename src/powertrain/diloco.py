@@ -7,33 +7,35 @@ optimizer on its own data, then the replicas exchange what they learned and agre
 1. the pseudo-gradient ``delta = anchor - local`` (the anchor: the weights every replica agreed on at the last
    synchronisation; ``local``: this replica's weights now);
 2. ``delta`` is averaged over the replicas through a :class:`~powertrain.compress.Compressor` with its error feedback
-   (exact fp32 by default; int8/int4, PowerSGD, top-k to send less: what a message leaves out is sent later);
-3. an *outer* optimizer (Nesterov SGD, lr 0.7, momentum 0.9 by default: DiLoCo's; ``powertrain train`` averages,
-   lr 1 and no momentum, which measured far better from scratch at H 10-50) steps the anchor with the average as its
-   gradient, and the replica continues from the new anchor.
+   (int4 by default; int8, PowerSGD, top-k, or exact fp32 with "none": what a message leaves out is sent later);
+3. an *outer* SGD with Nesterov momentum steps the anchor with the average as its gradient (lr 1 and no momentum by
+   default: plain averaging, which measured far better from scratch at H 10-50 than DiLoCo's lr 0.7, momentum 0.9),
+   and the replica continues from the new anchor.
+
+Every setting is a field of :class:`DiLoCoConfig`, the one type a script and ``powertrain train --parallel diloco``
+share: ``DiLoCo(params, inner)`` runs the command's defaults.
 
 This is DiLoCo (Douillard et al., arXiv 2311.08105); with outer SGD at lr 1 and no momentum it is plain model
 averaging (local SGD). Streaming DiLoCo (Douillard et al., arXiv 2501.18512) adds, and this class takes:
 
 * ``fragments`` = F: the parameters split into F groups, fragment ``i`` synchronised at inner steps ``i * H / F``
   (mod H), so a sync carries 1/F of the model and the link's peak load drops F-fold;
-* ``delay`` = tau: a fragment's collectives run in the background (:class:`powertrain.compress.chain.Chain`) while the
-  next tau inner steps compute; its outer update is applied after them, mixed with what the replica learned
-  meanwhile (``mix`` = alpha: ``local <- alpha * local + (1 - alpha) * anchor``; 0 takes the anchor as it is).
+* ``sync_delay`` = tau: a fragment's collectives run in the background (:class:`powertrain.compress.chain.Chain`)
+  while the next tau inner steps compute; its outer update is applied after them, mixed with what the replica learned
+  meanwhile (``sync_mix`` = alpha: ``local <- alpha * local + (1 - alpha) * anchor``; 0 takes the anchor as it is).
 
 Compute waits for the link only when a sync has not arrived when it is due (its wait is counted in
 ``stats.comm_s`` and :attr:`DiLoCo.waited_s`).
 
 SparseLoCo's outer step (Sarfi et al., arXiv 2508.15706: top-k at 1-3% with 2-bit values, the compressor's decayed
-error-feedback accumulator in place of outer momentum) is ``outer_optimizer=nesterov(1.0, 0.0)`` (plain averaging)
-with ``compressor="topk", compressor_options={"ratio": 0.02, "bits": 2, "error_decay": 0.95}``; with
+error-feedback accumulator in place of outer momentum) is ``DiLoCoConfig(compressor="topk", compressor_options={"ratio":
+0.02, "bits": 2, "error_decay": 0.95})`` with the default outer step (plain averaging); with
 ``error_decay=1`` what a sync leaves out is carried undecayed into the next one (classic error feedback).
 
 Usage (each process a replica)::
 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    diloco = DiLoCo(model.named_parameters(), inner, sync_every=25, compressor="int4",
-                    outer_optimizer=nesterov(1.0, 0.0))  # averaging: the command's measured default
+    diloco = DiLoCo(model.named_parameters(), inner)  # or DiLoCo(..., DiLoCoConfig(sync_every=50, ...))
     for x, y in loader:
         model(x, y).backward()
         diloco.step()       # the inner step; every 25 steps also the outer one
@@ -49,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -58,46 +59,13 @@ import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
+from powertrain._diloco_config import DiLoCoConfig, schedule
 from powertrain._diloco_state import Layout, check_state
 from powertrain.comm import CommStats, Communicator, group_of_its_own
 from powertrain.compress.base import Compressor, placeholder, run_program
 from powertrain.compress.chain import Chain, Sequencer
 
-__all__ = ["DiLoCo", "OuterOptimizer", "nesterov", "schedule", "split_by_size"]
-
-OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-
-
-def nesterov(lr: float = 0.7, momentum: float = 0.9) -> OuterOptimizer:
-    """DiLoCo's outer optimizer: SGD with Nesterov momentum (plain SGD when ``momentum`` is 0)."""
-    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"Invalid outer lr={lr!r}: must be a number > 0 (DiLoCo's is 0.7; 1 with momentum 0 averages)")
-    if not (isinstance(momentum, int | float) and 0 <= momentum < 1):
-        raise ValueError(f"Invalid outer momentum={momentum!r}: must be in [0, 1) (DiLoCo's is 0.9)")
-    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
-
-
-def schedule(sync_every: int, fragments: int, delay: int) -> list[int]:
-    """Each fragment's first sync step (fragment k at ``k * sync_every // fragments``; later ones every ``sync_every``
-    inner steps, never at step 0). ValueError, naming the value and the fix, unless at most one fragment starts per
-    inner step and ``delay`` is below the gap between two fragments' syncs (one sync in flight at a time)."""
-    check_int("sync_every", sync_every, 1)
-    check_int("fragments", fragments, 1)
-    check_int("delay", delay, 0)
-    if fragments > sync_every:
-        raise ValueError(
-            f"Invalid fragments={fragments} for sync_every={sync_every}: at most one fragment starts its "
-            "sync per inner step; use fragments <= sync_every"
-        )
-    offsets = [k * sync_every // fragments for k in range(fragments)]
-    gap = min(b - a for a, b in zip(offsets, [*offsets[1:], sync_every], strict=True))
-    if delay >= gap:
-        raise ValueError(
-            f"Invalid delay={delay}: must be below the {gap} inner steps between two fragments' syncs "
-            f"(sync_every / fragments = {sync_every}/{fragments}), so that one sync is in flight at a "
-            "time"
-        )
-    return offsets
+__all__ = ["DiLoCo", "DiLoCoConfig", "schedule", "split_by_size"]
 
 
 def split_by_size(sizes: Sequence[int], fragments: int) -> list[list[int]]:
@@ -136,52 +104,25 @@ class DiLoCo:
         params: the replica's trainable parameters (``model.named_parameters()`` or ``model.parameters()``), the ones
             ``inner`` steps; FSDP2's sharded parameters (DTensors) take part with their local shards.
         inner: the inner optimizer (any ``torch.optim.Optimizer``, powertrain's included). :meth:`step` steps it.
-        sync_every: H, inner steps between two synchronisations of a fragment (>= 1).
-        compressor: how the pseudo-gradients are averaged over the replicas: a name of
-            :func:`~powertrain.compress.make_compressor` (built here, with ``compressor_options``, on a process group of
-            its own with the ranks of ``group``), or a :class:`~powertrain.compress.Compressor` built on the parameters
-            (or placeholders of their local shapes) on a process group that nothing else uses while a sync is in
-            flight. Default ``"none"``: exact fp32 averaging.
-        compressor_options: the named compressor's options.
-        outer_optimizer: builds the outer optimizer on the anchor tensors (default: :func:`nesterov`, DiLoCo's).
-        fragments: F, an int (consecutive parameters in F groups of about equal size, :func:`split_by_size`) or the
-            groups themselves (lists of positions in ``params``, together each position once).
-        delay: tau, inner steps a fragment's sync overlaps before its outer update is applied; less than the gap
-            between two fragments' syncs (H / F), so that one sync is in flight at a time.
-        mix: alpha in [0, 1): after a delayed outer update ``local <- alpha * local + (1 - alpha) * anchor`` (needs
-            ``delay`` > 0).
-        warmup: inner steps first whose gradients are averaged every step by ``warmup_compressor`` (a name, with
-            ``warmup_options``, or a Compressor on the training's group), so that the replicas take the same inner
-            steps; the local updates start from the weights they reach (what the warm-up compressor's error
-            feedback still holds then is not carried into them). 0: none.
+        config: the settings (default ``DiLoCoConfig()``: what ``powertrain train --parallel diloco`` runs).
         group: the process group whose ranks are the replicas (default: the world). Ranks that train one replica
-            together (DDP or FSDP2 inside a node) pass a group of one rank per replica, or a ``HierarchicalCompressor``.
+            together (DDP or FSDP2 inside a node) pass a group of one rank per replica, or a ``HierarchicalCompressor``
+            as the config's compressor.
     """
 
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
         inner: torch.optim.Optimizer,
+        config: DiLoCoConfig | None = None,
         *,
-        sync_every: int,
-        compressor: str | Compressor = "none",
-        compressor_options: Mapping[str, Any] | None = None,
-        outer_optimizer: OuterOptimizer | None = None,
-        fragments: int | Sequence[Sequence[int]] = 1,
-        delay: int = 0,
-        mix: float = 0.0,
-        warmup: int = 0,
-        warmup_compressor: str | Compressor = "none",
-        warmup_options: Mapping[str, Any] | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        check_int("warmup", warmup, 0)
-        if isinstance(mix, bool) or not isinstance(mix, int | float) or not 0 <= mix < 1:
-            raise ValueError(f"Invalid mix={mix!r}: must be in [0, 1) (0: take the outer update as it is)")
-        if mix and not delay:
+        config = DiLoCoConfig() if config is None else config
+        if not isinstance(config, DiLoCoConfig):
             raise ValueError(
-                f"Invalid mix={mix!r} with delay=0: mixing keeps local progress made while a sync travels "
-                "(Streaming DiLoCo's alpha); set delay > 0 or mix=0"
+                f"config must be a DiLoCoConfig, got {type(config).__name__}: DiLoCo(params, inner, "
+                "DiLoCoConfig(sync_every=..., ...))"
             )
         if not isinstance(inner, torch.optim.Optimizer):
             raise ValueError(f"inner must be a torch.optim.Optimizer, got {type(inner).__name__}")
@@ -201,21 +142,22 @@ class DiLoCo:
         if missing := [n for n, p in named if id(p) not in stepped]:
             raise ValueError(f"The inner optimizer does not step {missing[:3]}: build it on the same parameters")
         self.inner = inner
-        self.sync_every, self.delay, self.mix = sync_every, delay, float(mix)
+        self.config = config
+        self.sync_every, self.delay, self.mix = config.sync_every, config.sync_delay, float(config.sync_mix)
         local = self._locals()
-        self.fragments = _fragments(fragments, [t.numel() for t in local])
+        self.fragments = _fragments(config.fragments, [t.numel() for t in local])
         nf = len(self.fragments)
         #: fragment k starts its syncs at inner steps offsets[k] + j * sync_every (j >= 0; never at step 0)
-        self.offsets = schedule(sync_every, len(self.fragments), delay)
-        self.warmup = warmup
-        self.compressor = self._compressor(compressor, dict(compressor_options or {}), group, local)
+        self.offsets = schedule(self.sync_every, len(self.fragments), self.delay)
+        self.warmup = config.sync_warmup
+        self.compressor = self._compressor(config.compressor, dict(config.compressor_options), group, local)
         #: averages every step's gradients during the warm-up (None without one): the replicas train as one
         self.warmup_compressor = (
-            self._compressor(warmup_compressor, dict(warmup_options or {}), group, local, own_group=False)
-            if warmup
+            self._compressor(config.warmup_compressor, dict(config.warmup_options), group, local, own_group=False)
+            if self.warmup
             else None
         )
-        if self.warmup_compressor is not None and isinstance(warmup_compressor, str):  # one count of what is sent
+        if self.warmup_compressor is not None and isinstance(config.warmup_compressor, str):  # one count of sends
             warm = self.warmup_compressor
             warm.comm = Communicator(warm.comm.group, stats=self.compressor.comm.stats)
         comms = self.compressor.communicators() or [self.compressor.comm] * self.compressor.max_collectives_per_call()
@@ -224,12 +166,13 @@ class DiLoCo:
         with torch.no_grad():
             self.anchors = [t.detach().clone() for t in local]
         _check_same_start(self.anchors, group)
-        self.outer = (outer_optimizer or nesterov())(self.anchors)
+        momentum = config.outer_momentum
+        self.outer = torch.optim.SGD(self.anchors, lr=config.outer_lr, momentum=momentum, nesterov=momentum > 0)
         self.step_count = 0  # inner steps taken
         self.syncs = 0  # fragment synchronisations applied
         self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
         self.late = 0  # how many syncs had not arrived when due
-        self._applied = [warmup] * nf  # the inner step of each fragment's latest outer update
+        self._applied = [self.warmup] * nf  # the inner step of each fragment's latest outer update
         self._pending: _Pending | None = None
         self._error: BaseException | None = None
 
@@ -246,9 +189,7 @@ class DiLoCo:
         local: list[torch.Tensor],
         own_group: bool = True,
     ) -> Compressor:
-        if isinstance(spec, Compressor):
-            if options:
-                raise ValueError("compressor_options go with a compressor name; a Compressor instance has its own")
+        if isinstance(spec, Compressor):  # the config checked that no options came with it
             shapes = [tuple(p.shape) for p in spec.params]
             if shapes != [tuple(t.shape) for t in local]:
                 raise ValueError(
@@ -258,13 +199,11 @@ class DiLoCo:
             used = spec.communicators() or [spec.comm]  # the groups its requests go to
             if self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
                 raise ValueError(
-                    "With delay > 0 the compressor's collectives overlap training, whose own collectives "
+                    "With sync_delay > 0 the compressor's collectives overlap training, whose own collectives "
                     "use the default group: build the compressor on a group of its own "
                     "(dist.new_group(...)), or pass its name"
                 )
             return spec
-        if not isinstance(spec, str):
-            raise ValueError(f"compressor must be a name or a powertrain Compressor, got {type(spec).__name__}")
         from powertrain.compress import make_compressor
 
         # the outer step's collectives overlap training's own (on their groups); the warm-up's run in the step

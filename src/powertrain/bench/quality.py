@@ -305,7 +305,7 @@ PRESETS = {
         25,
         32.0,
         DEFAULT_START,
-        rows=("bf16", *(r.key for r in OPTIMIZER_ROWS)),
+        rows=("bf16", "local", *(r.key for r in OPTIMIZER_ROWS)),  # local: AdamW inside, beside Muon inside
         baseline=("fp32", *(f"adamw-{lr:g}" for lr in ADAMW_LRS)),
         target=1.0,
         # the long horizon: the AdamW sweep, Muon's best rate, local updates with AdamW and Muon inside (issue 48

@@ -3,9 +3,10 @@
 :func:`run_torchft` trains ``world`` replicas of one process each, as ``powertrain bench quality``'s local-update rows
 train theirs (:mod:`powertrain.bench.sidebyside`): the model seeded with ``seed``, replica r's batch at step s
 ``corpus.batch("train", r, world, (seed, r, s), ...)``, the inner AdamW and its schedule built by ``powertrain
-train``'s own functions, the outer step ``nesterov(outer_lr, outer_momentum)`` on fp32 pseudo-gradients. torchft does
-the rest: its Manager (quorum through a lighthouse, the cross-replica gloo group) and its DiLoCo (pseudo-gradients
-averaged by per-parameter all-reduces, sum then divide by the participants; the outer step on the model; fragments).
+train``'s own functions, the outer step (SGD with Nesterov momentum at ``outer_lr``, ``outer_momentum``) on fp32
+pseudo-gradients. torchft does the rest: its Manager (quorum through a lighthouse, the cross-replica gloo group) and
+its DiLoCo (pseudo-gradients averaged by per-parameter all-reduces, sum then divide by the participants; the outer
+step on the model; fragments).
 
 What is measured, per run:
 
@@ -394,7 +395,6 @@ def _worker(a: dict[str, Any]) -> None:
 
     from torch.distributed import TCPStore
 
-    from powertrain.diloco import nesterov
     from powertrain.train.data import TokenData, load_data
     from powertrain.train.optimizers import build_optimizer, build_scheduler
 
@@ -442,7 +442,8 @@ def _worker(a: dict[str, Any]) -> None:
     inner = build_optimizer(cfg, model).optimizer
     schedule = build_scheduler(cfg, inner)
     fragments = _torchft_fragments(model, cfg.fragments)
-    outer = [nesterov(cfg.outer_lr, cfg.outer_momentum)(list(f.parameters())) for f in fragments]
+    m = cfg.outer_momentum  # DiLoCo's outer step: SGD with Nesterov momentum
+    outer = [torch.optim.SGD(f.parameters(), lr=cfg.outer_lr, momentum=m, nesterov=m > 0) for f in fragments]
 
     listener = socket.create_server((host, 0))  # the store's socket, on this replica's address only
     store = TCPStore(

@@ -19,13 +19,20 @@ from typing import Any, Literal
 
 import torch
 
+from powertrain._diloco_config import (
+    DEFAULT_OUTER_COMPRESSOR,
+    DEFAULT_OUTER_LR,
+    DEFAULT_OUTER_MOMENTUM,
+    DEFAULT_SYNC_EVERY,
+    DiLoCoConfig,
+)
 from powertrain._files import FileTooLarge, read_bounded
 from powertrain.compress import COMPRESSORS, make_compressor
 from powertrain.compress.powersgd import RECOMMENDED, recommended_options
 from powertrain.models import RESNET_WIDTH
 from powertrain.optim.galore.projector import SvdMethod
 from powertrain.optim.shampoo.preconditioner import Preconditioner
-from powertrain.train.strategy import LocalUpdates, Parallel
+from powertrain.train.strategy import Parallel
 from powertrain.train.strategy import check as check_parallel
 
 Data = Literal["stdlib", "textdir", "bin", "mnist1d"]
@@ -117,14 +124,6 @@ def default_compressor(steps: int, width: int) -> str:
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 #: Local updates (``--parallel diloco``) when the run does not set them: see :data:`DILOCO_FIELDS`. Measured on the
-#: default GPT, 2 replicas (BENCHMARKS.md, "Local updates"): plain averaging (outer lr 1, no momentum) ends far below
-#: DiLoCo's outer Nesterov step (lr 0.7, momentum 0.9, tuned for H ~ 500 from a pre-trained start) at H 10-50 from
-#: scratch, and int4 with error feedback on the outer step ends where fp32 does at 1/8 of its bytes.
-DEFAULT_SYNC_EVERY = 25
-DEFAULT_OUTER_LR = 1.0
-DEFAULT_OUTER_MOMENTUM = 0.0
-#: The outer step's compressor when a diloco run names none.
-DEFAULT_OUTER_COMPRESSOR = "int4"
 #: The fields that only ``--parallel diloco`` reads.
 DILOCO_FIELDS = (
     "sync_every",
@@ -227,13 +226,11 @@ class TrainConfig:
             "galore_gap",
             "demo_topk",
             "demo_chunk",
-            "sync_every",
-            "fragments",
         ]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 1")
-        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every", "sync_delay", "sync_warmup"):
+        for name in ("warmup_steps", "seed", "eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)!r}: must be >= 0")
         for f in dataclasses.fields(self):  # no value may overflow what it is handed to (torch, timedelta)
@@ -335,7 +332,6 @@ class TrainConfig:
                 raise ValueError(
                     f"parallel={self.parallel!r} runs in fp32 and eagerly: drop --precision bf16 and --compile"
                 )
-        self._check_local_updates()
         if self.parallel == "tp":
             if self.model != "gpt":
                 raise ValueError("parallel='tp' has a plan for the GPT only: use model='gpt', or parallel='rtp'")
@@ -360,6 +356,7 @@ class TrainConfig:
             spec = self.compressor.rstrip(",") + ("," if ":" in self.compressor else ":") + "start=0"
             object.__setattr__(self, "compressor", spec)
         name, options = parse_compressor(self.compressor)  # validate now, not in the workers
+        self._check_local_updates()
         if self.adam_freeze is None:
             freeze = default_adam_freeze(name, self.optimizer, self.steps, self.parallel)
             object.__setattr__(self, "adam_freeze", freeze)
@@ -392,8 +389,8 @@ class TrainConfig:
             )
 
     def _check_local_updates(self) -> None:
-        """The diloco fields: their ranges, their schedule (powertrain.diloco.schedule), and that only diloco sets
-        them."""
+        """The diloco fields: that only diloco sets them, then what DiLoCoConfig checks, and what the run's length
+        decides."""
         if self.parallel != "diloco":
             changed = [
                 f.name
@@ -406,36 +403,13 @@ class TrainConfig:
                     f"updates), not {self.parallel!r}: drop it or use --parallel diloco"
                 )
             return
-        from powertrain.diloco import schedule
-
-        schedule(self.sync_every, self.fragments, self.sync_delay)
-        if not 0 <= self.sync_mix < 1:
-            raise ValueError(f"Invalid sync_mix={self.sync_mix!r}: must be in [0, 1) (0: take the outer update as is)")
-        if self.sync_mix and not self.sync_delay:
-            raise ValueError(
-                f"Invalid sync_mix={self.sync_mix!r} with sync_delay=0: mixing keeps the local progress "
-                "made while a sync travels; set --sync-delay or drop --sync-mix"
-            )
+        self.local_updates  # noqa: B018 (DiLoCoConfig checks its fields as it is built)
         if self.sync_every >= self.steps:
             warnings.warn(
                 f"sync_every={self.sync_every} >= steps={self.steps}: the replicas never sync before the "
                 "run's end (one sync at the end); lower --sync-every",
                 stacklevel=2,
             )
-        if self.warmup_compressor != "none" and not self.sync_warmup:
-            warnings.warn(
-                f"warmup_compressor={self.warmup_compressor!r} has no effect without sync_warmup: set "
-                "--sync-warmup N or drop --warmup-compressor",
-                stacklevel=2,
-            )
-        if not 0 < self.outer_lr <= 10:
-            raise ValueError(
-                f"Invalid outer_lr={self.outer_lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with "
-                "outer_momentum 0 averages the replicas)"
-            )
-        if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"Invalid outer_momentum={self.outer_momentum!r}: must be in [0, 1)")
-        parse_compressor(self.warmup_compressor)  # its name and options, checked now
         if self.sync_warmup >= self.steps:
             raise ValueError(
                 f"Invalid sync_warmup={self.sync_warmup}: the run has {self.steps} steps; a warm-up "
@@ -453,21 +427,25 @@ class TrainConfig:
             )
 
     @property
-    def local_updates(self) -> LocalUpdates | None:
-        """The settings of ``parallel="diloco"`` (None for the other modes)."""
+    def local_updates(self) -> DiLoCoConfig | None:
+        """The settings of ``parallel="diloco"`` (None for the other modes): the outer step's compressor and the
+        warm-up's, parsed from their specs."""
         if self.parallel != "diloco":
             return None
-        name, options = parse_compressor(self.warmup_compressor)
-        return LocalUpdates(
-            self.sync_every,
-            self.fragments,
-            self.sync_delay,
-            self.sync_mix,
-            self.outer_lr,
-            self.outer_momentum,
-            self.sync_warmup,
-            name,
-            options,
+        outer, outer_options = parse_compressor(self.compressor)
+        warm, warm_options = parse_compressor(self.warmup_compressor)
+        return DiLoCoConfig(
+            sync_every=self.sync_every,
+            compressor=outer,
+            compressor_options=outer_options,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            fragments=self.fragments,
+            sync_delay=self.sync_delay,
+            sync_mix=self.sync_mix,
+            sync_warmup=self.sync_warmup,
+            warmup_compressor=warm,
+            warmup_options=warm_options,
         )
 
     @property

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -45,22 +45,10 @@ from powertrain.compress.powersgd import Config
 from powertrain.ops.flat import shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
 
+if TYPE_CHECKING:
+    from powertrain.diloco import DiLoCoConfig
+
 Parallel = Literal["reference", "ddp", "fsdp", "simple_fsdp", "rtp", "tp", "diloco"]
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalUpdates:
-    """The settings of ``parallel="diloco"`` (:class:`powertrain.diloco.DiLoCo`'s)."""
-
-    sync_every: int  # H: inner steps between two syncs of a fragment
-    fragments: int = 1  # F: Streaming DiLoCo's fragments
-    delay: int = 0  # tau: inner steps a sync overlaps before its outer update is applied
-    mix: float = 0.0  # alpha: the local weights' share after a (delayed) outer update
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0  # Nesterov; 0: plain SGD (with outer_lr 1: averaging, the command's default)
-    warmup: int = 0  # inner steps first whose gradients are averaged every step (the replicas train as one)
-    warmup_compressor: str = "none"  # what averages them, with its options
-    warmup_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Strategy:
@@ -297,7 +285,7 @@ class _DiLoCo(Strategy):
     between nodes. Each rank's weights and inner optimizer are its own: ``replica`` checkpoints the weights."""
 
     def __init__(
-        self, model: torch.nn.Module, name: str, options: dict[str, Any], local: LocalUpdates, hierarchical: bool
+        self, model: torch.nn.Module, name: str, options: dict[str, Any], local: DiLoCoConfig, hierarchical: bool
     ) -> None:
         self.model, self.local = model, local
         if hierarchical:
@@ -325,22 +313,11 @@ class _DiLoCo(Strategy):
         self.diloco: Any = None
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        from powertrain.diloco import DiLoCo, nesterov
+        from powertrain.diloco import DiLoCo
 
-        lu = self.local
-        self.diloco = DiLoCo(
-            self.module.named_parameters(),
-            optimizer,
-            sync_every=lu.sync_every,
-            compressor=self.comp,
-            outer_optimizer=nesterov(lu.outer_lr, lu.outer_momentum),
-            fragments=lu.fragments,
-            delay=lu.delay,
-            mix=lu.mix,
-            warmup=lu.warmup,
-            warmup_compressor=lu.warmup_compressor,
-            warmup_options=lu.warmup_options,
-        )
+        # the compressor built here (on a group of its own, or hierarchical) in place of its name and options
+        config = dataclasses.replace(self.local, compressor=self.comp, compressor_options={})
+        self.diloco = DiLoCo(self.module.named_parameters(), optimizer, config)
         self.state = self.diloco
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -460,7 +437,7 @@ def build_strategy(
     tp: int = 1,
     batch: int = 0,
     hierarchical: bool = False,
-    local: LocalUpdates | None = None,
+    local: DiLoCoConfig | None = None,
 ) -> Strategy:
     """Wrap ``model`` for ``parallel`` with compressor ``name`` (options as for :func:`make_compressor`);
     ``compiled``: the model will be compiled (SimpleFSDP then leaves bucketing to inductor);
@@ -487,6 +464,6 @@ def build_strategy(
             return _TP(model, name, options, tp, batch)
         case "diloco":
             if local is None:
-                raise ValueError("parallel='diloco' needs its settings: local=LocalUpdates(sync_every=...)")
+                raise ValueError("parallel='diloco' needs its settings: local=DiLoCoConfig(...)")
             return _DiLoCo(model, name, options, local, hierarchical)
     raise ValueError(f"Invalid parallel={parallel!r}: choose reference, ddp, fsdp, simple_fsdp, rtp, tp or diloco")
