@@ -543,12 +543,10 @@ def _cost_text(cfg: TrainConfig) -> str:
     return f"; {RECOMMENDED_COST}" if default else ""
 
 
-#: Local updates: the share of its training time an unstreamed run waits for syncs past which streaming is the
-#: sooner to a target loss. Measured on the default GPT (docs/local-updates.md, the same bench run): the default
-#: (H 25) needs 475 steps to fp32's loss + 1%, each costing the compute t = 0.614 s plus its wait w; streamed (5
-#: fragments, tau 4, alpha 0.5) needs 550 steps of 0.657 s (its median over the three links: its syncs overlap the
-#: next steps). Streaming wins when 550 x 0.657 < 475 (t + w), i.e. when w / (t + w) > 1 - 475 x 0.614 / (550 x 0.657).
-STREAM_ABOVE = 1 - 475 * 0.614 / (550 * 0.657)
+#: Local updates: the share of its training time an unstreamed run waits for syncs past which streaming reached a
+#: target loss sooner. Measured on the default GPT (BENCHMARKS.md, "Local updates across slow links": the local and
+#: local-streaming rows' steps to the target and seconds per step; derived in docs/notes/local-updates.md).
+STREAM_ABOVE = 0.193
 #: the streamed configuration it was measured with
 STREAMED = "--sync-every 25 --fragments 5 --sync-delay 4 --sync-mix 0.5"
 
@@ -571,7 +569,7 @@ def _wait_text(s: dict[str, Any], cfg: TrainConfig, trained_s: float, resumed: b
         return text + " (--sync-delay lets a sync overlap the next steps)"
     advice = (
         f": past {STREAM_ABOVE:.1%}, streamed syncs that overlap the next steps reached a target loss sooner on "
-        f"the default GPT, although they need more steps ({STREAMED}; docs/local-updates.md)"
+        f"the default GPT, although they need more steps ({STREAMED}; docs/notes/local-updates.md)"
     )
     return text + advice
 
