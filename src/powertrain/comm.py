@@ -27,6 +27,7 @@ from powertrain._compat import all_gather_single
 
 __all__ = ["CommStats", "Communicator", "ReduceKind", "collective_device", "group_of_its_own"]
 
+#: How a reducing collective combines the ranks' tensors: their sum, or their mean (the sum divided by the world size).
 ReduceKind = Literal["sum", "mean"]
 
 

@@ -51,6 +51,9 @@ __all__ = ["Aggregator", "AllReduce", "Config", "PowerSGD", "optimizer_step"]
 
 
 class Aggregator(abc.ABC):
+    """The reference's one-method interface for what averages gradients over ranks (:class:`AllReduce` exactly,
+    :class:`PowerSGD` compressed): subclass it to plug another into code written against the reference."""
+
     @abc.abstractmethod
     def aggregate(self, gradients: list[torch.Tensor]) -> list[torch.Tensor]:
         """Average ``gradients`` over ranks; overwrite each input with what was not sent (or zero)."""

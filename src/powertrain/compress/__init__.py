@@ -46,6 +46,7 @@ _CLASSES: dict[str, type[Compressor]] = {
     "randk": RandomKCompressor,
     "sign": SignCompressor,
 }
+#: The names :func:`make_compressor` builds (the command's ``--compressor``), in the order the docs list them.
 COMPRESSORS = tuple(_CLASSES)
 
 
