@@ -19,13 +19,13 @@ __all__ = ["Layout", "check_state"]
 class Layout:
     """What the loading DiLoCo is: the settings a state must have been saved with (``sync_every``, ``fragments``,
     ``delay``, ``mix``, ``warmup``), its local tensors' shapes, its outer optimizer's param_groups, its fragment
-    schedule (``starting(step)``: the fragments whose sync starts after ``step``) and whether it has a warm-up
+    schedule (``fragments_to_sync(step)``: the fragments whose sync starts after ``step``) and whether it has a warm-up
     compressor."""
 
     settings: dict[str, Any]
     shapes: list[torch.Size]
     outer_groups: list[dict[str, Any]]
-    starting: Callable[[int], list[int]]
+    fragments_to_sync: Callable[[int], list[int]]
     warmup_compressor: bool
     #: the per-anchor state keys the outer optimizer writes (torch's SGD: momentum_buffer), None where unknown
     outer_keys: frozenset[str] | None = None
@@ -65,7 +65,7 @@ def check_state(state: Any, layout: Layout) -> None:
             and _is_int(due)
             and 0 <= f < len(fragments)
             and step < due <= step + delay
-            and f in layout.starting(due - delay)
+            and f in layout.fragments_to_sync(due - delay)
         ):
             raise ValueError(
                 f"DiLoCo state_dict's sync in flight is invalid (fragment {f!r:.40}, due {due!r:.40} at "

@@ -172,7 +172,7 @@ class DiLoCo:
         self.syncs = 0  # fragment synchronisations applied
         self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
         self.late = 0  # how many syncs had not arrived when due
-        self._applied = [self.warmup] * nf  # the inner step of each fragment's latest outer update
+        self._updated_at = [self.warmup] * nf  # the inner step of each fragment's latest outer update
         self._pending: _Pending | None = None
         self._error: BaseException | None = None
 
@@ -246,7 +246,7 @@ class DiLoCo:
                     a.copy_(t)
         if self._pending is not None and self._pending.due == s:
             self._apply(self._wait(lost=True))
-        for f in self.starting(s):
+        for f in self.fragments_to_sync(s):
             self._start(f, due=s + self.delay)
             if self.delay == 0:
                 self._apply(self._wait(lost=True))
@@ -260,11 +260,11 @@ class DiLoCo:
         if self._pending is not None:  # waited for now by design: not a sync the link was late with
             self._apply(self._wait(lost=False))
         for f in range(len(self.fragments)):
-            if self._applied[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
+            if self._updated_at[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
                 self._start(f, due=self.step_count)
                 self._apply(self._wait(lost=False), mix=0.0)
 
-    def starting(self, step: int) -> list[int]:
+    def fragments_to_sync(self, step: int) -> list[int]:
         """The fragments whose sync starts after inner step ``step`` (1-based; the schedule starts after the
         warm-up)."""
         s = step - self.warmup
@@ -350,7 +350,7 @@ class DiLoCo:
                 t.mul_(mix).add_(a, alpha=1 - mix)
             else:
                 t.copy_(a)
-        self._applied[pending.fragment] = self.step_count
+        self._updated_at[pending.fragment] = self.step_count
         self.syncs += 1
 
     # ------------------------------------------------------------------ state
@@ -371,7 +371,7 @@ class DiLoCo:
             "mix": self.mix,
             "step": self.step_count,
             "syncs": self.syncs,
-            "applied": list(self._applied),
+            "applied": list(self._updated_at),
             "anchors": list(self.anchors),
             "outer": self.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
@@ -394,7 +394,7 @@ class DiLoCo:
                 },
                 shapes=[t.shape for t in self._locals()],
                 outer_groups=self.outer.state_dict()["param_groups"],
-                starting=self.starting,
+                fragments_to_sync=self.fragments_to_sync,
                 warmup_compressor=self.warmup_compressor is not None,
                 outer_keys=frozenset({"momentum_buffer"}) if type(self.outer) is torch.optim.SGD else None,
             ),
@@ -427,7 +427,7 @@ class DiLoCo:
         with torch.no_grad():
             for a, saved_anchor in zip(self.anchors, state["anchors"], strict=True):
                 a.copy_(saved_anchor)
-        self.step_count, self.syncs, self._applied = step, syncs, list(applied)
+        self.step_count, self.syncs, self._updated_at = step, syncs, list(applied)
         self._seq, self._calls = Sequencer(self._seq.comms), 0  # every rank counts its calls afresh
         self._pending = None
         if pending is not None:

@@ -46,7 +46,7 @@ class Sequencer:
         self.comms = comms
         self.worker = _Worker()  # continues the programs whose result check would hold the caller
         self._lock = threading.Lock()
-        self._next = [0] * len(comms)  # next call number allowed to issue on each phase
+        self._next = [0] * len(comms)  # next call number allowed to issue on each slot
         self._pending: list[dict[int, Callable[[], Callable[[], None]]]] = [{} for _ in comms]
         self._skipped: list[set[int]] = [set() for _ in comms]
 
@@ -57,37 +57,37 @@ class Sequencer:
                 return k
         raise RuntimeError("a compressor's request named a communicator its communicators() does not list")
 
-    def submit(self, phase: int, call: int, launch: Callable[[], Callable[[], None]]) -> None:
+    def submit(self, slot: int, call_no: int, launch: Callable[[], Callable[[], None]]) -> None:
         """``launch()`` issues the collective and returns what to run outside the lock (attach its completion
-        callback); it must not raise. ``phase``: the communicator's position."""
+        callback); it must not raise. ``slot``: the communicator's position."""
         with self._lock:
-            self._pending[phase][call] = launch
-            attach = self._drain(phase)
+            self._pending[slot][call_no] = launch
+            attach = self._drain(slot)
         for a in attach:  # outside the lock: a completed future runs its callback inline
             a()
 
-    def finish(self, call: int, used: set[int]) -> None:
-        """Call ``call`` issued collectives on the communicators ``used`` and will issue no more."""
+    def finish(self, call_no: int, used: set[int]) -> None:
+        """Call number ``call_no`` issued collectives on the communicators ``used`` and will issue no more."""
         attach: list[Callable[[], None]] = []
         with self._lock:
-            for phase in set(range(len(self.comms))) - used:
-                self._skipped[phase].add(call)
-                attach += self._drain(phase)
+            for slot in set(range(len(self.comms))) - used:
+                self._skipped[slot].add(call_no)
+                attach += self._drain(slot)
         for a in attach:
             a()
 
-    def _drain(self, phase: int) -> list[Callable[[], None]]:
+    def _drain(self, slot: int) -> list[Callable[[], None]]:
         attach = []
-        pending, skipped = self._pending[phase], self._skipped[phase]
+        pending, skipped = self._pending[slot], self._skipped[slot]
         while True:
-            n = self._next[phase]
+            n = self._next[slot]
             if n in skipped:
                 skipped.discard(n)
             elif n in pending:
                 attach.append(pending.pop(n)())  # issue now, under the lock: this fixes the order
             else:
                 return attach
-            self._next[phase] = n + 1
+            self._next[slot] = n + 1
 
 
 _THREAD = "powertrain-chain"  # the worker thread's name
@@ -171,15 +171,15 @@ class Chain:
         self,
         program: Program,
         seq: Sequencer,
-        call: int,
+        call_no: int,
         done: Callable[[list[torch.Tensor]], None],
         failed: Callable[[BaseException], None],
         device: torch.device | None = None,
     ) -> None:
-        self.program, self.seq, self.call, self.done, self.failed = program, seq, call, done, failed
+        self.program, self.seq, self.call_no, self.done, self.failed = program, seq, call_no, done, failed
         self.device = device
         self.future = future_on(device)
-        self.phase = 0  # collectives issued so far
+        self.issued = 0  # collectives issued so far
         self.used: set[int] = set()  # the communicators they used
         self.released = False  # its unused slots went to the calls after it: it issues no more collectives
 
@@ -200,7 +200,7 @@ class Chain:
         for them are issued now, by this thread (once: later calls do nothing)."""
         if not self.released:
             self.released = True
-            self.seq.finish(self.call, self.used)
+            self.seq.finish(self.call_no, self.used)
 
     def start(self) -> torch.futures.Future:
         self._advance(None)
@@ -209,7 +209,7 @@ class Chain:
     def _advance(self, value: torch.Tensor | None) -> None:
         t0 = time.perf_counter()
         try:
-            request = next(self.program) if self.phase == 0 else self.program.send(value)
+            request = next(self.program) if self.issued == 0 else self.program.send(value)
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
         except StopIteration as stop:
             self.seq.comms[0].stats.add_time(compress_s=time.perf_counter() - t0)
@@ -228,25 +228,25 @@ class Chain:
                 raise RuntimeError(  # issued out of order
                     "a compressor's program issued a collective after a checked one (check=True must mark its last)"
                 )
-            phase = self.phase if request.comm is None else self.seq.key(request.comm)
-            if phase >= len(self.seq.comms) or phase in self.used:
+            slot = self.issued if request.comm is None else self.seq.key(request.comm)
+            if slot >= len(self.seq.comms) or slot in self.used:
                 raise RuntimeError(
-                    f"a compressor issued {self.phase + 1} collectives in one call but declared at most "
+                    f"a compressor issued {self.issued + 1} collectives in one call but declared at most "
                     f"{len(self.seq.comms)} (max_collectives_per_call), or named one communicator twice"
                 )
         except RuntimeError as e:
             self._abort(e)
             return
-        self.phase += 1
-        self.used.add(phase)
+        self.issued += 1
+        self.used.add(slot)
         if request.check:  # the last: release the other slots here, in the issuing thread, not where the program ends
             self._release()  # (the worker, which must issue no collective, not even the calls' after this one)
-        self.seq.submit(phase, self.call, lambda: self._launch(phase, request))
+        self.seq.submit(slot, self.call_no, lambda: self._launch(slot, request))
 
-    def _launch(self, phase: int, request: Request) -> Callable[[], None]:
+    def _launch(self, slot: int, request: Request) -> Callable[[], None]:
         """Issue the collective (under the sequencer's lock); what to run outside it: attach the completion
         callback, or, if issuing failed, fail this call (its slot is used, so the calls after it go on)."""
-        comm = self.seq.comms[phase]
+        comm = self.seq.comms[slot]
         try:
             if isinstance(request, GatherRequest):
                 out, fut = comm.all_gather(request.tensor, async_op=True)
