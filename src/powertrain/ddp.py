@@ -30,9 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor
-from powertrain.compress.chain import Chain, Sequencer, future_on
+from powertrain.compress.chain import Chain, Sequencer, future_on, sequencer_for
 
 __all__ = ["DDPCompressionHook", "Rewrapped", "local_gradients", "register_compressor"]
 
@@ -173,14 +172,7 @@ def register_compressor(ddp_model: DistributedDataParallel, compressor: Compress
         ddp_group
     ):
         raise ValueError("The compressor and the DDP model must use the same process group (pass group= to both)")
-    comms = compressor.communicators()
-    if comms is None:
-        ranks = dist.get_process_group_ranks(ddp_group)
-        comms = [compressor.comm] + [
-            Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats)
-            for _ in range(compressor.max_collectives_per_call() - 1)
-        ]
-    state = DDPCompressionHook(compressor, Sequencer(comms))
+    state = DDPCompressionHook(compressor, sequencer_for(compressor, calls_overlap=True))
     ddp_model.register_comm_hook(state, _hook)
     return state
 

@@ -63,7 +63,8 @@ from powertrain._diloco_config import DiLoCoConfig, schedule
 from powertrain._diloco_state import Layout, check_state
 from powertrain.comm import CommStats, Communicator, group_of_its_own
 from powertrain.compress.base import Compressor, placeholder, run_program
-from powertrain.compress.chain import Chain, Sequencer
+from powertrain.compress.chain import Chain, Sequencer, sequencer_for
+from powertrain.ops.flat import local_tensor
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "schedule", "split_by_size"]
 
@@ -160,8 +161,7 @@ class DiLoCo:
         if self.warmup_compressor is not None and isinstance(config.warmup_compressor, str):  # one count of sends
             warm = self.warmup_compressor
             warm.comm = Communicator(warm.comm.group, stats=self.compressor.comm.stats)
-        comms = self.compressor.communicators() or [self.compressor.comm] * self.compressor.max_collectives_per_call()
-        self._seq = Sequencer(comms)
+        self._seq = sequencer_for(self.compressor, calls_overlap=False)  # one sync in flight at a time
         self._calls = 0
         with torch.no_grad():
             self.anchors = [t.detach().clone() for t in local]
@@ -179,7 +179,7 @@ class DiLoCo:
     def _locals(self) -> list[torch.Tensor]:
         """This rank's tensor of every parameter (a DTensor's local shard: FSDP2 keeps its storage, so writes land)."""
         with torch.no_grad():
-            return [_local(p) for p in self.params]
+            return [local_tensor(p) for p in self.params]
 
     def _compressor(
         self,
@@ -204,12 +204,13 @@ class DiLoCo:
                     "(dist.new_group(...)), or pass its name"
                 )
             return spec
+        if own_group:
+            return outer_compressor(zip(self.names, local, strict=True), spec, options, group)
         from powertrain.compress import make_compressor
 
-        # the outer step's collectives overlap training's own (on their groups); the warm-up's run in the step
-        own = group_of_its_own(group) if own_group else group
+        # the warm-up's collectives run in the step, on the training's group
         shaped = [(n, placeholder(t.shape, t)) for n, t in zip(self.names, local, strict=True)]
-        return make_compressor(spec, shaped, group=own, **options)
+        return make_compressor(spec, shaped, group=group, **options)
 
     # ------------------------------------------------------------------ the optimizer's face
 
@@ -277,14 +278,14 @@ class DiLoCo:
         comp = self.warmup_compressor
         assert comp is not None, "a warm-up has its compressor"
         grads = [
-            _local(p.grad) if p.grad is not None else torch.zeros_like(t)
+            local_tensor(p.grad) if p.grad is not None else torch.zeros_like(t)
             for p, t in zip(self.params, self._locals(), strict=True)
         ]
         averaged = run_program(comp.program(grads), comp.comm)
         for p, g, a in zip(self.params, grads, averaged, strict=True):
             if p.grad is None:  # a zeros_like keeps a DTensor's sharding
                 p.grad = torch.zeros_like(p)
-                g = _local(p.grad)
+                g = local_tensor(p.grad)
             g.copy_(a)
 
     # ------------------------------------------------------------------ one synchronisation
@@ -439,6 +440,21 @@ class DiLoCo:
             self._pending = _Pending(f, pending["due"], None, average)
 
 
+def outer_compressor(
+    params: Iterable[tuple[str, torch.Tensor]],
+    name: str,
+    options: Mapping[str, Any],
+    group: dist.ProcessGroup | None = None,
+) -> Compressor:
+    """The compressor ``name`` for the pseudo-gradients of ``params`` (this rank's tensors: a DTensor's local shard),
+    built on placeholders of their shapes (it never touches the parameters) and on a process group of its own with
+    the ranks of ``group``: a sync in flight overlaps training's collectives, which use their own groups."""
+    from powertrain.compress import make_compressor
+
+    shaped = [(n, placeholder(t.shape, t)) for n, t in params]
+    return make_compressor(name, shaped, group=group_of_its_own(group), **options)
+
+
 @torch.no_grad()
 def _check_same_start(anchors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """ValueError unless every replica of ``group`` starts from the same weights: the anchors only ever move by the
@@ -463,12 +479,6 @@ def _check_same_start(anchors: list[torch.Tensor], group: dist.ProcessGroup | No
             "together: give every replica the same initial weights (the same seed, or broadcast rank "
             "0's), and build DiLoCo before loading a checkpoint's per-replica weights"
         )
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds of parameter ``p``: its local shard for a DTensor (FSDP2), else itself."""
-    to_local = getattr(p, "to_local", None)
-    return p if to_local is None else to_local()
 
 
 def _fragments(spec: int | Sequence[Sequence[int]], sizes: list[int]) -> list[list[int]]:

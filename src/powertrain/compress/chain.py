@@ -34,9 +34,30 @@ from collections.abc import Callable, Iterator
 import torch
 
 from powertrain.comm import Communicator
-from powertrain.compress.base import GatherRequest, Program, Request
+from powertrain.compress.base import Compressor, GatherRequest, Program, Request
 
-__all__ = ["Chain", "Sequencer", "future_on"]
+__all__ = ["Chain", "Sequencer", "future_on", "sequencer_for"]
+
+
+def sequencer_for(compressor: Compressor, *, calls_overlap: bool) -> Sequencer:
+    """The sequencer whose communicators carry ``compressor``'s chained programs, one per collective of a call:
+    the compressor's own (``communicators()``, e.g. a hierarchical one's per level) when it names them; else, where
+    calls overlap (DDP: several buckets' programs in flight at once), its communicator for a call's first collective
+    and a new process group of the same ranks for each later one (``max_collectives_per_call``), so that the c-th
+    collectives of all calls are ordered on a group of their own; where one call is in flight at a time (local
+    updates' syncs), its communicator for every collective."""
+    comms = compressor.communicators()
+    if comms is not None:
+        return Sequencer(comms)
+    n = compressor.max_collectives_per_call()
+    if not calls_overlap or n == 1:
+        return Sequencer([compressor.comm] * n)
+    import torch.distributed as dist
+
+    group = compressor.comm.group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    extra = [Communicator(dist.new_group(ranks=ranks), stats=compressor.comm.stats) for _ in range(n - 1)]
+    return Sequencer([compressor.comm, *extra])
 
 
 class Sequencer:

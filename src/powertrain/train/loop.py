@@ -20,6 +20,7 @@ from powertrain.comm import CommStats, Communicator, collective_device
 from powertrain.compress import NonFiniteGradientError
 from powertrain.compress.auto import Choice, choose, measure_link, slowest
 from powertrain.models import GPT, GPTConfig, ResNet1d
+from powertrain.ops.flat import local_tensor
 from powertrain.train.config import (
     POWERSGD_ADAM_FREEZE,
     RECOMMENDED_COST,
@@ -413,18 +414,13 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
 
 def _check_weights(run: _Run, step: int) -> None:
     """Raise FloatingPointError (every rank) when a parameter of any rank holds a non-finite number."""
-    finite = [torch.isfinite(_local(p)).all().to(run.device) for p in run.model.parameters()]  # offload: any device
+    # .to(run.device): with offloading a parameter may live on any device
+    finite = [torch.isfinite(local_tensor(p)).all().to(run.device) for p in run.model.parameters()]
     bad = ~torch.stack(finite).all() if finite else torch.tensor(False)  # one device sync for all, not one each
     flag = bad.to(device=run.device, dtype=torch.float64).reshape(1)
     run.metrics.all_reduce_mean_(flag)
     if flag.item() > 0:
         raise FloatingPointError(_nonfinite_message(step, "non-finite weights after the update", run.out, run.cfg))
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``p`` (a DTensor's local shard)."""
-    to_local = getattr(p, "to_local", None)
-    return to_local() if callable(to_local) else p
 
 
 def _auto_compressor(

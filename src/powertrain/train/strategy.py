@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from powertrain.comm import CommStats, group_of_its_own
+from powertrain.comm import CommStats
 from powertrain.compress import ALL_REDUCE_DTYPES, COMPRESSORS, Compressor, compressor_class, make_compressor
 from powertrain.compress.powersgd import Config
-from powertrain.ops.flat import shard_rows
+from powertrain.ops.flat import local_tensor, shard_rows
 from powertrain.powersgd import PowerSGD, optimizer_step
 
 if TYPE_CHECKING:
@@ -299,12 +299,11 @@ class _DiLoCo(Strategy):
             mesh = init_device_mesh(device.type, (nodes, ranks), mesh_dim_names=("replicate", "shard"))
             self.model = DistributedDataParallel(model, process_group=mesh["shard"].get_group())
             self.comp: Compressor = HierarchicalCompressor(model.named_parameters(), name, **options)
-        else:  # on a group of its own: a sync in flight overlaps training's collectives (the loss's average)
-            from powertrain.compress.base import placeholder
+        else:
+            from powertrain.diloco import outer_compressor
 
-            own = group_of_its_own()
-            shapes = [(n, placeholder(p.shape, p)) for n, p in model.named_parameters() if p.requires_grad]
-            self.comp = make_compressor(name, shapes, group=own, **options)
+            trained = [(n, local_tensor(p)) for n, p in model.named_parameters() if p.requires_grad]
+            self.comp = outer_compressor(trained, name, options)
         self.module = model
         self.stats = self.comp.comm.stats
         self.state: Any = _NoState()
