@@ -431,9 +431,9 @@ class PowerSGDCompressor(Compressor):
         for b in batches:
             assert b.approx_bnm is not None, "every batch must have an approximation"
             for j, (call_j, i) in enumerate(zip(b.idx, b.params, strict=True)):
-                # views of the batch's factors, as the error buffers are of its M (a clone each was two device
-                # copies per matrix, ~200 a call on the 350M GPT's H100 profile): the next call stacks copies of
-                # them, and nothing writes into a batch's tensors after this commit
+                # views of the batch's factors, as the error buffers are of its M (a clone each would be two small
+                # device copies per matrix, a launch each on a GPU): the next call stacks copies of them, and
+                # nothing writes into a batch's tensors after this commit
                 self._p[i], self._q[i] = b.p_bnr[j], b.q_bmr[j]
                 shape = self._shapes[i] if b.rows is None else (b.rows[1] - b.rows[0], *self._shapes[i][1:])
                 out[call_j] = b.approx_bnm[j].view(shape).to(grads[call_j].dtype)

@@ -13,8 +13,8 @@ The single-node launcher is small on purpose; what it guarantees:
   worker; if the launcher itself dies (SIGKILL), its workers are killed too (``PR_SET_PDEATHSIG``).
 * Workers are forked from a fork server (``multiprocessing``'s ``forkserver``) that imported torch once: each is a
   fresh interpreter's state as with ``spawn`` (no threads, no CUDA context, no process group inherited), without
-  importing torch and ``torch._dynamo`` again per worker (measured: ~2.5 s of CPU per worker on this 2-core
-  machine); the server starts at the first launch and serves every later one of the process. The workers see the
+  importing torch and ``torch._dynamo`` again per worker (seconds of CPU each, which a short run or a test
+  pays per launch); the server starts at the first launch and serves every later one of the process. The workers see the
   launcher's environment as it is when they start; what torch and the C libraries read from it when they load
   (``OMP_NUM_THREADS``, ``LD_PRELOAD``) and the stdout and stderr they write to are the server's, the process's
   at its first launch.
