@@ -42,8 +42,9 @@ Usage (each process a replica)::
         diloco.zero_grad()
     diloco.finish()         # one last synchronisation: every replica holds the same model
 
-Replicas' weights differ between synchronisations: checkpoint each rank's model (and the inner optimizer's state,
-which is each replica's own) with :meth:`DiLoCo.state_dict`; DCP keeps one copy of equally named tensors.
+A replica's checkpoint is three states, each rank its own (replicas' weights differ between synchronisations, and DCP
+keeps one copy of equally named tensors): the model's, the inner optimizer's and :meth:`DiLoCo.state_dict`'s (anchor,
+outer momentum, error feedback, a sync in flight); docs/local-updates.md shows a save and a resume.
 """
 
 from __future__ import annotations
