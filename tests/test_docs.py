@@ -9,13 +9,16 @@ say how: ``<!-- example: torchrun 2 -->`` runs it under ``torchrun --nproc-per-n
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import inspect
 import os
 import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -206,3 +209,75 @@ def test_the_docs_build_with_no_warnings(tmp_path):
         if f"{m}.{name}" not in ids
     ]
     assert not missing, f"public names missing from the API reference: {missing}"
+
+
+# The modules whose ``__all__`` is the public API; hf and lightning are checked where their extra is installed.
+PUBLIC_MODULES = [
+    "powersgd",
+    "compress",
+    "ddp",
+    "fsdp",
+    "simple_fsdp",
+    "rtp",
+    "tp",
+    "diloco",
+    "checkpoint",
+    "comm",
+    "optim",
+    "hf",
+    "lightning",
+]
+_EXTRAS = {"hf": "transformers", "lightning": "lightning"}
+
+
+def _described(name: str, doc: str) -> bool:
+    """An ``Args:`` entry ``name:`` (or ``*name:``, ``**name:``, ``name (type):``) or a ````name```` mention."""
+    return bool(re.search(rf"^\s*\*{{0,2}}{re.escape(name)}( \(.*?\))?:", doc, re.M)) or f"``{name}``" in doc
+
+
+def _has_field_comment(cls: type, name: str) -> bool:
+    """A dataclass field ``name`` with a ``#:`` comment on the line right above it."""
+    if not is_dataclass(cls):
+        return False
+    lines = inspect.getsource(cls).splitlines()
+    return any(
+        re.match(rf"\s*{re.escape(name)}\s*:", line) and lines[i - 1].strip().startswith("#:")
+        for i, line in enumerate(lines[1:], 1)
+    )
+
+
+def undescribed_parameters(module: ModuleType) -> list[str]:
+    """``module.Name(param)`` for each parameter of a public class (its ``__init__``'s, documented in the class's
+    docstring or ``__init__``'s) or function that its docstring does not describe; ``self``, ``*args`` and ``_name``
+    parameters need no entry, nor a class whose ``__init__`` is not powertrain's (object's, an exception's)."""
+    out = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if inspect.isclass(obj):
+            fn = obj.__init__
+            if not (getattr(fn, "__module__", None) or "").startswith("powertrain"):
+                continue
+            docs = [obj.__doc__, fn.__doc__]
+        elif inspect.isroutine(obj):
+            fn, docs = obj, [obj.__doc__]
+        else:  # a constant, a type alias
+            continue
+        doc = "\n".join(inspect.cleandoc(d) for d in docs if d)
+        for p in inspect.signature(fn).parameters.values():
+            if p.name == "self" or p.name.startswith("_") or p.kind is p.VAR_POSITIONAL:
+                continue
+            if not (_described(p.name, doc) or (inspect.isclass(obj) and _has_field_comment(obj, p.name))):
+                out.append(f"{module.__name__}.{name}({p.name})")
+    return out
+
+
+def test_every_public_parameter_is_described():
+    """Every parameter of every public class and function has its description (an ``Args:`` entry, a ````name````
+    in the prose, or a dataclass field's ``#:`` comment), so the API reference documents what each one does."""
+    modules = [
+        importlib.import_module(f"powertrain.{m}")
+        for m in PUBLIC_MODULES
+        if m not in _EXTRAS or importlib.util.find_spec(_EXTRAS[m]) is not None
+    ]
+    missing = [entry for module in modules for entry in undescribed_parameters(module)]
+    assert not missing, f"parameters without a description in their docstring: {', '.join(missing)}"

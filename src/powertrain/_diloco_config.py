@@ -130,9 +130,10 @@ def _check_compressor(field: str, spec: object, options: Mapping[str, Any]) -> N
 
 
 def schedule(sync_every: int, fragments: int, sync_delay: int) -> list[int]:
-    """Each fragment's first sync step (fragment k at ``k * sync_every // fragments``; later ones every ``sync_every``
-    inner steps, never at step 0). ValueError, naming the value and the fix, unless at most one fragment starts per
-    inner step and ``sync_delay`` is below the gap between two fragments' syncs (one sync in flight at a time)."""
+    """Each fragment's first sync step, for ``fragments`` (F >= 1) of them (fragment k at
+    ``k * sync_every // fragments``; later ones every ``sync_every`` inner steps, never at step 0). ValueError,
+    naming the value and the fix, unless at most one fragment starts per inner step and ``sync_delay`` is below the
+    gap between two fragments' syncs (one sync in flight at a time)."""
     check_int("sync_every", sync_every, 1)
     check_int("fragments", fragments, 1)
     check_int("sync_delay", sync_delay, 0)

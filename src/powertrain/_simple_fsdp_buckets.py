@@ -224,9 +224,9 @@ def register_compressor(model: nn.Module, compressor: Compressor) -> list[Compre
 
 
 def quantize_all_gather(model: nn.Module, *, bits: int = 8, chunk: int = 256) -> QuantizedAllGather:
-    """All-gather the weights of ``model``'s SimpleFSDP buckets as ``bits``-bit integers with per-chunk
-    scales (QSDP), as :func:`powertrain.fsdp.quantize_all_gather` does for FSDP2; master weights stay exact.
-    Returns the shared all-gather (its ``comm.stats`` count what it sent)."""
+    """All-gather the weights of ``model``'s SimpleFSDP buckets as ``bits``-bit integers (8, the default, or 4)
+    with a float32 scale per ``chunk`` values (>= 8; default 256): QSDP, as :func:`powertrain.fsdp.quantize_all_gather`
+    does for FSDP2; master weights stay exact. Returns the shared all-gather (its ``comm.stats`` count what it sent)."""
     gather = QuantizedAllGather(bits, chunk)
     for bucket in _buckets(model):
         if bucket.policy.param_dtype not in (None, torch.float32):

@@ -317,8 +317,9 @@ def load(
     """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
 
     Verifies the checkpoint first (:func:`verify`; skipped when its ``manifest`` is passed), then loads through
-    :class:`SafeLoadPlanner`. Every rank of ``group`` must call it. Any failure is a
-    :class:`CheckpointError` with a one-line reason.
+    :class:`SafeLoadPlanner` with ``optional``: ``optional(fqn, metadata)`` is True for an entry the checkpoint may
+    lack (it keeps its current value; default None: none may be missing). Every rank of ``group`` must call it. Any
+    failure is a :class:`CheckpointError` with a one-line reason.
     """
     manifest = verify(path) if manifest is None else manifest
     # A CompressorState offers an empty blob to load into (its own state_dict() would serialise the current state).
@@ -361,9 +362,9 @@ def save(
     extra: Mapping[str, Any] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
-    """``dcp.save`` to ``path``, then rank 0 writes ``manifest.json``: the format, the world size, each file's
-    size and SHA-256, and ``extra`` (JSON values). Every rank of ``group`` must call it; it returns once
-    the manifest exists."""
+    """``dcp.save`` of ``state_dict`` (and its ``Stateful`` entries) to ``path``, then rank 0 writes ``manifest.json``:
+    the format, the world size, each file's size and SHA-256, and ``extra`` (JSON values). Every rank of ``group``
+    must call it; it returns once the manifest exists."""
     dcp.save(state_dict, checkpoint_id=str(path), process_group=group)
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
@@ -384,7 +385,8 @@ def save(
 
 def read_checkpoint_file(path: Path, limit: int, what: str, too_large: str) -> bytes:
     """``path``'s bytes, read within ``limit`` (its size checked first); :class:`CheckpointError` in one line when it
-    is larger (saying ``too_large``: what that means) or cannot be read."""
+    is larger (naming the file as ``what``, e.g. "Checkpoint manifest", and saying ``too_large``: what that means) or
+    cannot be read."""
     try:
         return read_bounded(path, limit, what)
     except FileTooLarge as e:
@@ -394,7 +396,8 @@ def read_checkpoint_file(path: Path, limit: int, what: str, too_large: str) -> b
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's ``manifest.json`` (plain JSON, checked field by field), or a :class:`CheckpointError`."""
+    """The ``manifest.json`` of the checkpoint directory ``path`` (plain JSON, checked field by field), or a
+    :class:`CheckpointError`."""
     f = Path(path) / MANIFEST
     if not f.is_file() or f.is_symlink():
         raise CheckpointError(

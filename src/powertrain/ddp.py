@@ -185,7 +185,8 @@ class Rewrapped:
     ``hook`` are its attributes.
 
     Args:
-        name, options: the compressor, as :func:`powertrain.compress.make_compressor` takes them.
+        name: the compressor's name, as :func:`powertrain.compress.make_compressor` takes it.
+        options: its keyword options (copied), as :func:`powertrain.compress.make_compressor` takes them.
     """
 
     def __init__(self, name: str, options: Mapping[str, Any]) -> None:

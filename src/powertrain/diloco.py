@@ -72,7 +72,8 @@ __all__ = ["DiLoCo", "DiLoCoConfig", "schedule", "split_by_size"]
 
 def split_by_size(sizes: Sequence[int], fragments: int) -> list[list[int]]:
     """Consecutive positions ``0..len(sizes) - 1`` in ``fragments`` groups of about equal total size, none empty: group
-    ``k`` ends before the first position at which the running total reaches ``(k + 1) / fragments`` of the whole."""
+    ``k`` ends before the first position at which the running total reaches ``(k + 1) / fragments`` of the whole.
+    ``sizes``: each parameter's size (``numel()``), in order; ``fragments`` is at most ``len(sizes)``."""
     check_int("fragments", fragments, 1)
     n = len(sizes)
     if fragments > n:

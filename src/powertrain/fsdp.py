@@ -90,7 +90,13 @@ def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 class CompressedReduceScatter(ReduceScatter):
     """Reduce-scatter of a flat ``(W, S)`` gradient buffer (FSDP2's layout: row ``r`` holds the padded dim-0
     chunk ``r`` of every parameter, in order) through a powertrain compressor. Serves one ``fully_shard``
-    module (:meth:`for_module`) or one SimpleFSDP bucket."""
+    module (:meth:`for_module`) or one SimpleFSDP bucket.
+
+    Args:
+        compressor: what averages the gradients; built on the ranks of the reduce-scatter's group.
+        params: the compressor's parameters (by identity) whose gradients the buffer holds, in its order.
+        sizes: each one's unsharded size, as FSDP2 reduce-scatters it (its padded dim-0 chunks make the rows).
+    """
 
     def __init__(self, compressor: Compressor, params: Sequence[torch.Tensor], sizes: list[torch.Size]) -> None:
         self.compressor = compressor
@@ -210,7 +216,12 @@ def check_supported(compressor: Compressor, where: str) -> None:
 
 
 class QuantizedAllGather(AllGather):
-    """FSDP2 all-gather of sharded weights as ``bits``-bit integers with per-chunk float32 scales."""
+    """FSDP2 all-gather of sharded weights as ``bits``-bit integers with per-chunk float32 scales.
+
+    Args:
+        bits: 8 (the default) or 4.
+        chunk: values per scale (>= 8); default 256.
+    """
 
     def __init__(self, bits: int = 8, chunk: int = 256) -> None:
         if bits not in (4, 8):
@@ -244,7 +255,13 @@ class QuantizedAllGather(AllGather):
 
 
 def quantize_all_gather(model: torch.nn.Module, *, bits: int = 8, chunk: int = 256) -> QuantizedAllGather:
-    """All-gather ``model``'s FSDP2-sharded weights quantised (QSDP); returns the shared all-gather."""
+    """All-gather ``model``'s FSDP2-sharded weights quantised (QSDP); returns the shared all-gather.
+
+    Args:
+        model: a model with ``fully_shard`` applied; every ``fully_shard`` module gets the all-gather.
+        bits: 8 (the default) or 4.
+        chunk: values per float32 scale (>= 8); default 256.
+    """
     ag = QuantizedAllGather(bits, chunk)
     for module in _fsdp_modules(model):
         module.set_custom_all_gather(ag)
@@ -299,7 +316,7 @@ def _on_placeholders(
 def compress_gradients(
     model: torch.nn.Module, name: str = "powersgd", *, group: dist.ProcessGroup | None = None, **options: Any
 ) -> Compressor:
-    """Send ``model``'s FSDP2 gradient reduce-scatters through compressor ``name`` (options as for
+    """Send ``model``'s FSDP2 gradient reduce-scatters through compressor ``name`` (its ``options`` as for
     :func:`~powertrain.compress.make_compressor`), built on what FSDP2 reduces: every trainable parameter at its
     unsharded size on this rank. Without tensor parallelism that is the parameter's shape (as
     :func:`register_compressor` with a compressor built from ``model.named_parameters()``); under
@@ -319,8 +336,8 @@ def compress_replicas(
     model: torch.nn.Module, name: str = "powersgd", *, group: dist.ProcessGroup, **options: Any
 ) -> Compressor:
     """HSDP whose replicate dimension is compressed: average the shards of ``model`` (``fully_shard`` applied on the
-    shard dimension of a ``(replicate, shard)`` mesh only) over ``group`` with compressor ``name`` (options as for
-    :func:`~powertrain.compress.make_compressor`).
+    shard dimension of a ``(replicate, shard)`` mesh only) over ``group`` with compressor ``name`` (its ``options``
+    as for :func:`~powertrain.compress.make_compressor`).
 
     ``group`` holds the ranks with the same shard: ``mesh["replicate"].get_group()``. The compressor is built on
     each rank's padded shard of every parameter and keeps its state (error buffers) per shard; save its

@@ -31,7 +31,7 @@ __all__ = ["GradientCompression", "compress_gradients"]
 
 
 def compress_gradients(trainer: Trainer, name: str = "powersgd", **options: Any) -> GradientCompression:
-    """Replace ``trainer``'s DDP gradient all-reduce with the compressor ``name`` (see
+    """Replace ``trainer``'s DDP gradient all-reduce with the compressor ``name`` and its keyword ``options`` (see
     :func:`powertrain.compress.make_compressor`); returns the callback (its ``compressor`` exists once training
     began: ``.comm.stats`` counts what it sent)."""
     callback = GradientCompression(trainer, name, **options)
@@ -40,7 +40,13 @@ def compress_gradients(trainer: Trainer, name: str = "powersgd", **options: Any)
 
 
 class GradientCompression(TrainerCallback, Rewrapped):
-    """See the module; added by :func:`compress_gradients`."""
+    """See the module; added by :func:`compress_gradients`.
+
+    Args:
+        trainer: the Trainer whose DDP-wrapped model (``trainer.model_wrapped``) it registers on.
+        name: the compressor, as :func:`powertrain.compress.make_compressor` takes it (default ``"powersgd"``).
+        **options: the compressor's keyword options.
+    """
 
     def __init__(self, trainer: Trainer, name: str = "powersgd", **options: Any) -> None:
         self.trainer = trainer

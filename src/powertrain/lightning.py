@@ -37,8 +37,9 @@ __all__ = ["GradientCompression"]
 
 
 class GradientCompression(Callback, Rewrapped):
-    """Replace DDP's gradient all-reduce with the compressor ``name`` (see :func:`powertrain.compress.make_compressor`:
-    ``powersgd`` gets the measured recommended config for every option not given) under ``strategy="ddp"``."""
+    """Replace DDP's gradient all-reduce with the compressor ``name`` and its keyword ``options`` (see
+    :func:`powertrain.compress.make_compressor`: ``powersgd`` gets the measured recommended config for every option
+    not given) under ``strategy="ddp"``."""
 
     def __init__(self, name: str = "powersgd", **options: Any) -> None:
         Rewrapped.__init__(self, name, options)  # a later fit of the same Trainer wraps the module again

@@ -60,7 +60,11 @@ class Aggregator(abc.ABC):
 
 
 class AllReduce(Aggregator):
-    """Exact averaging in one flat all-reduce; sets its inputs to zero, as the reference does."""
+    """Exact averaging in one flat all-reduce; sets its inputs to zero, as the reference does.
+
+    Args:
+        group: process group to average over (keyword-only; ``None``, the default, is the default group).
+    """
 
     def __init__(self, *, group: dist.ProcessGroup | None = None) -> None:
         self.comm = Communicator(group)
@@ -166,6 +170,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, aggregator: Aggregator) -> 
     With :class:`PowerSGD`, gradients are gathered in the order the aggregator was built with (so an
     optimizer listing its parameters in another order, or in several groups, is fine) and a trainable
     parameter with no ``.grad`` gets a zero one.
+
+    Args:
+        optimizer: steps on the averaged gradients (in ``p.grad`` during the step); with :class:`PowerSGD`, its
+            trainable parameters must all be ones PowerSGD was built with (else ValueError).
+        aggregator: what averages the gradients: :class:`PowerSGD`, :class:`AllReduce` or another :class:`Aggregator`.
     """
     if isinstance(aggregator, PowerSGD):
         params = aggregator.params

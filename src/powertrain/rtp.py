@@ -444,8 +444,8 @@ def rotated_tensor_parallel(
     ``nn.Linear``, ``nn.Embedding``, plain convolution and ``nn.MultiheadAttention`` keeps 1/W of its weight and
     rotates the shards; every other parameter is replicated and averaged. Create the optimizer afterwards, on
     ``model.parameters()``. Gradient communication is part of backward: do not wrap the model in DDP or FSDP as well.
-    ``overlap=False`` waits for every hop before the compute it would hide behind (same results, bitwise; for
-    measuring what the overlap saves).
+    ``overlap`` (the default) hides each hop behind compute; ``overlap=False`` waits for every hop before the compute
+    it would hide behind (same results, bitwise; for measuring what the overlap saves).
     """
     if not isinstance(overlap, bool):
         raise ValueError(f"Invalid overlap={overlap!r}: must be True or False")

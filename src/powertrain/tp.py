@@ -124,8 +124,9 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh, *, loss_parallel: bool = False
 
 
 def local_numel(cfg: GPTConfig, tp: int) -> int:
-    """Parameters a rank of a ``tp`` group holds (before FSDP2 shards them over ``dp``): every weight matrix's
-    ``1 / tp`` (uneven shards rounded up), the replicated LayerNorms and row-parallel biases whole."""
+    """Parameters a rank of a ``tp`` group holds of a GPT built from ``cfg`` (before FSDP2 shards them over ``dp``):
+    every weight matrix's ``1 / tp`` (uneven shards rounded up), the replicated LayerNorms and row-parallel biases
+    whole."""
     d, layers = cfg.d_model, cfg.n_layer
     replicated = layers * 6 * d + 2 * d  # ln1, ln2 (gain, bias), proj's and fc_out's biases; ln_f
     rows = [(cfg.vocab_size, d), (cfg.block_size, d), (cfg.vocab_size, d)]  # tok, pos, head: split by rows
@@ -141,8 +142,8 @@ def traffic(
 ) -> dict[str, tuple[int, int]]:
     """Gradient-step traffic per micro-step and rank of :func:`tensor_parallel`, by collective: payload bytes as
     handed to it (a reduce-scatter's whole input, an all-gather's own part; DTensor pads uneven shards to the
-    largest) and the number of collectives; ``batch`` sequences of ``seq`` tokens per ``tp`` group, parameters and
-    activations of ``itemsize`` bytes (fp32: 4).
+    largest) and the number of collectives, for a GPT built from ``cfg`` on a ``(dp, tp)`` mesh; ``batch`` sequences
+    of ``seq`` tokens per ``tp`` group, parameters and activations of ``itemsize`` bytes (fp32: 4, the default).
 
     Sequence parallelism, per block: the attention's and the MLP's inputs all-gathered (forward) and their gradients
     reduce-scattered (backward), the row-parallel outputs reduce-scattered (forward) and their gradients all-gathered

@@ -70,6 +70,13 @@ def make_compressor(
     :data:`powertrain.compress.powersgd.RECOMMENDED` (the measured best: rank 32, the paper variant, bf16
     factors, 5 exact steps), not the reference Config's defaults; the others take their class's keyword
     arguments. Unknown names or options raise ValueError naming them.
+
+    Args:
+        name: one of :data:`COMPRESSORS`.
+        params: ``model.parameters()`` or ``model.named_parameters()`` (errors then name the parameter); those
+            that do not require grad are left out.
+        group: process group to average over (``None``, the default: the default group).
+        **options: the named compressor's keyword options, as above.
     """
     try:
         match name:

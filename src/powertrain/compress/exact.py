@@ -23,6 +23,11 @@ class AllReduceCompressor(Compressor):
     the sum) and summed in that dtype by the backend, as torch's ``fp16_compress_hook`` does; the rounding
     error is dropped, not fed back. gloo on torch >= 2.11 sums bf16 and fp16 natively, so nothing is cast
     behind the user's back.
+
+    Args:
+        params: ``model.parameters()`` or ``model.named_parameters()``; all on one device.
+        dtype: what the gradients are summed in: float32 (the default), bfloat16 or float16.
+        group: process group to average over (``None``, the default: the default group).
     """
 
     reduce_scatter = True

@@ -79,22 +79,22 @@ _FACTOR_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfl
 class Config:
     """PowerSGD settings. Field order and defaults match the reference ``powersgd.Config``."""
 
+    #: Rank of the approximation; lower means more compression. Must be >= 1.
     rank: int
-    """Rank of the approximation; lower means more compression. Must be >= 1."""
+    #: Compress a matrix only if ``numel / (floats sent per step) > min_compression_rate``; >= 0.
     min_compression_rate: float = 2
-    """Compress a matrix only if ``numel / (floats sent per step) > min_compression_rate``; >= 0."""
+    #: Power iterations per step; more means a better approximation and more communication. >= 1.
     num_iters_per_step: int = 1
-    """Power iterations per step; more means a better approximation and more communication. >= 1."""
+    #: Plain (exact) all-reduce for this many steps first. >= 0.
     start_compressing_after_num_steps: int = 100
-    """Plain (exact) all-reduce for this many steps first. >= 0."""
+    #: ``"alternating"`` (the reference code's) or ``"paper"`` (Algorithm 1, P then Q all-reduced).
     variant: Variant = "alternating"
-    """``"alternating"`` (the reference code's) or ``"paper"`` (Algorithm 1, P then Q all-reduced)."""
+    #: Seed of the factors' initialisation; identical on every rank, so no communication is needed.
     seed: int = 0
-    """Seed of the factors' initialisation; identical on every rank, so no communication is needed."""
+    #: What the factors travel as: ``"fp32"`` (the compressor's own dtype: float32, float64 for float64 models)
+    #: or ``"bf16"`` (half the bytes; the error buffers and all arithmetic stay in the compressor's dtype, and the
+    #: rounding is part of what error feedback carries). ``"bf16"`` needs ``variant="paper"``.
     factor_dtype: FactorDtype = "fp32"
-    """What the factors travel as: ``"fp32"`` (the compressor's own dtype: float32, float64 for float64 models)
-    or ``"bf16"`` (half the bytes; the error buffers and all arithmetic stay in the compressor's dtype, and the
-    rounding is part of what error feedback carries). ``"bf16"`` needs ``variant="paper"``."""
 
     def __post_init__(self) -> None:
         check_int("Config.rank", self.rank, 1)

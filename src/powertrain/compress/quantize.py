@@ -37,9 +37,13 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
       damps the error instead of conserving it, by design.
 
     Args:
+        params: ``model.parameters()`` or ``model.named_parameters()``.
         bits: 8 or 4.
         chunk: values per scale (>= 8).
         stochastic: unbiased stochastic rounding (each rank its own random stream) instead of nearest.
+        loco_beta: LoCo's ``beta`` in [0, 1) (see above); 0, the default, is classic error feedback.
+        group: process group to average over (``None``, the default: the default group).
+        seed: seed of the stochastic rounding's random streams (one per rank, parameter and step); default 0.
     """
 
     reduce_scatter = True

@@ -20,6 +20,11 @@ class SignCompressor(ErrorFeedbackCompressor):
     Chunks start at every parameter. The message decodes to ``mean(|x_c|) * sign(x_c)`` for each chunk
     ``c``, the scaled sign of EF-signSGD; the error buffer keeps the rest. Signs and scales travel in one
     all-gather.
+
+    Args:
+        params: ``model.parameters()`` or ``model.named_parameters()``.
+        chunk: values per scale (>= 8); default 4096.
+        group: process group to average over (``None``, the default: the default group).
     """
 
     def __init__(

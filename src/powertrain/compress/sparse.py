@@ -33,6 +33,13 @@ class TopKCompressor(ErrorFeedbackCompressor):
     magnitude (one float32 scale per parameter), rounded to the nearest: what the rounding loses stays in the error
     buffer like what was not chosen. With ``error_decay`` below 1 this is SparseLoCo's outer step (Sarfi et al.,
     arXiv 2508.15706: top-k at 1-3% and 2-bit values, the decayed accumulator in place of outer momentum).
+
+    Args:
+        params: ``model.parameters()`` or ``model.named_parameters()``.
+        ratio: the fraction of each parameter's values sent, in (0, 1] (at least one); default 0.01.
+        bits: 32 (float32 values, the default) or 2 (2-bit codes and a scale, see above).
+        error_decay: ``beta`` of ``x = gradient + beta * error``, in (0, 1]; 1 (the default) loses nothing.
+        group: process group to average over (``None``, the default: the default group).
     """
 
     def __init__(
@@ -100,7 +107,14 @@ def _decoded(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class RandomKCompressor(ErrorFeedbackCompressor):
     """Send ``ratio * numel`` values of each parameter's ``x = gradient + error`` at random positions that
     every rank draws identically (same seed, parameter and step), so no positions are sent: one all-reduce
-    of the values."""
+    of the values.
+
+    Args:
+        params: ``model.parameters()`` or ``model.named_parameters()``.
+        ratio: the fraction of each parameter's values sent, in (0, 1] (at least one); default 0.01.
+        group: process group to average over (``None``, the default: the default group).
+        seed: seed of the positions drawn (the same on every rank); default 0.
+    """
 
     _shared_randomness = True
 

@@ -40,7 +40,11 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     Args:
         params: parameters or parameter groups, as for any torch optimizer.
-        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW`.
+        lr: learning rate, as :class:`torch.optim.AdamW`'s (default 1e-3).
+        betas: ``(beta1, beta2)``, the moments' EMA factors, as AdamW's (default ``(0.9, 0.999)``); beta2 is
+            no longer used once frozen, except by coordinates that had no gradient before the freeze.
+        eps: added to the denominator ``sqrt(v_hat)``, as AdamW's (default 1e-8).
+        weight_decay: decoupled weight decay, as AdamW's (default 1e-2).
         freeze_after: AdamW steps before the second moment freezes (>= 1); counted per parameter, so a
             parameter that skipped steps (no gradient) freezes later.
     """

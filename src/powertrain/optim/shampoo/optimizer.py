@@ -185,13 +185,15 @@ class DistributedShampoo(torch.optim.Optimizer):
             round-off (:mod:`.matrix`); 0: eps alone (the reference implementation's rule, whose
             preconditioned direction can then be mostly round-off on a rank-deficient factor). Not used by the
             eigenvalue-corrected preconditioner.
-        momentum, nesterov: heavy-ball momentum on the final direction.
+        momentum: heavy-ball momentum on the final direction, in [0, 1) (0, the default: none).
+        nesterov: Nesterov's form of that momentum (needs ``momentum`` > 0; default False).
         weight_decay: decoupled (AdamW-style) weight decay.
         max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
         precondition_frequency: steps between inverse-root computations.
         start_preconditioning_step: first step that uses Shampoo's direction (default: the frequency).
         grafting: step-size source: ``adam``, ``rmsprop``, ``adagrad`` or ``none``.
-        grafting_beta2, grafting_eps: the grafting method's second-moment EMA and eps.
+        grafting_beta2: the grafting method's second-moment EMA (``adagrad`` sums instead); default 0.95.
+        grafting_eps: the grafting method's eps, added to the root of its second moment; default 1e-8.
         root_method: ``eigh`` (float64 retry) or ``newton`` (coupled Newton iteration).
         exponent_multiplier: scales the inverse root's exponent ``-1/(2k)`` (the reference implementation's
             option; e.g. 2 with a matrix gives ``-1/2``); must give an integer root. Shampoo preconditioner only.
