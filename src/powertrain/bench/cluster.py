@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from powertrain.bench.cluster_gpu import ALPHA_S, H100, MFU, NVLINK_BPS
 from powertrain.bench.netem import EmulatedCluster, collective_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.train.metrics import read_run
@@ -180,9 +181,7 @@ SCALE_ASSUMPTIONS = {
     "steps to target": "measured on the default GPT at 300 steps (bench quality): bf16 and fp32 300, PowerSGD + "
     "frozen AdamW 275; assumed the same ratio for the 1B GPT (not measured)",
 }
-NVLINK_BPS = 450e9 * 8
-ALPHA_S = 20e-6
-GPU_FLOPS = 989e12 * 0.4
+GPU_FLOPS = H100["bf16_flops"] * MFU
 STEPS_TO_TARGET = {"fp32": 300, "bf16": 300, "PowerSGD r32": 275}
 
 
@@ -207,11 +206,13 @@ def _payloads(n_layer: int, n_head: int, d_model: int, block: int) -> dict[str, 
 
 def _comm_s(payload: float, nodes: int, gpus: int, rate_bps: float, hierarchical: bool) -> float:
     """A ring all-reduce's time (payload bytes only, no framing), flat over all GPUs or in two stages."""
-    ring = lambda world, bps: collective_seconds("all_reduce", payload, world, bps / 1e6, framing=1.0)
+    ring = lambda world, bps, alpha: collective_seconds(
+        "all_reduce", payload, world, bps / 1e6, framing=1.0, latency_s=alpha
+    )
     if not hierarchical:
-        return ring(nodes * gpus, rate_bps) + 2 * (nodes * gpus - 1) * ALPHA_S
+        return ring(nodes * gpus, rate_bps, ALPHA_S)
     # reduce-scatter + all-gather inside the node (an all-reduce's bytes), then the node rings share the link
-    return ring(gpus, NVLINK_BPS) + ring(nodes, rate_bps) + 2 * (nodes - 1) * ALPHA_S
+    return ring(gpus, NVLINK_BPS, 0.0) + ring(nodes, rate_bps, ALPHA_S)
 
 
 def scale_model() -> str:

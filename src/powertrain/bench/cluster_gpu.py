@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
+from powertrain.bench.netem import collective_seconds
 from powertrain.bench.report import table
 from powertrain.models import GPTConfig
 
@@ -27,7 +28,7 @@ NVLINK_BPS = 450e9 * 8  # H100 SXM NVLink 4: 900 GB/s per GPU in both directions
 ALPHA_S = 20e-6  # per message between nodes
 #: Published H100 SXM figures (NVIDIA's datasheet): dense bf16 tensor-core peak, fp32 (no tensor cores), HBM3.
 H100 = {"bf16_flops": 989e12, "fp32_flops": 67e12, "hbm_bytes_per_s": 3.35e12}
-MFU = 0.4  # the fraction of the bf16 peak a GPT step reaches, assumed without a measurement (cluster.py's too)
+MFU = 0.4  # the fraction of the bf16 peak a GPT step reaches, assumed without a measurement (cluster.py uses it too)
 #: (model, sequences per GPU per step, the gpu-check size whose measurements it takes, or extrapolates from).
 MODELS: dict[str, tuple[GPTConfig, int, str]] = {
     "GPT-2 small shape": (GPTConfig(50304, 1024, 12, 12, 768), 8, "124m"),
@@ -126,20 +127,24 @@ def comm_s(method: str, payload: float, params: int, nodes: int, rate_bps: float
     """Seconds of one step's gradient communication per GPU: ring collectives, the link between nodes carrying a
     ring's whole traffic (flat: the ring over all 8 N GPUs crosses it; hierarchical: 8 rings of N nodes, one per
     local rank, each with 1/8 of the parameters, share it), NVLink inside the node."""
-    w = nodes * GPUS
-    gather = method == "int8"  # a sum of differently scaled integers is no quantised number: it all-gathers
+    op = "all_gather" if method == "int8" else "all_reduce"  # a sum of differently scaled integers is no int8 number
     collectives = 3 if method.startswith("PowerSGD") else 1  # P, Q and the exactly sent tensors
+
+    def between(world: int) -> float:  # the ring that crosses the link between nodes, payload bytes only
+        return collective_seconds(
+            op, payload, world, rate_bps / 1e6, framing=1.0, latency_s=ALPHA_S, collectives=collectives
+        )
+
     if not hierarchical:
-        factor = (w - 1) if gather else 2 * (w - 1) / w
-        messages = (w - 1) if gather else 2 * (w - 1)
-        return factor * payload * 8 / rate_bps + collectives * messages * ALPHA_S
+        return between(nodes * GPUS)
+    nvlink_mbit = NVLINK_BPS / 1e6
     if method == "bf16":  # reduce-scatter inside the node, the node rings, all-gather inside: an all-reduce each
-        inside = 2 * (GPUS - 1) / GPUS * payload * 8 / NVLINK_BPS
+        inside = collective_seconds("all_reduce", payload, GPUS, nvlink_mbit, framing=1.0)
     else:  # powertrain's: an exact fp32 mean inside the node, then gathering the parameters' owners' results
-        inside = (2 * (GPUS - 1) / GPUS + (GPUS - 1) / GPUS) * 4 * params * 8 / NVLINK_BPS
-    factor = (nodes - 1) if gather else 2 * (nodes - 1) / nodes
-    messages = (nodes - 1) if gather else 2 * (nodes - 1)
-    return inside + factor * payload * 8 / rate_bps + collectives * messages * ALPHA_S
+        exact = 4.0 * params
+        inside = collective_seconds("all_reduce", exact, GPUS, nvlink_mbit, framing=1.0)
+        inside += collective_seconds("all_gather", exact / GPUS, GPUS, nvlink_mbit, framing=1.0)
+    return inside + between(nodes)
 
 
 def step_s(fig: Figures, method: str, nodes: int, rate_bps: float, hierarchical: bool, overlap: bool = True) -> float:

@@ -35,15 +35,25 @@ FRAMING = 1514 / 1448
 
 
 def collective_seconds(
-    op: str, payload_bytes: float, world: int, rate_mbit: float, *, framing: float = FRAMING
+    op: str,
+    payload_bytes: float,
+    world: int,
+    rate_mbit: float,
+    *,
+    framing: float = FRAMING,
+    latency_s: float = 0.0,
+    collectives: int = 1,
 ) -> float:
-    """Time a bandwidth-bound ring collective needs on links of ``rate_mbit``, per rank.
+    """Time a ring collective needs on links of ``rate_mbit``, per rank: the alpha-beta model, the one cost model of
+    the benchmarks (the emulated links', and the clusters' on paper).
 
     ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
-    for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it, all-gather ``(W-1)`` times it,
-    reduce-scatter ``(W-1)/W`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there); for
-    all-to-all the payload is what leaves the rank (:meth:`powertrain.comm.Communicator.all_to_all`), sent once.
-    ``framing``: wire bytes per payload byte (TCP over Ethernet by default; 1 counts payload only).
+    for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it in ``2 (W-1)`` messages, all-gather ``(W-1)`` times it
+    in ``W-1``, reduce-scatter ``(W-1)/W`` in ``W-1`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for
+    it there); for all-to-all the payload is what leaves the rank (:meth:`powertrain.comm.Communicator.all_to_all`),
+    sent once in ``W-1`` messages. ``framing``: wire bytes per payload byte (TCP over Ethernet by default; 1 counts
+    payload only). ``latency_s``: alpha, the cost of one message (0: bandwidth only, what the emulated links add);
+    ``collectives``: how many collectives the payload is split into, each paying its messages' latency.
     """
     factor = {
         "all_reduce": 2 * (world - 1) / world,
@@ -55,7 +65,8 @@ def collective_seconds(
         raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(factor)}")
     if world < 2 or payload_bytes <= 0:
         return 0.0
-    return factor[op] * payload_bytes * framing * 8 / (rate_mbit * 1e6)
+    messages = 2 * (world - 1) if op == "all_reduce" else world - 1
+    return factor[op] * payload_bytes * framing * 8 / (rate_mbit * 1e6) + collectives * messages * latency_s
 
 
 #: What the benchmarks' per-step byte counts are costed as: gloo runs a reduce-scatter as a full all-reduce, and
