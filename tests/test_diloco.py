@@ -223,7 +223,7 @@ def _resume(rank: int) -> dict[str, Any]:
 
     model, diloco = build()
     _train(model, diloco, rank, range(6))
-    in_flight = diloco._pending is not None
+    in_flight = diloco.sync.pending is not None
     saved = {
         "diloco": to_blob(diloco.state_dict()),
         "inner": to_blob(diloco.inner.state_dict()),
@@ -743,7 +743,7 @@ def test_loading_waits_for_the_sync_in_flight():
     is not raised by the resumed run."""
     import threading
 
-    from powertrain.diloco import _Pending
+    from powertrain._outer_sync import Pending
 
     model = make_model()
     diloco = DiLoCo(model.named_parameters(), _inner(model), DiLoCoConfig(sync_every=2, compressor="int8"))
@@ -751,7 +751,7 @@ def test_loading_waits_for_the_sync_in_flight():
     saved = from_blob(to_blob(diloco.state_dict()))
     for outcome in ("result", "failure"):
         fut: torch.futures.Future = torch.futures.Future()
-        diloco._pending = _Pending(0, diloco.step_count + 1, fut)
+        diloco.sync.pending = Pending(0, diloco.step_count + 1, fut)
         end = lambda fut=fut, outcome=outcome: (
             fut.set_result([]) if outcome == "result" else fut.set_exception(RuntimeError("lost peer"))
         )

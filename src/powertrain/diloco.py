@@ -49,10 +49,7 @@ outer momentum, error feedback, a sync in flight); docs/local-updates.md shows a
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import itertools
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -62,9 +59,9 @@ import torch.distributed as dist
 from powertrain._checks import check_int
 from powertrain._diloco_config import DiLoCoConfig, schedule
 from powertrain._diloco_state import Layout, check_state
+from powertrain._outer_sync import OuterSync, Pending
 from powertrain.comm import CommStats, Communicator, group_of_its_own
 from powertrain.compress.base import Compressor, placeholder, run_program
-from powertrain.compress.chain import Chain, Sequencer, sequencer_for
 from powertrain.ops.flat import local_tensor
 
 __all__ = ["DiLoCo", "DiLoCoConfig", "schedule", "split_by_size"]
@@ -88,16 +85,6 @@ def split_by_size(sizes: Sequence[int], fragments: int) -> list[list[int]]:
         cuts.append(min(max(end, cuts[-1] + 1), n - (fragments - k)))  # every group keeps at least one parameter
     cuts.append(n)
     return [list(range(a, b)) for a, b in itertools.pairwise(cuts)]
-
-
-@dataclasses.dataclass
-class _Pending:
-    """A fragment's synchronisation: in flight (``future``), or arrived and not yet applied (``average``)."""
-
-    fragment: int
-    due: int  # its outer update is applied after this inner step
-    future: torch.futures.Future | None
-    average: list[torch.Tensor] | None = None
 
 
 class DiLoCo:
@@ -163,20 +150,13 @@ class DiLoCo:
         if self.warmup_compressor is not None and isinstance(config.warmup_compressor, str):  # one count of sends
             warm = self.warmup_compressor
             warm.comm = Communicator(warm.comm.group, stats=self.compressor.comm.stats)
-        self._seq = sequencer_for(self.compressor, calls_overlap=False)  # one sync in flight at a time
-        self._calls = 0
-        with torch.no_grad():
-            self.anchors = [t.detach().clone() for t in local]
-        _check_same_start(self.anchors, group)
-        momentum = config.outer_momentum
-        self.outer = torch.optim.SGD(self.anchors, lr=config.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        #: the anchors, the outer optimizer and the sync in flight
+        self.sync = OuterSync(
+            self.compressor, local, self.fragments, lr=config.outer_lr, momentum=config.outer_momentum
+        )
+        _check_same_start(self.sync.anchors, group)
         self.step_count = 0  # inner steps taken
-        self.syncs = 0  # fragment synchronisations applied
-        self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
-        self.late = 0  # how many syncs had not arrived when due
         self._updated_at = [self.warmup] * nf  # the inner step of each fragment's latest outer update
-        self._pending: _Pending | None = None
-        self._error: BaseException | None = None
 
     def _locals(self) -> list[torch.Tensor]:
         """This rank's tensor of every parameter (a DTensor's local shard: FSDP2 keeps its storage, so writes land)."""
@@ -217,6 +197,26 @@ class DiLoCo:
     # ------------------------------------------------------------------ the optimizer's face
 
     @property
+    def anchors(self) -> list[torch.Tensor]:
+        """The weights every replica agreed on at each fragment's latest synchronisation (this rank's tensors)."""
+        return self.sync.anchors
+
+    @property
+    def syncs(self) -> int:
+        """Fragment synchronisations applied."""
+        return self.sync.syncs
+
+    @property
+    def late(self) -> int:
+        """Syncs that had not arrived when their update was due."""
+        return self.sync.late
+
+    @property
+    def waited_s(self) -> float:
+        """Compute time lost waiting for syncs that had not arrived when due."""
+        return self.sync.waited_s
+
+    @property
     def stats(self) -> CommStats:
         """What the outer step and a warm-up compressor given by name sent (the outer compressor's counts), and as
         ``comm_s`` the compute time lost waiting for syncs."""
@@ -244,15 +244,13 @@ class DiLoCo:
         self.step_count += 1
         s = self.step_count
         if s == self.warmup:  # the replicas trained as one: their weights are the anchor the local updates start from
-            with torch.no_grad():
-                for a, t in zip(self.anchors, self._locals(), strict=True):
-                    a.copy_(t)
-        if self._pending is not None and self._pending.due == s:
-            self._apply(self._wait(lost=True))
+            self.sync.reanchor(self._locals())
+        if self.sync.pending is not None and self.sync.pending.due == s:
+            self._apply(self.sync.wait(lost=True))
         for f in self.fragments_to_sync(s):
-            self._start(f, due=s + self.delay)
+            self.sync.start(f, self._locals(), due=s + self.delay)
             if self.delay == 0:
-                self._apply(self._wait(lost=True))
+                self._apply(self.sync.wait(lost=True))
         return loss
 
     def finish(self) -> None:
@@ -260,12 +258,12 @@ class DiLoCo:
         that has trained since its latest outer update. Training may go on afterwards as before."""
         if self.step_count <= self.warmup:  # the replicas trained as one so far
             return
-        if self._pending is not None:  # waited for now by design: not a sync the link was late with
-            self._apply(self._wait(lost=False))
+        if self.sync.pending is not None:  # waited for now by design: not a sync the link was late with
+            self._apply(self.sync.wait(lost=False))
         for f in range(len(self.fragments)):
             if self._updated_at[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
-                self._start(f, due=self.step_count)
-                self._apply(self._wait(lost=False), mix=0.0)
+                self.sync.start(f, self._locals(), due=self.step_count)
+                self._apply(self.sync.wait(lost=False), mix=0.0)
 
     def fragments_to_sync(self, step: int) -> list[int]:
         """The fragments whose sync starts after inner step ``step`` (1-based; the schedule starts after the
@@ -290,82 +288,17 @@ class DiLoCo:
                 g = local_tensor(p.grad)
             g.copy_(a)
 
-    # ------------------------------------------------------------------ one synchronisation
-
-    @torch.no_grad()
-    def _start(self, f: int, due: int) -> None:
-        """Launch fragment ``f``'s sync: its first collective is issued now, later ones as earlier ones complete."""
-        assert self._pending is None, "one sync in flight at a time (delay < sync_every / fragments)"
-        idx = self.fragments[f]
-        local = self._locals()
-        delta = [self.anchors[i] - local[i] for i in idx]
-
-        def failed(e: BaseException) -> None:
-            self._error = self._error or e
-
-        def done(average: list[torch.Tensor]) -> None:
-            chain.future.set_result(average)
-
-        device = delta[0].device if delta else None  # a CUDA future: its waiter's streams wait for the callbacks'
-        chain = Chain(self.compressor.program(delta, idx), self._seq, self._calls, done, failed, device)
-        self._calls += 1
-        self._pending = _Pending(f, due, chain.start())
-
-    def _wait(self, *, lost: bool) -> _Pending:
-        """The sync in flight, arrived (waiting for it if needed; counted as compute lost to the link if ``lost``)."""
-        pending = self._pending
-        assert pending is not None, "a sync to wait for"
-        if pending.future is not None:
-            arrived = pending.future.done()
-            t0 = time.perf_counter()
-            try:
-                pending.average = pending.future.wait()
-            except BaseException as e:
-                error, self._error = self._error or e, None
-                self._pending = None
-                raise error from None
-            if lost and not arrived:
-                waited = time.perf_counter() - t0
-                self.late += 1
-                self.waited_s += waited
-                self.stats.add_time(comm_s=waited)
-            pending.future = None
-        self._pending = None
-        return pending
-
-    @torch.no_grad()
-    def _apply(self, pending: _Pending, mix: float | None = None) -> None:
-        """The outer step of the fragment's anchors with the averaged pseudo-gradient; the replica takes the result,
-        mixed with its own weights by ``mix`` (default: the DiLoCo's)."""
-        mix = self.mix if mix is None else mix
-        assert pending.average is not None, "an arrived sync"
-        idx = self.fragments[pending.fragment]
-        for a in self.anchors:
-            a.grad = None
-        for i, avg in zip(idx, pending.average, strict=True):
-            self.anchors[i].grad = avg.to(self.anchors[i].dtype)
-        self.outer.step()
-        local = self._locals()
-        for i in idx:
-            a, t = self.anchors[i], local[i]
-            a.grad = None
-            if mix:
-                t.mul_(mix).add_(a, alpha=1 - mix)
-            else:
-                t.copy_(a)
+    def _apply(self, pending: Pending, mix: float | None = None) -> None:
+        """Apply an arrived sync's outer update to the replica (mixed by ``mix``, default the config's)."""
+        self.sync.apply(pending, self._locals(), self.mix if mix is None else mix)
         self._updated_at[pending.fragment] = self.step_count
-        self.syncs += 1
 
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
         rank's own: save them with it). A sync in flight is waited for and saved with its result."""
-        pending = None
-        if self._pending is not None:
-            got = self._wait(lost=False)
-            self._pending = got  # arrived, to be applied when due
-            pending = {"fragment": got.fragment, "due": got.due, "average": list(got.average or [])}
+        pending = self.sync.settled_pending()
         return {
             "kind": "DiLoCo",
             "sync_every": self.sync_every,
@@ -375,8 +308,8 @@ class DiLoCo:
             "step": self.step_count,
             "syncs": self.syncs,
             "applied": list(self._updated_at),
-            "anchors": list(self.anchors),
-            "outer": self.outer.state_dict(),
+            "anchors": list(self.sync.anchors),
+            "outer": self.sync.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
             "warmup": self.warmup,
             "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
@@ -396,23 +329,19 @@ class DiLoCo:
                     "warmup": self.warmup,
                 },
                 shapes=[t.shape for t in self._locals()],
-                outer_groups=self.outer.state_dict()["param_groups"],
+                outer_groups=self.sync.outer.state_dict()["param_groups"],
                 fragments_to_sync=self.fragments_to_sync,
                 warmup_compressor=self.warmup_compressor is not None,
-                outer_keys=frozenset({"momentum_buffer"}) if type(self.outer) is torch.optim.SGD else None,
+                outer_keys=frozenset({"momentum_buffer"}),  # the outer SGD's
             ),
         )
         step: int = state["step"]  # checked above: ints and a list of ints
         syncs: int = state["syncs"]
         applied: list[int] = state["applied"]
         pending, warm = state.get("pending"), state.get("warmup_compressor")
-        in_flight = self._pending.future if self._pending is not None else None
-        if in_flight is not None:  # its program would commit the compressor's state over the loaded one: let it end
-            with contextlib.suppress(BaseException):  # what it brings is replaced by the loaded state anyway
-                in_flight.wait()
-            self._error = None
+        self.sync.drain()
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
-        parts: list[Any] = [self.compressor, self.outer]
+        parts: list[Any] = [self.compressor, self.sync.outer]
         given: list[Any] = [state["compressor"], state["outer"]]
         if self.warmup_compressor is not None:
             parts.append(self.warmup_compressor)
@@ -427,19 +356,8 @@ class DiLoCo:
             for part, old in zip(parts[:done], before, strict=False):
                 part.load_state_dict(old)
             raise ValueError(f"DiLoCo state_dict does not fit: {' '.join(str(e).split())[:300]}") from None
-        with torch.no_grad():
-            for a, saved_anchor in zip(self.anchors, state["anchors"], strict=True):
-                a.copy_(saved_anchor)
-        self.step_count, self.syncs, self._updated_at = step, syncs, list(applied)
-        self._seq, self._calls = Sequencer(self._seq.comms), 0  # every rank counts its calls afresh
-        self._pending = None
-        if pending is not None:
-            f = pending["fragment"]
-            average = [
-                t.to(self.anchors[i].device, self.anchors[i].dtype, copy=True)
-                for i, t in zip(self.fragments[f], pending["average"], strict=True)
-            ]
-            self._pending = _Pending(f, pending["due"], None, average)
+        self.sync.restore(state["anchors"], syncs, pending)
+        self.step_count, self._updated_at = step, list(applied)
 
 
 def outer_compressor(
