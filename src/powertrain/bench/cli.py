@@ -151,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
         from powertrain.bench.overhead import run_overhead
 
         run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=write)
-    else:  # the suites that take only a preset: module powertrain.bench.<suite>, function run_<suite>_bench
-        module = importlib.import_module(f"powertrain.bench.{args.suite}")
+    else:  # the suites that take only a preset: function run_<suite>_bench of their module
+        home = {"ddp": "ddp_step", "simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
+        module = importlib.import_module(f"powertrain.bench.{home}")
         getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write)
     return 0
 

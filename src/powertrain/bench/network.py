@@ -42,8 +42,8 @@ from typing import Any, NamedTuple
 import torch
 
 from powertrain import _json
-from powertrain.bench import ddp, plots
-from powertrain.bench.ddp import computed_bytes
+from powertrain.bench import ddp_step, plots
+from powertrain.bench.ddp_step import computed_bytes
 from powertrain.bench.netem import EmulatedCluster, comm_seconds, unavailable, validate
 from powertrain.bench.report import machine_info, publish, rate_name, table
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
@@ -111,7 +111,7 @@ _TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset(ddp.Preset):
+class Preset(ddp_step.Preset):
     rates: tuple[float | None, ...]  # Mbit/s; None: unthrottled
     max_comm_s: float  # rows whose modelled communication exceeds this per step are not run
     quality_steps: int  # steps of the quality run (0: skip it)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from powertrain.bench.ddp import Preset
+from powertrain.bench.ddp_step import Preset
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.models import GPT, GPTConfig
