@@ -336,6 +336,16 @@ def _apart(rank: int) -> dict[str, Any]:
         diloco.step()
     diloco.finish()
     out["muon"] = torch.cat([p.detach().reshape(-1) for p in mlp.parameters()])
+    # a warm-up compressor on the training's group runs inside the step: not refused for overlapping with training
+    from powertrain.compress import make_compressor
+
+    warm = make_compressor("none", mlp.named_parameters())
+    try:
+        settings = DiLoCoConfig(sync_every=2, sync_delay=1, sync_warmup=2, warmup_compressor=warm)
+        DiLoCo(mlp.named_parameters(), _inner(mlp), settings)
+        out["warm"] = ""
+    except ValueError as e:
+        out["warm"] = str(e)
     return out
 
 
@@ -450,6 +460,7 @@ def test_replicas_that_start_apart_are_refused(results):
         assert "start from different weights" in r["raised"], r["raised"]
         assert "build it with split=False" in r["shared"], r["shared"]
         assert "use an optimizer that steps alone" in r["dion"], r["dion"]  # Dion sends its factors every step
+        assert r["warm"] == "", r["warm"]
     same_on_all_ranks(case(results, "apart"), "muon")  # an inner Muon per replica, then the replicas averaged
 
 
@@ -484,6 +495,9 @@ def test_bad_settings_are_refused_in_one_line():
         ({"outer_lr": 0}, "outer_lr=0"),
         ({"outer_lr": float("nan")}, "outer_lr=nan"),
         ({"outer_momentum": 1.0}, "outer_momentum=1.0"),
+        ({"outer_lr": 10**400}, "outer_lr=1000"),
+        ({"compressor": "int4", "compressor_options": {"bogus": 1}}, "Bad compressor 'int4' options"),
+        ({"fragments": [[0], "x"]}, "Invalid fragments="),
         ({"sync_warmup": -1}, "sync_warmup=-1"),
     ]:
         with pytest.raises(ValueError, match=text.replace("[", r"\[")) as e:
@@ -495,6 +509,27 @@ def test_bad_settings_are_refused_in_one_line():
         DiLoCo(model.named_parameters(), inner, {"sync_every": 2})  # type: ignore[arg-type]
     with pytest.warns(UserWarning, match="warmup_compressor='int8' has no effect without sync_warmup"):
         DiLoCoConfig(warmup_compressor="int8")
+    with pytest.raises(ValueError, match="Bad warmup_compressor 'none' options"):  # exact averaging takes none
+        DiLoCoConfig(warmup_options={"chunk": 64})
+
+
+def test_a_script_and_the_command_compress_the_outer_step_alike():
+    """PowerSGD on the outer step compresses from the first sync in a script as in the command (its exact warm-up
+    steps would send whole pseudo-gradients), and the command warns once of a setting without effect."""
+    import warnings
+
+    from powertrain.train.config import TrainConfig
+
+    model = make_model()
+    script = DiLoCo(model.named_parameters(), _inner(model), DiLoCoConfig(compressor="powersgd"))
+    command = TrainConfig(parallel="diloco", compressor="powersgd").local_updates
+    assert command is not None and command.compressor_options["start_compressing_after_num_steps"] == 0
+    assert script.compressor.config.start_compressing_after_num_steps == 0  # type: ignore[attr-defined]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = TrainConfig(parallel="diloco", warmup_compressor="int8")
+        cfg.local_updates, cfg.local_updates  # noqa: B018
+    assert sum("no effect without sync_warmup" in str(w.message) for w in seen) == 1, [str(w.message) for w in seen]
 
 
 def test_one_process_is_local_training_with_an_outer_step():

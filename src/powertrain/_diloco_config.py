@@ -7,7 +7,6 @@ from here; ``powertrain train`` builds this type from its flags (the same names:
 from __future__ import annotations
 
 import dataclasses
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -85,7 +84,10 @@ class DiLoCoConfig:
             groups = [list(g) for g in self.fragments]
             ints = all(not isinstance(i, bool) and isinstance(i, int) for g in groups for i in g)
             if not groups or not all(groups) or not ints:
-                raise ValueError("Invalid fragments: groups of parameter positions (ints), none empty")
+                raise ValueError(
+                    f"Invalid fragments={self.fragments!r:.80}: an int, or groups of parameter positions (ints), "
+                    "none empty"
+                )
         count = self.fragments if isinstance(self.fragments, int) else len(self.fragments)
         schedule(self.sync_every, count, self.sync_delay)
         mix = self.sync_mix
@@ -97,7 +99,7 @@ class DiLoCoConfig:
                 "travels (Streaming DiLoCo's alpha); set sync_delay > 0 or sync_mix=0"
             )
         lr, momentum = self.outer_lr, self.outer_momentum
-        if isinstance(lr, bool) or not isinstance(lr, int | float) or not (math.isfinite(lr) and 0 < lr <= 10):
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr <= 10:  # NaN compares False
             raise ValueError(
                 f"Invalid outer_lr={lr!r}: must be in (0, 10] (DiLoCo's is 0.7; 1 with outer_momentum 0 averages "
                 "the replicas)"
@@ -107,15 +109,19 @@ class DiLoCoConfig:
         _check_compressor("compressor", self.compressor, self.compressor_options)
         _check_compressor("warmup_compressor", self.warmup_compressor, self.warmup_options)
         if not self.sync_warmup and (self.warmup_compressor != "none" or self.warmup_options):
+            given = (
+                f"warmup_compressor={self.warmup_compressor!r}"
+                if self.warmup_compressor != "none"
+                else f"warmup_options={dict(self.warmup_options)!r}"
+            )
             warnings.warn(
-                f"warmup_compressor={self.warmup_compressor!r} has no effect without sync_warmup: set sync_warmup "
-                "(--sync-warmup N) or drop warmup_compressor",
+                f"{given} has no effect without sync_warmup: set sync_warmup (--sync-warmup N) or drop it",
                 stacklevel=3,
             )
 
 
 def _check_compressor(field: str, spec: object, options: Mapping[str, Any]) -> None:
-    from powertrain.compress import compressor_class
+    from powertrain.compress import compressor_class, make_compressor
     from powertrain.compress.base import Compressor
 
     if not isinstance(options, Mapping):
@@ -125,6 +131,13 @@ def _check_compressor(field: str, spec: object, options: Mapping[str, Any]) -> N
             raise ValueError(f"{field}'s options go with a compressor name; a Compressor instance has its own")
     elif isinstance(spec, str):
         compressor_class(spec)  # an unknown name is refused with the names to choose from
+        # its constructor owns the checks of its options: run for no parameters (nothing is allocated), it refuses
+        # an unknown option or a bad value now, not after the process groups are built
+        auto = spec == "powersgd" and options.get("rank") == "auto"  # chosen at start-up; the rest checked now
+        try:
+            make_compressor(spec, [], **({**options, "rank": 4} if auto else options))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Bad {field} {spec!r} options {dict(options)!r:.120}: {e}") from None
     else:
         raise ValueError(f"{field} must be a compressor name or a powertrain Compressor, got {type(spec).__name__}")
 

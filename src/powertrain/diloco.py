@@ -179,10 +179,11 @@ class DiLoCo:
                     "replica's (local) parameters: build it on the same parameters"
                 )
             used = spec.communicators() or [spec.comm]  # the groups its requests go to
-            if self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
+            # the outer step's collectives overlap training's; the warm-up's run inside the step, on its group
+            if own_group and self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
                 raise ValueError(
-                    "With sync_delay > 0 the compressor's collectives overlap training, whose own collectives "
-                    "use the default group: build the compressor on a group of its own "
+                    "With sync_delay > 0 the outer compressor's collectives overlap training, whose own "
+                    "collectives use the default group: build DiLoCoConfig's compressor on a group of its own "
                     "(dist.new_group(...)), or pass its name"
                 )
             return spec
@@ -368,9 +369,12 @@ def outer_compressor(
 ) -> Compressor:
     """The compressor ``name`` for the pseudo-gradients of ``params`` (this rank's tensors: a DTensor's local shard),
     built on placeholders of their shapes (it never touches the parameters) and on a process group of its own with
-    the ranks of ``group``: a sync in flight overlaps training's collectives, which use their own groups."""
+    the ranks of ``group``: a sync in flight overlaps training's collectives, which use their own groups. PowerSGD
+    compresses from the first sync unless ``options`` say otherwise."""
     from powertrain.compress import make_compressor
 
+    if name == "powersgd":  # its exact warm-up steps would send whole pseudo-gradients: compress from the first sync
+        options = {"start_compressing_after_num_steps": 0, **options}
     shaped = [(n, placeholder(t.shape, t)) for n, t in params]
     return make_compressor(name, shaped, group=group_of_its_own(group), **options)
 

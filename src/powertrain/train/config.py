@@ -403,7 +403,7 @@ class TrainConfig:
                     f"updates), not {self.parallel!r}: drop it or use --parallel diloco"
                 )
             return
-        self.local_updates  # noqa: B018 (DiLoCoConfig checks its fields as it is built)
+        self._diloco_config()  # DiLoCoConfig checks its fields as it is built, and warns of one without effect
         if self.sync_every >= self.steps:
             warnings.warn(
                 f"sync_every={self.sync_every} >= steps={self.steps}: the replicas never sync before the "
@@ -429,9 +429,14 @@ class TrainConfig:
     @property
     def local_updates(self) -> DiLoCoConfig | None:
         """The settings of ``parallel="diloco"`` (None for the other modes): the outer step's compressor and the
-        warm-up's, parsed from their specs."""
+        warm-up's, parsed from their specs. Checked, and its warnings given, when this config was built."""
         if self.parallel != "diloco":
             return None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return self._diloco_config()
+
+    def _diloco_config(self) -> DiLoCoConfig:
         outer, outer_options = parse_compressor(self.compressor)
         warm, warm_options = parse_compressor(self.warmup_compressor)
         return DiLoCoConfig(

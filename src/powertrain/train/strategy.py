@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal
@@ -315,7 +316,9 @@ class _DiLoCo(Strategy):
         from powertrain.diloco import DiLoCo
 
         # the compressor built here (on a group of its own, or hierarchical) in place of its name and options
-        config = dataclasses.replace(self.local, compressor=self.comp, compressor_options={})
+        with warnings.catch_warnings():  # checked, and its warnings given, where the settings were built
+            warnings.simplefilter("ignore", UserWarning)
+            config = dataclasses.replace(self.local, compressor=self.comp, compressor_options={})
         self.diloco = DiLoCo(self.module.named_parameters(), optimizer, config)
         self.state = self.diloco
 
