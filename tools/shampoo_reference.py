@@ -24,7 +24,8 @@ process, one torch thread by default.
 3. :func:`markdown` renders the results (with the reference's version and commit) for BENCHMARKS.md.
 
 Run: ``python tools/shampoo_reference.py --reference-path /tmp/ref/optimizers`` (a development tool against a local
-clone of another library: not part of the installed package).
+clone of another library: not part of the installed package). The agreement is also a test with a derived tolerance,
+``tests/test_shampoo_reference.py`` (it runs where ``POWERTRAIN_SHAMPOO_REFERENCE`` names a clone).
 """
 
 from __future__ import annotations
