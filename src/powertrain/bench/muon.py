@@ -16,16 +16,17 @@ rounds and the split's ratio to computing alone, measured side by side.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.rounds import interleaved
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.matrices import default_rule
 from powertrain.train.launch import launch, leave_world
@@ -69,21 +70,18 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
         "alone": Muon(named, lr=0.02, split=False),
         "adamw": torch.optim.AdamW(model.parameters(), lr=1e-3),
     }
-    times: dict[str, list[float]] = {k: [] for k in _KINDS}
-    for round_ in range(args["warmup"] + args["rounds"]):
-        order = _KINDS[round_ % len(_KINDS) :] + _KINDS[: round_ % len(_KINDS)]  # no kind always first
-        for kind in order:
-            dist.barrier()
-            t0 = time.perf_counter()
-            if kind == "forward_backward":
-                model.zero_grad(set_to_none=False)
-                model(x, x).backward()
-            else:
-                opts[kind].step()
-            if round_ >= args["warmup"]:
-                times[kind].append(time.perf_counter() - t0)
+
+    def timed(kind: str, _round: int) -> None:
+        if kind == "forward_backward":
+            model.zero_grad(set_to_none=False)
+            model(x, x).backward()
+        else:
+            opts[kind].step()
+
+    steps = [functools.partial(timed, kind) for kind in _KINDS]
+    measured = interleaved(steps, warmup=args["warmup"], timed=args["rounds"], rotate=True)  # no kind always first
     leave_world()
-    return times
+    return dict(zip(_KINDS, measured, strict=True))
 
 
 def _measure(p: Preset, world: int) -> dict[str, Any]:

@@ -24,9 +24,9 @@ the overlapped one is the communication the rotation hides.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.network import fsdp2_weight_bytes
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.rounds import interleaved
 from powertrain.models import GPT, GPTConfig
 from powertrain.tp import local_numel, traffic
 from powertrain.train.config import GPT_SIZES, TrainConfig
@@ -126,24 +127,28 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
             _step(model, opt, *batch(step, kind))
         if measure:
             out["state"][kind] = heap_in_use() - base
-        out["peak"][kind] = peak_allocated(lambda: _step(model, opt, *batch(2, kind)))  # noqa: B023 (called here)
+
+        def one_step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, kind: str = kind) -> None:
+            _step(model, opt, *batch(2, kind))  # the batch is made inside, as in every training step
+
+        out["peak"][kind] = peak_allocated(one_step)
         if stats is not None:
             stats.reset()
             _step(model, opt, *batch(3, kind))
             out["bytes"][kind] = stats.bytes_sent
-        del model, opt, stats
+        del model, opt, stats, one_step  # nothing of this configuration stays alive
     runs = []
     for kind in KINDS:
         model, _ = _build(kind, cfg)
         runs.append((kind, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
-    for step in range(p.warmup + p.timed):
-        for kind, model, opt in runs:
-            x, y = batch(10 + step, kind)
-            dist.barrier()
-            t0 = time.perf_counter()
-            out["loss"][kind] = _step(model, opt, x, y)
-            if step >= p.warmup:
-                out["times"][kind].append(time.perf_counter() - t0)
+    batches = {(step, kind): batch(10 + step, kind) for step in range(p.warmup + p.timed) for kind in KINDS}
+
+    def timed_step(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        out["loss"][kind] = _step(model, opt, *batches[step, kind])
+
+    steps = [functools.partial(timed_step, kind, model, opt) for kind, model, opt in runs]
+    for (kind, _, _), times in zip(runs, interleaved(steps, warmup=p.warmup, timed=p.timed), strict=True):
+        out["times"][kind] = times
     leave_world()
     return out
 

@@ -11,8 +11,8 @@ are sharded the same way in every configuration, so they are not in the comparis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from powertrain.bench.ddp_step import Preset
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.rounds import interleaved
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
@@ -86,22 +87,22 @@ def _worker(preset: str) -> dict[str, Any]:
     for s in SETUPS:
         model, run = _build(s, p.model)
         runs.append((model, run, torch.optim.AdamW(model.parameters(), lr=1e-3)))
-    times: list[list[float]] = [[] for _ in SETUPS]
     held: list[list[int]] = [[] for _ in SETUPS]
     losses: list[float] = [0.0] * len(SETUPS)
-    for step in range(p.warmup + p.timed):
-        x, y = corpus.batch("train", rank, world, (0, rank, step), p.batch, p.model.block_size)
-        for i, (_, run, opt) in enumerate(runs):
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad()
-            loss = run(x, y)
-            loss.backward()
-            opt.step()
-            elapsed = time.perf_counter() - t0
-            if step >= p.warmup:
-                times[i].append(elapsed)
-            losses[i] = loss.item()
+    batches = [
+        corpus.batch("train", rank, world, (0, rank, step), p.batch, p.model.block_size)
+        for step in range(p.warmup + p.timed)
+    ]
+
+    def timed_step(i: int, step: int) -> None:
+        _, run, opt = runs[i]
+        opt.zero_grad()
+        loss = run(*batches[step])
+        loss.backward()
+        opt.step()
+        losses[i] = loss.item()
+
+    times = interleaved([functools.partial(timed_step, i) for i in range(len(runs))], warmup=p.warmup, timed=p.timed)
     # Memory: a separate pass per configuration (heap_in_use runs a GC pass: keep it out of the timings);
     # gradients exist already (zero_grad keeps them), so backward allocates nothing new that would count.
     x, y = corpus.batch("train", rank, world, (0, rank, 10_000), p.batch, p.model.block_size)

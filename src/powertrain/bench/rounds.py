@@ -1,0 +1,32 @@
+"""The benchmarks' timing loop: configurations stepped in interleaved rounds, so that load from other processes
+hits every configuration alike."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+__all__ = ["interleaved"]
+
+
+def interleaved(
+    steps: Sequence[Callable[[int], object]], *, warmup: int, timed: int, rotate: bool = False
+) -> list[list[float]]:
+    """Run ``warmup + timed`` rounds; in each, ``steps[i](round)`` for every configuration ``i``, each after a barrier
+    (every rank starts it together: the slower rank's time is the step's) and timed on its own. ``rotate``: start each
+    round one configuration later, so that none is always first. Returns each configuration's times of the timed
+    rounds."""
+    times: list[list[float]] = [[] for _ in steps]
+    order = list(range(len(steps)))
+    for round_ in range(warmup + timed):
+        shift = round_ % len(order) if rotate and order else 0
+        for i in order[shift:] + order[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[i](round_)
+            elapsed = time.perf_counter() - t0
+            if round_ >= warmup:
+                times[i].append(elapsed)
+    return times
