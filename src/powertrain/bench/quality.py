@@ -658,6 +658,7 @@ def _summarise(
             "label": row.label,
             "to_target": row.to_target,
             "hits": hits,
+            "ran": min(m["steps_run"] for m in ms),  # a row that trained its horizon only was not run on
             "val_mean": statistics.mean(vals),
             "val_min": min(vals),
             "val_max": max(vals),

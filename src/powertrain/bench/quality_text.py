@@ -142,7 +142,7 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
                     f"{100 * (r['val_mean'] / fp32['val_mean'] - 1):+.2f}%",
                     *acc,
                     f"1/{1 / r['fraction']:.1f}",
-                    _hits_text(r["hits"], cap_steps),
+                    _hits_text(r["hits"], min(cap_steps, r.get("ran", cap_steps))),
                     *times,
                 ]
             )
