@@ -15,7 +15,7 @@ import torch
 
 from powertrain.comm import CommStats
 from powertrain.compress.base import Compressor
-from powertrain.compress.chain import Chain, sequencer_for
+from powertrain.compress.chain import Chain, Sequencer, sequencer_for
 
 __all__ = ["OuterSync", "Pending"]
 
@@ -153,7 +153,7 @@ class OuterSync:
         for a, saved in zip(self.anchors, anchors, strict=True):
             a.copy_(saved)
         self.syncs = syncs
-        self._seq, self._calls = sequencer_for(self.compressor, calls_overlap=False), 0
+        self._seq, self._calls = Sequencer(self._seq.comms), 0  # the same communicators, no sync in their queues
         self.pending = None
         if pending is not None:
             f = pending["fragment"]

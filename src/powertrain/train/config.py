@@ -123,8 +123,7 @@ def default_compressor(steps: int, width: int) -> str:
 
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
-#: Local updates (``--parallel diloco``) when the run does not set them: see :data:`DILOCO_FIELDS`. Measured on the
-#: The fields that only ``--parallel diloco`` reads.
+#: The fields that only ``--parallel diloco`` reads (their defaults: :class:`powertrain.diloco.DiLoCoConfig`'s).
 DILOCO_FIELDS = (
     "sync_every",
     "fragments",
