@@ -181,7 +181,12 @@ def main() -> None:
         dense = 4 * sum(p.numel() for p in model.parameters()) * (args.steps - start)
         sent = compressor.comm.stats.bytes_sent if compressor is not None else dense
         print(json.dumps({"bytes_sent": sent, "bytes_uncompressed": dense}), flush=True)
-    dist.barrier()
+    dist.barrier()  # every rank is done before any leaves
+    # Leave without the interpreter's teardown: everything is written, and a gloo thread that frees a finished
+    # collective's tensor while the interpreter finalises aborts the rank (pytorch/pytorch#190489).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
