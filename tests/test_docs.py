@@ -16,7 +16,6 @@ import re
 import shlex
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 from types import ModuleType
@@ -136,10 +135,6 @@ def _python_blocks() -> list[Block]:
     return [b for b in _all_blocks() if b.lang == "python"]
 
 
-#: What a rank prints when gloo aborts it at interpreter teardown (pytorch/pytorch#190489).
-TEARDOWN_ABORT = "terminate called without an active exception"
-
-
 @pytest.mark.timeout(900)
 def test_every_python_example_runs(tmp_path):
     """One test for all blocks (each a fresh process): a block that fails names its page and line."""
@@ -156,15 +151,6 @@ def test_every_python_example_runs(tmp_path):
         script.write_text(b.code)
         if b.mark.startswith("torchrun"):
             r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300)
-            if r.returncode != 0 and TEARDOWN_ABORT in r.stderr:
-                # Upstream, not the example: a gloo thread freeing a finished collective's tensor while the
-                # interpreter finalises aborts the rank (tests/dist_utils.leave_without_teardown; the README says
-                # so beside its first example). It is rare (none in 45 runs idle, seen once under CI's load), so a
-                # second abort in a row fails.
-                warnings.warn(
-                    f"{b.name}: a rank aborted in gloo's teardown ({TEARDOWN_ABORT!r}); ran it again", stacklevel=1
-                )
-                r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300)
         else:
             r = subprocess.run(
                 [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
