@@ -226,7 +226,7 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
         pass
 
     def recording(p, rows, steps, seed, target):
-        if rows[0] is quality.FP32:  # fp32 first: pretend it ran (its curve sets the target)
+        if rows[0].key == quality.FP32.key:  # fp32 first: pretend it ran (its curve sets the target)
             return [{"curve": [[steps, 2.0]]} for _ in rows]
         for r in rows:
             spec = quality._spec(r, steps, p.start, target if r.to_target else None)
@@ -239,7 +239,7 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     monkeypatch.setattr(
         quality._Kept,
         "get",
-        lambda self, steps, seed, row, target: {"curve": [[steps, 2.0]]} if row is quality.FP32 else None,
+        lambda self, steps, seed, row, target: {"curve": [[steps, 2.0]]} if row.key == quality.FP32.key else None,
     )
     with pytest.raises(Stop):
         run_quality_bench(preset="tiny", rows=["int4"], rates=[], out=str(tmp_path), write="", horizon_only=True)
@@ -366,3 +366,40 @@ def test_every_preset_names_known_rows():
             assert set(p.baseline) & here, (name, steps)
     muon = PRESETS["muon"]
     assert muon.target == 1.0 and len(muon.baseline) >= 4  # a swept AdamW, its best loss itself the target
+
+
+def test_a_presets_recipe_trains_every_row_fp32_included(tmp_path, monkeypatch):
+    """outer-const's constant-rate AdamW reaches the spec of fp32 (which sets the target) and of every other row,
+    whose own options (the outer step, Muon's rate) are kept beside it."""
+    recipe = quality.PRESETS["outer-const"].recipe
+    seen: dict[str, dict] = {}
+
+    class Stop(Exception):
+        pass
+
+    def recording(p, rows, steps, seed, target):
+        seen.update({r.key: quality._spec(r, steps, p.start, None).optimizer_options for r in rows})
+        if rows[0].key == quality.FP32.key:
+            return [{"curve": [[steps, 2.0]]} for _ in rows]
+        raise Stop
+
+    monkeypatch.setattr(quality, "_launch", recording)
+    monkeypatch.setattr(quality, "_measured", lambda row, res, p, model: res)
+    monkeypatch.setattr(quality._Kept, "put", lambda self, steps, seed, row, m: None)
+    monkeypatch.setattr(
+        quality._Kept,
+        "get",
+        lambda self, steps, seed, row, target: {"curve": [[steps, 2.0]]} if row.key in seen else None,
+    )
+    with pytest.raises(Stop):
+        run_quality_bench(
+            preset="outer-const", rows=["muon-outer-1-0.5"], seeds=1, rates=[], out=str(tmp_path), write=""
+        )
+    assert seen["fp32"] == recipe
+    assert seen["muon-outer-1-0.5"] == {
+        **recipe,
+        "sync_every": 25,
+        "outer_lr": 1.0,
+        "outer_momentum": 0.5,
+        "muon_lr": 0.04,
+    }

@@ -30,6 +30,8 @@ class Preset(Protocol):
     def baseline(self) -> tuple[str, ...]: ...
     @property
     def target(self) -> float: ...
+    @property
+    def recipe(self) -> dict[str, Any]: ...
 
 
 __all__ = ["markdown"]
@@ -176,6 +178,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             "wide": "Quality on a second text shape: a wider, shallower GPT",
             "local": f"Local updates across slow links: quality, bytes and time to target ({p.workers} replicas)",
             "muon": "Muon against a swept AdamW: loss, bytes and time to the best AdamW's loss",
+            "outer": "The outer step of local updates on the command's schedule",
+            "outer-const": "The outer step of local updates on a constant-rate AdamW",
         }.get(report["preset"], "Quality: validation loss, bytes and time to a target loss")
         what = (
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
@@ -206,8 +210,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         timed = "No time to target: this run timed no link (`--rates none`)."
     return (
         f"## {title}\n\n"
-        f"{what}, AdamW with `powertrain train`'s "
-        "schedule over each horizon ('AdamW frozen at f': its second moment frozen after that fraction of the "
+        f"{what}, AdamW with `powertrain train`'s schedule{_recipe_text(p)} over each horizon ('AdamW frozen at f': "
+        "its second moment frozen after that fraction of the "
         f"steps, powertrain.optim.FrozenVarianceAdamW), {seeds} seeds (initial weights and training batches), "
         f"validation every {p.eval_every} steps on the same held-out "
         f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
@@ -222,3 +226,10 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         + _torchft_text(report.get("torchft_s", {}))
         + f"\n\nMachine: {machine_info()}.\n"
     )
+
+
+def _recipe_text(p: Preset) -> str:
+    """The preset's own training settings, which every row (fp32 included) trains with."""
+    if not p.recipe:
+        return ""
+    return " but " + ", ".join(f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}" for k, v in p.recipe.items())
