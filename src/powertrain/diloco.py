@@ -133,18 +133,16 @@ class DiLoCo:
             raise ValueError(f"The inner optimizer does not step {missing[:3]}: build it on the same parameters")
         self.inner = inner
         self.config = config
-        self.sync_every, self.delay, self.mix = config.sync_every, config.sync_delay, float(config.sync_mix)
         local = self._locals()
         self.fragments = _fragments(config.fragments, [t.numel() for t in local])
         nf = len(self.fragments)
         #: fragment k starts its syncs at inner steps offsets[k] + j * sync_every (j >= 0; never at step 0)
-        self.offsets = schedule(self.sync_every, len(self.fragments), self.delay)
-        self.warmup = config.sync_warmup
+        self.offsets = schedule(self.config.sync_every, len(self.fragments), self.config.sync_delay)
         self.compressor = self._compressor(config.compressor, dict(config.compressor_options), group, local)
         #: averages every step's gradients during the warm-up (None without one): the replicas train as one
         self.warmup_compressor = (
             self._compressor(config.warmup_compressor, dict(config.warmup_options), group, local, own_group=False)
-            if self.warmup
+            if self.config.sync_warmup
             else None
         )
         if self.warmup_compressor is not None and isinstance(config.warmup_compressor, str):  # one count of sends
@@ -156,7 +154,7 @@ class DiLoCo:
         )
         _check_same_start(self.sync.anchors, group)
         self.step_count = 0  # inner steps taken
-        self._updated_at = [self.warmup] * nf  # the inner step of each fragment's latest outer update
+        self._updated_at = [self.config.sync_warmup] * nf  # the inner step of each fragment's latest outer update
 
     def _locals(self) -> list[torch.Tensor]:
         """This rank's tensor of every parameter (a DTensor's local shard: FSDP2 keeps its storage, so writes land)."""
@@ -180,7 +178,11 @@ class DiLoCo:
                 )
             used = spec.communicators() or [spec.comm]  # the groups its requests go to
             # the outer step's collectives overlap training's; the warm-up's run inside the step, on its group
-            if own_group and self.delay and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used):
+            if (
+                own_group
+                and self.config.sync_delay
+                and any(c.is_distributed and c.group in (None, dist.group.WORLD) for c in used)
+            ):
                 raise ValueError(
                     "With sync_delay > 0 the outer compressor's collectives overlap training, whose own "
                     "collectives use the default group: build DiLoCoConfig's compressor on a group of its own "
@@ -234,7 +236,7 @@ class DiLoCo:
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One inner step; then the outer update of the fragment whose sync is due, and the start of the syncs that
         begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
-        if self.step_count < self.warmup:
+        if self.step_count < self.config.sync_warmup:
             if closure is not None:
                 raise ValueError(
                     "A closure recomputes the gradients after the warm-up averaged them: call step() "
@@ -244,33 +246,37 @@ class DiLoCo:
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
         self.step_count += 1
         s = self.step_count
-        if s == self.warmup:  # the replicas trained as one: their weights are the anchor the local updates start from
+        if (
+            s == self.config.sync_warmup
+        ):  # the replicas trained as one: their weights are the anchor the local updates start from
             self.sync.reanchor(self._locals())
         if self.sync.pending is not None and self.sync.pending.due == s:
             self._apply(self.sync.wait(lost=True))
         for f in self.fragments_to_sync(s):
-            self.sync.start(f, self._locals(), due=s + self.delay)
-            if self.delay == 0:
+            self.sync.start(f, self._locals(), due=s + self.config.sync_delay)
+            if self.config.sync_delay == 0:
                 self._apply(self.sync.wait(lost=True))
         return loss
 
     def finish(self) -> None:
         """Bring every replica to the same weights: apply a sync in flight, then synchronise (at once) every fragment
         that has trained since its latest outer update. Training may go on afterwards as before."""
-        if self.step_count <= self.warmup:  # the replicas trained as one so far
+        if self.step_count <= self.config.sync_warmup:  # the replicas trained as one so far
             return
         if self.sync.pending is not None:  # waited for now by design: not a sync the link was late with
             self._apply(self.sync.wait(lost=False))
         for f in range(len(self.fragments)):
-            if self._updated_at[f] != self.step_count or self.mix:  # mixed weights differ between the replicas
+            if (
+                self._updated_at[f] != self.step_count or self.config.sync_mix
+            ):  # mixed weights differ between the replicas
                 self.sync.start(f, self._locals(), due=self.step_count)
                 self._apply(self.sync.wait(lost=False), mix=0.0)
 
     def fragments_to_sync(self, step: int) -> list[int]:
         """The fragments whose sync starts after inner step ``step`` (1-based; the schedule starts after the
         warm-up)."""
-        s = step - self.warmup
-        return [f for f, o in enumerate(self.offsets) if s > 0 and s >= o and (s - o) % self.sync_every == 0]
+        s = step - self.config.sync_warmup
+        return [f for f, o in enumerate(self.offsets) if s > 0 and s >= o and (s - o) % self.config.sync_every == 0]
 
     @torch.no_grad()
     def _average_gradients(self) -> None:
@@ -291,7 +297,7 @@ class DiLoCo:
 
     def _apply(self, pending: Pending, mix: float | None = None) -> None:
         """Apply an arrived sync's outer update to the replica (mixed by ``mix``, default the config's)."""
-        self.sync.apply(pending, self._locals(), self.mix if mix is None else mix)
+        self.sync.apply(pending, self._locals(), float(self.config.sync_mix) if mix is None else mix)
         self._updated_at[pending.fragment] = self.step_count
 
     # ------------------------------------------------------------------ state
@@ -302,17 +308,17 @@ class DiLoCo:
         pending = self.sync.settled_pending()
         return {
             "kind": "DiLoCo",
-            "sync_every": self.sync_every,
+            "sync_every": self.config.sync_every,
             "fragments": [list(f) for f in self.fragments],
-            "delay": self.delay,
-            "mix": self.mix,
+            "delay": self.config.sync_delay,
+            "mix": float(self.config.sync_mix),
             "step": self.step_count,
             "syncs": self.syncs,
             "applied": list(self._updated_at),
             "anchors": list(self.sync.anchors),
             "outer": self.sync.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
-            "warmup": self.warmup,
+            "warmup": self.config.sync_warmup,
             "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
             "pending": pending,
         }
@@ -323,11 +329,11 @@ class DiLoCo:
             state,
             Layout(
                 settings={
-                    "sync_every": self.sync_every,
+                    "sync_every": self.config.sync_every,
                     "fragments": [list(f) for f in self.fragments],
-                    "delay": self.delay,
-                    "mix": self.mix,
-                    "warmup": self.warmup,
+                    "delay": self.config.sync_delay,
+                    "mix": float(self.config.sync_mix),
+                    "warmup": self.config.sync_warmup,
                 },
                 shapes=[t.shape for t in self._locals()],
                 outer_groups=self.sync.outer.state_dict()["param_groups"],

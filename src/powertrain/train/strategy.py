@@ -336,7 +336,7 @@ class _DiLoCo(Strategy):
             "syncs": d.syncs,
             "late_syncs": d.late,
             "waited_s": d.waited_s,
-            "sync_every": d.sync_every,
+            "sync_every": d.config.sync_every,
             "fragments": len(d.fragments),
         }
 
