@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from powertrain import checkpoint
 from powertrain._files import quote, write_atomic
 from powertrain.checkpoint import CheckpointError, CompressorState
+from powertrain.train.config import DILOCO_FIELDS
 
 __all__ = [
     "check_resumable",
@@ -255,14 +256,7 @@ RESUME_REFUSED = frozenset(
         "tp",
         "compressor",
         "hierarchy",
-        "sync_every",
-        "fragments",
-        "sync_delay",
-        "sync_mix",
-        "outer_lr",
-        "outer_momentum",
-        "sync_warmup",
-        "warmup_compressor",
+        *DILOCO_FIELDS,
     }
 )
 
