@@ -499,6 +499,7 @@ def test_bad_settings_are_refused_in_one_line():
         ({"compressor": "int4", "compressor_options": {"bogus": 1}}, "Bad compressor 'int4' options"),
         ({"fragments": [[0], "x"]}, "Invalid fragments="),
         ({"sync_warmup": -1}, "sync_warmup=-1"),
+        ({"outer_lr_schedule": "cosine"}, "outer_lr_schedule='cosine'"),
     ]:
         with pytest.raises(ValueError, match=text.replace("[", r"\[")) as e:
             DiLoCo(model.named_parameters(), inner, DiLoCoConfig(**kwargs))
@@ -553,6 +554,34 @@ def test_one_process_is_local_training_with_an_outer_step():
         # fl(anchor - fl(anchor - local)): two roundings of size u = EPS32 / 2, of |anchor - local| and of |local|
         # (to first order); 2x safety
         within((got - local).abs(), EPS32 * ((anchor - local).abs() + local.abs()), "outer step at lr 1")
+
+
+def test_the_outer_rate_follows_the_inner_schedule_when_asked():
+    """outer_lr_schedule='inner': each outer step at outer_lr times the inner schedule's multiplier then. With the
+    inner rate held at half its initial value, the run is bitwise the constant schedule's at half the outer rate
+    (halving a float is exact, so the outer SGD multiplies by the same number), and at a multiplier of 1 it is the
+    constant schedule's; an inner optimizer with no scheduler is refused at the first sync, saying what to attach."""
+
+    def run(schedule: str, outer_lr: float, factor: float | None) -> list[torch.Tensor]:
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        if factor is not None:
+            torch.optim.lr_scheduler.LambdaLR(inner, lambda step: factor)  # sets initial_lr, and lr to factor x it
+        config = DiLoCoConfig(
+            sync_every=2, compressor="none", outer_lr=outer_lr, outer_momentum=0.9, outer_lr_schedule=schedule
+        )
+        _train(model, DiLoCo(model.named_parameters(), inner, config), 0, range(6))
+        return _params(model)
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    followed = run("inner", 0.7, 0.5)
+    assert same(followed, run("constant", 0.7 * 0.5, 0.5))
+    assert not same(followed, run("constant", 0.7, 0.5))  # the check bites: the schedule changed the outer steps
+    assert same(run("inner", 0.7, 1.0), run("constant", 0.7, 1.0))
+    with pytest.raises(ValueError, match=r"no 'initial_lr'.*attach a scheduler"):
+        run("inner", 0.7, None)
 
 
 def test_the_summary_says_what_the_link_cost_and_when_streaming_pays():

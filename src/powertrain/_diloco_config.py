@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from powertrain._checks import check_int
 
@@ -34,6 +34,9 @@ DEFAULT_OUTER_LR = 1.0
 DEFAULT_OUTER_MOMENTUM = 0.0
 DEFAULT_OUTER_COMPRESSOR = "int4"
 
+#: How the outer learning rate moves: held, or scaled by the inner optimizer's schedule
+OuterLRSchedule = Literal["constant", "inner"]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DiLoCoConfig:
@@ -50,6 +53,9 @@ class DiLoCoConfig:
         outer_lr: the outer SGD's learning rate on the anchors (1 with ``outer_momentum`` 0 averages the replicas;
             DiLoCo's paper: 0.7).
         outer_momentum: the outer SGD's Nesterov momentum in [0, 1) (0: plain SGD; DiLoCo's paper: 0.9).
+        outer_lr_schedule: ``"constant"`` (DiLoCo's) or ``"inner"``: each outer step's rate is ``outer_lr`` times the
+            inner schedule's multiplier at that step, the inner optimizer's first parameter group's ``lr`` over its
+            ``initial_lr`` (which torch's LR schedulers set), so the outer step decays with the inner rate.
         fragments: F, Streaming DiLoCo's fragments synchronised in turn: an int (consecutive parameters in F groups
             of about equal size, :func:`~powertrain.diloco.split_by_size`) or the groups themselves (lists of
             positions in the parameters, together each position once).
@@ -67,6 +73,7 @@ class DiLoCoConfig:
     compressor_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM
+    outer_lr_schedule: OuterLRSchedule = "constant"
     fragments: int | Sequence[Sequence[int]] = 1
     sync_delay: int = 0
     sync_mix: float = 0.0
@@ -106,6 +113,11 @@ class DiLoCoConfig:
             )
         if isinstance(momentum, bool) or not isinstance(momentum, int | float) or not 0 <= momentum < 1:
             raise ValueError(f"Invalid outer_momentum={momentum!r}: must be in [0, 1) (DiLoCo's is 0.9)")
+        if self.outer_lr_schedule not in ("constant", "inner"):
+            raise ValueError(
+                f"Invalid outer_lr_schedule={self.outer_lr_schedule!r}: 'constant', or 'inner' (scaled by the inner "
+                "optimizer's schedule)"
+            )
         _check_compressor("compressor", self.compressor, self.compressor_options)
         _check_compressor("warmup_compressor", self.warmup_compressor, self.warmup_options)
         if not self.sync_warmup and (self.warmup_compressor != "none" or self.warmup_options):

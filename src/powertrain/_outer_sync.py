@@ -108,16 +108,23 @@ class OuterSync:
         return pending
 
     @torch.no_grad()
-    def apply(self, pending: Pending, local: Sequence[torch.Tensor], mix: float) -> None:
-        """The outer step of the fragment's anchors with the averaged pseudo-gradient; ``local`` takes the result,
-        mixed with its own values by ``mix`` (0: the anchors as they are)."""
+    def apply(self, pending: Pending, local: Sequence[torch.Tensor], mix: float, lr_scale: float = 1.0) -> None:
+        """The outer step of the fragment's anchors with the averaged pseudo-gradient, at ``lr_scale`` times the outer
+        learning rate; ``local`` takes the result, mixed with its own values by ``mix`` (0: the anchors as they
+        are)."""
         assert pending.average is not None, "an arrived sync"
         idx = self.fragments[pending.fragment]
         for a in self.anchors:
             a.grad = None
         for i, avg in zip(idx, pending.average, strict=True):
             self.anchors[i].grad = avg.to(self.anchors[i].dtype)
-        self.outer.step()
+        group = self.outer.param_groups[0]
+        lr = group["lr"]
+        group["lr"] = lr * lr_scale  # for this step only: the state keeps the configured rate
+        try:
+            self.outer.step()
+        finally:
+            group["lr"] = lr
         for i in idx:
             a, t = self.anchors[i], local[i]
             a.grad = None

@@ -297,8 +297,22 @@ class DiLoCo:
 
     def _apply(self, pending: Pending, mix: float | None = None) -> None:
         """Apply an arrived sync's outer update to the replica (mixed by ``mix``, default the config's)."""
-        self.sync.apply(pending, self._locals(), float(self.config.sync_mix) if mix is None else mix)
+        mix = float(self.config.sync_mix) if mix is None else mix
+        self.sync.apply(pending, self._locals(), mix, self._outer_lr_scale())
         self._updated_at[pending.fragment] = self.step_count
+
+    def _outer_lr_scale(self) -> float:
+        """The outer rate's multiplier now: 1, or the inner schedule's (``outer_lr_schedule="inner"``)."""
+        if self.config.outer_lr_schedule == "constant":
+            return 1.0
+        group = self.inner.param_groups[0]
+        if "initial_lr" not in group:
+            raise ValueError(
+                "outer_lr_schedule='inner' follows the inner optimizer's LR scheduler, and its first parameter group "
+                "has no 'initial_lr' (torch's schedulers set it): attach a scheduler to the inner optimizer, or use "
+                "outer_lr_schedule='constant'"
+            )
+        return float(group["lr"]) / float(group["initial_lr"])
 
     # ------------------------------------------------------------------ state
 

@@ -248,32 +248,44 @@ OPTIMIZER_ROWS = [
 
 #: the outer step across inner recipes (issue 48): Nesterov between plain averaging (``local``, lr 1, momentum 0) and
 #: DiLoCo's paper (lr 0.7, momentum 0.9), each behind the default int4 outer compressor with error feedback, with AdamW
-#: and with Muon inside; a steady Nesterov step multiplies the averaged progress by about lr / (1 - momentum): 2x, 3.5x
-#: and 7x here against averaging's 1x
+#: and with Muon inside, the rate held or following the inner schedule; a steady Nesterov step multiplies the averaged
+#: progress by about lr / (1 - momentum): 2x, 3.5x and 7x here against averaging's 1x
 OUTER_STEPS = ((1.0, 0.5), (0.7, 0.8), (0.7, 0.9))
 _OUTER_INT4 = f"{DEFAULT_OUTER_COMPRESSOR} outer"
 _MUON_LOCAL = next(r for r in OPTIMIZER_ROWS if r.key == "muon-local")
-OUTER_ROWS = [
-    dataclasses.replace(
+
+
+def _outer_row(prefix: str, inside: str, base: Row, lr: float, m: float, schedule: str = "constant") -> Row:
+    tied = schedule == "inner"
+    return dataclasses.replace(
         base,
-        key=f"{prefix}outer-{lr:g}-{m:g}",
-        label=f"{inside} H {DEFAULT_SYNC_EVERY}, {_OUTER_INT4}, Nesterov lr {lr:g}, momentum {m:g}",
-        optimizer_options={**base.optimizer_options, "outer_lr": lr, "outer_momentum": m},
+        key=f"{prefix}outer-{'inner-' if tied else ''}{lr:g}-{m:g}",
+        label=f"{inside} H {DEFAULT_SYNC_EVERY}, {_OUTER_INT4}, Nesterov lr {lr:g}"
+        + (" x the inner schedule" if tied else "")
+        + f", momentum {m:g}",
+        optimizer_options={**base.optimizer_options, "outer_lr": lr, "outer_momentum": m}
+        | ({"outer_lr_schedule": schedule} if tied else {}),
     )
-    for prefix, inside, base in (
-        ("", "local updates", LOCAL),
-        ("muon-", "local updates, Muon lr 0.04 inside,", _MUON_LOCAL),
-    )
-    for lr, m in OUTER_STEPS
+
+
+_MUON_INSIDE = "local updates, Muon lr 0.04 inside,"
+OUTER_ROWS = [
+    *(_outer_row("", "local updates", LOCAL, lr, m) for lr, m in OUTER_STEPS),
+    *(_outer_row("", "local updates", LOCAL, lr, m, "inner") for lr, m in OUTER_STEPS),
+    *(_outer_row("muon-", _MUON_INSIDE, _MUON_LOCAL, lr, m) for lr, m in OUTER_STEPS),
+    *(_outer_row("muon-", _MUON_INSIDE, _MUON_LOCAL, lr, m, "inner") for lr, m in OUTER_STEPS),
 ]
-_OUTER_STUDY = (
+#: what the study runs on each recipe (an outer rate tied to a constant inner rate is the held one: not run again)
+_OUTER_HELD = (
     "local",
     *(f"outer-{lr:g}-{m:g}" for lr, m in OUTER_STEPS),
     "diloco-paper",
     "muon-0.04",
     "muon-local",
-    *(f"muon-outer-{lr:g}-{m:g}" for lr, m in OUTER_STEPS),
+    "muon-outer-1-0.5",
+    "muon-outer-0.7-0.9",
 )
+_OUTER_TIED = ("outer-inner-1-0.5", "outer-inner-0.7-0.9")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +380,7 @@ PRESETS = {
         25,
         32.0,
         DEFAULT_START,
-        rows=_OUTER_STUDY,
+        rows=(*_OUTER_HELD, *_OUTER_TIED),
         horizon_only_at=(300,),
     ),
     "outer-const": Preset(
@@ -379,7 +391,7 @@ PRESETS = {
         25,
         32.0,
         DEFAULT_START,
-        rows=_OUTER_STUDY,
+        rows=_OUTER_HELD,
         horizon_only_at=(300,),
         recipe={"lr": 3e-4, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.01},
     ),

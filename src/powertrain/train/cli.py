@@ -77,6 +77,8 @@ _HELP = {
     "outer_lr": "diloco: the outer SGD's learning rate (1 with --outer-momentum 0: plain averaging, the measured "
     "default; DiLoCo's paper: 0.7 with momentum 0.9)",
     "outer_momentum": "diloco: the outer SGD's Nesterov momentum (0: plain SGD)",
+    "outer_lr_schedule": "diloco: constant, or inner: each outer step at --outer-lr times the inner schedule's "
+    "multiplier then (warm-up and decay)",
     "sync_warmup": "diloco: steps first whose gradients are averaged every step (by --warmup-compressor), so that the "
     "replicas start their local updates as one model, with one optimizer state",
     "warmup_compressor": "diloco: what averages the warm-up's gradients (a --compressor spec)",

@@ -25,6 +25,7 @@ from powertrain._diloco_config import (
     DEFAULT_OUTER_MOMENTUM,
     DEFAULT_SYNC_EVERY,
     DiLoCoConfig,
+    OuterLRSchedule,
 )
 from powertrain._files import FileTooLarge, read_bounded
 from powertrain.compress import COMPRESSORS, make_compressor
@@ -131,6 +132,7 @@ DILOCO_FIELDS = (
     "sync_mix",
     "outer_lr",
     "outer_momentum",
+    "outer_lr_schedule",
     "sync_warmup",
     "warmup_compressor",
 )
@@ -189,6 +191,7 @@ class TrainConfig:
     sync_mix: float = 0.0  # alpha: the local weights' share after a delayed outer update
     outer_lr: float = DEFAULT_OUTER_LR
     outer_momentum: float = DEFAULT_OUTER_MOMENTUM  # Nesterov; 0: plain SGD (1 and 0: model averaging)
+    outer_lr_schedule: OuterLRSchedule = "constant"  # inner: the outer rate scaled as the inner schedule's
     sync_warmup: int = 0  # steps first whose gradients are averaged every step, by warmup_compressor
     warmup_compressor: str = "none"
     nproc: int = 2
@@ -444,6 +447,7 @@ class TrainConfig:
             compressor_options=outer_options,
             outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum,
+            outer_lr_schedule=self.outer_lr_schedule,
             fragments=self.fragments,
             sync_delay=self.sync_delay,
             sync_mix=self.sync_mix,
