@@ -403,3 +403,11 @@ def test_a_presets_recipe_trains_every_row_fp32_included(tmp_path, monkeypatch):
         "outer_momentum": 0.5,
         "muon_lr": 0.04,
     }
+
+
+def test_every_quality_preset_can_be_named_on_the_command_line():
+    """The command's --preset choices name every workload of bench quality (the list is written out in the CLI so
+    that parsing arguments imports no torch)."""
+    from powertrain.bench.cli import QUALITY_ONLY
+
+    assert set(quality.PRESETS) == {"default", "tiny", *QUALITY_ONLY}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from powertrain._checks import check_int
 
-QUALITY_ONLY = ("mnist1d", "wide", "local", "muon")  # bench quality's other workloads, local updates, optimizers
+QUALITY_ONLY = ("mnist1d", "wide", "local", "muon", "outer", "outer-const")  # bench quality's other workloads
 BENCHMARKS = "BENCHMARKS.md"
 
 
@@ -52,7 +52,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         default="default",
         help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
         "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows), muon "
-        "(Muon against a swept AdamW, the best AdamW's loss as the target); "
+        "(Muon against a swept AdamW, the best AdamW's loss as the target), outer and outer-const (local updates' "
+        "outer step on the command's schedule and on a constant-rate AdamW); "
         "cluster only: paper (the on-paper model alone)",
     )
     bench.add_argument(
