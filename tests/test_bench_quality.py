@@ -396,6 +396,12 @@ def test_a_presets_recipe_trains_every_row_fp32_included(tmp_path, monkeypatch):
             preset="outer-const", rows=["muon-outer-1-0.5"], seeds=1, rates=[], out=str(tmp_path), write=""
         )
     assert seen["fp32"] == recipe
+    # kept results: a recipe tells rows apart through their options, and the presets without one keep the identity
+    # their results were kept under before recipes existed
+    const, held = (quality.PRESETS[n] for n in ("outer-const", "outer"))
+    with_recipe = dataclasses.replace(quality.FP32, optimizer_options=recipe)
+    assert quality._identity(with_recipe, const) != quality._identity(quality.FP32, held)
+    assert "recipe" not in quality._identity(quality.FP32, quality.PRESETS["default"])["preset"]
     assert seen["muon-outer-1-0.5"] == {
         **recipe,
         "sync_every": 25,

@@ -582,6 +582,38 @@ def test_the_outer_rate_follows_the_inner_schedule_when_asked():
     assert same(run("inner", 0.7, 1.0), run("constant", 0.7, 1.0))
     with pytest.raises(ValueError, match=r"no 'initial_lr'.*attach a scheduler"):
         run("inner", 0.7, None)
+    with pytest.raises(ValueError, match=r"0.2 / 0.1 here, which must lie in \[0, 1\]"):  # a rate above its start
+        run("inner", 0.7, 2.0)
+
+
+def test_finish_takes_the_outer_rate_of_the_last_inner_step():
+    """A script steps its scheduler after each step and calls finish() after the last: the last sync's outer step
+    takes the rate of the last inner step, not the scheduler's next one (0 here, which would throw the last period
+    away). Its state names the schedule: a DiLoCo with the other refuses it, and a state from before the setting
+    existed loads as the held rate's."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 0.5 if step < 3 else 0.0)
+    config = DiLoCoConfig(sync_every=2, compressor="none", outer_lr=1.0, outer_momentum=0.0, outer_lr_schedule="inner")
+    diloco = DiLoCo(model.named_parameters(), inner, config)
+    for step in range(3):
+        _train(model, diloco, 0, range(step, step + 1))
+        sched.step()
+    assert inner.param_groups[0]["lr"] == 0.0
+    anchors, local = [a.clone() for a in diloco.anchors], _params(model)
+    diloco.finish()  # world 1: the average is this replica's own progress, taken at half the rate
+    for got, a, t in zip(_params(model), anchors, local, strict=True):
+        torch.testing.assert_close(got, a - 0.5 * (a - t), rtol=0, atol=EPS32 * (a.abs() + t.abs()).max().item())
+    assert not all(torch.equal(a, g) for a, g in zip(anchors, _params(model), strict=True))
+    state = diloco.state_dict()
+    held = DiLoCo(
+        model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DiLoCoConfig(sync_every=2, compressor="none", outer_lr=1.0, outer_momentum=0.0),
+    )
+    with pytest.raises(ValueError, match="outer_lr_schedule='inner' -> 'constant'"):
+        held.load_state_dict(state)
+    held.load_state_dict({k: v for k, v in held.state_dict().items() if k != "outer_lr_schedule"})
 
 
 def test_the_summary_says_what_the_link_cost_and_when_streaming_pays():

@@ -31,18 +31,22 @@ class Layout:
     outer_keys: frozenset[str] | None = None
 
 
+#: the settings a state saved before they existed ran with
+_BEFORE = {"outer_lr_schedule": "constant"}
+
+
 def check_state(state: Any, layout: Layout) -> None:
     """ValueError in one line unless ``state`` is a DiLoCo state_dict that ``layout``'s DiLoCo can resume from
     (the compressors check their own parts as they load)."""
     if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
         raise ValueError("Not a DiLoCo state_dict")
     mine = layout.settings
-    saved = {k: state.get(k) for k in mine}
+    saved = {k: state.get(k, _BEFORE.get(k)) for k in mine}
     if saved != mine:
         diff = ", ".join(f"{k}={saved[k]!r:.80} -> {mine[k]!r}" for k in mine if saved[k] != mine[k])
         raise ValueError(
             f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
-            "fragments, sync_delay, sync_mix and sync_warmup"
+            "fragments, sync_delay, sync_mix, sync_warmup and outer_lr_schedule"
         )
     fragments, delay, warmup = mine["fragments"], mine["delay"], mine["warmup"]
     step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")

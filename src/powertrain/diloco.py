@@ -154,6 +154,7 @@ class DiLoCo:
         )
         _check_same_start(self.sync.anchors, group)
         self.step_count = 0  # inner steps taken
+        self._lr_scale: float | None = None  # the outer rate's multiplier at the latest inner step (None: none yet)
         self._updated_at = [self.config.sync_warmup] * nf  # the inner step of each fragment's latest outer update
 
     def _locals(self) -> list[torch.Tensor]:
@@ -244,11 +245,11 @@ class DiLoCo:
                 )
             self._average_gradients()
         loss = self.inner.step(closure) if closure is not None else self.inner.step()
+        # the rate this step took: a scheduler steps after it, and finish() may come after the last scheduler step
+        self._lr_scale = self._outer_lr_scale()
         self.step_count += 1
         s = self.step_count
-        if (
-            s == self.config.sync_warmup
-        ):  # the replicas trained as one: their weights are the anchor the local updates start from
+        if s == self.config.sync_warmup:  # the replicas trained as one: the local updates start from their weights
             self.sync.reanchor(self._locals())
         if self.sync.pending is not None and self.sync.pending.due == s:
             self._apply(self.sync.wait(lost=True))
@@ -266,9 +267,8 @@ class DiLoCo:
         if self.sync.pending is not None:  # waited for now by design: not a sync the link was late with
             self._apply(self.sync.wait(lost=False))
         for f in range(len(self.fragments)):
-            if (
-                self._updated_at[f] != self.step_count or self.config.sync_mix
-            ):  # mixed weights differ between the replicas
+            # mixed weights differ between the replicas
+            if self._updated_at[f] != self.step_count or self.config.sync_mix:
                 self.sync.start(f, self._locals(), due=self.step_count)
                 self._apply(self.sync.wait(lost=False), mix=0.0)
 
@@ -298,11 +298,12 @@ class DiLoCo:
     def _apply(self, pending: Pending, mix: float | None = None) -> None:
         """Apply an arrived sync's outer update to the replica (mixed by ``mix``, default the config's)."""
         mix = float(self.config.sync_mix) if mix is None else mix
-        self.sync.apply(pending, self._locals(), mix, self._outer_lr_scale())
+        scale = self._lr_scale if self._lr_scale is not None else self._outer_lr_scale()
+        self.sync.apply(pending, self._locals(), mix, scale)
         self._updated_at[pending.fragment] = self.step_count
 
     def _outer_lr_scale(self) -> float:
-        """The outer rate's multiplier now: 1, or the inner schedule's (``outer_lr_schedule="inner"``)."""
+        """The outer rate's multiplier now: 1, or the inner schedule's (``outer_lr_schedule="inner"``), in [0, 1]."""
         if self.config.outer_lr_schedule == "constant":
             return 1.0
         group = self.inner.param_groups[0]
@@ -312,7 +313,14 @@ class DiLoCo:
                 "has no 'initial_lr' (torch's schedulers set it): attach a scheduler to the inner optimizer, or use "
                 "outer_lr_schedule='constant'"
             )
-        return float(group["lr"]) / float(group["initial_lr"])
+        lr, initial = float(group["lr"]), float(group["initial_lr"])
+        if not initial > 0 or not 0 <= lr <= initial:
+            raise ValueError(
+                f"outer_lr_schedule='inner' scales the outer rate by the inner lr over its initial_lr, {lr:g} / "
+                f"{initial:g} here, which must lie in [0, 1] (a schedule that rises above its initial rate, such as "
+                "OneCycleLR or CyclicLR, would multiply the outer step): use outer_lr_schedule='constant'"
+            )
+        return lr / initial
 
     # ------------------------------------------------------------------ state
 
@@ -333,6 +341,7 @@ class DiLoCo:
             "outer": self.sync.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
             "warmup": self.config.sync_warmup,
+            "outer_lr_schedule": self.config.outer_lr_schedule,
             "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
             "pending": pending,
         }
@@ -348,6 +357,7 @@ class DiLoCo:
                     "delay": self.config.sync_delay,
                     "mix": float(self.config.sync_mix),
                     "warmup": self.config.sync_warmup,
+                    "outer_lr_schedule": self.config.outer_lr_schedule,
                 },
                 shapes=[t.shape for t in self._locals()],
                 outer_groups=self.sync.outer.state_dict()["param_groups"],
@@ -379,6 +389,7 @@ class DiLoCo:
             raise ValueError(f"DiLoCo state_dict does not fit: {' '.join(str(e).split())[:300]}") from None
         self.sync.restore(state["anchors"], syncs, pending)
         self.step_count, self._updated_at = step, list(applied)
+        self._lr_scale = None  # the next inner step records it; finish() before one reads the schedule now
 
 
 def outer_compressor(
