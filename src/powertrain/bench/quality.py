@@ -269,7 +269,17 @@ def _outer_row(prefix: str, inside: str, base: Row, lr: float, m: float, schedul
 
 
 _MUON_INSIDE = "local updates, Muon lr 0.04 inside,"
+#: SparseLoCo's outer step (arXiv 2508.15706): top-k at 2% with 2-bit values, error feedback decayed by 0.95 in place
+#: of outer momentum, the average applied as it is
+SPARSELOCO = dataclasses.replace(
+    LOCAL,
+    key="outer-sparseloco",
+    label=f"local updates H {DEFAULT_SYNC_EVERY}, SparseLoCo's outer (top-k 2%, 2-bit values, error feedback x 0.95)",
+    kind="topk",
+    options={"ratio": 0.02, "bits": 2, "error_decay": 0.95},
+)
 OUTER_ROWS = [
+    SPARSELOCO,
     *(_outer_row("", "local updates", LOCAL, lr, m) for lr, m in OUTER_STEPS),
     *(_outer_row("", "local updates", LOCAL, lr, m, "inner") for lr, m in OUTER_STEPS),
     *(_outer_row("muon-", _MUON_INSIDE, _MUON_LOCAL, lr, m) for lr, m in OUTER_STEPS),
@@ -279,6 +289,7 @@ _OUTER_HELD = (
     "local",
     *(f"outer-{lr:g}-{m:g}" for lr, m in OUTER_STEPS),
     "diloco-paper",
+    "outer-sparseloco",
     "muon-0.04",
     "muon-local",
     "muon-outer-1-0.5",
