@@ -317,7 +317,7 @@ def load(
     """Fill ``state_dict`` (and its ``Stateful`` entries) in place from the checkpoint at ``path``.
 
     Verifies the checkpoint first (:func:`verify`; skipped when its ``manifest`` is passed), then loads through
-    :class:`SafeLoadPlanner` with ``optional``: ``optional(fqn, metadata)`` is True for an entry the checkpoint may
+    ``SafeLoadPlanner`` with ``optional``: ``optional(fqn, metadata)`` is True for an entry the checkpoint may
     lack (it keeps its current value; default None: none may be missing). Every rank of ``group`` must call it. Any
     failure is a :class:`CheckpointError` with a one-line reason.
     """

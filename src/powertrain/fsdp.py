@@ -90,7 +90,7 @@ def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 class CompressedReduceScatter(ReduceScatter):
     """Reduce-scatter of a flat ``(W, S)`` gradient buffer (FSDP2's layout: row ``r`` holds the padded dim-0
     chunk ``r`` of every parameter, in order) through a powertrain compressor. Serves one ``fully_shard``
-    module (:meth:`for_module`) or one SimpleFSDP bucket.
+    module (:meth:`~powertrain.fsdp.CompressedReduceScatter.for_module`) or one SimpleFSDP bucket.
 
     Args:
         compressor: what averages the gradients; built on the ranks of the reduce-scatter's group.
@@ -105,6 +105,7 @@ class CompressedReduceScatter(ReduceScatter):
 
     @classmethod
     def for_module(cls, compressor: Compressor, module: FSDPModule) -> CompressedReduceScatter:
+        """The reduce-scatter of one ``fully_shard`` module: its trainable parameters, in FSDP2's order."""
         managed = _trainable_shard0(module, "Compressed reduce-scatter")
         return cls(compressor, [p for p, _ in managed], [size for _, size in managed])
 

@@ -27,7 +27,7 @@ Differences from the reference, all fixes:
   ``out x in*kh*kw``); 1-D tensors are never compressed;
 * parameters that do not require grad are left out, and a trainable parameter whose ``.grad`` is None
   counts as a zero gradient, so all ranks always run the same collectives;
-* a NaN/Inf gradient on any rank raises :class:`NonFiniteGradientError` on every rank before any
+* a NaN/Inf gradient on any rank raises :class:`~powertrain.compress.NonFiniteGradientError` on every rank before any
   factor changes, instead of spreading into all models. (In this API the residual in ``p.grad`` has
   already been summed with the bad gradient by ``backward``, so a step cannot simply be skipped: use
   :class:`~powertrain.compress.PowerSGDCompressor`, which keeps its residual apart, for that.)

@@ -68,7 +68,12 @@ def dumps(state: Any) -> bytes:
 
 
 def loads(data: bytes | bytearray | memoryview, *, max_depth: int = 64) -> Any:
-    """The inverse of :func:`dumps`; :class:`UnsafeData` for anything malformed."""
+    """The inverse of :func:`dumps`; :class:`UnsafeData` for anything malformed.
+
+    Args:
+        data: what :func:`dumps` wrote (any bytes: they are checked, never trusted).
+        max_depth: the deepest nesting of containers accepted (deeper input is refused, not recursed into).
+    """
     view = memoryview(data)
     if len(view) < 16 or bytes(view[:8]) != _MAGIC:
         raise UnsafeData("not a powertrain state blob (wrong magic bytes)")
@@ -146,7 +151,13 @@ TENSOR_GLOBALS = frozenset({"torch._utils._rebuild_tensor_v2", "collections.Orde
 def check_torch_pickle(data: bytes, *, allowed: Iterable[str], what: str) -> None:
     """Raise :class:`UnsafeData` unless ``data`` is a ``torch.save`` archive whose members are stored
     uncompressed under names that do not collide (equal, or equal ignoring case, as torch's reader compares them)
-    and whose one pickle names only ``allowed`` globals (``module.name``)."""
+    and whose one pickle names only ``allowed`` globals (``module.name``).
+
+    Args:
+        data: the archive's bytes.
+        allowed: the globals its pickle may name, e.g. :data:`TENSOR_GLOBALS`.
+        what: names the data in the error (a file's path, say).
+    """
     allow = frozenset(allowed)
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))

@@ -66,8 +66,8 @@ def make_compressor(
 ) -> Compressor:
     """Build the compressor called ``name`` (one of :data:`COMPRESSORS`) with its keyword options.
 
-    ``none`` is exact fp32 averaging; ``powersgd`` takes :class:`Config` fields, each one not given from
-    :data:`powertrain.compress.powersgd.RECOMMENDED` (the measured best: rank 32, the paper variant, bf16
+    ``none`` is exact fp32 averaging; ``powersgd`` takes :class:`~powertrain.powersgd.Config` fields, each one not
+    given from ``powertrain.compress.powersgd.RECOMMENDED`` (the measured best: rank 32, the paper variant, bf16
     factors, 5 exact steps), not the reference Config's defaults; the others take their class's keyword
     arguments. Unknown names or options raise ValueError naming them.
 

@@ -193,7 +193,7 @@ class PowerSGDCompressor(Compressor):
     Args:
         params: ``model.parameters()`` or ``model.named_parameters()`` (names appear in errors).
             Parameters that do not require grad are ignored.
-        config: see :class:`Config`.
+        config: see :class:`~powertrain.powersgd.Config`.
         group: process group to average over; ``None`` is the default group. Works without an
             initialised process group too (world size 1: no communication).
         fuse_exact: send the exactly averaged tensors (vectors, small matrices, the warm-up) in the step's last

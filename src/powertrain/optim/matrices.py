@@ -59,7 +59,7 @@ def is_embedding_or_head(name: str) -> bool:
 
 def default_rule(name: str, param: torch.Tensor) -> bool:
     """Whether a Muon- or Dion-style optimizer takes ``param``: a 2-D parameter that is not an embedding or output
-    layer (:func:`is_embedding_or_head`). Everything else (vectors, embeddings, the head, convolution kernels) is
+    layer (``is_embedding_or_head``). Everything else (vectors, embeddings, the head, convolution kernels) is
     AdamW's."""
     return param.ndim == 2 and not is_embedding_or_head(name)
 

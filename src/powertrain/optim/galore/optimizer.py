@@ -12,7 +12,7 @@ has a ``rank`` and which has at least 2 dimensions (a conv weight ``(out, in, kh
    step)``: identical on every rank and after a resume) or ``"exact"`` (``torch.linalg.svd``). All
    parameters refreshed in one step share the collectives of a sharded refresh (:mod:`.distributed`).
    With ``moments_on_refresh="project"`` the moments are mapped into the new basis
-   (:func:`.projector.carry_moments`); with ``"keep"`` (the reference's behaviour, default) they stay as
+   (``projector.carry_moments``); with ``"keep"`` (the reference's behaviour, default) they stay as
    they are, now read in the new basis.
 2. ``R = project(G)`` (``m x r``, ``r x n`` or ``r x r``).
 3. Adam on ``R`` as the reference computes it (HF ``transformers`` AdamW): ``M = b1 M + (1 - b1) R``,
@@ -167,12 +167,12 @@ class GaLoreAdamW(torch.optim.Optimizer):
         update_proj_gap: steps between subspace refreshes (``T``; GaLore's 200).
         scale: factor on the projected-back update (GaLore's ``alpha``; the paper's 0.25).
         proj_type: ``std`` (default), ``reverse_std``, ``left``, ``right`` or ``full``, as the reference
-            defines them (:mod:`.projector`). Sharded parameters always use ``right``.
+            defines them (``galore.projector``). Sharded parameters always use ``right``.
         svd: ``randomized`` (default; GaLore 2) or ``exact`` (``torch.linalg.svd``: the reference's choice).
         oversample: extra sketch columns for randomized SVD (``k = r + oversample``).
         power_iters: power iterations of randomized SVD (each costs one all-reduce when sharded).
         moments_on_refresh: ``keep`` (the reference: moments stay, read in the new basis) or ``project``
-            (mapped into the new basis, :func:`.projector.carry_moments`).
+            (mapped into the new basis, ``projector.carry_moments``).
         seed: seeds the randomized sketches (with the parameter's index and the step).
     """
 
@@ -374,7 +374,7 @@ class GaLoreAdamW(torch.optim.Optimizer):
     # -- memory and checkpoints ----------------------------------------------------------------------------
 
     def state_bytes(self) -> int:
-        """Bytes of this rank's optimizer state (moments and projectors): :func:`optimizer_state_bytes`."""
+        """Bytes of this rank's optimizer state (moments and projectors): ``optimizer_state_bytes``."""
         return optimizer_state_bytes(self)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """``DistributedShampoo``: block-diagonal Shampoo with grafting, spreading its blocks across data-parallel ranks.
 
 Per step, for every parameter with a gradient ``g`` (averaged across ranks already: DDP, or a compressor), and
-for each of its blocks (:mod:`.blocks`) that this rank owns:
+for each of its blocks (``shampoo.blocks``) that this rank owns:
 
 1. Optional gradient filtering: ``f <- beta1 f + (1 - beta1) g`` (bias-corrected), used as the direction's
    input; the statistics always see the raw ``g``.
@@ -182,13 +182,13 @@ class DistributedShampoo(torch.optim.Optimizer):
             added to the root of the corrected eigenvalues, like Adam's eps (use e.g. 1e-8 there).
         rel_eps: Shampoo: damping relative to each factor's largest eigenvalue (see ``eps``); None (the
             default): the unit round-off of the factors' dtype (float32: 1.2e-7), below which eigenvalues are
-            round-off (:mod:`.matrix`); 0: eps alone (the reference implementation's rule, whose
+            round-off (``shampoo.matrix``); 0: eps alone (the reference implementation's rule, whose
             preconditioned direction can then be mostly round-off on a rank-deficient factor). Not used by the
             eigenvalue-corrected preconditioner.
         momentum: heavy-ball momentum on the final direction, in [0, 1) (0, the default: none).
         nesterov: Nesterov's form of that momentum (needs ``momentum`` > 0; default False).
         weight_decay: decoupled (AdamW-style) weight decay.
-        max_preconditioner_dim: largest factor dimension (see :mod:`.blocks`).
+        max_preconditioner_dim: largest factor dimension (see ``shampoo.blocks``).
         precondition_frequency: steps between inverse-root computations.
         start_preconditioning_step: first step that uses Shampoo's direction (default: the frequency).
         grafting: step-size source: ``adam``, ``rmsprop``, ``adagrad`` or ``none``.
@@ -435,7 +435,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         return failures
 
     def root_stats(self) -> RootStats:
-        """This rank's counts of root computations, failures and fallbacks to the graft (see :class:`RootStats`).
+        """This rank's counts of root computations, failures and fallbacks to the graft (``RootStats``: counters).
         No communication: under data parallelism sum them over the ranks for the run's totals."""
         return self._root_counter.stats()
 
@@ -497,7 +497,7 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def _check_factors(self, state_dict: dict[str, Any]) -> None:
         """Refuse factors that do not fit this rank's blocks, before any state is replaced: e.g. a small matrix's
-        single full-matrix factor, written by a version that merged small matrices into vectors (see :mod:`.blocks`).
+        single full-matrix factor, written by a version that merged small matrices into vectors (``shampoo.blocks``).
         ``state_dict()`` numbers parameters in the order of :attr:`_params`."""
         state = state_dict.get("state", {})
         for blk in self._dist.owned(self.blocks):
