@@ -601,14 +601,21 @@ def test_bench_overhead_tiny(tmp_path):
     assert target.read_text().count("<!-- bench:overhead-tiny -->") == 1  # replaced, not appended
 
 
-def test_the_mnist1d_workload_is_bench_quality_s_only(capsys):
+def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):
+    """A subcommand per suite: a preset or a flag another suite reads is refused by name, with the choices."""
     with pytest.raises(SystemExit) as exc:
         main(["bench", "overhead", "--preset", "mnist1d"])
     assert exc.value.code == 2
-    assert "--preset mnist1d is a workload of bench quality only, not of overhead" in capsys.readouterr().err
+    assert "argument --preset: invalid choice: 'mnist1d' (choose from 'default', 'tiny')" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "parallel", "--preset", "wide"])
-    assert "--preset wide is a workload of bench quality only, not of parallel" in capsys.readouterr().err
+    assert "invalid choice: 'wide'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "ddp", "--repeats", "2"])
+    assert "unrecognized arguments: --repeats 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "cluster", "--preset", "paper", "--help"])
+    assert "paper: the on-paper model alone" in capsys.readouterr().out
 
 
 def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):

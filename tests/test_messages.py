@@ -38,7 +38,6 @@ def test_a_metadata_pickle_that_cannot_be_read_gives_a_reason(tmp_path):
         (["overhead", "--repeats", "0"], "Invalid repeats=0: must be an integer >= 1"),
         (["overhead", "--threads", "0"], "Invalid threads=0: must be an integer >= 1"),
         (["overhead", "--threads", "100000"], "Invalid threads=100000: this machine has"),
-        (["ddp", "--repeats", "2"], "--repeats is read by bench overhead only, not by ddp"),
         (["overhead", "--write", "FILE/BENCHMARKS.md"], "is not a file in an existing directory"),
     ],
 )

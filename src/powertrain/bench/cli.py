@@ -1,4 +1,5 @@
-"""``powertrain bench``: its arguments (:func:`add_arguments`) and the suites (:func:`run`)."""
+"""``powertrain bench SUITE``: one subcommand per suite with the flags it reads (:func:`add_arguments`), and the
+suites (:func:`run`)."""
 
 from __future__ import annotations
 
@@ -14,103 +15,116 @@ QUALITY_ONLY = ("mnist1d", "wide", "local", "muon", "outer", "outer-const")  # b
 BENCHMARKS = "BENCHMARKS.md"
 
 
+#: each suite: what it measures (its --help), and the presets it has besides default and tiny
+SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "overhead": ("PowerSGD's compute cost against the backward pass (one process, no communication)", ()),
+    "ddp": ("step time against torch's DDP hooks on loopback", ()),
+    "network": ("side by side on an emulated bandwidth-limited cluster (needs root)", ()),
+    "simple_fsdp": ("SimpleFSDP against FSDP2: step time and memory, eager and compiled", ()),
+    "optimizers": (
+        "Shampoo, SOAP, GaLore and DeMo against AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore "
+        "memory)",
+        (),
+    ),
+    "muon": ("Muon's optimizer step at 1, 2 and 4 workers, its work split against every rank computing alone", ()),
+    "quality": (
+        "validation loss, total bytes and time to a target loss over several seeds",
+        QUALITY_ONLY,
+    ),
+    "parallel": ("DDP, FSDP2, SimpleFSDP and RTP: memory per rank, step time and bytes on 2 and 4 workers", ()),
+    "cluster": (
+        "flat and hierarchical compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale "
+        "on paper (--preset paper: only that, no root; with --results: a GPU's measured compute)",
+        ("paper",),
+    ),
+    "gpu": (
+        "compression's GPU compute, memory and every --parallel mode on one GPU, in isolated stages (make gpu-check "
+        "adds the CUDA test leg)",
+        (),
+    ),
+}
+_PRESET_HELP = {
+    "quality": "tiny: seconds; mnist1d (the 1-D ResNet on mnist1d), wide (a wider, shallower GPT: 2 layers x "
+    "d_model 384), local (local updates against per-step rows), muon (Muon against a swept AdamW, the best AdamW's "
+    "loss as the target), outer and outer-const (local updates' outer step on the command's schedule and on a "
+    "constant-rate AdamW)",
+    "cluster": "tiny: seconds; paper: the on-paper model alone",
+}
+
+
 def add_arguments(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument(
-        "suite",
-        choices=[
-            "overhead",
-            "ddp",
-            "network",
-            "simple_fsdp",
-            "optimizers",
-            "muon",
-            "quality",
-            "parallel",
-            "cluster",
-            "gpu",
-        ],
-        help="overhead: PowerSGD compute cost vs the backward pass; ddp: step time vs torch's DDP hooks on "
-        "loopback; network: side by side on an emulated bandwidth-limited cluster (needs root); simple_fsdp: "
-        "SimpleFSDP vs FSDP2 step time and memory, eager and compiled; optimizers: Shampoo, SOAP, GaLore and "
-        "DeMo vs AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore memory); muon: Muon's optimizer "
-        "step at 1, 2 and 4 workers, its work split against every rank computing alone; quality: validation loss, "
-        "total bytes and time to a target loss of the compressors over several seeds; parallel: DDP, FSDP2, "
-        "SimpleFSDP and RTP memory per rank, step time and bytes on 2 and 4 workers; cluster: flat and hierarchical "
-        "compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale on paper (--preset "
-        "paper: only that, no root; with --results: a GPU's measured compute); gpu: compression's GPU compute, memory "
-        "and every --parallel mode on one GPU, in isolated stages (make gpu-check adds the CUDA test leg)",
-    )
-    bench.add_argument(
-        "--out",
-        default=None,
-        help="directory for results.json and table.md (network); quality: kept "
-        "results, reused by later calls (default runs/bench-quality); gpu: gpu_check.json, its log and the section",
-    )
-    bench.add_argument(
-        "--preset",
-        choices=["default", "tiny", "paper", *QUALITY_ONLY],
-        default="default",
-        help="tiny: seconds; quality only: mnist1d (the 1-D ResNet on mnist1d), wide (a wider, "
-        "shallower GPT: 2 layers x d_model 384), local (local updates against per-step rows), muon "
-        "(Muon against a swept AdamW, the best AdamW's loss as the target), outer and outer-const (local updates' "
-        "outer step on the command's schedule and on a constant-rate AdamW); "
-        "cluster only: paper (the on-paper model alone)",
-    )
-    bench.add_argument(
-        "--results",
-        default=None,
-        help="a make gpu-check results file (gpu_check.json): gpu rewrites its section from it (no "
-        "measuring); cluster --preset paper takes its measured GPU compute figures",
-    )
-    bench.add_argument("--repeats", type=int, default=None, help="overhead: timed repetitions per configuration")
-    bench.add_argument("--threads", type=int, default=None, help="overhead: torch threads (default: all cores)")
-    bench.add_argument(
-        "--write",
-        default=None,
-        help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
-        "checkout of powertrain)",
-    )
-    bench.add_argument("--rows", default=None, help="quality: comma-separated row keys (default: all; fp32 always)")
-    bench.add_argument("--horizons", default=None, help="quality: comma-separated step counts (default: 300,1000)")
-    bench.add_argument("--seeds", type=int, default=None, help="quality: seeds per row (default: 3)")
-    bench.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        help="quality: data-parallel workers, replicas of local updates (default: 2)",
-    )
-    bench.add_argument(
+    """``powertrain bench SUITE``: one subcommand per suite, each with the flags it reads."""
+    suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, (what, presets) in SUITES.items():
+        p = suites.add_parser(name, help=what, description=what)
+        p.add_argument(
+            "--preset",
+            choices=["default", "tiny", *presets],
+            default="default",
+            help=_PRESET_HELP.get(name, "tiny: seconds"),
+        )
+        p.add_argument(
+            "--write",
+            default=None,
+            help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
+            "checkout of powertrain)",
+        )
+        if name in ("network", "quality", "gpu"):
+            p.add_argument(
+                "--out",
+                default=None,
+                help={
+                    "network": "directory for results.json and table.md",
+                    "quality": "kept results, reused by later calls (default runs/bench-quality)",
+                    "gpu": "directory for gpu_check.json, its log and the section",
+                }[name],
+            )
+        if name in ("gpu", "cluster"):
+            p.add_argument(
+                "--results",
+                default=None,
+                help="a make gpu-check results file (gpu_check.json): "
+                + (
+                    "rewrite the section from it (no measuring)"
+                    if name == "gpu"
+                    else "--preset paper takes its measured GPU compute figures"
+                ),
+            )
+        if name == "overhead":
+            p.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
+            p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+        if name == "quality":
+            _quality_arguments(p)
+
+
+def _quality_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", default=None, help="comma-separated row keys (default: the preset's; fp32 always)")
+    p.add_argument("--horizons", default=None, help="comma-separated step counts (default: the preset's)")
+    p.add_argument("--seeds", type=int, default=None, help="seeds per row (default: the preset's)")
+    p.add_argument("--workers", type=int, default=None, help="data-parallel workers, replicas of local updates")
+    p.add_argument(
         "--horizon-only",
         action="store_true",
-        help="quality: no row runs on to the target loss (losses and bytes at the horizon; steps and "
-        "time to target only where a row reached it within the horizon)",
+        help="no row runs on to the target loss (losses and bytes at the horizon; steps and time to target only "
+        "where a row reached it within the horizon)",
     )
-    bench.add_argument(
+    p.add_argument(
         "--rates",
         default=None,
-        help="quality: link rates in Mbit/s the time to target is measured at, on an emulated link "
-        "(needs root; default: 1,10,100; 'none': no time to target)",
+        help="link rates in Mbit/s the time to target is measured at, on an emulated link (needs root; default: "
+        "the preset's; 'none': no time to target)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.preset in QUALITY_ONLY and args.suite != "quality":
-        raise ValueError(
-            f"--preset {args.preset} is a workload of bench quality only, not of {args.suite}: use default or tiny"
-        )
-    if args.preset == "paper" and args.suite != "cluster":
-        raise ValueError(f"--preset paper is bench cluster's on-paper model, not a preset of {args.suite}")
-    if args.results is not None and args.suite not in ("gpu", "cluster"):
-        raise ValueError(f"--results is read by bench gpu and bench cluster --preset paper, not by {args.suite}")
     for name in ("repeats", "threads"):
-        value = getattr(args, name)
-        if value is not None and args.suite != "overhead":
-            raise ValueError(f"--{name} is read by bench overhead only, not by {args.suite}")
+        value = getattr(args, name, None)
         if value is not None:
             check_int(name, value, 1)
     cores = os.cpu_count() or 1
-    if args.threads is not None and args.threads > cores:
-        raise ValueError(f"Invalid threads={args.threads}: this machine has {cores} cores; use at most {cores}")
+    threads = getattr(args, "threads", None)
+    if threads is not None and threads > cores:
+        raise ValueError(f"Invalid threads={threads}: this machine has {cores} cores; use at most {cores}")
     write = _write_target(args.write)
     if args.suite == "network":
         from powertrain.bench.network import run_network_bench
