@@ -329,6 +329,20 @@ class Preset:
             raise ValueError(f"Invalid Preset: eval_every={self.eval_every} must divide every horizon {self.horizons}")
 
 
+#: the outer-step study on the command's schedule (a study of losses: no time to target)
+_OUTER_PRESET = Preset(
+    GPTConfig(256, 128, 4, 4, 256),
+    16,
+    (300,),
+    3,
+    25,
+    32.0,
+    DEFAULT_START,
+    rows=(*_OUTER_HELD, *_OUTER_TIED),
+    horizon_only_at=(300,),
+    rates=(),
+)
+
 PRESETS = {
     "default": Preset(
         GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
@@ -382,29 +396,10 @@ PRESETS = {
     ),
     # the outer step on two inner recipes (issue 48): the command's schedule, and a constant-rate AdamW (lr 3e-4, no
     # warm-up or decay, torch's default weight decay) on which DiLoCo's Nesterov outer step was seen to do better
-    "outer": Preset(
-        GPTConfig(256, 128, 4, 4, 256),
-        16,
-        (300,),
-        3,
-        25,
-        32.0,
-        DEFAULT_START,
-        rows=(*_OUTER_HELD, *_OUTER_TIED),
-        horizon_only_at=(300,),
-        rates=(),  # a study of losses: no time to target
-    ),
-    "outer-const": Preset(
-        GPTConfig(256, 128, 4, 4, 256),
-        16,
-        (300,),
-        3,
-        25,
-        32.0,
-        DEFAULT_START,
+    "outer": _OUTER_PRESET,
+    "outer-const": dataclasses.replace(
+        _OUTER_PRESET,
         rows=_OUTER_HELD,
-        horizon_only_at=(300,),
-        rates=(),
         recipe={"lr": 3e-4, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.01},
     ),
 }
