@@ -314,6 +314,52 @@ def test_a_chained_call_leaves_the_issuing_thread_free(device):
     assert not held, f"these calls waited for the GPU in the issuing thread: {held}"
 
 
+def test_a_deferred_call_in_backward_waits_for_nothing(device):
+    """FSDP2's and SimpleFSDP's compressed reduce-scatter runs its program inside backward, synchronously, on the
+    caller's stream (:mod:`powertrain.compress.deferred`). With about a second of GPU work queued ahead, each
+    compressor FSDP2 takes returns from such a call, inside a backward, while the GPU still runs that work, with no
+    synchronising operation; the one flag read happens at the end of backward, where a NaN input then raises."""
+    _cuda_only(device)
+    from powertrain.compress import NonFiniteGradientError
+    from powertrain.compress.deferred import run_deferred
+    from powertrain.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(64, 16, 2, 2, 32)).to(device)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    seen: dict[str, Any] = {}
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            torch.cuda._sleep(2_000_000_000)  # ~1 s at the H100's clock
+            seen["sites"] = _sync_sites(lambda: run_deferred(seen["comp"], seen["grads"]))
+            seen["busy"] = not torch.cuda.current_stream().query()
+            return g
+
+    failures = []
+    for name, opts in [c for c in SYNC_CASES if c[0] in ("none", "bf16", "int8", "int4", "powersgd")]:
+        seen["comp"] = comp = make_compressor(name, model.named_parameters(), **opts)
+        for _ in range(2):  # warm-up: state, caches, the allocator's blocks
+            comp.aggregate(grads)
+        for bad in (False, True):
+            seen["grads"] = [g * float("nan") for g in grads] if bad else grads
+            x = torch.ones(1, device=device, requires_grad=True)
+            try:
+                Reduce.apply(x).sum().backward()
+                raised = False
+            except NonFiniteGradientError:
+                raised = True
+            if seen["sites"] or not seen["busy"] or raised != bad:
+                got = f"syncs {seen['sites']}, busy {seen['busy']}, raised {raised}"
+                failures.append(f"{name} {opts} (NaN: {bad}): {got}")
+    assert not failures, "\n".join(failures)
+
+
 def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
     from powertrain.optim import DeMo, Dion, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW, Muon
 

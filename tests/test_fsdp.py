@@ -6,6 +6,9 @@ conv weights do not divide evenly by the world size, so padding is exercised.
 
 from __future__ import annotations
 
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +23,9 @@ from models import make_model
 from powertrain import checkpoint
 from powertrain import fsdp as pfsdp
 from powertrain.checkpoint import CompressorState
-from powertrain.compress import make_compressor
+from powertrain.compress import NonFiniteGradientError, deferred, make_compressor
+from powertrain.compress import base as compress_base
+from powertrain.ops import finite
 from test_ddp import _loss, _teacher_batch, check_conservation
 
 STEPS = 30
@@ -136,6 +141,104 @@ def _resume(rank: int, world: int, name: str, ckpt: str, mode: str) -> torch.Ten
     return _full(model)
 
 
+NAN_AT = 2  # PowerSGD's first compressed step (its error buffers are None before it), int8's third
+
+
+@contextlib.contextmanager
+def _flag_reads() -> Iterator[list[bool]]:
+    """Record every host read of a device flag (:func:`powertrain.ops.finite.read_flag`, wherever it was imported):
+    True for one made inside a compressed reduce-scatter, i.e. inside backward, where it would hold its thread."""
+    reads: list[bool] = []
+    inside = [0]
+    real_read, real_call = finite.read_flag, pfsdp.CompressedReduceScatter.__call__
+
+    def read(flag: Any) -> bool:
+        reads.append(inside[0] > 0)
+        return real_read(flag)
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        inside[0] += 1
+        try:
+            return real_call(self, *args, **kwargs)
+        finally:
+            inside[0] -= 1
+
+    modules = (finite, compress_base, deferred)
+    try:
+        for m in modules:
+            m.read_flag = read  # type: ignore[attr-defined]
+        pfsdp.CompressedReduceScatter.__call__ = call  # type: ignore[method-assign]
+        yield reads
+    finally:
+        for m in modules:
+            m.read_flag = real_read  # type: ignore[attr-defined]
+        pfsdp.CompressedReduceScatter.__call__ = real_call  # type: ignore[method-assign]
+
+
+def skipped_step(
+    rank: int,
+    world: int,
+    build: Callable[[], tuple[torch.nn.Module, Any]],
+    loss: Callable[[torch.nn.Module, int], torch.Tensor],
+    full: Callable[[torch.nn.Module], torch.Tensor],
+    nan: bool,
+) -> dict[str, Any]:
+    """5 steps of ``build()``'s (model, compressor), ``loss(model, step)``; with ``nan``, the last rank's gradients
+    are NaN at step NAN_AT: every rank's backward must raise, the step is skipped (its batch trained again next), and
+    the run must end bitwise where the run without it ends (``full(model)``, checked by :func:`check_skipped`)."""
+    model, comp = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    out: dict[str, Any] = {"reads": [], "raised": None, "state_unchanged": None}
+    done = attempt = 0
+    with _flag_reads() as reads:
+        while done < 5:
+            opt.zero_grad()
+            scale = float("nan") if nan and attempt == NAN_AT and rank == world - 1 else 1.0
+            attempt += 1
+            before = copy.deepcopy(comp.state_dict())
+            n = len(reads)
+            try:
+                (loss(model, done) * scale).backward()
+            except NonFiniteGradientError as e:
+                out["raised"] = str(e)
+                after = comp.state_dict()
+                out["state_unchanged"] = same_state(before, after)
+                continue
+            out["reads"].append(reads[n:])
+            opt.step()
+            done += 1
+    out["params"] = full(model)
+    return out
+
+
+def check_skipped(world: int, clean: list[dict[str, Any]], skipped: list[dict[str, Any]]) -> None:
+    """What :func:`skipped_step` must show, on every rank."""
+    for rank, (a, b) in enumerate(zip(clean, skipped, strict=True)):
+        for run in (a, b):
+            assert all(reads == [False] for reads in run["reads"]), f"rank {rank}: flag reads {run['reads']}"
+        assert a["raised"] is None
+        assert b["state_unchanged"] is True, f"rank {rank}: the failed step changed the compressor's state"
+        where = f"on rank {world - 1}" if rank == world - 1 else f"gradients on rank {rank} are finite"
+        assert where in b["raised"] and "every rank raises at the end of backward" in b["raised"], b["raised"]
+        assert torch.equal(a["params"], b["params"]), f"rank {rank}: the skipped step left a trace"
+
+
+def _skipped_fsdp2(rank: int, world: int, name: str, nan: bool) -> dict[str, Any]:
+    loss = lambda model, step: _loss(model, *_teacher_batch(rank, step))
+    return skipped_step(rank, world, lambda: _sharded(world, *CASES[name]), loss, _full, nan)
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Two state dicts hold the same entries, tensors bitwise."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
 def _bad(rank: int, world: int) -> dict[str, str]:
     out = {}
     try:
@@ -194,6 +297,9 @@ def fsdp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         res["bad"] = guard(_bad, rank, world)
     res["qsdp"] = guard(_train, rank, world, None, {}, qag=True)
     res["qsdp_int8"] = guard(_train, rank, world, *CASES["int8"], qag=True)
+    for case_name in ("powersgd", "int8"):
+        for nan in (False, True):
+            res[f"skip/{case_name}/{nan}"] = guard(_skipped_fsdp2, rank, world, case_name, nan)
     for case_name in filter(lambda n: _runs(world, n), LOSSY):
         res[f"resume_full/{case_name}"] = guard(_resume, rank, world, case_name, ckpt, "full")
     dist.barrier()
@@ -288,6 +394,15 @@ def test_resume_is_bitwise(results, name, how):
     for a, b in zip(full, resumed, strict=True):
         assert not isinstance(b, dict), b
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["powersgd", "int8"])
+def test_no_host_wait_in_backward_and_a_nonfinite_step_is_undone(results, name):
+    """No flag is read inside a compressed reduce-scatter (on CUDA such a read holds backward's thread until the
+    device is done, :mod:`powertrain.compress.deferred`), one at the end of each backward. A NaN gradient on the last
+    rank makes every rank's backward raise, naming where it was, with the compressor's state bitwise as before; the
+    step skipped, the run ends bitwise where a run that never saw it ends (the same operations on the same bits)."""
+    check_skipped(results[0], case(results[1], f"skip/{name}/False"), case(results[1], f"skip/{name}/True"))
 
 
 def test_unsupported_is_refused_clearly(results):

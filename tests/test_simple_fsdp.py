@@ -298,6 +298,21 @@ def _bad(rank: int, world: int) -> dict[str, str]:
     return value_errors(attempts)
 
 
+def _skipped(rank: int, world: int, nan: bool) -> dict[str, Any]:
+    """test_fsdp's skipped step on SimpleFSDP buckets (PowerSGD's first compressed step)."""
+    from powertrain import simple_fsdp
+    from powertrain.compress import make_compressor
+    from test_fsdp import CASES, skipped_step
+
+    def build() -> tuple[nn.Module, Any]:
+        model = _bucketed(world, freeze=True)
+        comp = make_compressor("powersgd", model.named_parameters(), **CASES["powersgd"][1])
+        simple_fsdp.register_compressor(model, comp)
+        return model, comp
+
+    return skipped_step(rank, world, build, lambda model, step: loss_fn(model, *batch(rank, step)), _full, nan)
+
+
 def simple_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     res: dict[str, Any] = {
         "ddp": guard(_train, DDP(_model(), find_unused_parameters=True), rank),
@@ -322,6 +337,8 @@ def simple_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "compressed/int8+qsdp": guard(_compressed, rank, world, "int8", {}, True),
         "compressed/int8": guard(_compressed, rank, world, "int8", {}, False),
         "compressed/qsdp": guard(_compressed, rank, world, "none", {}, True),
+        "skip/clean": guard(_skipped, rank, world, False),
+        "skip/nan": guard(_skipped, rank, world, True),
         "resume": guard(_resume, rank, world, ckpt),
         "bad": guard(_bad, rank, world),
         "orders": guard(_orders, rank, world),
@@ -386,6 +403,14 @@ def test_compressed_buckets_equal_compressed_fsdp2_bitwise(results, name):
     for r in case(results[1], f"compressed/{name}"):
         assert torch.equal(r["simple"]["params"], r["fsdp2"]["params"])
         assert r["simple"]["losses"][-1] < r["simple"]["losses"][0]
+
+
+def test_no_host_wait_in_backward_and_a_nonfinite_step_is_undone(results):
+    """As on FSDP2 (test_fsdp's test of the same name): no flag read inside a bucket's compressed reduce-scatter, one
+    at the end of backward; a NaN gradient on one rank raises on every rank, and skipping the step leaves no trace."""
+    from test_fsdp import check_skipped
+
+    check_skipped(results[0], case(results[1], "skip/clean"), case(results[1], "skip/nan"))
 
 
 def test_matches_ddp(results):

@@ -30,6 +30,10 @@ reduce-scatter (``set_all_reduce_hook``): only the compressed shards cross betwe
 per-chunk scales (QSDP, Markov et al., arXiv 2302.02390): every rank runs forward and backward on the same
 dequantised weights; the sharded fp32 master weights stay exact.
 
+Inside backward no call waits for the device: each program's finiteness check is read once, at the end of
+backward (``powertrain.compress.deferred``), where a non-finite gradient on any rank makes every rank raise
+:class:`~powertrain.compress.NonFiniteGradientError` out of ``loss.backward()``, the compressor's state as before.
+
 Limitation: FSDP passes the reduce-scatter only the parameters that received a gradient, without saying
 which; the adaptor therefore needs every trainable parameter of a sharded module to get a gradient each
 step (mark unused ones ``requires_grad_(False)``) and raises a clear error otherwise.
@@ -54,6 +58,7 @@ from powertrain.compress import (
     make_compressor,
 )
 from powertrain.compress.base import placeholder
+from powertrain.compress.deferred import run_deferred
 from powertrain.ops.flat import shard_rows
 from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
@@ -146,7 +151,7 @@ class CompressedReduceScatter(ReduceScatter):
             offset += c
         # This rank's rows of each gradient; PowerSGD computes only those rows of its approximation.
         rows = [(min(rank * (p0 // world), s[0]), min((rank + 1) * (p0 // world), s[0])) for p0, s in padded]
-        averaged = comp.aggregate(grads, self.indices, rows=rows)
+        averaged = run_deferred(comp, grads, self.indices, rows=rows)  # no host wait in backward
         scale = 1.0 if _is_avg(op) else float(world)  # SUM: FSDP divides afterwards
         offset = 0
         for (p0, size), c, avg, (lo, hi) in zip(padded, chunk_numels, averaged, rows, strict=True):
@@ -287,7 +292,7 @@ class _ReplicaAverage:
         views = [
             v.view(s) for v, s in zip(reduce_output.split([s.numel() for s in self.shapes]), self.shapes, strict=True)
         ]
-        for v, a in zip(views, self.compressor.aggregate(views, self.indices), strict=True):
+        for v, a in zip(views, run_deferred(self.compressor, views, self.indices), strict=True):
             v.copy_(a)
 
 

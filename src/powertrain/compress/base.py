@@ -11,6 +11,7 @@ back, so a failure part-way leaves the compressor as it was. The same program ru
 from __future__ import annotations
 
 import abc
+import contextvars
 import dataclasses
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -130,13 +131,17 @@ def guard_nonfinite(
     ``check=False`` is not read: whether its result is finite stays a device flag, written into the next request as
     the input's is, so the next checked collective raises for both. A program synchronises once, at its last
     collective, which must be checked (the program commits right after it), and only its last is.
+
+    Run by ``powertrain.compress.deferred.run_deferred``, that one read is handed to the driver instead
+    (``Verdict``): the program commits at once, and the driver undoes the commit where the flag turns out False.
     """
+    local = local_ok
     pending: bool | torch.Tensor = local_ok  # still to be sent: False (or a device flag) poisons the next request
     try:
         request = next(program)
     except StopIteration as stop:
-        if pending is not True and not read_flag(pending):
-            raise error() from None
+        if pending is not True:
+            _decide(pending, local, error)
         return stop.value
     deferred = False  # pending holds an unchecked result's flag
     while True:
@@ -148,8 +153,8 @@ def guard_nonfinite(
         result = yield request
         ok = _result_ok(request, result)
         if request.check:
-            if not read_flag(ok):
-                raise error()
+            _decide(_and(pending, ok), local, error)  # one decision: an input flag no request carried is in it
+            pending = True
         else:
             pending, deferred = _and(pending, ok), True
         last = request
@@ -160,9 +165,36 @@ def guard_nonfinite(
         except StopIteration as stop:
             if not last.check:  # the program committed after a result nobody read: a bug in the program
                 raise AssertionError("a program's last collective must be checked (check=True)") from None
-            if pending is not True and not read_flag(pending):  # the input's flag: every request was empty
-                raise error() from None
+            if pending is not True:  # the input's flag: every request was empty
+                _decide(pending, local, error)
             return stop.value
+
+
+class Verdict:
+    """Where a driver that must not wait for the device (``powertrain.compress.deferred``) receives the flag a
+    program's guard would have read on the host: whether every rank's input and every result was finite (``ok``) and
+    whether this rank's own input was (``local``), both 0-dim bool tensors on the device, None until handed."""
+
+    def __init__(self) -> None:
+        self.ok: torch.Tensor | None = None
+        self.local: torch.Tensor | bool = True
+
+
+#: the verdict of the program this context is running, set by a deferring driver around it (generators run in the
+#: context of whoever advances them, so the guard sees it at its read)
+_VERDICT: contextvars.ContextVar[Verdict | None] = contextvars.ContextVar("powertrain_verdict", default=None)
+
+
+def _decide(ok: bool | torch.Tensor, local: bool | torch.Tensor, error: Callable[[], NonFiniteGradientError]) -> None:
+    """Raise ``error()`` if ``ok`` is False; a device flag is read on the host, or handed to the deferring driver
+    running this program, which then owns the decision (and the undoing of the commit that follows)."""
+    verdict = _VERDICT.get()
+    if verdict is not None and isinstance(ok, torch.Tensor):
+        assert verdict.ok is None, "a deferred program decides once"
+        verdict.ok, verdict.local = ok, local
+        return
+    if not read_flag(ok):
+        raise error() from None
 
 
 def _result_ok(request: Request, result: torch.Tensor | None) -> bool | torch.Tensor:
@@ -286,6 +318,12 @@ class Compressor(abc.ABC):
     #: Whether its messages have a reduce-scatter form (each rank can be handed only its rows of the average): what
     #: FSDP2's and SimpleFSDP's sharded gradients need.
     reduce_scatter: bool = False
+    #: Its per-parameter state, for drivers that undo a commit (``powertrain.compress.deferred``): the names of
+    #: its lists of state tensors (one entry per parameter, None or a tensor that a commit *replaces* and never
+    #: writes into), and of its lists of per-parameter counters (ints); None: a commit cannot be undone (a driver
+    #: then reads the program's flag on the host, as :meth:`aggregate` does).
+    replaced_state: tuple[str, ...] | None = None
+    counted_state: tuple[str, ...] = ()
 
     def __init__(
         self,

@@ -31,6 +31,7 @@ class AllReduceCompressor(Compressor):
     """
 
     reduce_scatter = True
+    replaced_state = ()  # nothing to undo
 
     def __init__(
         self,

@@ -57,6 +57,9 @@ class ErrorFeedbackCompressor(Compressor):
 
     #: True if every rank must draw the same random numbers (random-k); False gives each rank its own.
     _shared_randomness = False
+    # a commit stores a new error buffer; the random streams are seeded again from the step counts at each step
+    replaced_state = ("_errors",)
+    counted_state = ("_steps",)
     #: True if :meth:`_new_error` needs the error buffers as they were (LoCo's moving average); else they are added to
     #: the gradients directly, without a copy of their own.
     _keeps_old = False

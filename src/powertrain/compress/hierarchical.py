@@ -44,6 +44,7 @@ from powertrain.compress.base import (
     Rows,
     placeholder,
 )
+from powertrain.compress.deferred import Transaction
 from powertrain.ops.finite import finite_flag, read_flag
 
 __all__ = ["HierarchicalCompressor", "node_layout"]
@@ -179,11 +180,19 @@ class HierarchicalCompressor(Compressor):
             first.copy_(torch.where(ok, first, float("nan")))
         failed: NonFiniteGradientError | None = None
         averaged: list[torch.Tensor] = []
+        txn: Transaction | None = None  # the inner call, its flag not read: the gather below carries it
         if mine:
+            inner_idx = [k for k, _ in mine]
+            if self.inner.replaced_state is not None:
+                txn = Transaction(self.inner, inner_idx)
             try:
-                averaged = yield from self._rerouted(self.inner.program([v for _, v in mine], [k for k, _ in mine]))
+                averaged = yield from self._rerouted(self.inner.program([v for _, v in mine], inner_idx), txn)
             except NonFiniteGradientError as e:  # told to the node's other ranks in the gather, then raised
                 failed = e
+            if txn is not None and (failed is not None or txn.verdict.ok is None):
+                txn = None  # nothing committed, or decided on the host already
+            if txn is not None:
+                txn.mask()
         # Put the parameters back together inside the node: every local rank sends the same (padded) size, plus one
         # element whose last byte says "a gradient somewhere was not finite".
         sizes = [sum(self._shapes[i].numel() for i in idx if self.owner[i] == j) for j in range(self.local_world)]
@@ -192,11 +201,16 @@ class HierarchicalCompressor(Compressor):
             sent = torch.cat([a.reshape(-1).to(dtype) for a in averaged])
             payload[: sent.numel() * dtype.itemsize].copy_(sent.view(torch.uint8))
         payload[-1:].fill_(int(failed is not None))  # fill_ with a number: no host-to-device copy on CUDA
+        if txn is not None:
+            assert txn.verdict.ok is not None, "a transaction that was masked has its flag"
+            payload[-1:].copy_(txn.verdict.ok.logical_not())  # on the device: the inner call's flag, not read here
         gathered = yield GatherRequest(payload, comm=self._node[1])
         assert gathered is not None, "a gather returns the gathered payloads"
         if failed is not None:
             raise failed
-        if read_flag(gathered[:, -1].any()):  # every rank decides alike: a host synchronisation on CUDA
+        if read_flag(gathered[:, -1].any()):  # every rank decides alike: the program's one host read
+            if txn is not None:
+                txn.undo()
             raise self._nonfinite_error([self.names[i] for i in idx], grads)
         out: list[torch.Tensor] = [flat[:0]] * len(idx)
         for j in range(self.local_world):
@@ -207,21 +221,23 @@ class HierarchicalCompressor(Compressor):
                     pos += g.numel()
         return out
 
-    def _rerouted(self, program: Program) -> Program:
-        """Run the inner program with its c-th collective on the c-th inter-node communicator."""
+    def _rerouted(self, program: Program, txn: Transaction | None) -> Program:
+        """Run the inner program with its c-th collective on the c-th inter-node communicator; with ``txn``, its
+        guard hands its flag to ``txn`` instead of reading it (on CUDA that read would hold the issuing thread)."""
+        advance = txn.run if txn is not None else lambda step: step()
         phase = 0
         try:
-            request = next(program)
+            request = advance(lambda: next(program))
             while True:
                 if phase >= len(self._cross):
                     raise RuntimeError(
                         f"the inner compressor issued more than {len(self._cross)} collectives in a "
                         "call (its max_collectives_per_call)"
                     )
-                # unchecked for the driver: the gather follows (the inner program still reads its own last result)
+                # unchecked for the driver: the gather follows, and carries the inner program's flag
                 value = yield dataclasses.replace(request, comm=self._cross[phase], check=False)
                 phase += 1
-                request = program.send(value)
+                request = advance(lambda: program.send(value))  # noqa: B023 (called at once)
         except StopIteration as stop:
             return stop.value
 

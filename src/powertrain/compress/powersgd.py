@@ -204,6 +204,8 @@ class PowerSGDCompressor(Compressor):
     """
 
     reduce_scatter = True
+    replaced_state = ("_errors", "_p", "_q")  # a commit stores views of the call's new batches
+    counted_state = ("_steps",)
 
     def __init__(
         self,
