@@ -37,7 +37,7 @@ from powertrain.compress.base import (
     slice_rows,
 )
 from powertrain.ops.finite import finite_flag
-from powertrain.ops.flat import flat_views, pack
+from powertrain.ops.flat import pack
 
 Exchange = Generator[Request, "torch.Tensor | None", tuple[torch.Tensor, torch.Tensor]]
 
@@ -87,9 +87,10 @@ class ErrorFeedbackCompressor(Compressor):
         self._generators: dict[int, torch.Generator] = {}
 
     @abc.abstractmethod
-    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
-        """Send compressed ``parts`` (views of ``x``, one per parameter ``idx``) in one collective; return
-        (own message decoded, mean of all decoded messages), both flat like ``x``."""
+    def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        """Send compressed ``x`` in one collective (``parts``: its views holding each parameter ``idx``'s values, in
+        the layout of :meth:`_layout_chunk`, padding zero); return (own message decoded, mean of all decoded
+        messages), both laid out as ``x``."""
 
     def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor | None, idx: list[int]) -> torch.Tensor:
         """The error to keep (``old``: the error buffers as they were, if :attr:`_keeps_old`); classic error feedback
@@ -112,34 +113,49 @@ class ErrorFeedbackCompressor(Compressor):
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
         idx = self._resolve(grads, indices, rows)
-        x = pack(grads, torch.float32, self.device)
+        numels = [self._shapes[i].numel() for i in idx]
+        chunk = self._layout_chunk()
+        lengths = [-(-n // chunk) * chunk for n in numels]
+        if lengths == numels:
+            x = pack(grads, torch.float32, self.device)
+        else:  # each gradient at the start of its chunks, zeros after it: the chunks a subclass cuts never span two
+            x = torch.empty(sum(lengths), dtype=torch.float32, device=self.device)
+            torch._foreach_zero_([t[n:] for t, n in zip(x.split(lengths), numels, strict=True) if t.numel() > n])
+            foreach_copy_(_views(x, numels, lengths), [g.reshape(-1) for g in grads])
         old = torch.zeros_like(x) if self._keeps_old else None
-        owed = x if old is None else old
-        pairs = [
-            (v, e)
-            for v, i in zip(flat_views(owed, [self._shapes[i] for i in idx]), idx, strict=True)
-            if (e := self._errors[i]) is not None
-        ]
+        owed = _views(x if old is None else old, numels, lengths)
+        pairs = [(v, e) for v, i in zip(owed, idx, strict=True) if (e := self._errors[i]) is not None]
         if pairs and self.error_decay != 1:  # SparseLoCo's decayed accumulator (not with _keeps_old: checked)
-            foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs], alpha=self.error_decay)
+            foreach_add_([v for v, _ in pairs], [e.view(-1) for _, e in pairs], alpha=self.error_decay)
         elif pairs:
-            foreach_add_([v for v, _ in pairs], [e.view(v.shape) for v, e in pairs])
+            foreach_add_([v for v, _ in pairs], [e.view(-1) for _, e in pairs])
             if old is not None:
                 x.add_(old)
         names = [self.names[i] for i in idx]
         error = lambda: self._nonfinite_error(names, grads, [self._errors[i] for i in idx])
-        return guard_nonfinite(self._run(x, old, idx, grads, rows), local_ok=finite_flag([x]), error=error)
+        program = self._run(x, old, idx, grads, rows, (numels, lengths))
+        return guard_nonfinite(program, local_ok=finite_flag([x]), error=error)
+
+    def _layout_chunk(self) -> int:
+        """The values per chunk of the layout ``x`` is packed in: each gradient starts a chunk and is padded with zeros
+        to whole chunks (1: no padding), so that a subclass's chunks never span two parameters."""
+        return 1
 
     def _run(
-        self, x: torch.Tensor, old: torch.Tensor | None, idx: list[int], grads: Sequence[torch.Tensor], rows: Rows
+        self,
+        x: torch.Tensor,
+        old: torch.Tensor | None,
+        idx: list[int],
+        grads: Sequence[torch.Tensor],
+        rows: Rows,
+        layout: tuple[list[int], list[int]],
     ) -> Program:
-        parts = list(x.split([self._shapes[i].numel() for i in idx]))
-        sent, mean = yield from self._exchange(parts, idx)
+        sent, mean = yield from self._exchange(x, _views(x, *layout), idx)
         new = self._new_error(x, sent, old, idx).to(self.error_dtype)
-        for i, e in zip(idx, flat_views(new, [self._shapes[i] for i in idx]), strict=True):
-            self._errors[i] = e
+        for i, e in zip(idx, _views(new, *layout), strict=True):
+            self._errors[i] = e.view(self._shapes[i])
             self._steps[i] += 1
-        out = [m.to(g.dtype) for m, g in zip(flat_views(mean, [g.shape for g in grads]), grads, strict=True)]
+        out = [m.view(g.shape).to(g.dtype) for m, g in zip(_views(mean, *layout), grads, strict=True)]
         return slice_rows(out, rows)
 
     def residuals(self) -> list[torch.Tensor]:
@@ -178,30 +194,41 @@ class ErrorFeedbackCompressor(Compressor):
         self.seed = seed
 
 
-def padded_to_chunks(parts: list[torch.Tensor], chunk: int) -> tuple[torch.Tensor, list[int]]:
-    """Concatenate ``parts``, each zero-padded to a multiple of ``chunk`` (chunks never span two
-    parameters); also return each part's padded length."""
-    lengths = [-(-p.numel() // chunk) * chunk for p in parts]
-    out = torch.zeros(sum(lengths), dtype=torch.float32, device=parts[0].device if parts else "cpu")
-    if parts:  # one fused call, not a copy per parameter (on CUDA one launch per ~hundred tensors)
-        foreach_copy_(real_views(out, parts, lengths), parts)
-    return out, lengths
+def _views(buffer: torch.Tensor, numels: list[int], lengths: list[int]) -> list[torch.Tensor]:
+    """The 1-D views of ``buffer`` (laid out as ``lengths``) holding ``numels`` values each."""
+    if numels == lengths:
+        return list(buffer.split(numels))
+    return [v[:n] for v, n in zip(buffer.split(lengths), numels, strict=True)]
+
+
+def chunk_lengths(parts: list[torch.Tensor], chunk: int) -> list[int]:
+    """Each part's length padded to whole chunks (the layout :meth:`ErrorFeedbackCompressor._layout_chunk` asks for)."""
+    return [-(-p.numel() // chunk) * chunk for p in parts]
 
 
 def real_views(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
-    """The views of a :func:`padded_to_chunks` layout that hold each part's real values (its padding left out)."""
-    return [v[: p.numel()] for p, v in zip(parts, padded.split(lengths), strict=True)]
+    """The views of a padded layout (``lengths``) that hold each part's real values (its padding left out)."""
+    return _views(padded, [p.numel() for p in parts], lengths)
+
+
+def _unpadded(parts: list[torch.Tensor], lengths: list[int]) -> bool:
+    return all(n == p.numel() for p, n in zip(parts, lengths, strict=True))
 
 
 def unpad(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-    """Inverse of :func:`padded_to_chunks`: the real values, concatenated."""
+    """The real values of a padded layout, concatenated (``padded`` itself where nothing is padding)."""
     if not parts:
         return padded[:0]
+    if _unpadded(parts, lengths):
+        return padded
     return torch.cat(real_views(padded, parts, lengths))
 
 
 def repad(real: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> torch.Tensor:
-    """Inverse of :func:`unpad` (padding positions get zeros): padding is never sent."""
+    """Inverse of :func:`unpad` (padding positions get zeros; ``real`` itself where there is no padding): padding is
+    never sent."""
+    if _unpadded(parts, lengths):
+        return real
     out = real.new_zeros(sum(lengths))
     if parts:
         foreach_copy_(real_views(out, parts, lengths), list(real.split([p.numel() for p in parts])))

@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 
 from powertrain._checks import check_int
-from powertrain._compat import foreach_add_
 from powertrain.comm import ReduceKind
 from powertrain.compress.base import (
     Compressor,
@@ -460,11 +459,15 @@ class PowerSGDCompressor(Compressor):
                 params.append(i)
         batches = []
         for (n, m, r, phase, row), (call_js, params) in keys.items():
-            m_bnm = torch.stack([grads[j].reshape(n, m) for j in call_js]).to(self.dtype)
-            rows_owed = zip(m_bnm.unbind(0), params, strict=True)
-            pairs = [(row, e) for row, i in rows_owed if (e := self._errors[i]) is not None]
-            if pairs:
-                foreach_add_([row for row, _ in pairs], [e for _, e in pairs])
+            # gradient + residual written once into the batch (a stack, then adding the residuals in place, would pass
+            # over it three more times); the sum is the same: computed in self.dtype, rounded once
+            m_bnm = torch.empty((len(call_js), n, m), dtype=self.dtype, device=self.device)
+            for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
+                e = self._errors[i]
+                if e is None:
+                    owed.copy_(grads[j].reshape(n, m))
+                else:
+                    torch.add(grads[j].reshape(n, m), e, out=owed)
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))

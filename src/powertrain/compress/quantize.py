@@ -12,7 +12,7 @@ from powertrain.compress.base import GatherRequest
 from powertrain.compress.feedback import (
     ErrorFeedbackCompressor,
     Exchange,
-    padded_to_chunks,
+    chunk_lengths,
     real_views,
     repad,
     unpad,
@@ -76,11 +76,12 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         self.loco_beta, self.loco_reset_every = loco_beta, loco_reset_every
         self._keeps_old = loco_beta > 0
 
-    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
-        x, lengths = padded_to_chunks(parts, self.chunk)
+    def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        lengths = chunk_lengths(parts, self.chunk)  # x is laid out in whole chunks (_layout_chunk)
         noise = None
         if self.stochastic:
-            noise = torch.zeros_like(x)  # drawn in place: the numbers torch.rand(n, generator=...) would return
+            # drawn in place, the numbers torch.rand(n, generator=...) would return; padding (if any) gets zeros
+            noise = torch.empty_like(x) if sum(lengths) == sum(p.numel() for p in parts) else torch.zeros_like(x)
             for i, view in zip(idx, real_views(noise, parts, lengths), strict=True):
                 view.uniform_(generator=self._rng(i))
         codes, scales = quantize(x, self.bits, self.chunk, noise)
@@ -97,7 +98,10 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
             # the first row starts the sum (a new tensor next: the rows stay as they are)
             total = values if total is None else (total + values if j == 1 else total.add_(values))
         assert total is not None and sent is not None, "a gather returns one row per rank, this rank's too"
-        return unpad(sent, parts, lengths), unpad(total / gathered.shape[0], parts, lengths)
+        return sent, total / gathered.shape[0]
+
+    def _layout_chunk(self) -> int:
+        return self.chunk
 
     def _new_error(self, x: torch.Tensor, sent: torch.Tensor, old: torch.Tensor | None, idx: list[int]) -> torch.Tensor:
         if old is None:  # loco_beta == 0

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from powertrain._checks import check_int
 from powertrain.compress.base import GatherRequest
-from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, padded_to_chunks, repad, unpad
+from powertrain.compress.feedback import ErrorFeedbackCompressor, Exchange, chunk_lengths, repad, unpad
 from powertrain.ops.flat import pack_payload, unpack_payload
 from powertrain.ops.quantize import pack_bits, unpack_bits
 
@@ -38,8 +38,8 @@ class SignCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group)
         self.chunk = chunk
 
-    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
-        x, lengths = padded_to_chunks(parts, self.chunk)
+    def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+        lengths = chunk_lengths(parts, self.chunk)  # x is laid out in whole chunks (_layout_chunk)
         real = torch.zeros_like(x)
         for p, view in zip(parts, real.split(lengths), strict=True):
             view[: p.numel()] = 1.0
@@ -56,4 +56,7 @@ class SignCompressor(ErrorFeedbackCompressor):
             s, b = unpack_payload(row, [(torch.float32, scales.numel()), (torch.uint8, packed.numel())])
             mean.add_(decode(repad(unpack_bits(b, n_real), parts, lengths), s))
         mean.div_(gathered.shape[0])
-        return unpad(decode(signs, scales), parts, lengths), unpad(mean, parts, lengths)
+        return decode(signs, scales), mean
+
+    def _layout_chunk(self) -> int:
+        return self.chunk

@@ -57,7 +57,7 @@ class TopKCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group, error_decay=error_decay)
         self.ratio, self.bits = ratio, bits
 
-    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+    def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         ks = [_k(self.ratio, p.numel()) for p in parts]
         itype = index_dtype(max((p.numel() for p in parts), default=0))
         picked = [p.abs().topk(k, sorted=False).indices for p, k in zip(parts, ks, strict=True)]
@@ -130,13 +130,12 @@ class RandomKCompressor(ErrorFeedbackCompressor):
         super().__init__(params, group=group, seed=seed)
         self.ratio = ratio
 
-    def _exchange(self, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
+    def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         offset, picks = 0, []
         for p, i in zip(parts, idx, strict=True):
             k = _k(self.ratio, p.numel())
             picks.append(torch.randperm(p.numel(), generator=self._rng(i), device=self.device)[:k] + offset)
             offset += p.numel()
-        x = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
         pos = torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long, device=self.device)
         values = x[pos]
         yield ReduceRequest(values, "mean")

@@ -54,7 +54,8 @@ def quantize(
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
     n = codes.numel()
-    return (_chunks(codes.float(), chunk) * scales[:, None]).view(-1)[:n]
+    # int8 times float32 is computed in float32 (the codes converted exactly): one pass, no float copy of the codes
+    return torch.mul(_chunks(codes, chunk), scales[:, None]).view(-1)[:n]
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
