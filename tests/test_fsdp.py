@@ -223,6 +223,52 @@ def check_skipped(world: int, clean: list[dict[str, Any]], skipped: list[dict[st
         assert torch.equal(a["params"], b["params"]), f"rank {rank}: the skipped step left a trace"
 
 
+class _TwoUnits(torch.nn.Module):
+    """fc1 in a unit of its own; the root unit holds fc2 and ``s``, whose gradient is the input ``c`` alone: a NaN in
+    ``c`` reaches no other gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+        self.s = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))).pow(2).mean() + (self.s * c).sum()
+
+
+def _one_unit_fails(rank: int, world: int, name: str) -> dict[str, Any]:
+    """A NaN in the root unit's gradients only, on the last rank, at the third step: every rank raises; the root
+    unit's call leaves its parameters' state as it was, fc1's (finite everywhere) commits, whole."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _TwoUnits()
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    comp = make_compressor(name, model.named_parameters(), **CASES[name][1])
+    pfsdp.register_compressor(model, comp)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        x, c = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g) * 0.01
+        if step == 2 and rank == world - 1:
+            c[0, 0] = float("nan")
+        before = copy.deepcopy(comp.state_dict())
+        model.zero_grad()
+        try:
+            model(x, c).backward()
+        except NonFiniteGradientError as e:
+            after = comp.state_dict()
+            per_param = {}  # parameter name -> (its state unchanged, its count advanced by one)
+            for i, pname in enumerate(comp.names):
+                fields = [k for k in ("errors", "p", "q") if k in after]
+                same = all(same_state(before[k][i], after[k][i]) for k in fields)
+                per_param[pname] = (
+                    same and before["steps"][i] == after["steps"][i],
+                    after["steps"][i] == before["steps"][i] + 1,
+                )
+            return {"raised_at": step, "message": str(e), "per_param": per_param}
+    return {"raised_at": None}
+
+
 def _skipped_fsdp2(rank: int, world: int, name: str, nan: bool) -> dict[str, Any]:
     loss = lambda model, step: _loss(model, *_teacher_batch(rank, step))
     return skipped_step(rank, world, lambda: _sharded(world, *CASES[name]), loss, _full, nan)
@@ -300,6 +346,7 @@ def fsdp_cases(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     for case_name in ("powersgd", "int8"):
         for nan in (False, True):
             res[f"skip/{case_name}/{nan}"] = guard(_skipped_fsdp2, rank, world, case_name, nan)
+        res[f"one_unit/{case_name}"] = guard(_one_unit_fails, rank, world, case_name)
     for case_name in filter(lambda n: _runs(world, n), LOSSY):
         res[f"resume_full/{case_name}"] = guard(_resume, rank, world, case_name, ckpt, "full")
     dist.barrier()
@@ -403,6 +450,14 @@ def test_no_host_wait_in_backward_and_a_nonfinite_step_is_undone(results, name):
     rank makes every rank's backward raise, naming where it was, with the compressor's state bitwise as before; the
     step skipped, the run ends bitwise where a run that never saw it ends (the same operations on the same bits)."""
     check_skipped(results[0], case(results[1], f"skip/{name}/False"), case(results[1], f"skip/{name}/True"))
+    # a NaN in one unit's gradients: every rank raises; that unit's call left its state as it was, the other unit's
+    # call (finite on every rank) committed whole: no parameter's state is half undone
+    for rank, r in enumerate(case(results[1], f"one_unit/{name}")):
+        assert r["raised_at"] == 2, f"rank {rank} did not raise at the NaN step"
+        failed = {n: unchanged for n, (unchanged, _) in r["per_param"].items() if not n.startswith("fc1.")}
+        committed = {n: advanced for n, (_, advanced) in r["per_param"].items() if n.startswith("fc1.")}
+        assert failed and all(failed.values()), f"rank {rank}: the failed unit's state changed: {failed}"
+        assert committed and all(committed.values()), f"rank {rank}: the finite unit did not commit: {committed}"
 
 
 def test_unsupported_is_refused_clearly(results):

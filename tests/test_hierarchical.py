@@ -120,6 +120,24 @@ def _nonfinite(rank: int) -> dict[str, Any]:
     return out
 
 
+def _one_owner_fails(rank: int) -> dict[str, Any]:
+    """A finite gradient too large for PowerSGD in one parameter, on every rank: only the local rank that owns it
+    fails its inner call; the node gather tells the other, and every rank raises with all state as before."""
+    model = make_model(torch.float32)
+    comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
+    comp.aggregate(_grads(model, rank, 0, torch.float32))
+    grads = _grads(model, rank, 1, torch.float32)
+    big = max(range(len(grads)), key=lambda i: grads[i].numel())  # the largest: local rank 0's (_assign)
+    if rank == NODES * LOCAL - 2:  # the second node's local rank 0
+        grads[big].view(-1)[0] = 1e37  # finite, beyond PowerSGD's overflow limit for float32 (its _limit)
+    before = copy.deepcopy(comp.state_dict())
+    try:
+        comp.aggregate(grads)
+    except NonFiniteGradientError as e:
+        return {"raised": str(e), "unchanged": same_state(before, comp.state_dict()), "owner": comp.owner[big]}
+    return {"raised": ""}
+
+
 def _state(rank: int) -> dict[str, Any]:
     model = make_model(torch.float64)
     comp = HierarchicalCompressor(model.named_parameters(), "powersgd", local_world=LOCAL, **POWERSGD)
@@ -221,6 +239,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
             "ddp": _ddp_matches_program,
             "ddp_worker": _ddp_finished_on_the_worker,
             "nonfinite": _nonfinite,
+            "one_owner": _one_owner_fails,
             "state": _state,
             "hsdp": _hsdp,
         }.items()
@@ -295,6 +314,9 @@ def test_nonfinite_on_one_rank_raises_everywhere(results):
         # the node gather's read only: the inner PowerSGD's flag travels in it (a read of its own would hold a DDP
         # hook's issuing thread on CUDA: its last collective is unchecked for the driver)
         assert r["reads"] == 1, f"rank {rank}: {r['reads']} host reads of a flag in a call"
+    for rank, r in enumerate(case(results, "one_owner")):
+        assert r["raised"] and r["owner"] == 0, f"rank {rank}: {r}"
+        assert r["unchanged"], f"rank {rank} changed its state (its own inner call was finite: the node decides)"
 
 
 def test_state_round_trip_and_no_resharding(results):

@@ -190,9 +190,8 @@ class HierarchicalCompressor(Compressor):
             except NonFiniteGradientError as e:  # told to the node's other ranks in the gather, then raised
                 failed = e
             if txn is not None and (failed is not None or txn.verdict.ok is None):
-                txn = None  # nothing committed, or decided on the host already
-            if txn is not None:
-                txn.mask()
+                txn.release()  # nothing committed, or decided on the host already
+                txn = None
         # Put the parameters back together inside the node: every local rank sends the same (padded) size, plus one
         # element whose last byte says "a gradient somewhere was not finite".
         sizes = [sum(self._shapes[i].numel() for i in idx if self.owner[i] == j) for j in range(self.local_world)]
@@ -202,16 +201,18 @@ class HierarchicalCompressor(Compressor):
             payload[: sent.numel() * dtype.itemsize].copy_(sent.view(torch.uint8))
         payload[-1:].fill_(int(failed is not None))  # fill_ with a number: no host-to-device copy on CUDA
         if txn is not None:
-            assert txn.verdict.ok is not None, "a transaction that was masked has its flag"
+            assert txn.verdict.ok is not None, "a pending transaction has its flag"
             payload[-1:].copy_(txn.verdict.ok.logical_not())  # on the device: the inner call's flag, not read here
         gathered = yield GatherRequest(payload, comm=self._node[1])
         assert gathered is not None, "a gather returns the gathered payloads"
         if failed is not None:
             raise failed
         if read_flag(gathered[:, -1].any()):  # every rank decides alike: the program's one host read
-            if txn is not None:
-                txn.undo()
+            if txn is not None:  # the node's decision, not only this rank's inner call's: all of it as before
+                txn.restore()
             raise self._nonfinite_error([self.names[i] for i in idx], grads)
+        if txn is not None:
+            txn.release()
         out: list[torch.Tensor] = [flat[:0]] * len(idx)
         for j in range(self.local_world):
             values, pos = gathered[j, : sizes[j] * dtype.itemsize].view(dtype), 0
