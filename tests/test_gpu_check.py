@@ -364,3 +364,70 @@ def test_results_feed_the_benchmarks_in_one_command(tmp_path, capsys):
             assert exit_.value.code == 2 and "GPU results file" in err and why in err, err
     with pytest.raises(ValueError, match=r"GPU results file .* more than the"):
         gpu.load_previous(big, "cuda", "default")
+
+
+# ---------------------------------------------------------------- make gpu-multi
+
+
+def test_gpu_multi_stages_and_table(tmp_path):
+    """The multi-GPU plan's stages (every run at each world size, NCCL on CUDA, gloo for the dry run) and its table,
+    with a run's memory, another's missing figure and a failed stage."""
+    from powertrain.bench.gpu import MULTI_RUNS, multi_section, multi_stages
+
+    built = multi_stages("default", "cuda", tmp_path, [2, 4])
+    names = [s.name for s in built]
+    assert names == ["env", *(f"train:w{w} {n}" for w in (2, 4) for n in MULTI_RUNS)]
+    for s in built[1:]:
+        world = s.name.split()[0][len("train:w") :]
+        assert s.argv[s.argv.index("--nproc") + 1] == world and s.argv[s.argv.index("--backend") + 1] == "nccl"
+        assert "--parallel" in s.argv and s.argv.count("--out") == 1
+    assert all("gloo" in s.argv for s in multi_stages("tiny", "cpu", tmp_path, [2])[1:])
+
+    def ok(reserved: float | None) -> dict:
+        summary = {"bytes_sent": 3e6, "steps_done": 2, "final_loss": 3.25}
+        if reserved is not None:
+            summary["cuda_max_reserved_gb"] = reserved
+        return {
+            "ok": True,
+            "result": {
+                "summary": summary,
+                "unit": "tokens_per_s",
+                "tokens_per_s_steady": 1234.0,
+                "step_s_median": 0.02,
+            },
+        }
+
+    data = {
+        "device": "cuda",
+        "stages": {
+            "env": {"ok": True, "result": {"device_name": "8 x a GPU"}},
+            "train:w2 ddp exact": ok(12.5),
+            "train:w2 ddp int8": ok(None),
+            "train:w4 fsdp powersgd": {"ok": False, "error": "timed out after 200 s"},
+        },
+    }
+    text = multi_section(data)
+    assert "on 8 x a GPU" in text
+    assert "| w2 ddp exact | 1,234 | 20.0 | 1.5 | 12.50 | 3.250 |" in text
+    assert "| w2 ddp int8 | 1,234 | 20.0 | 1.5 | - | 3.250 |" in text
+    assert "| w4 fsdp powersgd | timed out after 200 s |" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_make_gpu_multi_dry_run(tmp_path):
+    """``make gpu-multi DEVICE=cpu``: every run trains at 2 gloo workers, and the table has a row for each."""
+    from powertrain.bench.gpu import MULTI_RUNS
+
+    r = subprocess.run(
+        ["make", "--no-print-directory", "gpu-multi", "DEVICE=cpu", f"OUT={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = json.loads((tmp_path / "gpu_multi.json").read_text())
+    assert all(s["ok"] for s in results["stages"].values()) and len(results["stages"]) == 1 + len(MULTI_RUNS)
+    rows = [line for line in (tmp_path / "gpu_multi.md").read_text().splitlines() if line.startswith("| w2 ")]
+    assert len(rows) == len(MULTI_RUNS), rows

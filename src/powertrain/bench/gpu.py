@@ -150,6 +150,63 @@ def stages(preset: str, device: str, work: Path) -> list[Stage]:
     return out
 
 
+#: ``make gpu-multi`` (tools/gpu_multi.py): DDP and FSDP2, exact, with the command's PowerSGD and with int8, at each
+#: world size the machine holds (2, 4, 8 GPUs; the dry run: 2 CPU workers on gloo)
+MULTI_RUNS: dict[str, list[str]] = {
+    f"{mode} {name}": ["--parallel", mode, *flags]
+    for mode in ("ddp", "fsdp")
+    for name, flags in (("exact", ["--compressor", "none"]), ("powersgd", []), ("int8", ["--compressor", "int8"]))
+}
+
+
+def multi_stages(preset: str, device: str, work: Path, worlds: Sequence[int]) -> list[Stage]:
+    """The stages of ``make gpu-multi``: ``env``, then every run of :data:`MULTI_RUNS` at each world size in
+    ``worlds`` (NCCL on CUDA, one GPU a worker), the smallest world first: the budget may end before the last."""
+    plan = PRESETS[preset]
+    py = [sys.executable, "-m"]
+    out = [Stage("env", [*py, "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json")]
+    backend = "nccl" if device == "cuda" else "gloo"
+    for world in worlds:
+        for name, args in MULTI_RUNS.items():
+            run_dir = work / "train" / (f"w{world}_" + re.sub(r"\W+", "_", name))
+            argv = [*py, "powertrain", "train", *plan.train_flags, "--nproc", str(world), "--backend", backend]
+            argv += ["--log-every", "1", "--quiet", "--out", str(run_dir), *args]
+            parse = functools.partial(_train_result, run_dir)
+            out.append(Stage(f"train:w{world} {name}", argv, plan.train_timeout_s * 2, parse=parse))
+    return out
+
+
+def multi_section(data: dict[str, Any]) -> str:
+    """The table of a ``make gpu-multi`` run: per world size and run, throughput, step time, bytes a step and the most
+    memory rank 0 held (what compression costs or saves in memory, beside what it saves on the wire)."""
+    rows = []
+    for name, r in data["stages"].items():
+        if not name.startswith("train:"):
+            continue
+        res = r.get("result") or {}
+        if not r["ok"] or "summary" not in res:
+            rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
+            continue
+        s, unit = res["summary"], res["unit"]
+        reserved = s.get("cuda_max_reserved_gb")
+        rows.append(
+            [
+                name[6:],
+                f"{res[unit + '_steady']:,.0f}",
+                _ms(res["step_s_median"]),
+                f"{s['bytes_sent'] / max(s['steps_done'], 1) / 1e6:,.1f}",
+                "-" if reserved is None else f"{reserved:.2f}",
+                f"{s['final_loss']:.3f}",
+            ]
+        )
+    env = (data["stages"].get("env", {}).get("result") or {}).get("device_name", data.get("device"))
+    return (
+        f"`make gpu-multi` on {env}: `powertrain train` at each world size, tokens/s from the median step after the "
+        "first 10; MB a worker sent a step; rank 0's `torch.cuda.max_memory_reserved`.\n\n"
+        + table(["run", "tokens/s", "step ms", "MB sent a step", "reserved GB (rank 0)", "final loss"], rows)
+    )
+
+
 def _train_result(run_dir: Path, output: str) -> dict[str, Any]:
     """A train stage's result: its summary, precision and steady tokens/s (``output``: unused, its files say it)."""
     rows, summary = read_run(run_dir)

@@ -345,6 +345,8 @@ def _train(cfg: TrainConfig, device: torch.device) -> dict[str, Any]:
             f"{unit}_per_s": per_step * cfg.grad_accum * data_world * (done - start) / max(wall - prev_wall, 1e-9),
             "params": run.n_params,
             "device": str(device),
+            # this rank's most reserved by the caching allocator (what the other processes on the GPU cannot use)
+            **({"cuda_max_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9} if device.type == "cuda" else {}),
             **more,
         }
 
