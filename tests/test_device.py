@@ -360,6 +360,33 @@ def test_a_deferred_call_in_backward_waits_for_nothing(device):
     assert not failures, "\n".join(failures)
 
 
+def test_fused_quantisation_on_cuda_matches_eager(device, monkeypatch):
+    """The fused rounding kernel (Triton, :mod:`powertrain.ops.fused`) against eager CUDA: the same scales; codes equal
+    except where ``noise + x / scale`` lies within 4 float32 ulps of a rounding boundary (Triton's division may be
+    off by 2 ulps, the add by half of one, against eager's correctly rounded ones), and there off by one."""
+    _cuda_only(device)
+    from powertrain.ops import fused
+    from powertrain.ops import quantize as q
+
+    torch.manual_seed(0)
+    n, chunk = 1 << 20, 1024
+    x = (torch.randn(n) * torch.logspace(-3, 3, n)).to(device)
+    for bits in (8, 4):
+        for noise in (None, torch.rand(n, device=device)):
+            monkeypatch.setenv("POWERTRAIN_FUSED", "0")
+            want, scales = q.quantize(x, bits, chunk, noise)
+            monkeypatch.setenv("POWERTRAIN_FUSED", "1")
+            got, got_scales = q.quantize(x, bits, chunk, noise)
+            assert torch.equal(scales, got_scales)
+            differ = got != want
+            y = (x.double().view(-1, chunk) / torch.where(scales > 0, scales, 1.0).double()[:, None]).view(-1)
+            y = y + (noise.double() if noise is not None else 0.0)
+            boundary = y.floor() if noise is not None else (y - 0.5).floor() + 0.5  # floor's and round's edges
+            near = torch.minimum((y - boundary).abs(), (y - boundary - 1).abs()) <= 4 * 2**-23 * y.abs().clamp(min=1)
+            assert bool(((got.int() - want.int()).abs() <= 1).all()) and bool(near[differ].all()), (bits, noise is None)
+    assert "rounded_codes" in fused._COMPILED and not fused._FAILED, fused._FAILED
+
+
 def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
     from powertrain.optim import DeMo, Dion, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW, Muon
 

@@ -6,7 +6,8 @@ below. Counted as the sizes of each operation's tensor arguments (read) and resu
 both, unless the operation only overwrites it: a fill, a random draw, a copy's destination, an ``out=``), views not at
 all: the true traffic for elementwise work, a floor for matrix products (each operand read once). World size 1 (no
 collectives; an all-gather compressor decodes one message per rank, so its traffic grows with the ranks). Usage:
-``python tools/compressor_traffic.py powersgd rank=32 start=0``.
+``python tools/compressor_traffic.py powersgd rank=32 start=0``; ``fused=1``: the fused kernels
+(:mod:`powertrain.ops.fused`, as on CUDA) each counted as one operation by its inputs and outputs.
 """
 
 from __future__ import annotations
@@ -77,6 +78,30 @@ SHAPE_ONLY = frozenset(
 )
 
 
+def count_fused(traffic: Traffic) -> None:
+    """Count each fused kernel (:func:`powertrain.ops.fused.fused_or_eager`) as one operation reading its tensor
+    arguments and writing its result, computed by its eager twin (the same values) unseen by ``traffic``."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from powertrain.ops import fused
+
+    def fused_or_eager(name: str, _fused: Any, eager: Any, device: torch.device) -> Any:
+        def call(*args: Any) -> Any:
+            with _disable_current_modes():
+                out = eager(*args)
+            tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+            traffic.bytes[f"fused {name}"] += sum(t.numel() * t.element_size() for t in tensors)
+            traffic.calls[f"fused {name}"] += 1
+            return out
+
+        return call
+
+    fused.fused_or_eager = fused_or_eager  # type: ignore[assignment]
+    import powertrain.ops.quantize as quantize
+
+    quantize.fused_or_eager = fused_or_eager  # type: ignore[assignment]
+
+
 class Traffic(TorchDispatchMode):
     """Counts, per operation name, the calls and the bytes of their tensor inputs and outputs."""
 
@@ -104,6 +129,7 @@ def main(argv: list[str]) -> None:
     opts: dict[str, Any] = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in options.items()}
     if "start" in opts:
         opts["start_compressing_after_num_steps"] = opts.pop("start")
+    fused = bool(opts.pop("fused", 0))
     config, _ = SIZES["124m"]
     torch.manual_seed(0)
     model = GPT(config)
@@ -111,12 +137,15 @@ def main(argv: list[str]) -> None:
     comp = make_compressor(name, model.named_parameters(), **opts)
     for _ in range(2):  # warm-up: error buffers, factors
         comp.aggregate(grads)
-    with Traffic() as traffic:
+    traffic = Traffic()
+    if fused:
+        count_fused(traffic)
+    with traffic:
         comp.aggregate(grads)
     total, gradient = sum(traffic.bytes.values()), 4 * sum(g.numel() for g in grads)
     print(
-        f"{name} {opts}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, {total / gradient:.1f} "
-        "passes over the float32 gradients"
+        f"{name} {opts}{' fused' if fused else ''}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, "
+        f"{total / gradient:.1f} passes over the float32 gradients"
     )
     for op, n in traffic.bytes.most_common(10):
         print(f"  {op:20s} {traffic.calls[op]:4d} calls {n / 1e9:6.2f} GB")

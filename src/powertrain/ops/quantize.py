@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from powertrain.ops.flat import pack_payload, unpack_payload
+from powertrain.ops.fused import fused_or_eager
 
 __all__ = [
     "dequantize",
@@ -44,12 +45,29 @@ def quantize(
     lo, hi = torch.aminmax(x_c, dim=1)  # the largest magnitude in one pass, no |x| temporary; + 0: never -0
     scales = torch.maximum(hi, lo.neg()).add_(0.0).div_(qmax)
     divisor = torch.where(scales > 0, scales, 1.0)[:, None]
-    if noise is None:
-        y = torch.div(x_c, divisor).round_()
-    else:  # noise + x / scale, with one temporary instead of two (the same two roundings)
-        y = torch.addcdiv(_chunks(noise.to(x_c.device, torch.float32), chunk), x_c, divisor).floor_()
-    codes = y.clamp_(-qmax, qmax).to(torch.int8).view(-1)[: x.numel()]
+    noise_c = None if noise is None else _chunks(noise.to(x_c.device, torch.float32), chunk)
+    codes = rounded_codes(x_c, divisor, noise_c, qmax).view(-1)[: x.numel()]
     return codes, scales
+
+
+def _rounded_eager(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: int) -> torch.Tensor:
+    # noise + x / scale in one temporary instead of two (the same two roundings)
+    y = torch.div(x_c, divisor).round_() if noise_c is None else torch.addcdiv(noise_c, x_c, divisor).floor_()
+    return y.clamp_(-qmax, qmax).to(torch.int8)
+
+
+def _rounded_pure(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: int) -> torch.Tensor:
+    """:func:`_rounded_eager`'s operations without in-place ones: what torch.compile fuses into one kernel (reads
+    ``x`` and the noise, writes the int8 codes: 2.25 passes over float32 values, against 8.25 eager)."""
+    y = torch.round(x_c / divisor) if noise_c is None else torch.floor(torch.addcdiv(noise_c, x_c, divisor))
+    return torch.clamp(y, -qmax, qmax).to(torch.int8)
+
+
+def rounded_codes(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: int) -> torch.Tensor:
+    """The int8 codes of chunks ``x_c`` (divided by their ``divisor``, stochastically rounded with ``noise_c`` or to
+    nearest, clamped to ``qmax``): one fused kernel where ``powertrain.ops.fused.enabled`` says so, else eager
+    (the same values: the same operations in the same order)."""
+    return fused_or_eager("rounded_codes", _rounded_pure, _rounded_eager, x_c.device)(x_c, divisor, noise_c, qmax)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
