@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from powertrain.compress import make_compressor
 from powertrain.ops import fused
 from powertrain.ops import quantize as q
 
@@ -22,7 +23,8 @@ def _compiles_here() -> None:
 
 def test_fused_quantisation_equals_eager_bitwise(monkeypatch):
     """int8 and int4, stochastic and nearest rounding, sizes that leave a partial chunk, zeros and six decades of
-    magnitudes: the same codes and scales, with the fused kernel really running (no fallback)."""
+    magnitudes: the same codes and scales, with the fused kernel really running (no fallback). A NaN's code is in range
+    (the compiled code assumes finite math: not the eager code, but no spill into an int4 neighbour)."""
     _compiles_here()
     torch.manual_seed(0)
     cases = 0
@@ -39,12 +41,20 @@ def test_fused_quantisation_equals_eager_bitwise(monkeypatch):
                 assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (n, chunk, bits, nz is None)
                 cases += 1
     assert cases == 16 and "rounded_codes" in fused._COMPILED and not fused._FAILED, fused._FAILED
+    x = torch.cat([torch.linspace(-1, 1, 9), torch.linspace(-1, 1, 9)])
+    x[8] = float("nan")  # int4, chunk 9: the NaN's code shares a byte with the next chunk's first
+    codes, scales = q.quantize(x, 4, 9)
+    assert int(codes.abs().max()) <= 7, codes
+    decoded = q.dequantize(*q.unpack_codes(q.pack_codes(codes, scales, 4), x.numel(), scales.numel(), 4), 9)
+    assert torch.equal(decoded[9:], q.dequantize(codes, scales, 9)[9:]) and decoded[9].item() == -1.0, decoded[9:]
 
 
 def test_the_setting_is_checked_and_auto_fuses_on_cuda_only(monkeypatch):
     monkeypatch.setenv("POWERTRAIN_FUSED", "yes")
     with pytest.raises(ValueError, match="POWERTRAIN_FUSED='yes': choose auto, 1 or 0"):
         fused.enabled(torch.device("cpu"))
+    with pytest.raises(ValueError, match="POWERTRAIN_FUSED='yes'"):  # when the compressor is built, not in backward
+        make_compressor("int8", [torch.nn.Parameter(torch.zeros(4, 4))])
     monkeypatch.delenv("POWERTRAIN_FUSED")
     assert fused.enabled(torch.device("cuda")) and not fused.enabled(torch.device("cpu"))
     monkeypatch.setenv("POWERTRAIN_FUSED", "0")

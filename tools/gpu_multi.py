@@ -4,13 +4,14 @@ DDP and FSDP2, exact, with the command's PowerSGD and with int8, trained by ``po
 world size the machine holds (2, 4 and 8 GPUs, one worker each): throughput, step time, bytes a step and rank 0's
 ``torch.cuda.max_memory_reserved`` (compression's error buffers and factors against what it saves on the wire), in
 stages with their own timeouts inside one budget (:mod:`powertrain.bench.gpu`: a failed stage is recorded and the
-next runs). The NCCL side of the test suite is :mod:`tests.test_device`'s leg, which ``make gpu-check`` runs.
+next runs). The NCCL side of the test suite is tests/test_device.py's leg, which ``make gpu-check`` runs.
 
 Files in ``$OUT`` if set, else ``runs/gpu-multi``: ``gpu_multi.json`` (every stage's result or error),
 ``gpu_multi.log`` (each stage's command and output's tail), ``gpu_multi.md`` (the table, for BENCHMARKS.md's GPU
-section by hand: one machine's figures). ``DEVICE=cpu`` is the dry run: 2 workers on gloo, the stand-in preset, a
-few minutes. ``POWERTRAIN_GPU_BUDGET_S`` sets the budget (default 540 s on CUDA). Exit status 1 when a stage failed
-or did not start, 2 for bad arguments or no GPU.
+section by hand: one machine's figures), ``work/`` (each run's directory: its metrics and any rank's traceback).
+``DEVICE=cpu`` is the dry run: 2 workers on gloo, the stand-in preset, half a minute. ``POWERTRAIN_GPU_BUDGET_S``
+sets the budget (default 540 s on CUDA). Exit status 1 when a stage failed or did not start, 2 for bad arguments or
+no GPU.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,8 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "runs" / "gpu-multi"))
     args = parser.parse_args(argv)
-    import tempfile
-
     import torch
 
     from powertrain.bench.gpu import multi_section, multi_stages, run
@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = "default" if args.device == "cuda" else "tiny"
-    work = Path(tempfile.mkdtemp(prefix="powertrain-gpu-multi-"))
+    work = out / "work"  # the runs' own files (tracebacks, metrics) come back with $OUT
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
     budget = float(os.environ.get("POWERTRAIN_GPU_BUDGET_S", 540 if args.device == "cuda" else 400))
     data = run(
         multi_stages(preset, args.device, work, worlds),

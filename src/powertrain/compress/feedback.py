@@ -126,9 +126,9 @@ class ErrorFeedbackCompressor(Compressor):
         owed = _views(x if old is None else old, numels, lengths)
         pairs = [(v, e) for v, i in zip(owed, idx, strict=True) if (e := self._errors[i]) is not None]
         if pairs and self.error_decay != 1:  # SparseLoCo's decayed accumulator (not with _keeps_old: checked)
-            foreach_add_([v for v, _ in pairs], [e.view(-1) for _, e in pairs], alpha=self.error_decay)
+            foreach_add_([v for v, _ in pairs], [e.reshape(-1) for _, e in pairs], alpha=self.error_decay)
         elif pairs:
-            foreach_add_([v for v, _ in pairs], [e.view(-1) for _, e in pairs])
+            foreach_add_([v for v, _ in pairs], [e.reshape(-1) for _, e in pairs])
             if old is not None:
                 x.add_(old)
         names = [self.names[i] for i in idx]
@@ -169,7 +169,7 @@ class ErrorFeedbackCompressor(Compressor):
         return {
             "kind": type(self).__name__,
             "shapes": [list(s) for s in self._shapes],
-            "errors": list(self._errors),
+            "errors": _compact(self._errors),
             "steps": list(self._steps),
             "seed": self.seed,
         }
@@ -192,6 +192,16 @@ class ErrorFeedbackCompressor(Compressor):
         self._errors = [None if e is None else e.to(self.device, self.error_dtype, copy=True) for e in state["errors"]]
         self._steps = steps
         self.seed = seed
+
+
+def _compact(errors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The error buffers as views of one new buffer of their values only: each is a view of its call's padded layout
+    (up to ``chunk - 1`` values of padding a parameter, kept alive with it), which a checkpoint must not carry."""
+    present = [e for e in errors if e is not None]
+    if not present:
+        return list(errors)
+    flat = iter(torch.cat([e.reshape(-1) for e in present]).split([e.numel() for e in present]))
+    return [None if e is None else next(flat).view(e.shape) for e in errors]
 
 
 def _views(buffer: torch.Tensor, numels: list[int], lengths: list[int]) -> list[torch.Tensor]:

@@ -464,10 +464,11 @@ class PowerSGDCompressor(Compressor):
             m_bnm = torch.empty((len(call_js), n, m), dtype=self.dtype, device=self.device)
             for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
                 e = self._errors[i]
+                g = grads[j].reshape(n, m)
                 if e is None:
-                    owed.copy_(grads[j].reshape(n, m))
-                else:
-                    torch.add(grads[j].reshape(n, m), e, out=owed)
+                    owed.copy_(g)
+                else:  # a gradient wider than self.dtype is rounded to it first, as a stack of them would be
+                    torch.add(g if g.dtype == self.dtype else g.to(self.dtype), e, out=owed)
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))

@@ -17,6 +17,7 @@ from powertrain.compress.feedback import (
     repad,
     unpad,
 )
+from powertrain.ops import fused
 from powertrain.ops.quantize import dequantize, pack_codes, quantize, unpack_codes
 
 
@@ -72,6 +73,7 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         if error_dtype is None:
             error_dtype = torch.bfloat16 if loco_beta > 0 else torch.float32
         super().__init__(params, group=group, seed=seed, error_dtype=error_dtype)
+        fused.enabled(self.device)  # a bad POWERTRAIN_FUSED is said here, not inside a backward
         self.bits, self.chunk, self.stochastic = bits, chunk, stochastic
         self.loco_beta, self.loco_reset_every = loco_beta, loco_reset_every
         self._keeps_old = loco_beta > 0

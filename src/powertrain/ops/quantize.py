@@ -7,6 +7,8 @@ integer codes in ``[-qmax, qmax]`` (``qmax`` = 127 for 8 bits, 7 for 4 bits), ro
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from powertrain.ops.flat import pack_payload, unpack_payload
@@ -56,18 +58,34 @@ def _rounded_eager(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tens
     return y.clamp_(-qmax, qmax).to(torch.int8)
 
 
-def _rounded_pure(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: int) -> torch.Tensor:
-    """:func:`_rounded_eager`'s operations without in-place ones: what torch.compile fuses into one kernel (reads
-    ``x`` and the noise, writes the int8 codes: 2.25 passes over float32 values, against 8.25 eager)."""
+def _rounded_pure(
+    x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_rounded_eager`'s operations without in-place ones, for finite values: what torch.compile fuses into one
+    kernel (reads ``x`` and the noise, writes the int8 codes: 2.25 passes over float32 values, against 8.25 eager).
+    Clamped again as integers: the compiled code assumes finite math, and a NaN's code must still be in range (an
+    int4 code out of range would spill into its neighbour's half of a byte). ``qmax``: a 0-dim tensor, so that int8
+    and int4 share one compilation."""
     y = torch.round(x_c / divisor) if noise_c is None else torch.floor(torch.addcdiv(noise_c, x_c, divisor))
-    return torch.clamp(y, -qmax, qmax).to(torch.int8)
+    return torch.clamp(y, -qmax, qmax).to(torch.int32).clamp(-qmax, qmax).to(torch.int8)
+
+
+def _rounded_fallback(
+    x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: torch.Tensor
+) -> Any:
+    return _rounded_eager(x_c, divisor, noise_c, int(qmax))  # once, where the fused kernel failed to compile
 
 
 def rounded_codes(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tensor | None, qmax: int) -> torch.Tensor:
     """The int8 codes of chunks ``x_c`` (divided by their ``divisor``, stochastically rounded with ``noise_c`` or to
     nearest, clamped to ``qmax``): one fused kernel where ``powertrain.ops.fused.enabled`` says so, else eager
     (the same values: the same operations in the same order)."""
-    return fused_or_eager("rounded_codes", _rounded_pure, _rounded_eager, x_c.device)(x_c, divisor, noise_c, qmax)
+    if x_c.shape[0] <= 1:  # one chunk (or none): nothing to gain, and a compilation of its own (sizes 0 and 1 are
+        return _rounded_eager(x_c, divisor, noise_c, qmax)  # specialised) towards the recompilation limit
+    fused = fused_or_eager("rounded_codes", _rounded_pure, _rounded_fallback, x_c.device)
+    if fused is _rounded_fallback:
+        return _rounded_eager(x_c, divisor, noise_c, qmax)
+    return fused(x_c, divisor, noise_c, torch.full((), qmax, dtype=torch.int32, device=x_c.device))
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, chunk: int) -> torch.Tensor:
