@@ -185,11 +185,12 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
             f"parameters), {p.workers} workers, {p.batch}x{p.model.block_size} tokens per worker per step"
         )
-    # horizons at which every row but fp32 trained its horizon only (--horizon-only, or the preset's horizon_only_at)
+    # horizons at which every row but the baseline's (which trains its horizon only anyway) trained its horizon only
+    # (--horizon-only, or the preset's horizon_only_at)
     only = [
         h["steps"]
         for h in report["horizons"]
-        if len(h["rows"]) > 1 and not any(r.get("to_target", True) for r in h["rows"][1:])
+        if len(h["rows"]) > 1 and not any(r.get("to_target", True) for r in h["rows"] if r["key"] not in p.baseline)
     ]
     if only and len(only) == len(report["horizons"]):
         on = "every row trained its horizon only (`--horizon-only`): steps to target where it reached it within that"
