@@ -69,3 +69,37 @@ def test_a_kernel_that_cannot_compile_runs_eager_and_says_so(monkeypatch):
     with pytest.warns(UserWarning, match="fused broken did not run .*no compiler.*eager now"):
         assert torch.equal(call(torch.ones(2)), torch.full((2,), 2.0))
     assert fused.fused_or_eager("broken", lambda t: t, lambda t: t * 3, torch.device("cpu"))(torch.ones(1)).item() == 3
+
+
+def test_fused_powersgd_equals_eager_bitwise(monkeypatch):
+    """PowerSGD's gradient + residual and its extremes in one kernel: the same outputs and state over steps (paper
+    and alternating, float32 and bfloat16 gradients, FSDP rows), and a NaN on the way still refused."""
+    _compiles_here()
+    from powertrain.compress import NonFiniteGradientError
+    from test_fsdp import same_state
+
+    def run(mode: str) -> list:
+        monkeypatch.setenv("POWERTRAIN_FUSED", mode)
+        out: list = []
+        for opts in (
+            {"rank": 4, "start_compressing_after_num_steps": 1},
+            {"rank": 2, "variant": "alternating", "start_compressing_after_num_steps": 0},
+        ):
+            for dtype in (torch.float32, torch.bfloat16):
+                torch.manual_seed(0)
+                params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in ((24, 16), (24, 16), (9, 31), (7,))]
+                comp = make_compressor("powersgd", params, **opts)
+                for step in range(4):
+                    g = torch.Generator().manual_seed(step)
+                    grads = [torch.randn(p.shape, generator=g).to(dtype) for p in params]
+                    out.append(comp.aggregate(grads))
+                    out.append(comp.aggregate(grads, rows=[(1, 3)] * len(params)))
+                out.append(comp.state_dict())
+                grads[0].view(-1)[5] = float("nan")
+                with pytest.raises(NonFiniteGradientError):
+                    comp.aggregate(grads)
+                out.append(comp.state_dict())
+        return out
+
+    assert same_state(run("0"), run("1"))
+    assert "add_extrema" in fused._COMPILED and not fused._FAILED, fused._FAILED

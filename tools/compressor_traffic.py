@@ -13,6 +13,7 @@ collectives; an all-gather compressor decodes one message per rank, so its traff
 from __future__ import annotations
 
 import collections
+import os
 import sys
 from typing import Any
 
@@ -96,6 +97,7 @@ def count_fused(traffic: Traffic) -> None:
 
         return call
 
+    os.environ["POWERTRAIN_FUSED"] = "1"  # what CUDA's default does, counted here on the CPU
     fused.fused_or_eager = fused_or_eager  # type: ignore[assignment]
     import powertrain.ops.quantize as quantize
 

@@ -62,6 +62,7 @@ from powertrain.compress.base import (
     check_state_tensors,
     guard_nonfinite,
 )
+from powertrain.ops import fused as fusion
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
 from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize, unit_scaled
@@ -171,6 +172,19 @@ class _Batch:
     m_bnm: torch.Tensor  # gradient + residual; becomes the new residual
     rows: tuple[int, int] | None = None  # only these rows of the approximation are wanted (FSDP shard)
     approx_bnm: torch.Tensor | None = None
+    extrema: torch.Tensor | None = None  # each matrix's (min, max) of m_bnm, where a fused kernel wrote it
+
+
+def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``owed <- g + e`` (``g`` rounded to ``owed``'s dtype first) and ``owed``'s (min, max): fused, one pass that reads
+    ``g`` and ``e`` and writes ``owed`` (eager: three passes, and the bound's check one more)."""
+    owed.copy_(g.to(owed.dtype) + e)
+    return torch.stack(torch.aminmax(owed))
+
+
+def _add_extrema_eager(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
+    return torch.stack(torch.aminmax(owed))
 
 
 class PowerSGDCompressor(Compressor):
@@ -345,7 +359,8 @@ class PowerSGDCompressor(Compressor):
         batches = self._batches(grads, idx, rows)
         ubuf = pack([grads[j] for j in exact], self.dtype, self.device)
         largest = torch.finfo(self.dtype).max
-        local_ok = bounded_flag([*(b.m_bnm for b in batches), ubuf], [*(self._limit(b) for b in batches), largest])
+        checked = [b.m_bnm if b.extrema is None else b.extrema for b in batches]  # extrema: the same bound, no pass
+        local_ok = bounded_flag([*checked, ubuf], [*(self._limit(b) for b in batches), largest])
         fuse = self.fuse_exact and batches and self._wire == self.dtype  # 16-bit factors: exact tensors stay exact
         fused = ubuf if fuse else None
         algorithm = self._alternating if self.config.variant == "alternating" else self._paper
@@ -450,6 +465,8 @@ class PowerSGDCompressor(Compressor):
         """Group the compressed gradients of this call by (matrix shape, phase, rows) and stack them."""
         start = self.config.start_compressing_after_num_steps
         keys: dict[tuple[int, int, int, int, tuple[int, int] | None], tuple[list[int], list[int]]] = {}
+        fuse = fusion.enabled(self.device)
+        add_extrema = fusion.fused_or_eager("add_extrema", _add_extrema, _add_extrema_eager, self.device)
         for j, i in enumerate(idx):
             mat = self._mat[i]
             if mat is not None and self._steps[i] >= start:
@@ -462,16 +479,23 @@ class PowerSGDCompressor(Compressor):
             # gradient + residual written once into the batch (a stack, then adding the residuals in place, would pass
             # over it three more times); the sum is the same: computed in self.dtype, rounded once
             m_bnm = torch.empty((len(call_js), n, m), dtype=self.dtype, device=self.device)
+            extrema = []
             for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
                 e = self._errors[i]
                 g = grads[j].reshape(n, m)
                 if e is None:
                     owed.copy_(g)
+                    if fuse:
+                        extrema.append(torch.stack(torch.aminmax(owed)))
+                elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
+                    extrema.append(add_extrema(owed, g, e))
                 else:  # a gradient wider than self.dtype is rounded to it first, as a stack of them would be
                     torch.add(g if g.dtype == self.dtype else g.to(self.dtype), e, out=owed)
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))
+            if fuse:
+                batches[-1].extrema = torch.stack(extrema)
         return batches
 
     def _send_buffer(
