@@ -31,25 +31,29 @@ def _nothing() -> None:
     pass
 
 
-def _reducing(
-    comp: Any, grads: list[torch.Tensor], then: Callable[[], None] = _nothing, first: Callable[[], None] = _nothing
-) -> Any:
-    """An autograd function whose backward runs ``first()``, a deferred call of ``comp`` on ``grads``, then
-    ``then()``."""
+def in_backward(work: Callable[[], object]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An autograd function, the identity, whose backward runs ``work()``: what runs there runs as FSDP2's
+    reduce-scatter does, inside an autograd graph task."""
 
-    class Reduce(torch.autograd.Function):
+    class InBackward(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
             return x.clone()
 
         @staticmethod
         def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            first()
-            run_deferred(comp, grads)
-            then()
+            work()
             return g
 
-    return Reduce.apply
+    return InBackward.apply  # type: ignore[return-value]
+
+
+def _reducing(
+    comp: Any, grads: list[torch.Tensor], then: Callable[[], None] = _nothing, first: Callable[[], None] = _nothing
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An autograd function whose backward runs ``first()``, a deferred call of ``comp`` on ``grads``, then
+    ``then()``."""
+    return in_backward(lambda: (first(), run_deferred(comp, grads), then()))
 
 
 def test_a_nested_backward_settles_only_its_own_calls():

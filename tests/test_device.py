@@ -323,23 +323,19 @@ def test_a_deferred_call_in_backward_waits_for_nothing(device):
     from powertrain.compress import NonFiniteGradientError
     from powertrain.compress.deferred import run_deferred
     from powertrain.models import GPT, GPTConfig
+    from test_deferred import in_backward
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(64, 16, 2, 2, 32)).to(device)
     grads = [torch.randn_like(p) for p in model.parameters()]
     seen: dict[str, Any] = {}
 
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
+    def work() -> None:
+        torch.cuda._sleep(2_000_000_000)  # ~1 s at the H100's clock
+        seen["sites"] = _sync_sites(lambda: run_deferred(seen["comp"], seen["grads"]))
+        seen["busy"] = not torch.cuda.current_stream().query()
 
-        @staticmethod
-        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(2_000_000_000)  # ~1 s at the H100's clock
-            seen["sites"] = _sync_sites(lambda: run_deferred(seen["comp"], seen["grads"]))
-            seen["busy"] = not torch.cuda.current_stream().query()
-            return g
+    reduce = in_backward(work)
 
     failures = []
     for name, opts in [c for c in SYNC_CASES if c[0] in ("none", "bf16", "int8", "int4", "powersgd")]:
@@ -350,7 +346,7 @@ def test_a_deferred_call_in_backward_waits_for_nothing(device):
             seen["grads"] = [g * float("nan") for g in grads] if bad else grads
             x = torch.ones(1, device=device, requires_grad=True)
             try:
-                Reduce.apply(x).sum().backward()
+                reduce(x).sum().backward()
                 raised = False
             except NonFiniteGradientError:
                 raised = True

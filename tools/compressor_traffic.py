@@ -99,9 +99,6 @@ def count_fused(traffic: Traffic) -> None:
 
     os.environ["POWERTRAIN_FUSED"] = "1"  # what CUDA's default does, counted here on the CPU
     fused.fused_or_eager = fused_or_eager  # type: ignore[assignment]
-    import powertrain.ops.quantize as quantize
-
-    quantize.fused_or_eager = fused_or_eager  # type: ignore[assignment]
 
 
 class Traffic(TorchDispatchMode):

@@ -32,7 +32,8 @@ dequantised weights; the sharded fp32 master weights stay exact.
 
 Inside backward no call waits for the device: each program's finiteness check is read once, at the end of
 backward (``powertrain.compress.deferred``), where a non-finite gradient on any rank makes every rank raise
-:class:`~powertrain.compress.NonFiniteGradientError` out of ``loss.backward()``, the compressor's state as before.
+:class:`~powertrain.compress.NonFiniteGradientError` out of ``loss.backward()``; the calls that saw it leave the
+compressor's state as it was.
 
 Limitation: FSDP passes the reduce-scatter only the parameters that received a gradient, without saying
 which; the adaptor therefore needs every trainable parameter of a sharded module to get a gradient each

@@ -112,11 +112,26 @@ def train_runs() -> dict[str, list[str]]:
     return {**TRAIN_RUNS, **{m: ["--parallel", m] for m in typing.get_args(Parallel) if m not in named}}
 
 
+def _env_stage(work: Path) -> Stage:
+    return Stage(
+        "env", [sys.executable, "-m", "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json"
+    )
+
+
+def _train_stage(
+    name: str, plan: Plan, device: str, run_dir: Path, nproc: int, args: list[str], timeout_s: float
+) -> Stage:
+    """``powertrain train`` on ``nproc`` workers (NCCL on CUDA, gloo on the CPU) into ``run_dir``, with ``args``."""
+    argv = [sys.executable, "-m", "powertrain", "train", *plan.train_flags, "--nproc", str(nproc)]
+    argv += ["--backend", "nccl" if device == "cuda" else "gloo", "--log-every", "1", "--quiet", "--out", str(run_dir)]
+    return Stage(f"train:{name}", [*argv, *args], timeout_s, parse=functools.partial(_train_result, run_dir))
+
+
 def stages(preset: str, device: str, work: Path) -> list[Stage]:
     """The stages of a run, most telling first: the budget may end before the last."""
     plan = PRESETS[preset]
     py = [sys.executable, "-m"]
-    out = [Stage("env", [*py, "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json")]
+    out = [_env_stage(work)]
     sizes = list(plan.sizes)
     first, rest = sizes[:1], sizes[1:]
     measure = lambda s: Stage(
@@ -126,26 +141,9 @@ def stages(preset: str, device: str, work: Path) -> list[Stage]:
         work / f"{s}.json",
     )
     out += [measure(s) for s in first]
-    backend = "nccl" if device == "cuda" else "gloo"
     for name, args in train_runs().items():
         run_dir = work / "train" / re.sub(r"\W+", "_", name)
-        argv = [
-            *py,
-            "powertrain",
-            "train",
-            *plan.train_flags,
-            "--nproc",
-            "1",
-            "--backend",
-            backend,
-            "--log-every",
-            "1",
-            "--quiet",
-            "--out",
-            str(run_dir),
-            *args,
-        ]
-        out.append(Stage(f"train:{name}", argv, plan.train_timeout_s, parse=functools.partial(_train_result, run_dir)))
+        out.append(_train_stage(name, plan, device, run_dir, 1, args, plan.train_timeout_s))
     out += [measure(s) for s in rest]
     return out
 
@@ -163,42 +161,46 @@ def multi_stages(preset: str, device: str, work: Path, worlds: Sequence[int]) ->
     """The stages of ``make gpu-multi``: ``env``, then every run of :data:`MULTI_RUNS` at each world size in
     ``worlds`` (NCCL on CUDA, one GPU a worker), the smallest world first: the budget may end before the last."""
     plan = PRESETS[preset]
-    py = [sys.executable, "-m"]
-    out = [Stage("env", [*py, "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json")]
-    backend = "nccl" if device == "cuda" else "gloo"
+    out = [_env_stage(work)]
     for world in worlds:
         for name, args in MULTI_RUNS.items():
             run_dir = work / "train" / (f"w{world}_" + re.sub(r"\W+", "_", name))
-            argv = [*py, "powertrain", "train", *plan.train_flags, "--nproc", str(world), "--backend", backend]
-            argv += ["--log-every", "1", "--quiet", "--out", str(run_dir), *args]
-            parse = functools.partial(_train_result, run_dir)
-            out.append(Stage(f"train:w{world} {name}", argv, plan.train_timeout_s * 2, parse=parse))
+            out.append(_train_stage(f"w{world} {name}", plan, device, run_dir, world, args, plan.train_timeout_s * 2))
     return out
+
+
+def _train_rows(
+    stages: dict[str, Any], cells: Callable[[dict[str, Any], dict[str, Any], str], list[str]]
+) -> list[list]:
+    """A row per train stage: its name (``train:`` left out) and ``cells(result, summary, unit)``, or its error or
+    why it did not run, beside empty cells."""
+    rows: list[list] = []
+    for name, r in stages.items():
+        if not name.startswith("train:"):
+            continue
+        res = r.get("result") or {}
+        if r["ok"] and "summary" in res:
+            rows.append([name[6:], *cells(res, res["summary"], res["unit"])])
+        else:
+            rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
+    return rows
 
 
 def multi_section(data: dict[str, Any]) -> str:
     """The table of a ``make gpu-multi`` run: per world size and run, throughput, step time, bytes a step and the most
     memory rank 0 held (what compression costs or saves in memory, beside what it saves on the wire)."""
-    rows = []
-    for name, r in data["stages"].items():
-        if not name.startswith("train:"):
-            continue
-        res = r.get("result") or {}
-        if not r["ok"] or "summary" not in res:
-            rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
-            continue
-        s, unit = res["summary"], res["unit"]
+
+    def cells(res: dict[str, Any], s: dict[str, Any], unit: str) -> list[str]:
         reserved = s.get("cuda_max_reserved_gb")
-        rows.append(
-            [
-                name[6:],
-                f"{res[unit + '_steady']:,.0f}",
-                _ms(res["step_s_median"]),
-                f"{s['bytes_sent'] / max(s['steps_done'], 1) / 1e6:,.1f}",
-                "-" if reserved is None else f"{reserved:.2f}",
-                f"{s['final_loss']:.3f}",
-            ]
-        )
+        return [
+            f"{res[unit + '_steady']:,.0f}",
+            _ms(res["step_s_median"]),
+            f"{s['bytes_sent'] / max(s['steps_done'], 1) / 1e6:,.1f}",
+            "-" if reserved is None else f"{reserved:.2f}",
+            f"{s['final_loss']:.3f}",
+        ]
+
+    rows = _train_rows(data["stages"], cells)
     env = (data["stages"].get("env", {}).get("result") or {}).get("device_name", data.get("device"))
     return (
         f"`make gpu-multi` on {env}: `powertrain train` at each world size, tokens/s from the median step after the "
@@ -645,25 +647,16 @@ def _memory_table(measured: dict[str, Any]) -> str:
 
 
 def _train_table(st: dict[str, Any]) -> str:
-    rows = []
-    for name, r in st.items():
-        if not name.startswith("train:"):
-            continue
-        res = r.get("result") or {}
-        if not r["ok"] or "summary" not in res:
-            rows.append([name[6:], r.get("error") or r.get("skipped"), "", "", "", ""])
-            continue
-        s, unit = res["summary"], res["unit"]
-        rows.append(
-            [
-                name[6:],
-                f"{res[unit + '_steady']:,.0f}",
-                _ms(res["step_s_median"]),
-                f"{s['final_loss']:.3f}",
-                s.get("compressor", ""),
-                res.get("precision", ""),
-            ]
-        )
+    rows = _train_rows(
+        st,
+        lambda res, s, unit: [
+            f"{res[unit + '_steady']:,.0f}",
+            _ms(res["step_s_median"]),
+            f"{s['final_loss']:.3f}",
+            s.get("compressor", ""),
+            res.get("precision", ""),
+        ],
+    )
     if not rows:
         return ""
     return (

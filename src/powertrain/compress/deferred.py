@@ -124,9 +124,8 @@ class Transaction:
             state = getattr(self.compressor, name)
             for i, old in zip(self.indices, before, strict=True):
                 state[i] = old
-        for name, i, count in self._counts:
-            getattr(self.compressor, name)[i] = count
         self._before.clear()
+        self.undo()  # the counters (no entry was unset: nothing was masked)
 
     def release(self) -> None:
         """The host decided for the commit: the old tensors are let go."""

@@ -114,8 +114,7 @@ class ErrorFeedbackCompressor(Compressor):
     ) -> Program:
         idx = self._resolve(grads, indices, rows)
         numels = [self._shapes[i].numel() for i in idx]
-        chunk = self._layout_chunk()
-        lengths = [-(-n // chunk) * chunk for n in numels]
+        lengths = chunk_lengths(numels, self._layout_chunk())
         if lengths == numels:
             x = pack(grads, torch.float32, self.device)
         else:  # each gradient at the start of its chunks, zeros after it: the chunks a subclass cuts never span two
@@ -211,9 +210,9 @@ def _views(buffer: torch.Tensor, numels: list[int], lengths: list[int]) -> list[
     return [v[:n] for v, n in zip(buffer.split(lengths), numels, strict=True)]
 
 
-def chunk_lengths(parts: list[torch.Tensor], chunk: int) -> list[int]:
-    """Each part's length padded to whole chunks (the layout :meth:`ErrorFeedbackCompressor._layout_chunk` asks for)."""
-    return [-(-p.numel() // chunk) * chunk for p in parts]
+def chunk_lengths(numels: Sequence[int], chunk: int) -> list[int]:
+    """Each length padded to whole chunks (the layout :meth:`ErrorFeedbackCompressor._layout_chunk` asks for)."""
+    return [-(-n // chunk) * chunk for n in numels]
 
 
 def real_views(padded: torch.Tensor, parts: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:

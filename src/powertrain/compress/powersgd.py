@@ -182,8 +182,13 @@ def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.
     return torch.stack(torch.aminmax(owed))
 
 
-def _add_extrema_eager(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+def _add(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> None:
+    """``owed <- g + e``, a gradient wider than ``owed`` rounded to its dtype first, as a stack of them would be."""
     torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
+
+
+def _add_extrema_eager(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    _add(owed, g, e)
     return torch.stack(torch.aminmax(owed))
 
 
@@ -489,8 +494,8 @@ class PowerSGDCompressor(Compressor):
                         extrema.append(torch.stack(torch.aminmax(owed)))
                 elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
                     extrema.append(add_extrema(owed, g, e))
-                else:  # a gradient wider than self.dtype is rounded to it first, as a stack of them would be
-                    torch.add(g if g.dtype == self.dtype else g.to(self.dtype), e, out=owed)
+                else:
+                    _add(owed, g, e)
             p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))

@@ -79,7 +79,7 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         self._keeps_old = loco_beta > 0
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
-        lengths = chunk_lengths(parts, self.chunk)  # x is laid out in whole chunks (_layout_chunk)
+        lengths = chunk_lengths([p.numel() for p in parts], self.chunk)  # x is laid out in whole chunks (_layout_chunk)
         noise = None
         if self.stochastic:
             # drawn in place, the numbers torch.rand(n, generator=...) would return; padding (if any) gets zeros

@@ -39,7 +39,7 @@ class SignCompressor(ErrorFeedbackCompressor):
         self.chunk = chunk
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
-        lengths = chunk_lengths(parts, self.chunk)  # x is laid out in whole chunks (_layout_chunk)
+        lengths = chunk_lengths([p.numel() for p in parts], self.chunk)  # x is laid out in whole chunks (_layout_chunk)
         real = torch.zeros_like(x)
         for p, view in zip(parts, real.split(lengths), strict=True):
             view[: p.numel()] = 1.0

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from powertrain.ops import fused as fusion
 from powertrain.ops.flat import pack_payload, unpack_payload
-from powertrain.ops.fused import fused_or_eager
 
 __all__ = [
     "dequantize",
@@ -82,7 +82,7 @@ def rounded_codes(x_c: torch.Tensor, divisor: torch.Tensor, noise_c: torch.Tenso
     (the same values: the same operations in the same order)."""
     if x_c.shape[0] <= 1:  # one chunk (or none): nothing to gain, and a compilation of its own (sizes 0 and 1 are
         return _rounded_eager(x_c, divisor, noise_c, qmax)  # specialised) towards the recompilation limit
-    fused = fused_or_eager("rounded_codes", _rounded_pure, _rounded_fallback, x_c.device)
+    fused = fusion.fused_or_eager("rounded_codes", _rounded_pure, _rounded_fallback, x_c.device)
     if fused is _rounded_fallback:
         return _rounded_eager(x_c, divisor, noise_c, qmax)
     return fused(x_c, divisor, noise_c, torch.full((), qmax, dtype=torch.int32, device=x_c.device))
