@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from dist_utils import EXTENSIONS
 
 
 def children(pid: int) -> list[int]:
@@ -30,11 +31,6 @@ def children(pid: int) -> list[int]:
 def _descendants(pid: int) -> list[int]:
     """Child processes, depth first."""
     return [d for child in children(pid) for d in (child, *_descendants(child))]
-
-
-# faulthandler's list of loaded C extensions after a fatal signal's stacks: over 4 kB here (scipy, PIL...), so a test's
-# tail of stderr showed only it when a worker aborted (CI, test_lightning); the lines above it are the story
-_EXTENSIONS = re.compile(r"^Extension modules: .*?\(total: \d+\)\n?", re.MULTILINE | re.DOTALL)
 
 
 def run_cli(
@@ -63,9 +59,9 @@ def run_cli(
         time.sleep(2)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        err = _EXTENSIONS.sub("", err)
+        err = EXTENSIONS.sub("", err)
         pytest.fail(f"still running after {timeout:g} s: {' '.join(cmd)}\n--- stderr (stacks)\n{err[-20000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, _EXTENSIONS.sub("", err))
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, EXTENSIONS.sub("", err))
 
 
 def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> subprocess.CompletedProcess[str]:

@@ -12,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import json
 import os
+import re
+import signal
 import sys
 import tempfile
 import threading
@@ -49,6 +52,11 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # bind to loopback only
     torch.set_num_threads(1)
     import torch.distributed as dist
+
+    # A rank killed by a signal (an abort in C++, or the SIGABRT of a timeout) leaves no traceback of its own: each
+    # thread's Python stack is written here, and run_ranks shows it
+    fatal = open(f"{tmp}/fatal_{rank}.txt", "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(fatal, all_threads=True)
 
     try:
         dist.init_process_group(
@@ -89,6 +97,23 @@ _PRELOAD = [
 ]
 
 
+# faulthandler's list of loaded C extensions after a fatal signal's stacks: over 4 kB here (scipy, PIL...), so a test's
+# tail of stderr showed only it when a worker aborted (CI, test_lightning); the lines above it are the story
+EXTENSIONS = re.compile(r"^Extension modules: .*?\(total: \d+\)\n?", re.MULTILINE | re.DOTALL)
+
+
+def _stacks(tmp: str, ranks: list[int]) -> str:
+    """What faulthandler wrote for ``ranks`` (each thread's Python stack at a fatal signal), without its list of
+    loaded extension modules."""
+    out = []
+    for r in ranks:
+        with contextlib.suppress(OSError), open(f"{tmp}/fatal_{r}.txt") as f:
+            text = EXTENSIONS.sub("", f.read()).strip()
+            if text:
+                out.append(f"\n--- rank {r}: Python stacks at the signal ---\n{text[-8000:]}")
+    return "".join(out)
+
+
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -119,23 +144,37 @@ def run_ranks(
                 time.sleep(0.05)
         finally:
             alive = [p for p in procs if p.is_alive()]
+            if timed_out:  # faulthandler writes each hung rank's stacks on SIGABRT, then it dies
+                for p in alive:
+                    os.kill(p.pid, signal.SIGABRT)
+                    p.join(5)
             for p in alive:
                 p.kill()
             for p in procs:
                 p.join(5)
-        errors = []
+        codes = {r: p.exitcode for r, p in enumerate(procs)}
+        hung = [procs.index(p) for p in alive] if timed_out else []
+        # A rank that a signal killed, other than the runner's (SIGKILL, or SIGABRT for a hung rank), died on its own
+        # (an abort in C++): it comes first, as the others' errors (a peer's reset connection) follow from it.
+        signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGKILL and r not in hung]
+        parts = []
+        if signalled:
+            parts.append(
+                f"ranks {signalled} killed by a signal (exit codes {codes}), no traceback{_stacks(tmp, signalled)}"
+            )
         for r in range(world_size):
             path = f"{tmp}/error_{r}.txt"
             if os.path.exists(path):
                 with open(path) as f:
-                    errors.append(f"--- rank {r} ---\n{f.read()}")
-        if errors:
-            raise RankFailed("\n".join(errors))
+                    text = f.read()
+                if text:  # empty: killed by the runner while it wrote
+                    parts.append(f"--- rank {r} ---\n{text}")
         if timed_out:
-            raise RankFailed(f"timed out after {timeout:.0f}s: ranks {[procs.index(p) for p in alive]} hung")
-        codes = {r: p.exitcode for r, p in enumerate(procs)}
-        if any(c != 0 for c in codes.values()):
-            raise RankFailed(f"ranks exited with codes {codes} (negative: killed by that signal), no traceback")
+            parts.append(f"timed out after {timeout:.0f}s: ranks {hung} hung{_stacks(tmp, hung)}")
+        if not parts and any(c != 0 for c in codes.values()):
+            parts.append(f"ranks exited with codes {codes}, no traceback")
+        if parts:
+            raise RankFailed("\n".join(parts))
         return [torch.load(f"{tmp}/result_{r}.pt", weights_only=True) for r in range(world_size)]
 
 

@@ -1,0 +1,51 @@
+"""The multi-process harness itself: a rank that dies by a signal, or hangs, fails the test with its Python stack."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dist_utils import RankFailed, run_ranks
+
+
+def _abort_on_last(rank: int, world: int) -> int:
+    if rank == world - 1:
+        _dies_in_cpp()
+    return rank
+
+
+def _dies_in_cpp() -> None:
+    os.abort()  # as a C++ abort ("malloc(): ... detected", "terminate called ...") ends a rank: SIGABRT, no traceback
+
+
+def _hangs_on_first(rank: int, world: int) -> int:
+    if rank == 0:
+        _waits_forever()
+    return rank
+
+
+def _waits_forever() -> None:
+    while True:
+        time.sleep(0.1)
+
+
+def test_a_rank_killed_by_a_signal_shows_its_python_stack():
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_abort_on_last, 2, timeout=60)
+    text = str(info.value)
+    assert text.startswith("ranks [1] killed by a signal") and "rank 1: Python stacks at the signal" in text, text
+    assert "_dies_in_cpp" in text and "_abort_on_last" in text, text
+    assert "rank 0: Python stacks" not in text, text  # killed by the runner: not the story
+    assert "Extension modules" not in text, text
+
+
+def test_a_hung_rank_fails_at_the_timeout_with_its_python_stack():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_hangs_on_first, 2, timeout=5)
+    text = str(info.value)
+    assert "timed out after 5s: ranks [0, 1] hung" in text, text
+    assert "_waits_forever" in text and "_hangs_on_first" in text, text  # rank 1 waits in the barrier after fn
+    assert time.monotonic() - start < 30
