@@ -73,6 +73,7 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     assert [s["world"] for s in report["scaling"]] == [1, 2, 4]
     assert all(s["vectors_s"] > 0 and s["vectors_ratio"] > 0 for s in report["scaling"])
     assert "1-D preconditioned / AdamW" in text
+    assert "Shampoo side by side" not in text  # without a clone of the reference, no part against it
     grid = PRESETS["tiny"].lr_grid
     sweep = report["lr_sweep"]
     assert [(r["optimizer"], r["lr"]) for r in sweep["rows"]] == [(o, lr) for lr in grid for o in ("adamw", "shampoo")]

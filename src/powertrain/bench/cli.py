@@ -23,7 +23,7 @@ SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
     "simple_fsdp": ("SimpleFSDP against FSDP2: step time and memory, eager and compiled", ()),
     "optimizers": (
         "Shampoo, SOAP, GaLore and DeMo against AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore "
-        "memory)",
+        "memory; with --shampoo-reference, Shampoo's step time against the reference implementation's)",
         (),
     ),
     "muon": ("Muon's optimizer step at 1, 2 and 4 workers, its work split against every rank computing alone", ()),
@@ -95,6 +95,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
         if name == "quality":
             _quality_arguments(p)
+        if name == "optimizers":
+            p.add_argument(
+                "--shampoo-reference",
+                default=None,
+                metavar="CLONE",
+                help="a clone of facebookresearch/optimizers: time Shampoo against it (and heavyball, if importable)",
+            )
 
 
 def _quality_arguments(p: argparse.ArgumentParser) -> None:
@@ -162,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         from powertrain.bench.cluster import run_cluster_bench
 
         run_cluster_bench(preset=args.preset, write=write, gpu_results=args.results)
+    elif args.suite == "optimizers":
+        from powertrain.bench.optimizers import run_optimizers_bench
+
+        run_optimizers_bench(preset=args.preset, write=write, shampoo_reference=args.shampoo_reference)
     elif args.suite == "overhead":
         from powertrain.bench.overhead import run_overhead
 

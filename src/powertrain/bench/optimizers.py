@@ -18,17 +18,31 @@
 4. **GaLore**: optimizer-state bytes against AdamW on the default GPT (rank d_model/4 on the blocks' 2-D
    weights), and ``step()`` time against galore-torch's AdamW (the reference, exact SVD) without and with a
    subspace refresh, for powertrain's randomized (GaLore 2) and exact refresh.
+5. **Shampoo against its reference** (``shampoo_reference``: a clone of facebookresearch/optimizers, imported from
+   there, never a dependency; skipped without one): ``step()`` and training-step times of powertrain's Shampoo and
+   eigenvalue-corrected Shampoo (SOAP) against the reference's two and, where heavyball is importable, its SOAP and
+   KLShampoo (eager), on the default GPT in one process, one thread, in interleaved rounds
+   (:func:`powertrain.bench.rounds.interleaved`). That the reference's updates agree with powertrain's is a test,
+   tests/test_shampoo_reference.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import importlib
 import importlib.util
+import logging
 import statistics
+import subprocess
 import sys
 import time
+import tomllib
 import types
+from contextlib import suppress
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,12 +50,16 @@ import torch
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.rounds import interleaved
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
 from powertrain.models import GPT, GPTConfig
+from powertrain.optim.shampoo.optimizer import DistributedShampoo
+from powertrain.train.config import TrainConfig
+from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch
 from powertrain.train.optimizers import galore_split
 
-__all__ = ["load_galore_torch", "run_optimizers_bench"]
+__all__ = ["load_galore_torch", "load_shampoo_reference", "reference_like", "run_optimizers_bench"]
 
 DEMO_LR = 3e-4  # sign updates: an order of magnitude below Adam's, as for Lion
 
@@ -100,6 +118,8 @@ class Preset(network.Preset):
     lr_warmup: int  # warm-up steps of the quality runs' schedule
     lr_grid: tuple[float, ...]  # peak learning rates AdamW and Shampoo are tuned over
     long_steps: int  # AdamW's steps in the longer-horizon equal-wall-clock part
+    reference_frequency: int  # Shampoo's precondition_frequency in the part against the reference
+    reference_rounds: int  # its timed rounds
 
 
 PRESETS = {
@@ -121,6 +141,8 @@ PRESETS = {
         lr_warmup=20,
         lr_grid=(5e-4, 1e-3, 2e-3),
         long_steps=1000,
+        reference_frequency=10,
+        reference_rounds=20,
     ),
     "tiny": Preset(
         GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32),
@@ -140,6 +162,8 @@ PRESETS = {
         lr_warmup=1,
         lr_grid=(1e-3, 3e-3),
         long_steps=6,
+        reference_frequency=2,
+        reference_rounds=3,
     ),
 }
 
@@ -378,6 +402,202 @@ def _galore(p: Preset, repeats: int) -> dict[str, Any]:
     }
 
 
+def load_shampoo_reference(path: str | None) -> Any:
+    """facebookresearch/optimizers' ``distributed_shampoo`` package, imported from the clone at ``path`` (None: as
+    installed)."""
+    if path is not None:
+        root = Path(path).expanduser().resolve()
+        if not (root / "distributed_shampoo" / "__init__.py").is_file():
+            raise ValueError(
+                f"Invalid Shampoo reference {path!r}: no distributed_shampoo/ package there; give the root of a clone "
+                "of https://github.com/facebookresearch/optimizers"
+            )
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+    module = importlib.import_module("distributed_shampoo")
+    logging.getLogger("distributed_shampoo").setLevel(logging.ERROR)  # it logs every option at INFO/WARNING
+    return module
+
+
+def reference_like(
+    ref: Any, params: Any, like: DistributedShampoo, dtype: torch.dtype = torch.float32, exact: bool = True
+) -> Any:
+    """The reference's ``DistributedShampoo`` (``ref``: :func:`load_shampoo_reference`) set up as powertrain's
+    ``like`` (one parameter group), its factors, roots and eigenbases in ``dtype``.
+
+    ``grafting`` -> ``grafting_config`` (Adam, RMSprop, AdaGrad ``PreconditionerConfig``; none: None); ``momentum``
+    -> ``ClassicMomentumConfig``; decoupled weight decay; powertrain's blocking (``target_parameter_dimensionality=2``
+    where the reference has it); ``preconditioner`` -> root-inverse (eigh) or eigenvalue-corrected Shampoo;
+    ``use_bias_correction`` (powertrain corrects the factors by default and the filtered gradient always). Not
+    mapped: nesterov, root_method, exponent_multiplier, rel_eps (the reference damps by epsilon alone),
+    bias_correction=False, precondition_1d=False. ``exact``: epsilon added after the eigendecomposition and unpacked
+    factors, as powertrain computes; else the reference's own defaults, which differ only in round-off.
+    """
+    o = like.defaults
+    stability = ref.PerturbationConfig(perturb_before_computation=not exact)
+    common = dict(factor_matrix_dtype=dtype, use_symmetric_packing=not exact)
+    if like.preconditioner == "shampoo":
+        roots = ref.EigenConfig(rank_deficient_stability_config=stability)
+        pre = ref.RootInvShampooPreconditionerConfig(
+            amortized_computation_config=roots, inv_factor_matrix_dtype=dtype, **common
+        )
+    else:
+        pre = ref.EigenvalueCorrectedShampooPreconditionerConfig(
+            amortized_computation_config=ref.EighEigendecompositionConfig(rank_deficient_stability_config=stability),
+            factor_matrix_eigenvectors_dtype=dtype,
+            corrected_eigenvalues_dtype=dtype,
+            **common,
+        )
+    beta2, eps = o["grafting_beta2"], o["grafting_eps"]
+    graft = {
+        "adam": lambda: ref.AdamPreconditionerConfig(beta2=beta2, epsilon=eps),
+        "rmsprop": lambda: ref.RMSpropPreconditionerConfig(beta2=beta2, epsilon=eps),
+        "adagrad": lambda: ref.AdaGradPreconditionerConfig(epsilon=eps),
+        "none": lambda: None,
+    }[o["grafting"]]()
+    shampoo_types = importlib.import_module("distributed_shampoo.shampoo_types")
+    extra: dict[str, Any] = {}
+    single = getattr(ref, "SingleDeviceDistributedConfig", None)
+    if single is not None and "target_parameter_dimensionality" in {f.name for f in dataclasses.fields(single)}:
+        extra["distributed_config"] = single(target_parameter_dimensionality=2)
+    return ref.DistributedShampoo(
+        params,
+        lr=o["lr"],
+        betas=o["betas"],
+        epsilon=o["eps"],
+        weight_decay=o["weight_decay"],
+        weight_decay_type=shampoo_types.WeightDecayType.DECOUPLED,
+        max_preconditioner_dim=like.max_dim,
+        precondition_frequency=like.frequency,
+        start_preconditioning_step=like.start,
+        use_bias_correction=True,
+        grafting_config=graft,
+        iterate_averaging_config=shampoo_types.ClassicMomentumConfig(momentum=o["momentum"]) if o["momentum"] else None,
+        preconditioner_config=pre,
+        **extra,
+    )
+
+
+def _provenance(ref: Any) -> str:
+    """The reference's name, version and commit, as far as its clone says."""
+    root = Path(ref.__file__).resolve().parents[1]
+    name = "distributed_shampoo"
+    with suppress(OSError, KeyError, tomllib.TOMLDecodeError):
+        project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+        name = f"{project['name']} {project.get('version', '')}".strip()
+    where = " (commit unknown: not a git clone)"
+    if (root / ".git").exists():  # else git would name the commit of a repository around the files, if any
+        with suppress(OSError, subprocess.SubprocessError):
+            commit = subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10
+            ).stdout.strip()
+            where = f" at commit `{commit[:12]}`"
+    return name + where
+
+
+def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
+    """Step times of powertrain's Shampoo and SOAP against the reference's and heavyball's: each optimizer on its own
+    copy of the GPT (same initial weights), every round a forward + backward and a ``step()`` of each on the same
+    batch, timed apart. Hyperparameters as the train command's, roots every ``p.reference_frequency`` steps."""
+    try:
+        heavyball: Any = importlib.import_module("heavyball")
+    except ImportError:
+        heavyball = None
+    torch.set_num_threads(1)
+    corpus = load_data(TrainConfig(data_max_mb=2.0))
+    assert isinstance(corpus, TokenData), "the stdlib corpus is text"
+    torch.manual_seed(0)
+    base = GPT(p.model)
+    models: dict[str, GPT] = {}
+
+    def params(label: str) -> list[torch.Tensor]:
+        models[label] = copy.deepcopy(base)
+        return list(models[label].parameters())
+
+    f = p.reference_frequency
+    adamw: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    shampoo = {**adamw, "betas": (0.9, 0.999), "grafting_beta2": 0.999, "precondition_frequency": f}
+    soap = {
+        **adamw,
+        "eps": 1e-8,
+        "grafting": "none",
+        "preconditioner": "eigenvalue_corrected",
+        "precondition_frequency": f,
+    }
+    opts: dict[str, Any] = {
+        "torch AdamW": torch.optim.AdamW(params("torch AdamW"), **adamw),
+        "powertrain Shampoo": DistributedShampoo(params("powertrain Shampoo"), **shampoo),
+        "powertrain eigenvalue-corrected": DistributedShampoo(params("powertrain eigenvalue-corrected"), **soap),
+    }
+    for kind in ("Shampoo", "eigenvalue-corrected"):  # the reference as its users run it
+        opts[f"reference {kind}"] = reference_like(
+            ref, params(f"reference {kind}"), opts[f"powertrain {kind}"], exact=False
+        )
+    for name in ("SOAP", "KLShampoo") if heavyball else ():
+        opts[f"heavyball {name}"] = getattr(heavyball, name)(
+            params(f"heavyball {name}"),
+            **adamw,
+            shampoo_beta=0.95,
+            eps=1e-8,
+            precondition_frequency=f,
+            max_precond_dim=1024,
+        )
+    batches = [corpus.batch("train", 0, 1, (0, r), p.batch, p.model.block_size) for r in range(2 + p.reference_rounds)]
+    losses: dict[str, list[float]] = {label: [] for label in opts}
+    errors: dict[str, str] = {}
+
+    def forward_backward(label: str, r: int) -> None:
+        if label not in errors:
+            opts[label].zero_grad(set_to_none=True)
+            loss = models[label](*batches[r])
+            loss.backward()
+            losses[label].append(loss.item())
+
+    def step(label: str, _r: int) -> None:
+        try:
+            if label not in errors:
+                opts[label].step()
+        except Exception as e:  # a third-party optimizer failing must not lose the others' rows
+            errors[label] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+    saved = heavyball.utils.compile_mode if heavyball else None
+    if heavyball:
+        heavyball.utils.compile_mode = None  # eager like the others (it compiles by default; read at call time)
+    try:
+        steps = [functools.partial(run, label) for label in opts for run in (forward_backward, step)]
+        times = interleaved(steps, warmup=2, timed=p.reference_rounds)
+    finally:
+        if heavyball:
+            heavyball.utils.compile_mode = saved
+    rows = []
+    for i, label in enumerate(opts):
+        st = times[2 * i + 1]
+        train = [a + b for a, b in zip(times[2 * i], st, strict=True)]
+        rows.append(
+            {
+                "label": label,
+                "error": errors.get(label),
+                "step_median_s": statistics.median(st),
+                "step_mean_s": statistics.fmean(st),
+                "train_median_s": statistics.median(train),
+                "train_mean_s": statistics.fmean(train),
+                "loss": statistics.fmean(losses[label][-5:]) if losses[label] else None,
+            }
+        )
+    version = "not installed: no heavyball rows"
+    if heavyball:
+        version = "(version unknown)"
+        with suppress(metadata.PackageNotFoundError):
+            version = metadata.version("heavyball")
+    return {
+        "reference": _provenance(ref),
+        "heavyball": version,
+        "frequency": f,
+        "rounds": p.reference_rounds,
+        "rows": rows,
+    }
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -559,8 +779,54 @@ def markdown(report: dict[str, Any], command: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
+def _reference_markdown(p: Preset, r: dict[str, Any], params: int) -> str:
+    head = "## Shampoo side by side: powertrain vs facebookresearch/optimizers and heavyball\n\n"
+    m = p.model
+    intro = (
+        f"Reference: {r['reference']} (local clone); heavyball {r['heavyball']}. GPT {m.n_layer} layers x d_model "
+        f"{m.d_model} ({params / 1e6:.2f}M parameters), {p.batch}x{m.block_size} tokens; {r['rounds']} timed rounds "
+        "after 2 warm-up rounds, each a forward + backward and a `step()` of every optimizer on the same batch, timed "
+        f"apart. Shampoo-type optimizers recompute roots/eigenbases every {r['frequency']} steps "
+        "(max_preconditioner_dim 1024): the *median* of `step()` leaves those steps out, the *mean* amortises them; "
+        "a train step is forward, backward and `step()`. heavyball eager (compile_mode=None). The loss is the mean of "
+        "the last 5 rounds. That the updates agree is a test: tests/test_shampoo_reference.py (float64, a derived "
+        "bound)."
+    )
+    base = r["rows"][0]  # torch AdamW
+    cells = [
+        [row["label"], "failed", "", "", "", "", "", row["error"]]
+        if row["error"]
+        else [
+            row["label"],
+            f"{1e3 * row['step_median_s']:.1f}",
+            f"{1e3 * row['step_mean_s']:.1f}",
+            f"{row['train_median_s']:.3f}",
+            f"{row['train_mean_s']:.3f}",
+            f"{row['train_mean_s'] / base['train_mean_s']:.2f}x",
+            f"{row['step_mean_s'] / base['step_mean_s']:.1f}x",
+            f"{row['loss']:.3f}",
+        ]
+        for row in r["rows"]
+    ]
+    head_row = [
+        "optimizer",
+        "step() median (ms)",
+        "step() mean (ms)",
+        "train step median (s)",
+        "train step mean (s)",
+        "train step mean vs AdamW",
+        "step() mean vs AdamW",
+        "loss (last 5)",
+    ]
+    return head + intro + "\n\n" + table(head_row, cells)
+
+
+def run_optimizers_bench(
+    *, preset: str = "default", write: str | None = "BENCHMARKS.md", shampoo_reference: str | None = None
+) -> dict[str, Any]:
+    """The five parts (the last with ``shampoo_reference``, a clone of facebookresearch/optimizers)."""
     p = PRESETS[preset]
+    ref = None if shampoo_reference is None else load_shampoo_reference(shampoo_reference)  # a bad path fails now
     report: dict[str, Any] = {"preset": preset, "params": GPT(p.model).num_params()}
     report["scaling"] = _scaling(p)
     two = next(s for s in report["scaling"] if s["world"] == 2)
@@ -571,5 +837,11 @@ def run_optimizers_bench(*, preset: str = "default", write: str | None = "BENCHM
     report["slow_link"] = _slow_link(p, best["adamw"])
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
     command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")
-    publish(markdown(report, command), write, "optimizers" if preset == "default" else f"optimizers-{preset}")
+    suffix = "" if preset == "default" else f"-{preset}"
+    publish(markdown(report, command), write, f"optimizers{suffix}")
+    if ref is not None:  # a section of its own: the agreement table above it came from the tool this part replaced
+        report["shampoo_reference"] = _shampoo_reference(p, ref)
+        text = _reference_markdown(p, report["shampoo_reference"], report["params"])
+        command += f" --shampoo-reference {shampoo_reference}"
+        publish(f"{text}\n\nMachine: {machine_info()}.\n\nCommand: `{command}`\n", write, f"shampoo-reference{suffix}")
     return report

@@ -15,15 +15,16 @@ def interleaved(
     steps: Sequence[Callable[[int], object]], *, warmup: int, timed: int, rotate: bool = False
 ) -> list[list[float]]:
     """Run ``warmup + timed`` rounds; in each, ``steps[i](round)`` for every configuration ``i``, each after a barrier
-    (every rank starts it together: the slower rank's time is the step's) and timed on its own. ``rotate``: start each
-    round one configuration later, so that none is always first. Returns each configuration's times of the timed
-    rounds."""
+    (every rank starts it together: the slower rank's time is the step's; none outside a process group) and timed on
+    its own. ``rotate``: start each round one configuration later, so that none is always first. Returns each
+    configuration's times of the timed rounds."""
     times: list[list[float]] = [[] for _ in steps]
     order = list(range(len(steps)))
     for round_ in range(warmup + timed):
         shift = round_ % len(order) if rotate and order else 0
         for i in order[shift:] + order[:shift]:
-            dist.barrier()
+            if dist.is_initialized():
+                dist.barrier()
             t0 = time.perf_counter()
             steps[i](round_)
             elapsed = time.perf_counter() - t0
