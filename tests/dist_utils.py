@@ -145,11 +145,13 @@ def run_ranks(
         finally:
             alive = [p for p in procs if p.is_alive()]
             if timed_out:  # faulthandler writes each hung rank's stacks on SIGABRT, then it dies
+                for p in alive:  # all at once: a rank may end by itself when a peer dies
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGABRT)
                 for p in alive:
-                    os.kill(p.pid, signal.SIGABRT)
                     p.join(5)
             for p in alive:
-                p.kill()
+                p.kill()  # a no-op for a process that has ended
             for p in procs:
                 p.join(5)
         codes = {r: p.exitcode for r, p in enumerate(procs)}
