@@ -16,6 +16,7 @@ import faulthandler
 import json
 import os
 import re
+import resource
 import signal
 import sys
 import tempfile
@@ -57,6 +58,7 @@ def _entry(fn: Callable[..., Any], rank: int, world_size: int, tmp: str, args: t
     # thread's Python stack is written here, and run_ranks shows it
     fatal = open(f"{tmp}/fatal_{rank}.txt", "w")  # noqa: SIM115 (open until the process ends)
     faulthandler.enable(fatal, all_threads=True)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # such a signal leaves no core file in the working directory
 
     try:
         dist.init_process_group(
@@ -143,22 +145,21 @@ def run_ranks(
                     break
                 time.sleep(0.05)
         finally:
-            alive = [p for p in procs if p.is_alive()]
-            if timed_out:  # faulthandler writes each hung rank's stacks on SIGABRT, then it dies
-                for p in alive:  # all at once: a rank may end by itself when a peer dies
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(p.pid, signal.SIGABRT)
-                for p in alive:
-                    p.join(5)
-            for p in alive:
-                p.kill()  # a no-op for a process that has ended
+            # Ranks still running when the run ended badly (a timeout, or another rank failed): SIGABRT first, on which
+            # faulthandler writes where each one waits, all at once (a rank may end by itself when a peer dies)
+            stopped = [r for r, p in enumerate(procs) if p.is_alive()]
+            for r in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(procs[r].pid, signal.SIGABRT)
+            for r in stopped:
+                procs[r].join(5)
+                procs[r].kill()  # a no-op for a process that has ended
             for p in procs:
                 p.join(5)
         codes = {r: p.exitcode for r, p in enumerate(procs)}
-        hung = [procs.index(p) for p in alive] if timed_out else []
-        # A rank that a signal killed, other than the runner's (SIGKILL, or SIGABRT for a hung rank), died on its own
-        # (an abort in C++): it comes first, as the others' errors (a peer's reset connection) follow from it.
-        signalled = [r for r, c in codes.items() if c is not None and c < 0 and c != -signal.SIGKILL and r not in hung]
+        # A rank that a signal killed, other than the runner, died on its own (an abort in C++): it comes first, as
+        # the others' errors (a peer's reset connection) follow from it.
+        signalled = [r for r, c in codes.items() if c is not None and c < 0 and r not in stopped]
         parts = []
         if signalled:
             parts.append(
@@ -172,7 +173,9 @@ def run_ranks(
                 if text:  # empty: killed by the runner while it wrote
                     parts.append(f"--- rank {r} ---\n{text}")
         if timed_out:
-            parts.append(f"timed out after {timeout:.0f}s: ranks {hung} hung{_stacks(tmp, hung)}")
+            parts.append(f"timed out after {timeout:.0f}s: ranks {stopped} hung{_stacks(tmp, stopped)}")
+        elif stopped:
+            parts.append(f"ranks {stopped} were still running when the run failed{_stacks(tmp, stopped)}")
         if not parts and any(c != 0 for c in codes.values()):
             parts.append(f"ranks exited with codes {codes}, no traceback")
         if parts:

@@ -48,4 +48,15 @@ def test_a_hung_rank_fails_at_the_timeout_with_its_python_stack():
     text = str(info.value)
     assert "timed out after 10s: ranks [0, 1] hung" in text, text
     assert "_waits_forever" in text and "_hangs_on_first" in text, text  # rank 1 waits in the barrier after fn
+    assert "killed by a signal" not in text, text  # the runner's SIGABRT is not a rank's own death
     assert time.monotonic() - start < 40
+
+
+def test_a_rank_still_running_when_a_peer_fails_shows_where_it_waits():
+    """The usual hang: a peer's collective times out (pg_timeout) long before the run's timeout, and the rank it
+    waited for is the one to look at."""
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_hangs_on_first, 2, timeout=120, pg_timeout=3)
+    text = str(info.value)
+    assert text.startswith("--- rank 1 ---"), text  # the peer's own error first
+    assert "ranks [0] were still running when the run failed" in text and "_waits_forever" in text, text

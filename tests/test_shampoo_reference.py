@@ -12,14 +12,15 @@ by u32 / (1 - beta) for the largest such beta the case uses (Adam grafting's bet
 1e-6 without one (the first-moment correction with beta1 0.9: u32 * 0.9 / 0.1 = 5e-7, twice that).
 
 No noise floor is measured (the reference against itself with options equal in exact arithmetic, epsilon before the
-eigendecomposition and packed storage): for these cases in float64 it stays below 3e-7 (BENCHMARKS.md), two orders of
-magnitude below the derived bound, so the bound alone decides.
+eigendecomposition and packed storage): for these cases in float64 it was at most 2.5e-7 (reference commit
+f60660661194), two orders of magnitude below the derived bound, so the bound alone decides.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from powertrain.optim.shampoo.optimizer import DistributedShampoo
 
 U32 = 2.0**-24
 
-#: Found by reading both implementations (at the commit BENCHMARKS.md records); the cases below set each equal, bound
+#: Found by reading both implementations (at reference commit f60660661194); the cases below set each equal, bound
 #: it (the float32 scalars) or leave it out. powertrain's side of each is a test (tests/test_shampoo_math.py).
 DESIGN_DIFFERENCES: list[str] = [
     "Damping of the factors' eigenvalues: powertrain adds max(eps, rel_eps * lambda_max) with rel_eps "
@@ -132,13 +133,17 @@ def test_updates_agree_with_the_reference_implementation(ref, kind, options):
     assert max(diffs) <= _tolerance(options), [f"{d:.1e}" for d in diffs]
 
 
-def test_bench_part_times_every_optimizer(ref):
-    """The part of ``powertrain bench optimizers --shampoo-reference`` on the tiny preset: a row per optimizer."""
-    from powertrain.bench.optimizers import PRESETS, _reference_markdown, _shampoo_reference
+def test_bench_part_times_every_optimizer(ref, tmp_path):
+    """``powertrain bench optimizers --preset tiny --shampoo-reference CLONE``: a row per optimizer, in a section of
+    its own beside the optimizers' section."""
+    from powertrain.bench.optimizers import run_optimizers_bench
 
-    p = PRESETS["tiny"]
-    result = _shampoo_reference(p, ref)
-    rows = {r["label"]: r for r in result["rows"]}
+    path = os.environ.get("POWERTRAIN_SHAMPOO_REFERENCE")
+    if path is None:
+        pytest.skip("the command needs the clone's path: set POWERTRAIN_SHAMPOO_REFERENCE")
+    out = tmp_path / "B.md"
+    report = run_optimizers_bench(preset="tiny", write=str(out), shampoo_reference=path)
+    rows = {r["label"]: r for r in report["shampoo_reference"]["rows"]}
     kinds = ("Shampoo", "eigenvalue-corrected")
     heavyball = ["heavyball SOAP", "heavyball KLShampoo"] if importlib.util.find_spec("heavyball") else []
     assert list(rows) == [
@@ -147,12 +152,38 @@ def test_bench_part_times_every_optimizer(ref):
         *heavyball,
     ]
     assert all(r["error"] is None and r["step_median_s"] > 0 and r["loss"] > 0 for r in rows.values()), rows
-    text = _reference_markdown(p, result, 1)
-    assert text.count("\n| ") == len(rows) + 1 and "reference eigenvalue-corrected" in text
+    text = out.read_text()
+    section = text.split("<!-- bench:shampoo-reference-tiny -->")[1].split("<!-- /bench:shampoo-reference-tiny -->")[0]
+    assert section.count("\n| ") == len(rows) + 1 and "reference eigenvalue-corrected" in section
+    assert f"Command: `powertrain bench optimizers --preset tiny --shampoo-reference {path}`" in section
+    assert (
+        "<!-- bench:optimizers-tiny -->" in text and "Shampoo side by side" not in text.split("<!-- bench:shampoo")[0]
+    )
 
 
 def test_a_path_without_the_reference_is_refused_before_the_bench_runs(tmp_path):
     from powertrain.bench.optimizers import run_optimizers_bench
 
     with pytest.raises(ValueError, match=r"Invalid Shampoo reference '.*': no distributed_shampoo/ package there"):
+        run_optimizers_bench(preset="tiny", write=None, shampoo_reference=str(tmp_path))
+
+
+def test_options_the_reference_has_no_counterpart_for_are_refused(ref):
+    p = lambda: [torch.nn.Parameter(torch.zeros(4, 4))]
+    with pytest.raises(ValueError, match=r"cannot map nesterov=True .* with nesterov=False"):
+        reference_like(ref, p(), DistributedShampoo(p(), momentum=0.9, nesterov=True, rel_eps=0.0))
+    with pytest.raises(ValueError, match=r"cannot map rel_eps=None .* with rel_eps=0.0"):
+        reference_like(ref, p(), DistributedShampoo(p()))
+    with pytest.raises(ValueError, match="options of its own"):
+        reference_like(ref, p(), DistributedShampoo([{"params": p(), "lr": 0.1}, {"params": p()}], rel_eps=0.0))
+
+
+def test_a_clone_that_does_not_import_is_refused_before_the_bench_runs(tmp_path, monkeypatch):
+    from powertrain.bench.optimizers import run_optimizers_bench
+
+    (tmp_path / "distributed_shampoo").mkdir()
+    (tmp_path / "distributed_shampoo" / "__init__.py").write_text("import a_module_no_one_has\n")
+    monkeypatch.delitem(sys.modules, "distributed_shampoo", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the clone's root is put first while loading
+    with pytest.raises(ValueError, match=r"does not run here \(ModuleNotFoundError: No module named 'a_module_no_"):
         run_optimizers_bench(preset="tiny", write=None, shampoo_reference=str(tmp_path))

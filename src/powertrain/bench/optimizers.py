@@ -419,6 +419,24 @@ def load_shampoo_reference(path: str | None) -> Any:
     return module
 
 
+def _checked_reference(path: str) -> Any:
+    """:func:`load_shampoo_reference`, with both optimizers built once on a stand-in parameter: a clone whose package
+    does not import or whose API differs is refused in one line before any part runs."""
+    try:
+        ref = load_shampoo_reference(path)
+        for kind in ("shampoo", "eigenvalue_corrected"):
+            rel_eps = 0.0 if kind == "shampoo" else None  # the reference damps Shampoo's roots by epsilon alone
+            like = DistributedShampoo([torch.nn.Parameter(torch.zeros(2, 2))], preconditioner=kind, rel_eps=rel_eps)
+            reference_like(ref, [torch.nn.Parameter(torch.zeros(2, 2))], like, exact=False)
+    except (ImportError, AttributeError, TypeError) as e:
+        first = (str(e).splitlines() or [""])[0]
+        raise ValueError(
+            f"Invalid Shampoo reference {path!r}: its distributed_shampoo does not run here ({type(e).__name__}: "
+            f"{first}); use a clone at the commit BENCHMARKS.md records"
+        ) from None
+    return ref
+
+
 def reference_like(
     ref: Any, params: Any, like: DistributedShampoo, dtype: torch.dtype = torch.float32, exact: bool = True
 ) -> Any:
@@ -428,12 +446,32 @@ def reference_like(
     ``grafting`` -> ``grafting_config`` (Adam, RMSprop, AdaGrad ``PreconditionerConfig``; none: None); ``momentum``
     -> ``ClassicMomentumConfig``; decoupled weight decay; powertrain's blocking (``target_parameter_dimensionality=2``
     where the reference has it); ``preconditioner`` -> root-inverse (eigh) or eigenvalue-corrected Shampoo;
-    ``use_bias_correction`` (powertrain corrects the factors by default and the filtered gradient always). Not
-    mapped: nesterov, root_method, exponent_multiplier, rel_eps (the reference damps by epsilon alone),
-    bias_correction=False, precondition_1d=False. ``exact``: epsilon added after the eigendecomposition and unpacked
-    factors, as powertrain computes; else the reference's own defaults, which differ only in round-off.
+    ``use_bias_correction`` (powertrain corrects the factors by default and the filtered gradient always). Refused
+    (ValueError), as the reference has no counterpart: nesterov, root_method other than eigh, exponent_multiplier
+    other than 1, bias_correction=False, precondition_1d=False, Shampoo's rel_eps other than 0 (the reference damps
+    by epsilon alone), a parameter group with options of its own. ``exact``: epsilon added after the
+    eigendecomposition and unpacked factors, as powertrain computes; else the reference's own defaults, which differ
+    only in round-off.
     """
     o = like.defaults
+    unmapped = {
+        "nesterov": False,
+        "root_method": "eigh",
+        "exponent_multiplier": 1.0,
+        "bias_correction": True,
+        "precondition_1d": True,
+    }
+    if like.preconditioner == "shampoo":
+        unmapped["rel_eps"] = 0.0  # the reference damps by epsilon alone
+    for name, value in unmapped.items():
+        have = o[name] if name in o else getattr(like, name)
+        if have != value:
+            raise ValueError(
+                f"reference_like cannot map {name}={have!r} to the reference: build powertrain's optimizer with "
+                f"{name}={value!r}"
+            )
+    if any(group[k] != o[k] for group in like.param_groups for k in o):
+        raise ValueError("reference_like maps the optimizer's defaults: give no parameter group options of its own")
     stability = ref.PerturbationConfig(perturb_before_computation=not exact)
     common = dict(factor_matrix_dtype=dtype, use_symmetric_packing=not exact)
     if like.preconditioner == "shampoo":
@@ -503,7 +541,15 @@ def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
         heavyball: Any = importlib.import_module("heavyball")
     except ImportError:
         heavyball = None
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        return _time_against_reference(p, ref, heavyball)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_against_reference(p: Preset, ref: Any, heavyball: Any) -> dict[str, Any]:
     corpus = load_data(TrainConfig(data_max_mb=2.0))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
     torch.manual_seed(0)
@@ -516,7 +562,8 @@ def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
 
     f = p.reference_frequency
     adamw: dict[str, Any] = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
-    shampoo = {**adamw, "betas": (0.9, 0.999), "grafting_beta2": 0.999, "precondition_frequency": f}
+    # rel_eps 0: damped by epsilon alone, as the reference is
+    shampoo = {**adamw, "betas": (0.9, 0.999), "grafting_beta2": 0.999, "precondition_frequency": f, "rel_eps": 0.0}
     soap = {
         **adamw,
         "eps": 1e-8,
@@ -794,7 +841,7 @@ def _reference_markdown(p: Preset, r: dict[str, Any], params: int) -> str:
     )
     base = r["rows"][0]  # torch AdamW
     cells = [
-        [row["label"], "failed", "", "", "", "", "", row["error"]]
+        [row["label"], "failed", "", "", "", "", "", row["error"].replace("|", "/")]
         if row["error"]
         else [
             row["label"],
@@ -826,7 +873,7 @@ def run_optimizers_bench(
 ) -> dict[str, Any]:
     """The five parts (the last with ``shampoo_reference``, a clone of facebookresearch/optimizers)."""
     p = PRESETS[preset]
-    ref = None if shampoo_reference is None else load_shampoo_reference(shampoo_reference)  # a bad path fails now
+    ref = None if shampoo_reference is None else _checked_reference(shampoo_reference)  # a bad clone fails now
     report: dict[str, Any] = {"preset": preset, "params": GPT(p.model).num_params()}
     report["scaling"] = _scaling(p)
     two = next(s for s in report["scaling"] if s["world"] == 2)
