@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from powertrain._files import read_bounded
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
@@ -520,8 +521,9 @@ def _provenance(ref: Any) -> str:
     """The reference's name, version and commit, as far as its clone says."""
     root = Path(ref.__file__).resolve().parents[1]
     name = "distributed_shampoo"
-    with suppress(OSError, KeyError, tomllib.TOMLDecodeError):
-        project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    with suppress(OSError, KeyError, ValueError):  # ValueError: too large, not UTF-8, not TOML
+        text = read_bounded(root / "pyproject.toml", 1 << 20, "The reference's pyproject.toml").decode()
+        project = tomllib.loads(text)["project"]
         name = f"{project['name']} {project.get('version', '')}".strip()
     where = " (commit unknown: not a git clone)"
     if (root / ".git").exists():  # else git would name the commit of a repository around the files, if any
