@@ -33,8 +33,8 @@ SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "parallel": ("DDP, FSDP2, SimpleFSDP and RTP: memory per rank, step time and bytes on 2 and 4 workers", ()),
     "cluster": (
-        "flat and hierarchical compression on 2 emulated nodes x 2 workers under torchrun (needs root), and at scale "
-        "on paper (--preset paper: only that, no root; with --results: a GPU's measured compute)",
+        "flat and hierarchical compression on 2 emulated nodes x 2 workers under torchrun (needs root); --preset "
+        "paper: nodes of 8 GPUs on paper instead (no root; with --results: a GPU's measured compute)",
         ("paper",),
     ),
     "gpu": (
@@ -48,7 +48,7 @@ _PRESET_HELP = {
     "d_model 384), local (local updates against per-step rows), muon (Muon against a swept AdamW, the best AdamW's "
     "loss as the target), outer and outer-const (local updates' outer step on the command's schedule and on a "
     "constant-rate AdamW)",
-    "cluster": "tiny: seconds; paper: the on-paper model alone",
+    "cluster": "tiny: seconds; paper: GPU clusters on paper, no root",
 }
 
 
