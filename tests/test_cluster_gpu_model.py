@@ -38,6 +38,4 @@ def test_hierarchical_adds_nvlink_inside_and_rings_of_nodes_between():
     params = 1000
     exact = 4.0 * params
     inside = nvlink(exact) + (GPUS - 1) * exact / GPUS * 8 / NVLINK_BPS
-    assert comm_s("PowerSGD r32", MB, params, 2, GBIT, True) == close(
-        inside + ring_all_reduce(MB, 2, GBIT, ALPHA_S, 3)
-    )
+    assert comm_s("PowerSGD r32", MB, params, 2, GBIT, True) == close(inside + ring_all_reduce(MB, 2, GBIT, ALPHA_S, 3))

@@ -179,7 +179,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     text = target.read_text()
     assert "<!-- bench:network-tiny -->" in text and "| powertrain powersgd r4 |" in text
-    from powertrain.bench.network import QUALITY, SPECS
+    from powertrain.bench.network import SPECS
 
     for rate in report["rates"]:
         assert [row["label"] for row in rate["rows"]] == [s.label for s in SPECS.values()]
@@ -201,12 +201,8 @@ def test_network_bench_end_to_end_tiny(tmp_path):
     psgd = [rows[key]["val_loss"] for key in ("r4", "r4-2mb", "r4-reference", "fsdp-r4")]
     within(max(psgd) - min(psgd), bound, f"PowerSGD rows' validation losses {psgd}")
     within(abs(rows["fsdp-fp32"]["val_loss"] - rows["fp32"]["val_loss"]), bound, "FSDP2 fp32 vs DDP fp32")
-    quality = report["quality"]
-    assert [q["label"] for q in quality["rows"]] == [SPECS[key].label for key in QUALITY]
-    assert all(len(q["val_curve"]) == 2 for q in quality["rows"])  # tiny: 4 steps, every 2
-    assert "time to target" in text and "Where compression stops paying off" in text
+    assert "Where compression stops paying off" in text
     assert (tmp_path / "out" / "speedup_vs_bandwidth.png").stat().st_size > 1000
-    assert (tmp_path / "out" / "val_loss.png").stat().st_size > 1000
     if report["emulated"]:
         assert [r["rate_mbit"] for r in report["rates"]] == [None, 100.0]
         assert _ours() == before  # nothing left behind

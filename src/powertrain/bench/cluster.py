@@ -158,4 +158,3 @@ def run_cluster_bench(
     )
     publish(text, write, "cluster" if preset == "default" else f"cluster-{preset}")
     return {"results": results}
-

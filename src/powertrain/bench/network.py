@@ -1,15 +1,10 @@
 """``powertrain bench network``: configurations side by side on an emulated bandwidth-limited cluster.
 
-Two parts, one command:
-
-1. **Sweep** (step time). For each link rate, 2 workers run in their own network namespaces
-   (:mod:`powertrain.bench.netem`) and train every configuration side by side
-   (:mod:`powertrain.bench.sidebyside`) for a few timed rounds. First the emulation is validated: a
-   measured all-reduce against bytes / bandwidth, and the per-collective latency (alpha) is measured.
-2. **Quality** (loss). A longer run of the configurations whose math differs, on loopback (the network
-   changes the time of a step, not its result): validation loss every few steps. Combined with the sweep's
-   step times this gives validation loss against wall-clock at each rate, time to a target loss, and
-   validation loss against bytes sent.
+For each link rate, 2 workers run in their own network namespaces (:mod:`powertrain.bench.netem`) and train every
+configuration side by side (:mod:`powertrain.bench.sidebyside`) for a few timed rounds. First the emulation is
+validated: a measured all-reduce against bytes / bandwidth, and the per-collective latency (alpha) is measured. What a
+configuration costs in loss, and its time to a target loss with the real overlap on the link, is ``powertrain bench
+quality``'s (:mod:`powertrain.bench.quality`).
 
 Per row of the sweep: median step time (the slower rank's) and interquartile range; the split into compute
 (the compute-only row: a no-op comm hook), compression (powertrain's own measurement) and exposed
@@ -104,9 +99,6 @@ SPECS: dict[str, Spec] = {
 COMPUTE = "compute"  # the compute-only row: every row's compute time
 FP32 = ("fp32", "fp32-2mb")
 SIXTEEN = ("fp16", "fp16-2mb")
-#: The quality run: one row per distinct update rule (bucketing does not change any of these results); fp32 first.
-QUALITY = ("fp32-2mb", "fp16-2mb", "torch-r1", "torch-r4", "r1-2mb", "r4-2mb", "r4-paper-2mb", "int8-2mb")
-TARGET = 1.01  # time to target: the first evaluation within 1% of fp32's final validation loss
 _TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count nothing they send
 
 
@@ -114,8 +106,6 @@ _TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count
 class Preset(ddp_step.Preset):
     rates: tuple[float | None, ...]  # Mbit/s; None: unthrottled
     max_comm_s: float  # rows whose modelled communication exceeds this per step are not run
-    quality_steps: int  # steps of the quality run (0: skip it)
-    eval_every: int
 
 
 PRESETS = {
@@ -126,12 +116,8 @@ PRESETS = {
         10,
         (None, 1000.0, 100.0, 10.0),
         4.0,
-        300,
-        25,
     ),
-    "tiny": Preset(
-        GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, START + 1, 2, (None, 100.0), 4.0, 4, 2
-    ),
+    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, START + 1, 2, (None, 100.0), 4.0),
 }
 
 
@@ -189,9 +175,11 @@ class RateRun(NamedTuple):
     check: dict[str, float] | None  # the emulation's validation (netem.validate); None unthrottled or on loopback
 
 
-def run_rate(p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None) -> RateRun:
+def run_rate(
+    p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None, eval_every: int = 0
+) -> RateRun:
     """Run ``specs`` side by side on 2 workers at ``rate`` (Mbit/s; None: unthrottled): the sweep's timed rounds, or
-    ``steps`` steps with validation every ``p.eval_every``. ``emulate``: on an emulated cluster
+    ``steps`` steps with validation every ``eval_every``. ``emulate``: on an emulated cluster
     (:mod:`powertrain.bench.netem`, validated first at a finite rate); else on loopback, whatever ``rate``."""
     quality = steps is not None
     args = launch_args(
@@ -201,7 +189,7 @@ def run_rate(p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool,
         warmup=0 if quality else p.warmup,
         timed=steps if quality else p.timed,
         start=START,
-        eval_every=p.eval_every if quality else 0,
+        eval_every=eval_every if quality else 0,
     )
     if not emulate:
         return RateRun(by_spec(launch(worker, 2, args)), None)
@@ -292,48 +280,6 @@ class RateResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class QualityRow:
-    """A configuration's quality run."""
-
-    spec: Spec
-    val_curve: list[tuple[int, float]]  # (step, validation loss)
-    val_loss: float  # final
-    train_loss: float  # mean of the last 10 steps' (each the mean over ranks)
-    bytes_per_step: float
-    vs_fp32: float  # final validation loss relative to fp32's, minus 1
-    steps_to_target: int | None  # the first evaluation at or below the target; None: not reached
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "label": self.spec.label,
-            "val_curve": self.val_curve,
-            "val_loss": self.val_loss,
-            "train_loss": self.train_loss,
-            "bytes_per_step": self.bytes_per_step,
-            "vs_fp32": self.vs_fp32,
-            "steps_to_target": self.steps_to_target,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Quality:
-    """The quality run of the QUALITY configurations (loopback)."""
-
-    steps: int
-    eval_every: int
-    target: float  # validation loss: fp32's final one x TARGET
-    rows: dict[str, QualityRow]  # by key of SPECS, in QUALITY's order
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "eval_every": self.eval_every,
-            "target": self.target,
-            "rows": [r.to_json() for r in self.rows.values()],
-        }
-
-
-@dataclasses.dataclass(frozen=True)
 class Report:
     """What :func:`run_network_bench` measured; ``to_json()`` is what it writes to ``results.json``."""
 
@@ -341,7 +287,6 @@ class Report:
     emulated: bool  # False: loopback only
     rates: list[RateResult]
     break_even_mbit: dict[str, float | None]  # by key of SPECS, the compressing rows (see _break_even)
-    quality: Quality | None  # None: the preset has no quality run
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -349,7 +294,6 @@ class Report:
             "emulated": self.emulated,
             "rates": [e.to_json() for e in self.rates],
             "break_even_mbit": {SPECS[key].label: b for key, b in self.break_even_mbit.items()},
-            "quality": None if self.quality is None else self.quality.to_json(),
         }
 
 
@@ -416,37 +360,6 @@ def _sweep(p: Preset, model: GPT, emulate: bool) -> list[RateResult]:
         results = dict(zip(runnable, run.results, strict=True))
         out.append(RateResult(rate, run.check, _rows(rate, results, model, latency)))
     return out
-
-
-def _quality(p: Preset) -> Quality | None:
-    if not p.quality_steps:
-        return None
-    specs = [SPECS[key] for key in QUALITY]
-    print(f"[bench network] quality: {len(specs)} configurations x {p.quality_steps} steps (loopback)", file=sys.stderr)
-    results = run_rate(p, None, specs, emulate=False, steps=p.quality_steps).results
-    model = GPT(p.model)
-    fp32 = results[0].first.val_loss  # QUALITY starts with fp32
-    rows = {
-        key: _quality_row(SPECS[key], res, p.quality_steps, model, fp32)
-        for key, res in zip(QUALITY, results, strict=True)
-    }
-    return Quality(p.quality_steps, p.eval_every, TARGET * fp32, rows)
-
-
-def _quality_row(spec: Spec, res: SpecResult, steps: int, model: GPT, fp32: float) -> QualityRow:
-    losses = [sum(r.losses[j] for r in res.ranks) / len(res.ranks) for j in range(steps)]
-    r0 = res.first
-    by_op = r0.sent_per_step if r0.measured_stats else modelled_bytes(spec, model)
-    hit = [step for step, v in r0.val_curve if v <= TARGET * fp32]
-    return QualityRow(
-        spec,
-        r0.val_curve,
-        r0.val_loss,
-        train_loss=sum(losses[-10:]) / min(10, len(losses)),
-        bytes_per_step=sum(by_op.values()),
-        vs_fp32=r0.val_loss / fp32 - 1,
-        steps_to_target=hit[0] if hit else None,
-    )
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -518,37 +431,9 @@ def _break_even_section(report: Report) -> str:
     )
 
 
-def _quality_section(quality: Quality, rates: list[RateResult]) -> str:
-    headers = ["configuration", "train loss", "val loss", "val vs fp32", "steps to target"]
-    headers += [f"time to target @ {rate_name(e.rate_mbit)}" for e in rates]
-    cells = []
-    for key, q in quality.rows.items():
-        n = q.steps_to_target
-        times = [f"{n * e.rows[key].median_s:.3g} s" if n else "not reached" for e in rates]
-        cells.append(
-            [
-                q.spec.label,
-                f"{q.train_loss:.4f}",
-                f"{q.val_loss:.4f}",
-                f"{100 * q.vs_fp32:+.2f}%",
-                n or "not reached",
-                *times,
-            ]
-        )
-    return (
-        f"### Quality: {quality.steps} steps, validation every {quality.eval_every}\n\n"
-        f"Same model, data order and seed for every row; train loss is the mean of the last 10 steps. Target: "
-        f"validation loss {quality.target:.4f} (fp32's final value + {100 * (TARGET - 1):g}%). Time to target is "
-        "the steps to reach it times the median step time measured at that rate in the sweep (evaluation "
-        "excluded; rows not run at a rate use their model).\n\n" + table(headers, cells)
-    )
-
-
 def _markdown(report: Report, model: GPT, out: str | None) -> str:
     p = PRESETS[report.preset]
     sections = [_rate_section(e) for e in report.rates] + [_break_even_section(report)]
-    if report.quality:
-        sections.append(_quality_section(report.quality, report.rates))
     return (
         "## Side by side on an emulated network (2 workers in network namespaces, tc tbf on every link)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({model.num_params() / 1e6:.2f}M parameters), "
@@ -574,20 +459,18 @@ def _markdown(report: Report, model: GPT, out: str | None) -> str:
 
 
 def _write_out(d: Path, report: Report, text: str) -> None:
-    """results.json, table.md and the plots (which read the JSON form) in ``d``."""
+    """results.json, table.md and the plot (which reads the JSON form) in ``d``."""
     d.mkdir(parents=True, exist_ok=True)
     data = report.to_json()
     (d / "results.json").write_text(_json.dumps(data, indent=2) + "\n")
     (d / "table.md").write_text(text)
     plots.speedup_vs_bandwidth(data, d / "speedup_vs_bandwidth.png")
-    if data["quality"]:
-        plots.val_loss_curves(data["quality"], data["rates"], d / "val_loss.png")
 
 
 def run_network_bench(
     *, preset: str = "default", out: str | None = None, write: str | None = "BENCHMARKS.md"
 ) -> Report:
-    """Run ``preset``'s sweep and quality run; write results.json, table.md and the plots to ``out`` (if given)
+    """Run ``preset``'s sweep; write results.json, table.md and the plot to ``out`` (if given)
     and publish the Markdown section to ``write`` (if given)."""
     p = PRESETS[preset]
     reason = unavailable()
@@ -597,7 +480,7 @@ def run_network_bench(
     model = GPT(p.model)
     rates = _sweep(p, model, emulate)
     unthrottled = next(e for e in rates if e.rate_mbit is None)
-    report = Report(preset, emulate, rates, _break_even(unthrottled.rows), _quality(p))
+    report = Report(preset, emulate, rates, _break_even(unthrottled.rows))
     text = _markdown(report, model, out)
     if out:
         _write_out(Path(out), report, text)

@@ -110,6 +110,8 @@ def budgeted_steps(steps: int, ratio: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Preset(network.Preset):
+    quality_steps: int  # steps of the learning-rate and equal-steps parts
+    eval_every: int
     frequency: int  # Shampoo's precondition_frequency
     max_dim: int  # Shampoo's max_preconditioner_dim
     galore_rank: int
@@ -299,7 +301,9 @@ def _slow_link(p: Preset, lr: float) -> dict[str, Any]:
     reason = unavailable()
     rate = p.link_rate if reason is None else None
     print(f"[bench optimizers] DeMo vs AdamW at {rate_name(rate)}", file=sys.stderr)
-    results, check = network.run_rate(p, rate, specs, emulate=reason is None, steps=p.link_steps)
+    results, check = network.run_rate(
+        p, rate, specs, emulate=reason is None, steps=p.link_steps, eval_every=p.eval_every
+    )
     result = _rows(results, specs, skip=min(2, p.link_steps - 1))
     rows = result["rows"]
     return {

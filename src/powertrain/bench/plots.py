@@ -1,4 +1,4 @@
-"""PNG plots of the network benchmark (matplotlib, optional: without it the plots are skipped, said so)."""
+"""The network benchmark's PNG plot (matplotlib, optional: without it the plot is skipped, said so)."""
 
 from __future__ import annotations
 
@@ -51,39 +51,6 @@ def speedup_vs_bandwidth(report: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("speedup per step vs best fp32 all-reduce")
     ax.set_title("Step-time speedup vs bandwidth (hollow: alpha-beta model, not run)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def val_loss_curves(quality: dict[str, Any], rates: list[dict[str, Any]], path: Path) -> bool:
-    """Validation loss against wall-clock (projected at each swept rate) and against bytes sent."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    throttled = [r for r in rates if r["rate_mbit"] is not None][-2:] or rates[:1]
-    fig, axes = plt.subplots(1, len(throttled) + 1, figsize=(6 * (len(throttled) + 1), 4.5))
-    for ax, rate in zip(axes, throttled, strict=False):
-        for q in quality["rows"]:
-            s = rate["step_s"][q["label"]]
-            ax.plot([step * s for step, _ in q["val_curve"]], [v for _, v in q["val_curve"]], label=q["label"])
-        name = f"{rate['rate_mbit']:g} Mbit/s" if rate["rate_mbit"] else "unthrottled"
-        ax.set_xlabel(f"wall-clock at {name}, s (steps x measured s/step)")
-        ax.set_ylabel("validation loss")
-        ax.set_xscale("log")
-    ax = axes[-1]
-    for q in quality["rows"]:
-        ax.plot(
-            [step * q["bytes_per_step"] / 1e6 for step, _ in q["val_curve"]],
-            [v for _, v in q["val_curve"]],
-            label=q["label"],
-        )
-    ax.set_xscale("log")
-    ax.set_xlabel("MB sent per worker")
-    ax.set_ylabel("validation loss")
-    axes[0].legend(fontsize=7)
-    fig.suptitle("Validation loss vs wall-clock and vs bytes sent (same steps, same batches)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
