@@ -615,7 +615,7 @@ def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):
     assert "unrecognized arguments: --repeats 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "cluster", "--preset", "paper", "--help"])
-    assert "paper: the on-paper model alone" in capsys.readouterr().out
+    assert "paper: GPU clusters on paper" in capsys.readouterr().out
 
 
 def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):

@@ -385,6 +385,13 @@ def comm_stats(model: nn.Module) -> CommStats:
     raise ValueError("comm_stats() needs a model returned by rotated_tensor_parallel()")
 
 
+def replicated_traffic(model: nn.Module) -> tuple[int, int]:
+    """Payload bytes and number of the all-reduces that backward runs on ``model``'s replicated parameters (one per
+    parameter; DTensor issues them, so :func:`comm_stats` does not count them)."""
+    replicated = [p for p in model.parameters() if p.placements == (Replicate(),)]  # type: ignore[attr-defined]
+    return sum(p.numel() * p.element_size() for p in replicated), len(replicated)
+
+
 def _check(name: str, module: nn.Module, world: int) -> None:
     name = name or "the model"
     if isinstance(module, nn.MultiheadAttention):

@@ -10,12 +10,13 @@ measure, per rank:
   events in order (:func:`powertrain.bench.memory.peak_allocated`). What a rank must have free to train.
 
 then trains all configurations interleaved (one step of each per round, on the same batch, after a barrier) for
-the step time, the slower rank's per round. Bytes per step: a rank's payload, counted by powertrain's
-communicator for RTP (its ring hops and the replicated parameters' all-reduce), computed for the others from
-their collectives as what a rank hands to each (the network bench's cost model: the full tensor for an all-reduce
-or a reduce-scatter, the rank's own shard for an all-gather). DDP: the gradients' all-reduce; FSDP2 and
-SimpleFSDP: the gradients' reduce-scatter and the weights' all-gathers, each block's twice (forward, and backward
-after resharding) and the root's once (:func:`powertrain.bench.network.fsdp2_weight_bytes`).
+the step time, the slower rank's per round. Every configuration is a ``--parallel`` mode of ``powertrain train``
+built by the command's own code (:data:`MODES`), so the bench measures what the command runs. Bytes per step: a
+rank's payload as the mode's communicator counts it (the collectives powertrain issues) or computes it (those torch
+issues: SimpleFSDP's reduce-scatters, tensor parallelism's, the replicated parameters' all-reduce under RTP), plus
+the weights' all-gathers of the sharded modes, computed (:func:`powertrain.bench.network.fsdp2_weight_bytes`: each
+block's twice, forward and backward after resharding, the root's once). An all-reduce or a reduce-scatter counts
+its whole input, an all-gather the rank's own shard (the network bench's cost model).
 
 Overlap (RTP): ``rtp (no overlap)`` waits for every hop before computing with the shard, so its step time minus
 the overlapped one is the communication the rotation hides.
@@ -23,6 +24,7 @@ the overlapped one is the communication the rotation hides.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -36,11 +38,13 @@ from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.network import fsdp2_weight_bytes
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.rounds import interleaved
+from powertrain.comm import CommStats
 from powertrain.models import GPT, GPTConfig
-from powertrain.tp import local_numel, traffic
+from powertrain.tp import local_numel
 from powertrain.train.config import GPT_SIZES, TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
+from powertrain.train.strategy import Parallel, Strategy, build_strategy
 
 KINDS = ("ddp", "fsdp2", "simple_fsdp", "rtp", "rtp (no overlap)", "tp 2 x fsdp2")
 
@@ -65,42 +69,55 @@ def _config(p: Preset, size: str) -> GPTConfig:
     return GPTConfig(256, p.block, *GPT_SIZES[size])
 
 
-def _build(kind: str, cfg: GPTConfig) -> tuple[torch.nn.Module, Any]:
-    """The wrapped model and, for RTP, its byte counter."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
+#: The ``--parallel`` mode of ``powertrain train`` behind each configuration, built by the command's own code
+#: (:func:`powertrain.train.strategy.build_strategy`, fp32: compressor ``none``); "rtp (no overlap)" is RTP with the
+#: rotation's overlap off, the one knob the command does not expose.
+MODES: dict[str, Parallel] = {
+    "ddp": "ddp",
+    "fsdp2": "fsdp",
+    "simple_fsdp": "simple_fsdp",
+    "rtp": "rtp",
+    "tp 2 x fsdp2": "tp",
+}
 
-    from powertrain.rtp import comm_stats, rotated_tensor_parallel
-    from powertrain.simple_fsdp import data_parallel
+
+@dataclasses.dataclass
+class _Run:
+    model: torch.nn.Module  # what forward runs on
+    opt: torch.optim.Optimizer
+    stats: CommStats  # the traffic the mode counts, with what it computes (recorded by its sync)
+    strategy: Strategy | None  # None: rtp (no overlap)
+    extra_bytes: float  # per step, what no mode counts: the weights' all-gathers (not gradient traffic)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        sync = self.strategy.sync(True) if self.strategy else contextlib.nullcontext()
+        scope = self.strategy.loss_scope() if self.strategy else contextlib.nullcontext()
+        with sync, scope:
+            loss = self.model(x, y)
+            loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)  # the gradients stay allocated: part of the state between steps
+        return float(loss.item())
+
+
+def _build(kind: str, cfg: GPTConfig, batch: int) -> _Run:
+    from powertrain.rtp import comm_stats, replicated_traffic, rotated_tensor_parallel
 
     torch.manual_seed(0)
     model = GPT(cfg)
-    if kind == "ddp":
-        return DistributedDataParallel(model), None
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    if kind == "fsdp2":
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, None
-    if kind == "simple_fsdp":
-        return data_parallel(model, mesh, buckets=[*model.blocks, model]), None
-    if kind.startswith("tp"):
-        from powertrain.tp import tensor_parallel
-
-        world = dist.get_world_size()
-        return tensor_parallel(model, init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))), None
-    rtp = rotated_tensor_parallel(model, overlap=kind == "rtp")
-    return rtp, comm_stats(rtp)
-
-
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = model(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=False)
-    return float(loss.item())
+    world = dist.get_world_size()
+    if kind == "rtp (no overlap)":  # computed as the rtp mode computes it: its replicated parameters' all-reduce
+        rtp = rotated_tensor_parallel(model, overlap=False)
+        replicated = float(replicated_traffic(rtp)[0])
+        return _Run(rtp, torch.optim.AdamW(rtp.parameters(), lr=1e-3), comm_stats(rtp), None, replicated)
+    strategy = build_strategy(MODES[kind], model, "none", {}, tp=2, batch=batch)
+    extra = 0.0
+    if kind in ("fsdp2", "simple_fsdp"):
+        extra = fsdp2_weight_bytes(model, world)
+    elif kind.startswith("tp") and world > 2:  # the pair's weights gathered over the data-parallel ranks
+        extra = 2 * 4 * local_numel(cfg, 2) / (world // 2)
+    opt = torch.optim.AdamW(strategy.model.parameters(), lr=1e-3)
+    return _Run(strategy.model, opt, strategy.stats, strategy, extra)
 
 
 def _worker(preset: str, size: str) -> dict[str, Any]:
@@ -121,48 +138,31 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
     for kind in KINDS:  # memory: one configuration at a time, nothing else alive
         gc.collect()
         base = heap_in_use() if measure else 0
-        model, stats = _build(kind, cfg)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        run = _build(kind, cfg, p.batch)
         for step in range(2):  # steady state: DDP rebuilds its buckets in its second step
-            _step(model, opt, *batch(step, kind))
+            run.step(*batch(step, kind))
         if measure:
             out["state"][kind] = heap_in_use() - base
 
-        def one_step(model: torch.nn.Module = model, opt: torch.optim.Optimizer = opt, kind: str = kind) -> None:
-            _step(model, opt, *batch(2, kind))  # the batch is made inside, as in every training step
+        def one_step(run: _Run = run, kind: str = kind) -> None:
+            run.step(*batch(2, kind))  # the batch is made inside, as in every training step
 
         out["peak"][kind] = peak_allocated(one_step)
-        if stats is not None:
-            stats.reset()
-            _step(model, opt, *batch(3, kind))
-            out["bytes"][kind] = stats.bytes_sent
-        del model, opt, stats, one_step  # nothing of this configuration stays alive
-    runs = []
-    for kind in KINDS:
-        model, _ = _build(kind, cfg)
-        runs.append((kind, model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+        run.stats.reset()
+        run.step(*batch(3, kind))
+        out["bytes"][kind] = run.stats.bytes_sent + run.extra_bytes
+        del run, one_step  # nothing of this configuration stays alive
+    runs = [_build(kind, cfg, p.batch) for kind in KINDS]
     batches = {(step, kind): batch(10 + step, kind) for step in range(p.warmup + p.timed) for kind in KINDS}
 
-    def timed_step(kind: str, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-        out["loss"][kind] = _step(model, opt, *batches[step, kind])
+    def timed_step(kind: str, run: _Run, step: int) -> None:
+        out["loss"][kind] = run.step(*batches[step, kind])
 
-    steps = [functools.partial(timed_step, kind, model, opt) for kind, model, opt in runs]
-    for (kind, _, _), times in zip(runs, interleaved(steps, warmup=p.warmup, timed=p.timed), strict=True):
+    steps = [functools.partial(timed_step, kind, run) for kind, run in zip(KINDS, runs, strict=True)]
+    for kind, times in zip(KINDS, interleaved(steps, warmup=p.warmup, timed=p.timed), strict=True):
         out["times"][kind] = times
     leave_world()
     return out
-
-
-def _computed_bytes(kind: str, model: GPT, world: int, cfg: GPTConfig, tokens: int) -> float:
-    """A rank's payload per step (what it hands to each collective, as the network bench's cost model counts it)."""
-    full = 4.0 * model.num_params()
-    if kind == "ddp":
-        return full  # the gradients' all-reduce
-    if kind.startswith("tp"):  # pairs: tensor and sequence parallel traffic, FSDP2's reduce-scatter over the pairs
-        dp = world // 2
-        grads = sum(b for b, _ in traffic(cfg, 2, dp, tokens // cfg.block_size, cfg.block_size).values())
-        return float(grads + (2 * 4 * local_numel(cfg, 2) / dp if dp > 1 else 0))  # + the pair's weight all-gathers
-    return full + fsdp2_weight_bytes(model, world)  # fsdp2, simple_fsdp: gradients' reduce-scatter, weights' gathers
 
 
 def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> str:
@@ -183,11 +183,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                 fsdp_t = med if kind == "fsdp2" else fsdp_t
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 peak = None if state is None else max(state + res[r]["peak"][kind] for r in ranks)
-                sent = (
-                    statistics.mean(res[r]["bytes"][kind] for r in ranks)
-                    if kind in res[0]["bytes"]
-                    else _computed_bytes(kind, gpt, world, cfg, p.batch * p.block)
-                )
+                sent = statistics.mean(res[r]["bytes"][kind] for r in ranks)
                 cells.append(
                     [
                         world,
@@ -197,7 +193,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
                         "-" if peak is None else f"{peak / 1e6:.1f}",
                         f"{med:.3f}",
                         "-" if fsdp_t is None else f"{med / fsdp_t:.2f}x",
-                        f"{sent / 1e6:.1f}" + ("" if kind in res[0]["bytes"] else " (computed)"),
+                        f"{sent / 1e6:.1f}",
                         f"{statistics.mean(res[r]['loss'][kind] for r in ranks):.4f}",
                     ]
                 )
@@ -223,9 +219,10 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "state plus the most tensor memory a training step allocates on top of it at any moment (activations, "
         "gathered or received weights, gradients, communication buffers), from the profiler's allocation events, "
         "the larger rank's. Step time: median over "
-        f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. RTP's bytes are counted (ring hops "
-        "of weights and gradients plus the replicated LayerNorms' all-reduce); the others' are computed, as what "
-        "a rank hands to each collective (an all-gather: its own shard). 'rtp "
+        f"{p.timed} interleaved rounds after {p.warmup}, the slower rank's. Each configuration is the "
+        "`--parallel` mode of `powertrain train` (fp32: compressor none), built by the command's code. Bytes: "
+        "what a rank hands to each collective (an all-gather: its own shard), as the mode counts or computes "
+        "it, plus the sharded modes' weight all-gathers (computed). 'rtp "
         "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides. 'tp 2 x "
         "fsdp2': tensor parallel in pairs (which read the same batch: half as many tokens per step), FSDP2 across "
         "the pairs.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n\n"

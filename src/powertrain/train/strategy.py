@@ -238,16 +238,14 @@ class _SimpleFSDP(Strategy):
 
 class _RTP(Strategy):
     def __init__(self, model: torch.nn.Module, name: str, options: dict[str, Any]) -> None:
-        from torch.distributed.tensor import Replicate
-
-        from powertrain.rtp import comm_stats, rotated_tensor_parallel
+        from powertrain.rtp import comm_stats, replicated_traffic, rotated_tensor_parallel
 
         self.model = rotated_tensor_parallel(model)
         self.stats = comm_stats(self.model)
         self.state: Any = _NoState()
-        replicated = [p for p in self.model.parameters() if p.placements == (Replicate(),)]  # type: ignore[attr-defined]
-        if replicated:  # one all-reduce per replicated parameter per backward
-            self.computed = {"all_reduce": (sum(p.numel() * p.element_size() for p in replicated), len(replicated))}
+        nbytes, collectives = replicated_traffic(self.model)
+        if collectives:  # one all-reduce per replicated parameter per backward
+            self.computed = {"all_reduce": (nbytes, collectives)}
 
 
 class _TP(Strategy):
