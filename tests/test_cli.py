@@ -611,7 +611,7 @@ def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):
         main(["bench", "parallel", "--preset", "wide"])
     assert "invalid choice: 'wide'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["bench", "ddp", "--repeats", "2"])
+        main(["bench", "simple_fsdp", "--repeats", "2"])
     assert "unrecognized arguments: --repeats 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "cluster", "--preset", "paper", "--help"])

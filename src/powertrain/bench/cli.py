@@ -18,8 +18,11 @@ BENCHMARKS = "BENCHMARKS.md"
 #: each suite: what it measures (its --help), and the presets it has besides default and tiny
 SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
     "overhead": ("PowerSGD's compute cost against the backward pass (one process, no communication)", ()),
-    "ddp": ("step time against torch's DDP hooks on loopback", ()),
-    "network": ("side by side on an emulated bandwidth-limited cluster (needs root)", ()),
+    "network": (
+        "DDP's and FSDP2's step time with torch's hooks and powertrain's compressors, side by side on an emulated "
+        "bandwidth-limited cluster (needs root; else on loopback alone)",
+        (),
+    ),
     "simple_fsdp": ("SimpleFSDP against FSDP2: step time and memory, eager and compiled", ()),
     "optimizers": (
         "Shampoo, SOAP, GaLore and DeMo against AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore "
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
 
         run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=write)
     else:  # the suites that take only a preset: function run_<suite>_bench of their module
-        home = {"ddp": "ddp_step", "simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
+        home = {"simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
         module = importlib.import_module(f"powertrain.bench.{home}")
         getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write)
     return 0

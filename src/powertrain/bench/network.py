@@ -37,11 +37,12 @@ from typing import Any, NamedTuple
 import torch
 
 from powertrain import _json
-from powertrain.bench import ddp_step, plots
-from powertrain.bench.ddp_step import computed_bytes
+from powertrain.bench import plots
 from powertrain.bench.netem import EmulatedCluster, comm_seconds, unavailable, validate
 from powertrain.bench.report import machine_info, publish, rate_name, table
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
+from powertrain.compress import PowerSGDCompressor
+from powertrain.compress.powersgd import Config
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
 
@@ -103,7 +104,11 @@ _TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset(ddp_step.Preset):
+class Preset:
+    model: GPTConfig
+    batch: int  # sequences per worker per step
+    warmup: int  # rounds before the timed ones
+    timed: int
     rates: tuple[float | None, ...]  # Mbit/s; None: unthrottled
     max_comm_s: float  # rows whose modelled communication exceeds this per step are not run
 
@@ -119,6 +124,18 @@ PRESETS = {
     ),
     "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), 2, START + 1, 2, (None, 100.0), 4.0),
 }
+
+
+def computed_bytes(spec: Spec, model: torch.nn.Module) -> dict[str, float]:
+    """Payload bytes per step of torch's DDP hooks, which do not count them (all all-reduce)."""
+    numel = sum(p.numel() for p in model.parameters())
+    if spec.kind in ("plain", "noop"):
+        return {"all_reduce": 4.0 * numel} if spec.kind == "plain" else {}
+    if spec.kind == "torch_fp16":
+        return {"all_reduce": 2.0 * numel}
+    # torch's hook compresses exactly the matrices the paper variant does (same rate rule) and sends P and Q.
+    cfg = Config(rank=spec.options["rank"], variant="paper", start_compressing_after_num_steps=0)
+    return {"all_reduce": float(PowerSGDCompressor(model.parameters(), config=cfg).bytes_per_step(0))}
 
 
 def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from powertrain.bench.ddp_step import Preset
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.rounds import interleaved
@@ -47,6 +46,14 @@ SETUPS = [
     Setup("SimpleFSDP, compiled (fullgraph, inductor FSDP bucketing)", "simple", True),
     Setup("SimpleFSDP, compiled, no reshard", "simple", True, reshard=False),
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: GPTConfig
+    batch: int  # sequences per worker per step
+    warmup: int  # rounds before the timed ones (compilation happens there)
+    timed: int
 
 
 PRESETS = {
