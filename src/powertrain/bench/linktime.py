@@ -20,13 +20,10 @@ first step here, and the exact steps of a run are costed at the fp32 row's measu
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
-from typing import Any
 
-from powertrain.bench.netem import EmulatedCluster
-from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args
+from powertrain.bench.sidebyside import Spec, SpecResult, launch_args, on_cluster
 from powertrain.models import GPTConfig
 
 __all__ = ["Timing", "overlaps", "seconds_per_step"]
@@ -79,16 +76,7 @@ def _launch(
         data_mb=data_mb,
         timeout_s=timeout,
     )
-    cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
-    with EmulatedCluster(world, rate) as cluster:
-        procs = [cluster.spawn(r, cmd) for r in range(world)]
-        results: dict[int, Any] = {}
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"link timing worker {r} at {rate:g} Mbit/s failed: {err.strip()[-1500:]}")
-            results[r] = json.loads(out.strip().splitlines()[-1])
-    return by_spec(results)
+    return on_cluster(args, world, rate, timeout=timeout)[0]
 
 
 def seconds_per_step(

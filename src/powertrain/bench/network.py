@@ -27,7 +27,6 @@ The other benchmarks use :func:`run_rate` (configurations side by side at a link
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import statistics
 import sys
@@ -38,9 +37,9 @@ import torch
 
 from powertrain import _json
 from powertrain.bench import plots
-from powertrain.bench.netem import EmulatedCluster, comm_seconds, unavailable, validate
+from powertrain.bench.netem import comm_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
-from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
+from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, on_cluster, worker
 from powertrain.compress import PowerSGDCompressor
 from powertrain.compress.powersgd import Config
 from powertrain.models import GPT, GPTConfig
@@ -210,17 +209,7 @@ def run_rate(
     )
     if not emulate:
         return RateRun(by_spec(launch(worker, 2, args)), None)
-    cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
-    with EmulatedCluster(2, rate) as cluster:
-        check = validate(cluster, megabytes=4.0) if rate is not None else None
-        procs = [cluster.spawn(r, cmd) for r in range(2)]
-        results = {}
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=3600)
-            if proc.returncode != 0:
-                raise RuntimeError(f"benchmark worker {r} at {rate} Mbit/s failed: {err.strip()[-1500:]}")
-            results[r] = json.loads(out.strip().splitlines()[-1])
-    return RateRun(by_spec(results), check)
+    return RateRun(*on_cluster(args, 2, rate, check=rate is not None))
 
 
 @dataclasses.dataclass(frozen=True)

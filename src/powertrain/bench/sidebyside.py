@@ -356,6 +356,29 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def on_cluster(
+    args: dict[str, Any], world: int, rate: float | None, *, timeout: float = 3600.0, check: bool = False
+) -> tuple[list[SpecResult], dict[str, float] | None]:
+    """:func:`main` on ``args`` (:func:`launch_args`) in each of ``world`` workers of an emulated cluster whose links
+    run at ``rate`` Mbit/s (None: unthrottled; :class:`powertrain.bench.netem.EmulatedCluster`), each worker a process
+    in its own network namespace; with ``check``, the emulation is validated first (:func:`powertrain.bench.netem.
+    validate`, returned with the results)."""
+    from powertrain.bench.netem import EmulatedCluster, validate
+
+    cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
+    where = "unthrottled" if rate is None else f"at {rate:g} Mbit/s"
+    with EmulatedCluster(world, rate) as cluster:
+        checked = validate(cluster, megabytes=4.0) if check else None
+        procs = [cluster.spawn(r, cmd) for r in range(world)]
+        results: dict[int, Any] = {}
+        for r, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"side-by-side worker {r} {where} failed: {err.strip()[-1500:]}")
+            results[r] = json.loads(out.strip().splitlines()[-1])
+    return by_spec(results), checked
+
+
 def main() -> None:
     """Worker entry point: JSON arguments in argv[1] (:func:`launch_args`, optionally with ``timeout_s``), JSON
     results on stdout (rank 0 and others)."""
