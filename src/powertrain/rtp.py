@@ -47,7 +47,7 @@ from powertrain.comm import CommStats, Communicator, collective_device
 from powertrain.ops.flat import flat_views, pack
 from powertrain.simple_fsdp import _parametrize
 
-__all__ = ["comm_stats", "is_rtp", "rotated_tensor_parallel"]
+__all__ = ["comm_stats", "is_rtp", "replicated_traffic", "rotated_tensor_parallel"]
 
 _WEIGHTS, _GRADS = 0, 1  # message tags: the weight stream and the gradient stream between the same peers
 
@@ -386,8 +386,13 @@ def comm_stats(model: nn.Module) -> CommStats:
 
 
 def replicated_traffic(model: nn.Module) -> tuple[int, int]:
-    """Payload bytes and number of the all-reduces that backward runs on ``model``'s replicated parameters (one per
-    parameter; DTensor issues them, so :func:`comm_stats` does not count them)."""
+    """Payload bytes and number of the all-reduces that backward runs on the replicated parameters of a model
+    returned by :func:`rotated_tensor_parallel` (one per parameter; DTensor issues them, so :func:`comm_stats` does not
+    count them).
+
+    Args:
+        model: the rotated model.
+    """
     replicated = [p for p in model.parameters() if p.placements == (Replicate(),)]  # type: ignore[attr-defined]
     return sum(p.numel() * p.element_size() for p in replicated), len(replicated)
 

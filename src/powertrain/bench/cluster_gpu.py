@@ -28,7 +28,7 @@ NVLINK_BPS = 450e9 * 8  # H100 SXM NVLink 4: 900 GB/s per GPU in both directions
 ALPHA_S = 20e-6  # per message between nodes
 #: Published H100 SXM figures (NVIDIA's datasheet): dense bf16 tensor-core peak, fp32 (no tensor cores), HBM3.
 H100 = {"bf16_flops": 989e12, "fp32_flops": 67e12, "hbm_bytes_per_s": 3.35e12}
-MFU = 0.4  # the fraction of the bf16 peak a GPT step reaches, assumed without a measurement (cluster.py uses it too)
+MFU = 0.4  # the fraction of the bf16 peak a GPT step reaches, assumed without a measurement
 #: (model, sequences per GPU per step, the gpu-check size whose measurements it takes, or extrapolates from).
 MODELS: dict[str, tuple[GPTConfig, int, str]] = {
     "GPT-2 small shape": (GPTConfig(50304, 1024, 12, 12, 768), 8, "124m"),

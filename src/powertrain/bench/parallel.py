@@ -11,12 +11,14 @@ measure, per rank:
 
 then trains all configurations interleaved (one step of each per round, on the same batch, after a barrier) for
 the step time, the slower rank's per round. Every configuration is a ``--parallel`` mode of ``powertrain train``
-built by the command's own code (:data:`MODES`), so the bench measures what the command runs. Bytes per step: a
-rank's payload as the mode's communicator counts it (the collectives powertrain issues) or computes it (those torch
-issues: SimpleFSDP's reduce-scatters, tensor parallelism's, the replicated parameters' all-reduce under RTP), plus
-the weights' all-gathers of the sharded modes, computed (:func:`powertrain.bench.network.fsdp2_weight_bytes`: each
-block's twice, forward and backward after resharding, the root's once). An all-reduce or a reduce-scatter counts
-its whole input, an all-gather the rank's own shard (the network bench's cost model).
+built by the command's own code (:data:`MODES`), so the bench measures what the command runs ('state' then holds
+the mode's hooks and compressor too). Bytes per step: a rank's payload as the mode's communicator counts it (the
+collectives powertrain issues) or computes it (those torch issues: SimpleFSDP's reduce-scatters, tensor parallelism's,
+the replicated parameters' all-reduce under RTP), plus the weights' all-gathers of the sharded modes, computed: FSDP2's
+and SimpleFSDP's each block's twice (forward, and backward after resharding) and the root's once
+(:func:`powertrain.bench.network.fsdp2_weight_bytes`), the tensor-parallel pairs' every weight twice across the pairs.
+An all-reduce or a reduce-scatter counts its whole input, an all-gather the rank's own shard (the network bench's cost
+model).
 
 Overlap (RTP): ``rtp (no overlap)`` waits for every hop before computing with the shard, so its step time minus
 the overlapped one is the communication the rotation hides.
@@ -87,7 +89,9 @@ class _Run:
     opt: torch.optim.Optimizer
     stats: CommStats  # the traffic the mode counts, with what it computes (recorded by its sync)
     strategy: Strategy | None  # None: rtp (no overlap)
-    extra_bytes: float  # per step, what no mode counts: the weights' all-gathers (not gradient traffic)
+    extra_bytes: (
+        float  # per step, computed here: the weights' all-gathers (rtp (no overlap): its replicated all-reduce)
+    )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         sync = self.strategy.sync(True) if self.strategy else contextlib.nullcontext()
@@ -135,6 +139,8 @@ def _worker(preset: str, size: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"state": {}, "peak": {}, "times": {k: [] for k in KINDS}, "bytes": {}, "loss": {}}
     measure = available()
+    for kind in KINDS:  # once each first: the imports and first-use caches a build brings stay out of 'state'
+        _build(kind, cfg, p.batch)
     for kind in KINDS:  # memory: one configuration at a time, nothing else alive
         gc.collect()
         base = heap_in_use() if measure else 0

@@ -37,7 +37,7 @@ from powertrain.train.launch import leave_world
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
 
-__all__ = ["RankResult", "Spec", "SpecResult", "by_spec", "launch_args", "main", "run", "worker"]
+__all__ = ["RankResult", "Spec", "SpecResult", "by_spec", "launch_args", "main", "on_cluster", "run", "worker"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +70,11 @@ class Spec:
             raise ValueError(
                 f"Invalid Spec {self.label!r}: steps={self.steps}; use steps >= 0, and > 0 only with "
                 "an optimizer (the schedule is powertrain train's)"
+            )
+        if self.parallel == "tp":
+            raise ValueError(
+                f"Invalid Spec {self.label!r}: the side-by-side runner gives each rank a batch of its own, and a "
+                "tensor-parallel group must read one together; bench parallel times parallel='tp'"
             )
         if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
             raise ValueError(f"Invalid Spec {self.label!r}: kind {self.kind!r} is a DDP hook; use parallel='ddp'")
@@ -121,13 +126,14 @@ class _Run:
         self.steps_done, self.last_step = 0, spec.steps  # local updates end their schedule with one last sync
 
     def _scope(self) -> contextlib.AbstractContextManager[None]:
-        """Where the loss is computed and differentiated (the strategy's: tp's loss parallelism)."""
+        """Where the loss is computed and differentiated (the strategy's)."""
         return contextlib.nullcontext() if self.strategy is None else self.strategy.loss_scope()
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         if self.strategy is None:
             self.opt.zero_grad()
-        with self._scope():
+        sync = contextlib.nullcontext() if self.strategy is None else self.strategy.sync(True)
+        with sync, self._scope():  # sync: the mode records the traffic it computes rather than counts
             loss = self.wrapped(x, y)
             loss.backward()
         if self.strategy is None:
