@@ -39,6 +39,7 @@ from powertrain import _json
 from powertrain.bench import plots
 from powertrain.bench.netem import comm_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.rounds import Workload
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, on_cluster, worker
 from powertrain.compress import PowerSGDCompressor
 from powertrain.compress.powersgd import Config
@@ -103,11 +104,7 @@ _TORCH_HOOKS = ("plain", "torch_fp16", "torch_psgd")  # the DDP hooks that count
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
-    model: GPTConfig
-    batch: int  # sequences per worker per step
-    warmup: int  # rounds before the timed ones
-    timed: int
+class Preset(Workload):
     rates: tuple[float | None, ...]  # Mbit/s; None: unthrottled
     max_comm_s: float  # rows whose modelled communication exceeds this per step are not run
 

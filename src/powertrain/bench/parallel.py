@@ -89,9 +89,8 @@ class _Run:
     opt: torch.optim.Optimizer
     stats: CommStats  # the traffic the mode counts, with what it computes (recorded by its sync)
     strategy: Strategy | None  # None: rtp (no overlap)
-    extra_bytes: (
-        float  # per step, computed here: the weights' all-gathers (rtp (no overlap): its replicated all-reduce)
-    )
+    #: per step, computed here: the weights' all-gathers (rtp (no overlap): its replicated all-reduce)
+    extra_bytes: float
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         sync = self.strategy.sync(True) if self.strategy else contextlib.nullcontext()

@@ -3,12 +3,26 @@ hits every configuration alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-__all__ = ["interleaved"]
+from powertrain.models import GPTConfig
+
+__all__ = ["Workload", "interleaved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a side-by-side step timing trains: the model, its sequences per worker per step, and the rounds of
+    :func:`interleaved` (``warmup`` before the ``timed`` ones)."""
+
+    model: GPTConfig
+    batch: int
+    warmup: int
+    timed: int
 
 
 def interleaved(

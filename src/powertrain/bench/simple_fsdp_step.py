@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.rounds import interleaved
+from powertrain.bench.rounds import Workload, interleaved
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
@@ -48,17 +48,9 @@ SETUPS = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    model: GPTConfig
-    batch: int  # sequences per worker per step
-    warmup: int  # rounds before the timed ones (compilation happens there)
-    timed: int
-
-
-PRESETS = {
-    "default": Preset(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), batch=16, warmup=3, timed=10),
-    "tiny": Preset(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), batch=2, warmup=2, timed=2),
+PRESETS = {  # warm-up rounds: compilation happens there
+    "default": Workload(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), batch=16, warmup=3, timed=10),
+    "tiny": Workload(GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32), batch=2, warmup=2, timed=2),
 }
 
 
