@@ -315,7 +315,7 @@ def _children_running(launcher: int, marker: bytes) -> int:
 
 
 CTRL_C_IN_START = """
-import os, signal, sys
+import os, signal, sys, time
 from multiprocessing import forkserver
 from powertrain.train import launch as L
 
@@ -323,6 +323,13 @@ real = forkserver.ensure_running
 def ensure_running():  # the fork server is spawned, and a Ctrl-C arrives before the launcher's window closes
     real()
     os.kill(os.getpid(), signal.SIGINT)
+    # This thread blocks SIGINT, so the kernel hands it to another thread (torch's, the store's), which runs the C
+    # handler when it is next scheduled: on a loaded CPU after the window closed, and the workers then start before
+    # they are stopped. A Ctrl-C "arrives" once a thread has taken it off the process's pending set.
+    deadline = time.monotonic() + 30
+    while signal.SIGINT in signal.sigpending() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(0.2)  # past the few instructions from taking it to setting the flag the main thread reads
 forkserver.ensure_running = ensure_running
 try:
     L.launch(print, 2, "a worker ran")
