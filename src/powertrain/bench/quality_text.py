@@ -203,7 +203,7 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         timed = (
             "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
             "**measured on an emulated link** of that rate (a network namespace per worker, tc tbf; the real overlap "
-            "with backward, the faster of one bucket and 2 MB buckets at 10 Mbit/s and above; local updates over "
+            "with backward, DDP's buckets as `powertrain train` builds them: torch's default; local updates over "
             "whole sync periods); '-' where some seed did not reach the target or the row is not timed on the link "
             "(torch's hook)."
         )

@@ -49,7 +49,10 @@ class Spec:
     label: str
     kind: str
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    bucket_cap_mb: float | None = None  # None: the run's default (one bucket for torch's PowerSGD hook)
+    #: DDP's bucket size where the runner builds DDP itself (torch's hooks, or no ``optimizer``); None: the run's
+    #: (one bucket). A row with an optimizer and a powertrain compressor is built as ``powertrain train`` builds it
+    #: (torch's default buckets), and refuses a bucket size rather than ignore it.
+    bucket_cap_mb: float | None = None
     parallel: Parallel = "ddp"
     #: "": AdamW(lr=1e-3) as in the compressor benchmarks; else ``powertrain train``'s optimizer of that name
     #: (:func:`powertrain.train.optimizers.build_optimizer`) with ``optimizer_options`` as TrainConfig fields.
@@ -75,6 +78,13 @@ class Spec:
             raise ValueError(
                 f"Invalid Spec {self.label!r}: the side-by-side runner gives each rank a batch of its own, and a "
                 "tensor-parallel group must read one together; bench parallel times parallel='tp'"
+            )
+        if self.bucket_cap_mb is not None and (
+            self.parallel != "ddp" or (self.optimizer and self.kind not in _TORCH_KINDS)
+        ):
+            raise ValueError(
+                f"Invalid Spec {self.label!r}: bucket_cap_mb={self.bucket_cap_mb} is for DDP the runner builds itself "
+                "(torch's hooks, or no optimizer); this one is built as powertrain train builds it: leave it out"
             )
         if self.parallel != "ddp" and self.kind in _TORCH_KINDS:
             raise ValueError(f"Invalid Spec {self.label!r}: kind {self.kind!r} is a DDP hook; use parallel='ddp'")

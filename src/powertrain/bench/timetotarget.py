@@ -4,12 +4,11 @@ A run is a sequence of phases, each timed on the link as a configuration of its 
 the real overlap, seconds per step):
 
 * PowerSGD's exact warm-up: the fp32 all-reduce's step; then its compressed steps;
-* local updates' warm-up of per-step gradient averaging: that compressor's step; then the local updates (their
-  seconds per step over whole sync periods: the sync steps and the steps between them).
+* local updates: their seconds per step over whole sync periods (the sync steps and the steps between them).
 
 :func:`seconds_to` adds, for the first ``k`` steps of a run, each phase's steps times its measured seconds per step.
-Per-step configurations are timed with one DDP bucket and with 2 MB buckets (which overlap backward), and the faster
-counts. What was measured is kept in a JSON file, keyed by what decides a timing (the configuration, the model, the
+Per-step configurations are timed as ``powertrain train`` builds them (DDP with torch's default buckets: 1 MiB, then
+25 MiB). What was measured is kept in a JSON file, keyed by what decides a timing (the configuration, the model, the
 rate), so a later call times only what is missing.
 """
 
@@ -20,7 +19,6 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from powertrain import _json
 from powertrain._files import write_atomic
@@ -29,9 +27,6 @@ from powertrain.bench.sidebyside import Spec
 from powertrain.models import GPTConfig
 
 __all__ = ["Phase", "measure", "phases_of", "seconds_to", "timing_key"]
-
-BUCKET_MB = 2.0  # the small buckets timed beside one bucket
-ONE_BUCKET_MB = 1e6  # a DDP bucket larger than any model here: one message after backward, no overlap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +65,7 @@ def seconds_to(k: float, phases: Sequence[Phase], seconds: Mapping[str, float]) 
 #: bytes a file of kept bench results may hold (a row's curves and step times over a run to target take well under
 #: 1 MB): a larger one in a reused --out is refused before it is read
 KEPT_LIMIT = 16 << 20
-SLOW = 5.0  # Mbit/s: below this a dense step takes minutes; fewer rounds, one bucket (the link dominates the step)
+SLOW = 5.0  # Mbit/s: below this a dense step takes minutes; fewer rounds (the link dominates the step)
 
 
 def _timing(spec: Spec, rate: float) -> Timing:
@@ -93,47 +88,38 @@ def measure(
     world: int = 2,
 ) -> dict[float, dict[str, float]]:
     """Seconds per step of every spec at every rate, by :func:`timing_key` (measured now, or kept from an earlier call
-    in the JSON file ``kept``). Per-step DDP configurations: the faster of one bucket and 2 MB buckets (one bucket
-    below :data:`SLOW`). ``model`` None: ``powertrain train``'s 1-D ResNet."""
+    in the JSON file ``kept``). ``model`` None: ``powertrain train``'s 1-D ResNet."""
     shape = "resnet1d" if model is None else json.dumps(dataclasses.asdict(model), sort_keys=True)
     model_id = f"{shape}/b{batch}/w{world}"
     store: dict[str, float] = _json.load(kept, KEPT_LIMIT, "Kept link timings") if kept.exists() else {}
     unique = {timing_key(s): s for s in specs}
     out: dict[float, dict[str, float]] = {}
     for rate in rates:
-        todo: list[tuple[str, Spec]] = []
-        for key, spec in unique.items():
-            for variant in _variants(spec, rate):
-                if _store_key(model_id, rate, variant) not in store:
-                    todo.append((key, variant))
+        todo = [t for t in (_timed(spec) for spec in unique.values()) if _store_key(model_id, rate, t) not in store]
         if todo:
             print(f"[time to target] {rate:g} Mbit/s: timing {len(todo)} configurations", file=sys.stderr)
         by_timing: dict[Timing, list[Spec]] = {}  # one launch per timing: no row takes another's rounds
-        for _, variant in todo:
-            by_timing.setdefault(_timing(variant, rate), []).append(variant)
+        for spec in todo:
+            by_timing.setdefault(_timing(spec, rate), []).append(spec)
         for timing, group in by_timing.items():
             got = seconds_per_step(
                 group, [timing] * len(group), model=model, batch=batch, rate=rate, data_mb=data_mb, world=world
             )
-            for variant, t in zip(group, got, strict=True):
-                store[_store_key(model_id, rate, variant)] = t
+            for spec, t in zip(group, got, strict=True):
+                store[_store_key(model_id, rate, spec)] = t
             kept.parent.mkdir(parents=True, exist_ok=True)  # kept after every launch: a stopped call loses one
             write_atomic(kept, _json.dumps(store, indent=1) + "\n")
-        out[rate] = {
-            key: min(store[_store_key(model_id, rate, v)] for v in _variants(spec, rate))
-            for key, spec in unique.items()
-        }
+        out[rate] = {key: store[_store_key(model_id, rate, _timed(spec))] for key, spec in unique.items()}
     return out
 
 
-#: PowerSGD's start for a spec timed in its exact phase (it never compresses while timed): :func:`_variants` keeps it
+#: PowerSGD's start for a spec timed in its exact phase (it never compresses while timed): :func:`_timed` keeps it
 EXACT_ONLY = 1 << 30
 
 
-def _variants(spec: Spec, rate: float) -> list[Spec]:
-    """How ``spec`` is timed: compressing from its first step (PowerSGD's exact steps are a phase of their own,
-    timed as a spec whose start is :data:`EXACT_ONLY`), with
-    one bucket and (at :data:`SLOW` and above) with 2 MB buckets for a per-step DDP configuration."""
+def _timed(spec: Spec) -> Spec:
+    """How ``spec`` is timed: compressing from its first step (PowerSGD's exact steps are a phase of their own, timed
+    as a spec whose start is :data:`EXACT_ONLY`)."""
     if spec.kind == "torch_psgd":
         raise ValueError(
             f"{spec.label}: torch's PowerSGD hook needs exact steps first (start_powerSGD_iter > 1) and "
@@ -141,9 +127,7 @@ def _variants(spec: Spec, rate: float) -> list[Spec]:
         )
     if spec.kind == "powersgd" and spec.options.get("start_compressing_after_num_steps") != EXACT_ONLY:
         spec = dataclasses.replace(spec, options={**spec.options, "start_compressing_after_num_steps": 0})
-    if spec.parallel != "ddp" or spec.bucket_cap_mb is not None or rate < SLOW:
-        return [spec]
-    return [spec, dataclasses.replace(spec, bucket_cap_mb=BUCKET_MB)]
+    return spec
 
 
 def _store_key(model_id: str, rate: float, spec: Spec) -> str:
@@ -152,28 +136,7 @@ def _store_key(model_id: str, rate: float, spec: Spec) -> str:
 
 def phases_of(spec: Spec, *, exact_warmup: int, exact: Spec) -> list[Phase]:
     """The phases of a run of ``spec``: ``exact_warmup`` steps timed as ``exact`` (PowerSGD's exact all-reduce steps),
-    then ``spec`` itself; for local updates with a warm-up, that many steps of its warm-up compressor as a per-step
-    configuration, then the local updates (timed without the warm-up)."""
-    opts: Mapping[str, Any] = spec.optimizer_options
-    if spec.parallel == "diloco" and opts.get("sync_warmup", 0):
-        from powertrain.train.config import parse_compressor
-
-        warm = int(opts["sync_warmup"])
-        kind, options = parse_compressor(str(opts.get("warmup_compressor", "none")))
-        inner = {k: v for k, v in opts.items() if k not in ("sync_warmup", "warmup_compressor")}
-        # DiLoCo's warm-up sends the whole model's gradients in one blocking message after backward: one bucket
-        per_step = Spec(
-            f"{spec.label} warm-up",
-            kind,
-            options,
-            bucket_cap_mb=ONE_BUCKET_MB,
-            optimizer=spec.optimizer,
-            optimizer_options={k: v for k, v in inner.items() if k in ("adam_freeze", "lr")},
-        )
-        local = dataclasses.replace(spec, optimizer_options=inner)
-        exact_steps = min(warm, int(options.get("start_compressing_after_num_steps", 0))) if kind == "powersgd" else 0
-        head = [Phase(exact_steps, exact)] if exact_steps else []
-        return [*head, Phase(warm, per_step), Phase(None, local)]
+    then ``spec`` itself."""
     if exact_warmup:
         return [Phase(exact_warmup, exact), Phase(None, spec)]
     return [Phase(None, spec)]
