@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import resource
 from collections.abc import Callable
 
 from torch.autograd import DeviceType
@@ -58,11 +57,6 @@ def heap_in_use() -> int:
     gc.collect()
     info = _LIBC.mallinfo2()
     return int(info.uordblks + info.hblkhd)
-
-
-def peak_rss() -> int:
-    """Peak resident set size of this process in bytes (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_allocated(fn: Callable[[], object]) -> int:

@@ -233,6 +233,5 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "the pairs.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n\n"
         f"Command: `powertrain bench parallel{'' if preset == 'default' else ' --preset ' + preset}`\n"
     )
-    print(text)
     publish(text, write, "parallel" if preset == "default" else f"parallel-{preset}")
     return text

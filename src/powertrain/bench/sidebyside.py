@@ -244,7 +244,7 @@ def run(
     curves: list[list[tuple[int, float]]] = [[] for _ in specs]
     acc_curves: list[list[tuple[int, float]]] = [[] for _ in specs]
     sent: list[dict[str, int]] = [{} for _ in specs]
-    spent = [[0.0, 0.0, 0] for _ in specs]  # compress_s, comm_s, collectives over the timed rounds
+    spent = [[0.0, 0] for _ in specs]  # compress_s, collectives over the timed rounds
     for step in range(warmup + timed):
         x, y = corpus.batch("train", rank, world, (seed, rank, step), batch, block)
         for i, r in enumerate(runs):
@@ -262,8 +262,7 @@ def run(
                     for op, n in after.by_op.items():
                         sent[i][op] = sent[i].get(op, 0) + n - before.by_op.get(op, 0)
                     spent[i][0] += after.compress_s - before.compress_s
-                    spent[i][1] += after.comm_s - before.comm_s
-                    spent[i][2] += after.num_collectives - before.num_collectives
+                    spent[i][1] += after.num_collectives - before.num_collectives
             losses[i].append(loss)
             if eval_every and (step + 1) % eval_every == 0:
                 loss_val, acc = r.evaluate(val_batches, classes)
@@ -277,9 +276,8 @@ def run(
         "times": times,
         "losses": losses,
         "sent_per_step": [{k: v / timed_steps[i] for k, v in s.items()} for i, s in enumerate(sent)],
-        "compress_s": [c / timed_steps[i] for i, (c, _, _) in enumerate(spent)],
-        "comm_s": [c / timed_steps[i] for i, (_, c, _) in enumerate(spent)],
-        "collectives": [k / timed_steps[i] for i, (_, _, k) in enumerate(spent)],
+        "compress_s": [c / timed_steps[i] for i, (c, _) in enumerate(spent)],
+        "collectives": [k / timed_steps[i] for i, (_, k) in enumerate(spent)],
         "measured_stats": [bool(r.sources) for r in runs],
         "val_loss": val,
         "val_curve": curves,
@@ -296,7 +294,6 @@ class RankResult:
     losses: list[float]  # training loss of every step taken
     sent_per_step: dict[str, float]  # payload bytes per timed step by collective, as powertrain counted them
     compress_s: float  # compression seconds per timed step
-    comm_s: float  # blocked-communication seconds per timed step
     collectives: float  # per timed step
     measured_stats: bool  # powertrain counted the communication (False: torch's hooks, which count nothing)
     val_loss: float  # the final validation loss (mean over ranks)
@@ -335,7 +332,6 @@ def _rank_result(res: dict[str, Any], i: int) -> RankResult:
         losses=res["losses"][i],
         sent_per_step=res["sent_per_step"][i],
         compress_s=res["compress_s"][i],
-        comm_s=res["comm_s"][i],
         collectives=res["collectives"][i],
         measured_stats=res["measured_stats"][i],
         val_loss=res["val_loss"][i],
