@@ -7,7 +7,8 @@ both, unless the operation only overwrites it: a fill, a random draw, a copy's d
 all: the true traffic for elementwise work, a floor for matrix products (each operand read once). World size 1 (no
 collectives; an all-gather compressor decodes one message per rank, so its traffic grows with the ranks). Usage:
 ``python tools/compressor_traffic.py powersgd rank=32 start=0``; ``fused=1``: the fused kernels
-(:mod:`powertrain.ops.fused`, as on CUDA) each counted as one operation by its inputs and outputs.
+(:mod:`powertrain.ops.fused`, as on CUDA) and PowerSGD's Triton kernels (:mod:`powertrain.ops.lowrank_kernels`) each
+counted as one operation by its inputs and outputs.
 """
 
 from __future__ import annotations
@@ -99,6 +100,33 @@ def count_fused(traffic: Traffic) -> None:
 
     os.environ["POWERTRAIN_FUSED"] = "1"  # what CUDA's default does, counted here on the CPU
     fused.fused_or_eager = fused_or_eager  # type: ignore[assignment]
+    count_lowrank_kernels(traffic)
+
+
+def count_lowrank_kernels(traffic: Traffic) -> None:
+    """Count PowerSGD's Triton kernels (:mod:`powertrain.ops.lowrank_kernels`, as CUDA runs them) each as one operation
+    that reads its tensor arguments and writes its results, computed by its eager twin unseen by ``traffic``: the
+    first argument of ``approx_residual`` (M, read and written in place) twice, ``sum_project``'s (written only)
+    once."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from powertrain.ops import lowrank_kernels as kernels
+
+    def counted(name: str, eager: Any, in_place: bool) -> Any:
+        def call(*args: Any) -> Any:
+            with _disable_current_modes():
+                out = eager(*args)
+            tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+            tensors += [args[0]] if in_place else []
+            traffic.bytes[f"kernel {name}"] += sum(t.numel() * t.element_size() for t in tensors)
+            traffic.calls[f"kernel {name}"] += 1
+            return out
+
+        return call
+
+    kernels.usable = lambda device, dtype: dtype == torch.float32
+    kernels.sum_project = counted("sum_project", kernels.sum_project_eager, False)
+    kernels.approx_residual = counted("approx_residual", kernels.approx_residual_eager, True)
 
 
 class Traffic(TorchDispatchMode):

@@ -63,9 +63,10 @@ from powertrain.compress.base import (
     guard_nonfinite,
 )
 from powertrain.ops import fused as fusion
+from powertrain.ops import lowrank_kernels
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
-from powertrain.ops.lowrank import low_rank, matrix_shape, orthonormalize, unit_scaled
+from powertrain.ops.lowrank import matrix_shape, orthonormalize, unit_scaled
 
 __all__ = ["RECOMMENDED", "Config", "FactorDtype", "PowerSGDCompressor", "Variant", "recommended_config"]
 
@@ -173,6 +174,7 @@ class _Batch:
     rows: tuple[int, int] | None = None  # only these rows of the approximation are wanted (FSDP shard)
     approx_bnm: torch.Tensor | None = None
     extrema: torch.Tensor | None = None  # each matrix's (min, max) of m_bnm, where a fused kernel wrote it
+    first_p: torch.Tensor | None = None  # the paper variant's first P = M Q, where a kernel formed it with M
 
 
 def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -472,6 +474,8 @@ class PowerSGDCompressor(Compressor):
         keys: dict[tuple[int, int, int, int, tuple[int, int] | None], tuple[list[int], list[int]]] = {}
         fuse = fusion.enabled(self.device)
         add_extrema = fusion.fused_or_eager("add_extrema", _add_extrema, _add_extrema_eager, self.device)
+        # the sum, its extremes and the first product P = M Q in one pass (ops/lowrank_kernels.py)
+        project = self.config.variant == "paper" and lowrank_kernels.usable(self.device, self.dtype)
         for j, i in enumerate(idx):
             mat = self._mat[i]
             if mat is not None and self._steps[i] >= start:
@@ -484,6 +488,20 @@ class PowerSGDCompressor(Compressor):
             # gradient + residual written once into the batch (a stack, then adding the residuals in place, would pass
             # over it three more times); the sum is the same: computed in self.dtype, rounded once
             m_bnm = torch.empty((len(call_js), n, m), dtype=self.dtype, device=self.device)
+            p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
+            q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
+            batch = _Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row)
+            batches.append(batch)
+            if project:
+                batch.first_p = torch.empty_like(p_bnr)
+                units = unit_scaled(q_bmr).unbind(0)
+                batch.extrema = torch.stack(
+                    [
+                        lowrank_kernels.sum_project(owed, grads[j].reshape(n, m), self._errors[i], q, p)
+                        for owed, j, i, q, p in zip(m_bnm, call_js, params, units, batch.first_p, strict=True)
+                    ]
+                )
+                continue
             extrema = []
             for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
                 e = self._errors[i]
@@ -496,11 +514,8 @@ class PowerSGDCompressor(Compressor):
                     extrema.append(add_extrema(owed, g, e))
                 else:
                     _add(owed, g, e)
-            p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
-            q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
-            batches.append(_Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row))
             if fuse:
-                batches[-1].extrema = torch.stack(extrema)
+                batch.extrema = torch.stack(extrema)
         return batches
 
     def _send_buffer(
@@ -567,7 +582,10 @@ class PowerSGDCompressor(Compressor):
         for it in range(k):
             p_buf, p_views = self._send_buffer([b.p_bnr.numel() for b in batches], None, 1.0)
             for b, view in zip(batches, p_views, strict=True):  # Q scaled: its size is the last step's gradient's
-                b.p_bnr = torch.bmm(b.m_bnm, unit_scaled(b.q_bmr), out=view.view_as(b.p_bnr))
+                if it == 0 and b.first_p is not None:
+                    b.p_bnr = view.view_as(b.p_bnr).copy_(b.first_p)
+                else:
+                    b.p_bnr = torch.bmm(b.m_bnm, unit_scaled(b.q_bmr), out=view.view_as(b.p_bnr))
             yield from self._reduce(p_buf, "sum", False)  # only its span matters: orthonormalised next, no division
             last = fused if it == k - 1 else None
             q_buf, q_views = self._send_buffer([b.q_bmr.numel() for b in batches], last, 1.0)  # mean: as is
@@ -577,10 +595,14 @@ class PowerSGDCompressor(Compressor):
             yield from self._reduce(q_buf, "mean", it == k - 1)
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
+        residual = (
+            lowrank_kernels.approx_residual
+            if lowrank_kernels.usable(self.device, self.dtype)
+            else lowrank_kernels.approx_residual_eager
+        )
         for b in batches:
-            if b.rows is None:
-                b.approx_bnm = low_rank(b.p_bnr, b.q_bmr)
-                b.m_bnm.sub_(b.approx_bnm)
+            if b.rows is None:  # the approximation written twice: as itself and, from M, as the residual
+                b.approx_bnm = residual(b.m_bnm, b.p_bnr, b.q_bmr)
             else:  # the residual needs the full product; the output only this rank's rows
                 b.m_bnm.baddbmm_(b.p_bnr, b.q_bmr.transpose(1, 2), alpha=-1)
                 b.approx_bnm = torch.bmm(b.p_bnr[:, b.rows[0] : b.rows[1]], b.q_bmr.transpose(1, 2))
