@@ -85,42 +85,31 @@ _R32 = {"rank": 32, "variant": "paper", "factor_dtype": "bf16"}
 ADAM_FREEZE = POWERSGD_ADAM_FREEZE  # the command's with PowerSGD; the rows set it (or 0) themselves
 _FROZEN = {"adam_freeze": ADAM_FREEZE}
 
+
+def _powersgd(rank: int, *, frozen: bool = False, note: str = "") -> Row:
+    """PowerSGD's paper variant at ``rank`` with bf16 factors, under torch's AdamW or (``frozen``) the command's."""
+    optimizer = f"AdamW frozen at {ADAM_FREEZE:g}" if frozen else "torch's AdamW"
+    return Row(
+        f"r{rank}{'-frozen' if frozen else ''}",
+        f"powertrain powersgd r{rank} paper, bf16 factors, {optimizer}{note}",
+        "powersgd",
+        {**_R32, "rank": rank},
+        optimizer_options=_FROZEN if frozen else {},
+    )
+
+
 FP32 = Row("fp32", "fp32 all-reduce", "none")
 ROWS = [
     FP32,
     Row("bf16", "bf16 all-reduce", "bf16"),
     Row("torch-r4", "torch powerSGD_hook r4", "torch_psgd", {"rank": 4}),
     Row("torch-r32", "torch powerSGD_hook r32", "torch_psgd", {"rank": 32}),
-    Row("r8", "powertrain powersgd r8 paper, bf16 factors, torch's AdamW", "powersgd", {**_R32, "rank": 8}),
-    Row(
-        "r8-frozen",
-        f"powertrain powersgd r8 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
-        "powersgd",
-        {**_R32, "rank": 8},
-        optimizer_options=_FROZEN,
-    ),
-    Row(
-        "r16-frozen",
-        f"powertrain powersgd r16 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g}",
-        "powersgd",
-        {**_R32, "rank": 16},
-        optimizer_options=_FROZEN,
-    ),
-    Row("r32", "powertrain powersgd r32 paper, bf16 factors, torch's AdamW", "powersgd", _R32),
-    Row(
-        "r48-frozen",
-        f"powertrain powersgd r48 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default at d_model 384)",
-        "powersgd",
-        {**_R32, "rank": 48},
-        optimizer_options=_FROZEN,
-    ),
-    Row(
-        "r32-frozen",
-        f"powertrain powersgd r32 paper, bf16 factors, AdamW frozen at {ADAM_FREEZE:g} (the default at d_model 256)",
-        "powersgd",
-        _R32,
-        optimizer_options=_FROZEN,
-    ),
+    _powersgd(8),
+    _powersgd(8, frozen=True),
+    _powersgd(16, frozen=True),
+    _powersgd(32),
+    _powersgd(48, frozen=True, note=" (the default at d_model 384)"),
+    _powersgd(32, frozen=True, note=" (the default at d_model 256)"),
     Row("fp32-frozen", f"fp32 all-reduce, AdamW frozen at {ADAM_FREEZE:g}", "none", optimizer_options=_FROZEN),
     Row("int4", "powertrain int4", "int4"),
     Row(
@@ -329,51 +318,30 @@ class Preset:
             raise ValueError(f"Invalid Preset: eval_every={self.eval_every} must divide every horizon {self.horizons}")
 
 
+#: the default GPT on the stdlib corpus, 2 x 16 sequences a step, 3 seeds at 300 and 1,000 steps: what most presets vary
+_GPT = Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START)
 #: the outer-step study on the command's schedule (a study of losses: no time to target)
-_OUTER_PRESET = Preset(
-    GPTConfig(256, 128, 4, 4, 256),
-    16,
-    (300,),
-    3,
-    25,
-    32.0,
-    DEFAULT_START,
-    rows=(*_OUTER_HELD, *_OUTER_TIED),
-    horizon_only_at=(300,),
-    rates=(),
+_OUTER_PRESET = dataclasses.replace(
+    _GPT, horizons=(300,), rows=(*_OUTER_HELD, *_OUTER_TIED), horizon_only_at=(300,), rates=()
 )
 
 PRESETS = {
-    "default": Preset(
-        GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START, rows_at={1000: ("r32-frozen",)}
-    ),
+    "default": dataclasses.replace(_GPT, rows_at={1000: ("r32-frozen",)}),
     "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, (8,), 2, 2, 0.5, 2, rates=(1.0, 100.0)),
     # the second workload (issue 18): convolutions, classification; 2 x 32 samples a step, 16 epochs of mnist1d's 4,000
     "mnist1d": Preset(None, 32, (1000,), 5, 50, 0.0, DEFAULT_START),
     # a second text shape (issue 18): wider and shallower than the default, about as many parameters and FLOPs
-    "wide": Preset(GPTConfig(256, 128, 2, 6, 384), 16, (300,), 3, 25, 32.0, DEFAULT_START),
+    "wide": dataclasses.replace(_GPT, model=GPTConfig(256, 128, 2, 6, 384), horizons=(300,)),
     # local updates (issue 34) on the default GPT, beside the per-step rows they compete with
-    "local": Preset(
-        GPTConfig(256, 128, 4, 4, 256),
-        16,
-        (300, 1000),
-        3,
-        25,
-        32.0,
-        DEFAULT_START,
+    "local": dataclasses.replace(
+        _GPT,
         rows_at={1000: ("local",)},
         horizon_only_at=(1000,),  # the local row ends ~7% above fp32 there (one seed): 3,000 steps would not reach it
         rows=("bf16", "r32-frozen", "local", "local-streaming", "diloco-paper"),
     ),
     # Muon against a swept AdamW (issue 47): the target is the best AdamW's loss itself
-    "muon": Preset(
-        GPTConfig(256, 128, 4, 4, 256),
-        16,
-        (300, 1000),
-        3,
-        25,
-        32.0,
-        DEFAULT_START,
+    "muon": dataclasses.replace(
+        _GPT,
         rows=("bf16", "local", *(r.key for r in OPTIMIZER_ROWS)),  # local: AdamW inside, beside Muon inside
         baseline=("fp32", *(f"adamw-{lr:g}" for lr in ADAMW_LRS)),
         target=1.0,
