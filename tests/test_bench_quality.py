@@ -171,7 +171,7 @@ def test_a_bucket_size_the_runner_would_not_apply_is_refused():
         {"kind": "none", "optimizer": "adamw"},
         {"kind": "int8", "parallel": "fsdp"},
     ):
-        with pytest.raises(ValueError, match="bucket_cap_mb=2.0 is for DDP the runner builds itself"):
+        with pytest.raises(ValueError, match=r"bucket_cap_mb=2\.0 is for DDP the runner builds itself"):
             Spec("a", bucket_cap_mb=2.0, **kwargs)
     Spec("a", "int8", bucket_cap_mb=2.0)
     Spec("a", "torch_fp16", bucket_cap_mb=2.0, optimizer="adamw")
