@@ -37,16 +37,21 @@ def gamma(k: int) -> float:
 def interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("POWERTRAIN_FUSED", "1")
+    monkeypatch.setattr(K, "_FAILED", [])  # a failure seen elsewhere would turn the kernels off here
     K._kernels.cache_clear()  # decorated under the interpreter
     yield
     K._kernels.cache_clear()
+    assert not K._FAILED, f"a kernel fell back to its eager twin: {K._FAILED}"
 
 
 @pytest.mark.parametrize(("n", "m", "r"), [(70, 130, 4), (33, 64, 32), (128, 96, 1), (17, 200, 33), (1, 5, 2)])
-def test_sum_project_equals_its_eager_twin(interpreted, n, m, r):
-    """Sizes off the blocks on both sides, rank 1, 32 and 33 (two rank tiles wide), a bf16 gradient (rounded up
-    exactly), a transposed gradient (strides), no residual yet."""
+def test_sum_project_equals_its_eager_twin(interpreted, monkeypatch, n, m, r):
+    """Sizes off the blocks on both sides, rank 1, 32 and 33 (a 64-wide rank tile, half unused), a bf16 gradient
+    (rounded up exactly), a transposed gradient (strides), no residual yet. Only POWERTRAIN_FUSED=1 asks for them."""
     assert K.usable(torch.device("cpu"), torch.float32) and not K.usable(torch.device("cpu"), torch.float64)
+    monkeypatch.setenv("POWERTRAIN_FUSED", "auto")  # fused elementwise work on CUDA, not yet these kernels
+    assert not K.usable(torch.device("cuda"), torch.float32) and not K.usable(torch.device("cpu"), torch.float32)
+    monkeypatch.setenv("POWERTRAIN_FUSED", "1")
     torch.manual_seed(n + m + r)
     q = torch.randn(m, r)
     cases = [
@@ -154,3 +159,6 @@ def test_a_kernel_that_cannot_run_warns_once_and_the_eager_twins_take_over(inter
         got = K.sum_project(got_m, g, e, q, got_p)
     assert torch.equal(got, want) and torch.equal(got_m, want_m) and torch.equal(got_p, want_p)
     assert not K.usable(torch.device("cpu"), torch.float32)
+    got = K.sum_project(got_m, g, e, q, got_p)  # no second attempt (on CUDA a compilation each), no second warning
+    assert K._FAILED == ["sum_project"] and torch.equal(got, want)
+    K._FAILED.clear()  # the fixture's check is for the other tests

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 import sys
 import time
@@ -146,12 +147,13 @@ def _compressors(model: torch.nn.Module, backward_s: float, device: torch.device
     if device.type == "cuda":  # torch's default keeps fp32 matmuls exact; TF32 is a user's choice (one flag)
         specs["PowerSGD r32, TF32"] = COMPRESSORS["PowerSGD r32"]
         specs[HOUSEHOLDER] = COMPRESSORS["PowerSGD r32"]
+        specs[TRITON] = COMPRESSORS["PowerSGD r32"]
     out: dict[str, Any] = {"auto_choice": choice.reason}
     for label, (name, options) in specs.items():
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = label.endswith("TF32")
         try:
-            with _householder() if label == HOUSEHOLDER else contextlib.nullcontext():
+            with _variant(label):
                 out[label] = _time_compressor(model, grads, name, options, backward_s, dense, device, repeats)
         except Exception:
             out[label] = _error()
@@ -197,18 +199,31 @@ def _optimizer_steps(
 HOUSEHOLDER = "PowerSGD r32, Householder QR"
 
 
+#: PowerSGD rank 32 with its Triton kernels (powertrain.ops.lowrank_kernels, POWERTRAIN_FUSED=1): fewer passes over
+#: the gradients, one launch a matrix; they run by default once this row shows them faster than the one above.
+TRITON = "PowerSGD r32, Triton kernels"
+
+
 @contextlib.contextmanager
-def _householder() -> Iterator[None]:
-    """PowerSGD's orthonormalisation as torch.linalg.qr on every device, while the block runs."""
+def _variant(label: str) -> Iterator[None]:
+    """While the block runs: PowerSGD's orthonormalisation as torch.linalg.qr on every device (:data:`HOUSEHOLDER`),
+    or its Triton kernels asked for (:data:`TRITON`); else nothing changes."""
     from powertrain.compress import powersgd
     from powertrain.ops.lowrank import householder_qr
 
-    chosen = powersgd.orthonormalize
-    powersgd.orthonormalize = householder_qr
+    chosen, fused = powersgd.orthonormalize, os.environ.get("POWERTRAIN_FUSED")
+    if label == HOUSEHOLDER:
+        powersgd.orthonormalize = householder_qr
+    elif label == TRITON:
+        os.environ["POWERTRAIN_FUSED"] = "1"
     try:
         yield
     finally:
         powersgd.orthonormalize = chosen
+        if fused is None:
+            os.environ.pop("POWERTRAIN_FUSED", None)
+        else:
+            os.environ["POWERTRAIN_FUSED"] = fused
 
 
 def _time_compressor(

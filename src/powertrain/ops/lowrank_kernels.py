@@ -10,9 +10,10 @@ product ``M Q``, the second ``M^T P``, the approximation ``P Q^T`` written, and 
 * :func:`approx_residual`: ``P Q^T`` computed a tile at a time and written twice, as the approximation and, subtracted
   from ``M``, as the new residual (3 passes where they took 4).
 
-Each has an eager twin (the same results up to the order of a product's sums), which runs where Triton does not:
-without Triton, on the CPU (unless ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), with
-``POWERTRAIN_FUSED`` off (:func:`powertrain.ops.fused.enabled`), or for dtypes other than float32. The sum is the
+Each has an eager twin (the same results up to the order of a product's sums), which runs unless
+``POWERTRAIN_FUSED=1`` asks for the kernels (not yet by default on CUDA: :func:`usable`), and also then without
+Triton, on the CPU (unless ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), or for dtypes other
+than float32. The sum is the
 eager one to the bit (one IEEE addition in float32 per entry, the gradient rounded to float32 first); the products
 are exact-IEEE float32 dot products (``input_precision="ieee"``: no TF32), in another order than a BLAS's.
 """
@@ -34,9 +35,13 @@ __all__ = ["approx_residual", "approx_residual_eager", "sum_project", "sum_proje
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the Triton kernels run for float tensors of ``dtype`` on ``device``: fusion on (``POWERTRAIN_FUSED``),
-    float32, Triton importable, and a CUDA device or Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    """Whether the Triton kernels run for float tensors of ``dtype`` on ``device``: asked for (``POWERTRAIN_FUSED=1``;
+    not by ``auto`` until ``make gpu-check`` has timed them: they move fewer bytes, but launch once a matrix, with
+    ``n / 32`` programs each), float32, Triton importable, and a CUDA device or Triton's interpreter
+    (``TRITON_INTERPRET=1``)."""
     if dtype != torch.float32 or _FAILED or not fused.enabled(device) or not _has_triton():
+        return False
+    if os.environ.get("POWERTRAIN_FUSED", "auto") != "1":
         return False
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -46,7 +51,9 @@ _FAILED: list[str] = []  # a kernel that did not compile or launch: the eager tw
 
 def _launch(name: str, grid: tuple[int, ...], *args: Any, **meta: Any) -> bool:
     """Launch the kernel ``name``; False (warned once, and :func:`usable` False from then on) if it cannot compile or
-    run, so that the caller runs the eager twin instead."""
+    run, so that the caller runs the eager twin instead (at once, for the rest of the call, once one has failed)."""
+    if _FAILED:
+        return False
     try:
         getattr(_kernels(), name)[grid](*args, **meta)
     except torch.OutOfMemoryError:
@@ -193,7 +200,8 @@ def _kernels() -> Any:
         BLOCK_K: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # offsets in int64: Triton computes in int32, and a row times a stride passes 2^31 in a matrix of 2^31 entries
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         ranks = tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         low = tl.full((BLOCK_N, BLOCK_K), float("inf"), tl.float32)
@@ -243,9 +251,10 @@ def _kernels() -> Any:
         BLOCK_M: tl.constexpr,
         BLOCK_R: tl.constexpr,
     ):
-        b = tl.program_id(0)
-        rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # offsets in int64: a batch of 7B-parameter-model matrices holds more than 2^31 entries
+        b = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.program_id(2).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         ranks = tl.arange(0, BLOCK_R)
         pt = tl.load(
             p_ptr + b * sp0 + rows[:, None] * sp1 + ranks[None, :] * sp2,
