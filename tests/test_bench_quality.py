@@ -276,7 +276,7 @@ def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, mo
     """torchft's DiLoCo and powertrain's local-update rows take turns on the link (torchft, then one launch of ours,
     TORCHFT_PAIRS times at a rate of timetotarget.SLOW or more, once below); the pairs are kept and reused, and the
     text gives each row's median and each pair's ratio to torchft's step."""
-    from powertrain.bench import linktime, quality_text, torchft_diloco
+    from powertrain.bench import quality_text, torchft_diloco
 
     calls: list[str] = []
     theirs = iter([0.7, 0.72, 0.69, 6.0])
@@ -293,7 +293,7 @@ def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, mo
 
     monkeypatch.setattr(torchft_diloco, "available", lambda: True)
     monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", torchft_link)
-    monkeypatch.setattr(linktime, "seconds_per_step", ours_link)
+    monkeypatch.setattr(timetotarget, "seconds_per_step", ours_link)
     p = dataclasses.replace(PRESETS["local"], rates=(100.0, 1.0))
     rows = select_rows(["bf16", "local", "diloco-paper"])
     path = tmp_path / "torchft_link.json"

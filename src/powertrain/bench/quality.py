@@ -482,7 +482,6 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     ``rows`` (kept in ``path``), per rate: a list of pairs, each {"torchft": s, row key: s, ...} seconds per step over
     one sync period after another; when the paper row runs and torchft is installed; else nothing."""
     from powertrain.bench import torchft_diloco
-    from powertrain.bench.linktime import Timing, seconds_per_step
 
     paper = next((r for r in rows if r.key == PAPER.key), None)
     if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
@@ -490,7 +489,10 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     h = int(paper.optimizer_options["sync_every"])
     ours = [r for r in rows if r.parallel == "diloco"]
     specs = [_spec(r, 0, p.start, None) for r in ours]
-    periods = [Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"])) for s in specs]
+    periods = [
+        timetotarget.Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"]))
+        for s in specs
+    ]
     kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft timings") if path.exists() else {}
     names = ",".join(r.key for r in ours)
     keys = {rate: f"{rate:g}/h{h}/w{p.workers}/{names}" for rate in p.rates}
@@ -504,7 +506,7 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
             theirs = torchft_diloco.link_seconds_per_step(
                 model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
             )
-            mine = seconds_per_step(
+            mine = timetotarget.seconds_per_step(
                 specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb, world=p.workers
             )
             pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})

@@ -203,7 +203,7 @@ def link_seconds_per_step(
 ) -> float:
     """torchft's DiLoCo (the paper's outer step, fp32, one fragment) on an emulated link of ``rate_mbit`` Mbit/s: its
     seconds per step over its second sync period (the first has the start-up), as
-    :func:`powertrain.bench.linktime.seconds_per_step` times powertrain's local updates."""
+    :func:`powertrain.bench.timetotarget.seconds_per_step` times powertrain's local updates."""
     res = run_torchft(
         model=model,
         batch=batch,
