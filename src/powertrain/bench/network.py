@@ -40,11 +40,10 @@ from powertrain.bench import plots
 from powertrain.bench.netem import comm_seconds, unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
 from powertrain.bench.rounds import Workload
-from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, on_cluster, worker
+from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.compress import PowerSGDCompressor
 from powertrain.compress.powersgd import Config
 from powertrain.models import GPT, GPTConfig
-from powertrain.train.launch import launch
 
 __all__ = [
     "PRESETS",
@@ -195,18 +194,20 @@ def run_rate(
     ``steps`` steps with validation every ``eval_every``. ``emulate``: on an emulated cluster
     (:mod:`powertrain.bench.netem`, validated first at a finite rate); else on loopback, whatever ``rate``."""
     quality = steps is not None
-    args = launch_args(
-        specs,
-        model=p.model,
-        batch=p.batch,
-        warmup=0 if quality else p.warmup,
-        timed=steps if quality else p.timed,
-        start=START,
-        eval_every=eval_every if quality else 0,
+    return RateRun(
+        *side_by_side(
+            specs,
+            rate=rate,
+            emulate=emulate,
+            check=rate is not None,
+            model=p.model,
+            batch=p.batch,
+            warmup=0 if quality else p.warmup,
+            timed=steps if quality else p.timed,
+            start=START,
+            eval_every=eval_every if quality else 0,
+        )
     )
-    if not emulate:
-        return RateRun(by_spec(launch(worker, 2, args)), None)
-    return RateRun(*on_cluster(args, 2, rate, check=rate is not None))
 
 
 @dataclasses.dataclass(frozen=True)

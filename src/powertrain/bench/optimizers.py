@@ -52,12 +52,11 @@ from powertrain.bench import network
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import machine_info, publish, rate_name, table
 from powertrain.bench.rounds import interleaved
-from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
+from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.shampoo.optimizer import DistributedShampoo
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
-from powertrain.train.launch import launch
 from powertrain.train.optimizers import galore_split
 
 __all__ = ["load_galore_torch", "load_shampoo_reference", "reference_like", "run_optimizers_bench"]
@@ -231,8 +230,9 @@ def _rows(results: list[SpecResult], specs: list[Spec], skip: int) -> dict[str, 
 def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> list[SpecResult]:
     """``specs`` side by side on loopback, compared on their final validation only (no evaluations along the
     way: only the slow-link part, through :func:`network.run_rate`, reads validation curves)."""
-    args = launch_args(specs, model=p.model, batch=p.batch, warmup=0, timed=steps, start=network.START, eval_every=0)
-    return by_spec(launch(worker, nproc, args))
+    return side_by_side(
+        specs, world=nproc, model=p.model, batch=p.batch, warmup=0, timed=steps, start=network.START, eval_every=0
+    )[0]
 
 
 def best_lr(rows: list[dict[str, Any]]) -> float:

@@ -43,7 +43,7 @@ from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
 from powertrain.bench.quality_text import markdown
 from powertrain.bench.report import publish
-from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
+from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import (
     DEFAULT_OUTER_COMPRESSOR,
@@ -54,7 +54,6 @@ from powertrain.train.config import (
     POWERSGD_ADAM_FREEZE,
     parse_compressor,
 )
-from powertrain.train.launch import launch
 from powertrain.train.strategy import Parallel
 
 TARGET = 1.01
@@ -417,22 +416,6 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     )
 
 
-def _run(p: Preset, specs: list[Spec], *, warmup: int, timed: int, eval_every: int, seed: int) -> list[SpecResult]:
-    """``specs`` side by side on the preset's loopback workers with its model and data."""
-    args = launch_args(
-        specs,
-        model=p.model,
-        batch=p.batch,
-        warmup=warmup,
-        timed=timed,
-        start=p.start,
-        eval_every=eval_every,
-        data_mb=p.data_mb,
-        seed=seed,
-    )
-    return by_spec(launch(worker, p.workers, args))
-
-
 def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | None) -> list[SpecResult]:
     """Train ``rows`` side by side over ``steps`` (to ``target``, if given)."""
     specs = [_spec(r, steps, p.start, target if r.to_target else None) for r in rows]
@@ -442,7 +425,18 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
         file=sys.stderr,
     )
     rounds = max(s.steps + s.extra_steps for s in specs)
-    return _run(p, specs, warmup=0, timed=rounds, eval_every=p.eval_every, seed=seed)
+    return side_by_side(
+        specs,
+        world=p.workers,
+        model=p.model,
+        batch=p.batch,
+        warmup=0,
+        timed=rounds,
+        start=p.start,
+        eval_every=p.eval_every,
+        data_mb=p.data_mb,
+        seed=seed,
+    )[0]
 
 
 def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:

@@ -33,11 +33,22 @@ from powertrain.ddp import register_compressor
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import ClassData, TokenData, load_data
-from powertrain.train.launch import leave_world
+from powertrain.train.launch import launch, leave_world
 from powertrain.train.optimizers import build_optimizer, build_scheduler
 from powertrain.train.strategy import Parallel, build_strategy
 
-__all__ = ["RankResult", "Spec", "SpecResult", "by_spec", "launch_args", "main", "on_cluster", "run", "worker"]
+__all__ = [
+    "RankResult",
+    "Spec",
+    "SpecResult",
+    "by_spec",
+    "launch_args",
+    "main",
+    "on_cluster",
+    "run",
+    "side_by_side",
+    "worker",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -389,6 +400,28 @@ def on_cluster(
                 raise RuntimeError(f"side-by-side worker {r} {where} failed: {err.strip()[-1500:]}")
             results[r] = json.loads(out.strip().splitlines()[-1])
     return by_spec(results), checked
+
+
+def side_by_side(
+    specs: Sequence[Spec],
+    *,
+    world: int = 2,
+    rate: float | None = None,
+    emulate: bool = False,
+    check: bool = False,
+    timeout: float | None = None,
+    **options: Any,
+) -> tuple[list[SpecResult], dict[str, float] | None]:
+    """:func:`run` of ``specs`` (``options``: :func:`launch_args`' keywords) on ``world`` workers: local ones on
+    loopback, or with ``emulate`` each in its own network namespace of an emulated cluster whose links run at ``rate``
+    Mbit/s (None: unthrottled; :func:`on_cluster`, the emulation validated first with ``check``; ``timeout``: how
+    long its workers may take, and their collectives' timeout, else an hour and :func:`main`'s). Returns one
+    :class:`SpecResult` per spec, in order, and the validation (None where none ran)."""
+    if not emulate:
+        return by_spec(launch(worker, world, launch_args(specs, **options))), None
+    if timeout is None:
+        return on_cluster(launch_args(specs, **options), world, rate, check=check)
+    return on_cluster(launch_args(specs, timeout_s=timeout, **options), world, rate, timeout=timeout, check=check)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from powertrain import _json
 from powertrain._files import write_atomic
-from powertrain.bench.sidebyside import Spec, SpecResult, launch_args, on_cluster
+from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPTConfig
 
 __all__ = ["Phase", "Timing", "measure", "overlaps", "phases_of", "seconds_per_step", "seconds_to", "timing_key"]
@@ -180,30 +180,6 @@ def _per_step(spec: Spec, res: SpecResult) -> float:
     return statistics.median(times)
 
 
-def _launch(
-    specs: list[Spec],
-    *,
-    model: GPTConfig | None,
-    batch: int,
-    rate: float,
-    timing: Timing,
-    data_mb: float,
-    world: int,
-    timeout: float,
-) -> list[SpecResult]:
-    args = launch_args(
-        specs,
-        model=model,
-        batch=batch,
-        warmup=timing.warmup,
-        timed=timing.timed,
-        start=0,
-        data_mb=data_mb,
-        timeout_s=timeout,
-    )
-    return on_cluster(args, world, rate, timeout=timeout)[0]
-
-
 def seconds_per_step(
     specs: list[Spec],
     timings: list[Timing],
@@ -235,15 +211,18 @@ def seconds_per_step(
             f"[link timing] {rate:g} Mbit/s: {', '.join(s.label for s in run)} ({warmup} + {timed} rounds)",
             file=sys.stderr,
         )
-        results = _launch(
+        results, _ = side_by_side(
             run,
+            world=world,
+            rate=rate,
+            emulate=True,
+            timeout=timeout,
             model=model,
             batch=batch,
-            rate=rate,
-            timing=Timing(warmup, timed),
+            warmup=warmup,
+            timed=timed,
+            start=0,
             data_mb=data_mb,
-            world=world,
-            timeout=timeout,
         )
         for i, spec, res in zip(group, run, results, strict=True):
             out[i] = _per_step(spec, res)
