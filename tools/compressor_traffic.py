@@ -8,7 +8,8 @@ all: the true traffic for elementwise work, a floor for matrix products (each op
 collectives; an all-gather compressor decodes one message per rank, so its traffic grows with the ranks). Usage:
 ``python tools/compressor_traffic.py powersgd rank=32 start=0``; ``fused=1``: the fused kernels
 (:mod:`powertrain.ops.fused`, as on CUDA) and PowerSGD's Triton kernels (:mod:`powertrain.ops.lowrank_kernels`) each
-counted as one operation by its inputs and outputs.
+counted as one operation by its inputs and outputs. ``TOP=N`` in the environment lists the N operations that move
+the most bytes (10).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def main(argv: list[str]) -> None:
         f"{name} {opts}{' fused' if fused else ''}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, "
         f"{total / gradient:.1f} passes over the float32 gradients"
     )
-    for op, n in traffic.bytes.most_common(10):
+    for op, n in traffic.bytes.most_common(int(os.environ.get("TOP", "10"))):
         print(f"  {op:20s} {traffic.calls[op]:4d} calls {n / 1e9:6.2f} GB")
 
 
