@@ -66,7 +66,7 @@ from powertrain.ops import fused as fusion
 from powertrain.ops import lowrank_kernels
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
-from powertrain.ops.lowrank import matrix_shape, orthonormalize, unit_scaled
+from powertrain.ops.lowrank import add_owed, matrix_shape, orthonormalize, unit_scaled
 
 __all__ = ["RECOMMENDED", "Config", "FactorDtype", "PowerSGDCompressor", "Variant", "recommended_config"]
 
@@ -184,13 +184,8 @@ def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.
     return torch.stack(torch.aminmax(owed))
 
 
-def _add(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> None:
-    """``owed <- g + e``, a gradient wider than ``owed`` rounded to its dtype first, as a stack of them would be."""
-    torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
-
-
 def _add_extrema_eager(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    _add(owed, g, e)
+    add_owed(owed, g, e)
     return torch.stack(torch.aminmax(owed))
 
 
@@ -513,7 +508,7 @@ class PowerSGDCompressor(Compressor):
                 elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
                     extrema.append(add_extrema(owed, g, e))
                 else:
-                    _add(owed, g, e)
+                    add_owed(owed, g, e)
             if fuse:
                 batch.extrema = torch.stack(extrema)
         return batches

@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-__all__ = ["cholesky_qr", "householder_qr", "low_rank", "matrix_shape", "orthonormalize", "unit_scaled"]
+__all__ = ["add_owed", "cholesky_qr", "householder_qr", "low_rank", "matrix_shape", "orthonormalize", "unit_scaled"]
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -110,6 +110,12 @@ def unit_scaled(x: torch.Tensor) -> torch.Tensor:
     ``Q`` was large. An all-zero matrix stays zero; NaN and Inf stay non-finite."""
     _, exponent = torch.frexp(x.abs().amax(dim=(-2, -1), keepdim=True))
     return torch.ldexp(x, -exponent)
+
+
+def add_owed(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> None:
+    """``owed <- g + e`` (gradient + residual), a gradient wider than ``owed`` rounded to its dtype first, as a stack
+    of them would be."""
+    torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
 
 
 def low_rank(p_bnr: torch.Tensor, q_bmr: torch.Tensor) -> torch.Tensor:

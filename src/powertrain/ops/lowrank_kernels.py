@@ -13,9 +13,9 @@ product ``M Q``, the second ``M^T P``, the approximation ``P Q^T`` written, and 
 Each has an eager twin (the same results up to the order of a product's sums), which runs unless
 ``POWERTRAIN_FUSED=1`` asks for the kernels (not yet by default on CUDA: :func:`usable`), and also then without
 Triton, on the CPU (unless ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use), or for dtypes other
-than float32. The sum is the
-eager one to the bit (one IEEE addition in float32 per entry, the gradient rounded to float32 first); the products
-are exact-IEEE float32 dot products (``input_precision="ieee"``: no TF32), in another order than a BLAS's.
+than float32. The sum is the eager one to the bit (one IEEE addition in float32 per entry, the gradient rounded to
+float32 first); the products are exact-IEEE float32 dot products (``input_precision="ieee"``: no TF32), in another
+order than a BLAS's.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from powertrain.ops import fused
-from powertrain.ops.lowrank import low_rank
+from powertrain.ops.lowrank import add_owed, low_rank
 
 __all__ = ["approx_residual", "approx_residual_eager", "sum_project", "sum_project_eager", "usable"]
 
@@ -80,7 +80,7 @@ def sum_project_eager(
     if e is None:
         owed.copy_(g)
     else:
-        torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
+        add_owed(owed, g, e)
     torch.mm(owed, q, out=p)
     return torch.stack(torch.aminmax(owed))
 
@@ -95,7 +95,7 @@ def sum_project(
         raise ValueError(f"sum_project writes rows of adjacent entries: got strides {owed.stride()} and {p.stride()}")
     n, m = owed.shape
     r = q.shape[1]
-    block_n, block_k, block_r = 32, 64, max(16, triton_next_power_of_2(r))
+    block_n, block_k, block_r = 32, 64, max(16, _next_power_of_2(r))
     programs = -(-n // block_n)
     partial = torch.empty((programs, 2), dtype=owed.dtype, device=owed.device)
     ee = g if e is None else e  # a pointer the kernel never reads without HAS_E
@@ -142,7 +142,7 @@ def approx_residual(m_bnm: torch.Tensor, p_bnr: torch.Tensor, q_bmr: torch.Tenso
     b, n, m = m_bnm.shape
     r = p_bnr.shape[2]
     approx = torch.empty_like(m_bnm)
-    block_n, block_m, block_r = 32, 64, max(16, triton_next_power_of_2(r))
+    block_n, block_m, block_r = 32, 64, max(16, _next_power_of_2(r))
     grid = (b, -(-n // block_n), -(-m // block_m))
     if not _launch(
         "approx_residual",
@@ -166,7 +166,7 @@ def approx_residual(m_bnm: torch.Tensor, p_bnr: torch.Tensor, q_bmr: torch.Tenso
     return approx
 
 
-def triton_next_power_of_2(x: int) -> int:
+def _next_power_of_2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
