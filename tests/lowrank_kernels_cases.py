@@ -1,14 +1,17 @@
-"""powertrain.ops.lowrank_kernels: PowerSGD's two Triton kernels against their eager twins, run on the CPU by Triton's
+"""powertrain.ops.lowrank_kernels: PowerSGD's Triton kernel against its eager twin, run on the CPU by Triton's
 interpreter (``TRITON_INTERPRET=1``), alone and inside the paper variant.
 
-Tolerances. The sum is one float32 addition per entry in both (the gradient rounded to float32 first): bitwise. A
-product is a sum of ``k`` float32 products in another order than the BLAS's: each of the two results is within
-``gamma_k |A| |B|`` of the exact product (``gamma_k = k u / (1 - k u)``, ``u = 2^-24``, for any order of summation;
-Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.13), so they differ by at most ``2 gamma_k |A| |B|``.
-The residual ``M - approx`` is then within that of the eager one, plus one rounding of each (``u`` times each
-magnitude). With integer-valued gradients, residuals and ``Q`` (powers of two after the unit scaling), the first
-product is exact in any order (every partial sum an integer below 2^24): the same ``P``, so the whole paper variant
-runs the same operations up to the approximation, and only that and the residual differ, within the bound above.
+Tolerances. Without kept factors the sum is one float32 addition per entry in both (the gradient rounded to float32
+first): bitwise. A product is a sum of ``k`` float32 products in another order than the BLAS's: each of the two
+results is within ``gamma_k |A| |B|`` of the exact product (``gamma_k = k u / (1 - k u)``, ``u = 2^-24``, for any order
+of summation; Higham, Accuracy and Stability of Numerical Algorithms, eq. 3.13), so they differ by at most
+``2 gamma_k |A| |B|``. The residual ``e - P Q^T`` is a sum of ``r + 1`` terms in either (the kernel: the dot product,
+then the subtraction; the eager twin: addmm), so the two differ by at most ``2 gamma_{r+1} (|e| + |P| |Q|^T)``; adding
+the gradient rounds each once more (``u`` times each sum's magnitude). The first product then takes the sums'
+difference times ``|Q|`` beside its own ``gamma_m`` of each. With integer-valued gradients, kept matrices and factors
+(``Q`` a power of two after the unit scaling), every product is exact in any order (every partial sum an integer below
+2^24): the same sums and ``P``, so the whole paper variant runs the same operations up to the approximation, which is
+the one product left, within the bound above.
 """
 
 from __future__ import annotations
@@ -47,26 +50,42 @@ def interpreted(monkeypatch):
 @pytest.mark.parametrize(("n", "m", "r"), [(70, 130, 4), (33, 64, 32), (128, 96, 1), (17, 200, 33), (1, 5, 2)])
 def test_sum_project_equals_its_eager_twin(interpreted, monkeypatch, n, m, r):
     """Sizes off the blocks on both sides, rank 1, 32 and 33 (a 64-wide rank tile, half unused), a bf16 gradient
-    (rounded up exactly), a transposed gradient (strides), no residual yet. Only POWERTRAIN_FUSED=1 asks for them."""
+    (rounded up exactly), a transposed gradient (strides), no residual yet, kept factors of another rank (and
+    transposed). Only POWERTRAIN_FUSED=1 asks for the kernel."""
     assert K.usable(torch.device("cpu"), torch.float32) and not K.usable(torch.device("cpu"), torch.float64)
-    monkeypatch.setenv("POWERTRAIN_FUSED", "auto")  # fused elementwise work on CUDA, not yet these kernels
+    monkeypatch.setenv("POWERTRAIN_FUSED", "auto")  # fused elementwise work on CUDA, not yet this kernel
     assert not K.usable(torch.device("cuda"), torch.float32) and not K.usable(torch.device("cpu"), torch.float32)
     monkeypatch.setenv("POWERTRAIN_FUSED", "1")
     torch.manual_seed(n + m + r)
     q = torch.randn(m, r)
+    kr = max(1, r - 1)
+    kept = (torch.randn(n, kr), torch.randn(m, kr))
     cases = [
-        (torch.randn(n, m), torch.randn(n, m)),
-        (torch.randn(n, m).bfloat16(), torch.randn(n, m)),
-        (torch.randn(m, n).t(), torch.randn(n, m)),
-        (torch.randn(n, m), None),
+        (torch.randn(n, m), torch.randn(n, m), None),
+        (torch.randn(n, m).bfloat16(), torch.randn(n, m), None),
+        (torch.randn(m, n).t(), torch.randn(n, m), None),
+        (torch.randn(n, m), None, None),
+        (torch.randn(n, m), torch.randn(n, m), kept),
+        (torch.randn(n, m).bfloat16(), torch.randn(m, n).t(), (kept[0], torch.randn(kr, m).t())),
     ]
-    for g, e in cases:
+    for g, e, k in cases:
         want_m, got_m, want_p, got_p = torch.empty(n, m), torch.empty(n, m), torch.empty(n, r), torch.empty(n, r)
-        want_x = K.sum_project_eager(want_m, g, e, q, want_p)
-        got_x = K.sum_project(got_m, g, e, q, got_p)
-        assert torch.equal(got_m, want_m) and torch.equal(got_x, want_x), (g.dtype, e is None)
-        bound = 2 * gamma(m) * (want_m.abs() @ q.abs())
-        assert ((got_p - want_p).abs() <= bound).all(), float(((got_p - want_p).abs() - bound).max())
+        want_x = K.sum_project_eager(want_m, g, e, k, q, want_p)
+        got_x = K.sum_project(got_m, g, e, k, q, got_p)
+        what = (g.dtype, e is None, k is None)
+        assert torch.equal(got_x, torch.stack(torch.aminmax(got_m))), what  # the extremes of what it wrote
+        if k is None:
+            assert torch.equal(got_m, want_m) and torch.equal(got_x, want_x), what
+            sums = torch.zeros(n, m)
+        else:
+            assert e is not None
+            pq = k[0].abs() @ k[1].abs().T
+            sums = 2 * gamma(kr + 1) * (e.abs() + pq) + U * (got_m.abs() + want_m.abs())
+            assert ((got_m - want_m).abs() <= sums).all(), (what, float(((got_m - want_m).abs() - sums).max()))
+            if kr >= 8:  # a sum of 9+ terms in two orders: else this case would test no bound
+                assert not torch.equal(got_m, want_m), "the orders differ somewhere"
+        bound = (got_m - want_m).abs() @ q.abs() + gamma(m) * ((got_m.abs() + want_m.abs()) @ q.abs())
+        assert ((got_p - want_p).abs() <= bound).all(), (what, float(((got_p - want_p).abs() - bound).max()))
 
 
 def test_sum_project_extremes_fail_a_finiteness_check_on_nan_and_inf(interpreted):
@@ -74,43 +93,33 @@ def test_sum_project_extremes_fail_a_finiteness_check_on_nan_and_inf(interpreted
     for bad in (float("nan"), float("inf"), float("-inf")):
         g2 = g.clone()
         g2[37, 69] = bad  # in the last block of rows and of columns
-        got = K.sum_project(torch.empty(40, 70), g2, torch.zeros(40, 70), q, torch.empty(40, 3))
+        kept = (torch.randn(40, 2), torch.randn(70, 2))
+        got = K.sum_project(torch.empty(40, 70), g2, torch.zeros(40, 70), kept, q, torch.empty(40, 3))
         assert not torch.isfinite(got).all(), (bad, got)
         if bad != bad:  # NaN, where the eager twin's extremes are NaN
             assert got.tolist() == [float("-inf"), float("inf")]
 
 
-@pytest.mark.parametrize(("b", "n", "m", "r"), [(3, 70, 130, 4), (1, 33, 64, 32), (2, 128, 96, 1), (2, 9, 300, 40)])
-def test_approx_residual_equals_its_eager_twin(interpreted, b, n, m, r):
-    torch.manual_seed(b * n + m + r)
-    m_bnm, p, q = torch.randn(b, n, m), torch.randn(b, n, r), torch.randn(b, m, r)
-    want_m, got_m = m_bnm.clone(), m_bnm.clone()
-    want = K.approx_residual_eager(want_m, p, q)
-    got = K.approx_residual(got_m, p, q[:, :, :].contiguous())
-    bound = 2 * gamma(r) * torch.bmm(p.abs(), q.abs().transpose(1, 2))
-    assert ((got - want).abs() <= bound).all()
-    assert ((got_m - want_m).abs() <= bound + U * (got_m.abs() + want_m.abs())).all()
-
-
 def test_the_paper_variant_with_the_kernels_equals_it_without(monkeypatch, interpreted):
-    """One call on a 1-rank compressor, integer-valued gradients and Q (see the module): the factors bitwise, the
-    approximation (the output) and the residual within the derived bound of the last product; the vector's exact
-    all-reduce bitwise. The kernels really ran (their calls counted)."""
+    """One call on a 1-rank compressor from a state that owes integer-valued residuals through kept factors (two
+    matrices) or nothing yet (one), integer-valued gradients and Q (see the module): the sums (the kept M after the
+    call) and factors bitwise, the approximation (the output, the one product in another order) within the derived
+    bound; the vector's exact all-reduce bitwise. The kernel really ran (its calls counted)."""
     from powertrain.compress import make_compressor
 
     torch.manual_seed(0)
     shapes = [(40, 24), (40, 24), (65, 33), (7,)]
     params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
     grads = [torch.randint(-8, 9, s).float() for s in shapes]
-    calls = {"sum_project": 0, "approx_residual": 0}
-    for name in calls:
-        real = getattr(K, name)
+    calls = 0
+    real = K.sum_project
 
-        def counted(*a, _real=real, _name=name):
-            calls[_name] += 1
-            return _real(*a)
+    def counted(*a):
+        nonlocal calls
+        calls += 1
+        return real(*a)
 
-        monkeypatch.setattr(K, name, counted)
+    monkeypatch.setattr(K, "sum_project", counted)
 
     def run(kernels: bool, rows=None):
         monkeypatch.setenv("POWERTRAIN_FUSED", "1" if kernels else "0")
@@ -119,26 +128,27 @@ def test_the_paper_variant_with_the_kernels_equals_it_without(monkeypatch, inter
         )
         state = comp.state_dict()
         gen = torch.Generator().manual_seed(1)
-        state["q"] = [None if q is None else torch.randint(-8, 9, q.shape, generator=gen).float() for q in state["q"]]
+        ints = lambda t: None if t is None else torch.randint(-8, 9, t.shape, generator=gen).float()
+        state["q"], state["p"] = [ints(q) for q in state["q"]], [ints(p) for p in state["p"]]
+        state["m"] = [None if i in (1, 3) else ints(torch.empty(shapes[i])) for i in range(4)]
         comp.load_state_dict(state)
         return comp.aggregate(grads, rows=rows), comp.state_dict()
 
     (want, want_state), (got, got_state) = run(False), run(True)
-    assert calls == {"sum_project": 3, "approx_residual": 2}, calls  # one per matrix; one per batch (2 shapes)
+    assert calls == 3, calls  # one per matrix
     assert torch.equal(want[3], got[3])
     for i in range(3):
         p, q = want_state["p"][i], want_state["q"][i]
         assert torch.equal(p, got_state["p"][i]) and torch.equal(q, got_state["q"][i]), i
+        assert torch.equal(want_state["m"][i], got_state["m"][i]), i
         bound = 2 * gamma(4) * (p.abs() @ q.abs().T)
         assert ((got[i] - want[i]).abs() <= bound).all(), i
-        res_w, res_g = want_state["errors"][i], got_state["errors"][i]
-        assert ((res_g - res_w).abs() <= bound + U * (res_g.abs() + res_w.abs())).all(), i
     # an FSDP shard's rows: the first product still through the kernel (its one call a matrix), the approximation of
-    # those rows and the full residual eager: the same operations on the same factors, bitwise
+    # those rows eager: the same operations on the same factors, bitwise
     rows = [(8, 24), (0, 40), (30, 65), (0, 7)]
     (want, want_state), (got, got_state) = run(False, rows), run(True, rows)
-    assert calls == {"sum_project": 3 + 3, "approx_residual": 2}, calls
-    for w, g in zip([*want, *want_state["errors"][:3]], [*got, *got_state["errors"][:3]], strict=True):
+    assert calls == 3 + 3, calls
+    for w, g in zip([*want, *want_state["m"][:3]], [*got, *got_state["m"][:3]], strict=True):
         assert torch.equal(w, g)
 
 
@@ -153,12 +163,15 @@ def test_a_kernel_that_cannot_run_warns_once_and_the_eager_twins_take_over(inter
     monkeypatch.setattr(K, "_kernels", functools.cache(lambda: type("Kernels", (), {"sum_project": Broken()})))
     monkeypatch.setattr(K, "_FAILED", [])
     g, e, q = torch.randn(9, 20), torch.randn(9, 20), torch.randn(20, 3)
+    kept = (torch.randn(9, 2), torch.randn(20, 2))
     want_m, got_m, want_p, got_p = torch.empty(9, 20), torch.empty(9, 20), torch.empty(9, 3), torch.empty(9, 3)
-    want = K.sum_project_eager(want_m, g, e, q, want_p)
+    want = K.sum_project_eager(want_m, g, e, kept, q, want_p)
     with pytest.warns(UserWarning, match="Triton kernel sum_project did not run .RuntimeError: no compiler"):
-        got = K.sum_project(got_m, g, e, q, got_p)
+        got = K.sum_project(got_m, g, e, kept, q, got_p)
     assert torch.equal(got, want) and torch.equal(got_m, want_m) and torch.equal(got_p, want_p)
     assert not K.usable(torch.device("cpu"), torch.float32)
-    got = K.sum_project(got_m, g, e, q, got_p)  # no second attempt (on CUDA a compilation each), no second warning
+    got = K.sum_project(
+        got_m, g, e, kept, q, got_p
+    )  # no second attempt (on CUDA a compilation each), no second warning
     assert K._FAILED == ["sum_project"] and torch.equal(got, want)
     K._FAILED.clear()  # the fixture's check is for the other tests

@@ -1,4 +1,4 @@
-"""PowerSGD's Triton kernels on the CPU, under Triton's interpreter, in a process of their own.
+"""PowerSGD's Triton kernel on the CPU, under Triton's interpreter, in a process of its own.
 
 The interpreter has to be on before Triton is first imported: Triton's own library functions (``tl.min``, ``tl.max``)
 are compiled-mode functions in a process that imported Triton without it (torch.compile's tests do, in the same test

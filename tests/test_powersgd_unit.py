@@ -510,6 +510,77 @@ def test_state_dict_roundtrip_weights_only_and_mismatch(device):
         other.load_state_dict(state)
 
 
+def test_the_paper_variant_keeps_m_and_loads_a_state_that_holds_the_residual():
+    """The paper variant keeps each matrix's last M and its factors and owes M - P Q^T (one write of the matrix fewer a
+    step), saved as "m". A state written before that (the residual in "errors") resumes the same run: its residual is
+    owed through zero factors, and the next call equals the uninterrupted one bitwise (the residual formed by the same
+    addmm, then the same addition). The alternating variant keeps the residual itself ("errors")."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((24, 16), (24, 16), (9, 31), (5,))]
+    config = Config(rank=3, variant="paper", start_compressing_after_num_steps=1)
+    comp = PowerSGDCompressor(params, config=config)
+    for _ in range(3):
+        grads = [torch.randn(p.shape) for p in params]
+        before = comp.state_dict()
+        out = comp.aggregate(grads)
+    state = comp.state_dict()
+    assert "errors" not in state and "errors" in PowerSGDCompressor(params, config=Config(rank=3)).state_dict()
+    for i in range(3):  # what is kept is this call's M, its residual M less the approximation it sent
+        m = grads[i].reshape(before["m"][i].shape) + torch.addmm(
+            before["m"][i], before["p"][i], before["q"][i].T, alpha=-1
+        )
+        assert torch.equal(state["m"][i], m), i
+        # M - P Q^T, a sum of rank + 1 terms, in two orders (addmm; the output's bmm, then a subtraction)
+        p, q, u = state["p"][i], state["q"][i], EPS32 / 2
+        bound = 2 * (4 * u / (1 - 4 * u)) * (m.abs() + p.abs() @ q.abs().T)
+        assert ((comp.residuals()[i].reshape(m.shape) - (m - out[i].reshape(m.shape))).abs() <= bound).all(), i
+    old = {k: v for k, v in state.items() if k != "m"}
+    old["errors"] = [
+        None if e is None else r.reshape(e.shape) for e, r in zip(state["m"], comp.residuals(), strict=True)
+    ]
+    resumed = PowerSGDCompressor(params, config=config)
+    resumed.load_state_dict(old)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.residuals(), comp.residuals(), strict=True))
+    grads = [torch.randn(p.shape) for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(resumed.aggregate(grads), comp.aggregate(grads), strict=True))
+    kept = zip(resumed.state_dict()["m"], comp.state_dict()["m"], strict=True)
+    assert all(a is b is None or torch.equal(a, b) for a, b in kept)
+    # popped into the gradients: the residuals pop_residuals() returns, written where they were asked for
+    want = [None if r is None else r.clone() for r in resumed.pop_residuals()]
+    into = [torch.full(p.shape, float("nan")) for p in params]
+    assert all(a is b for a, b in zip(comp.pop_residuals(into=into), into, strict=True))
+    for w, got in zip(want, into, strict=True):
+        assert torch.equal(got, torch.zeros_like(got) if w is None else w.view(got.shape))
+    with pytest.raises(ValueError, match="takes a tensor shaped as each parameter"):
+        comp.pop_residuals(into=into[:3])
+
+
+def test_a_resume_through_a_checkpoint_is_bitwise():
+    """A state written through the checkpoint's serialisation (tensors made contiguous) resumes as one loaded
+    directly and as the run that never stopped: the P Q^T each subtracts from its kept M is the same product of the
+    same layouts (float64, where a BLAS rounds a product of a P by columns and by rows differently at these shapes)."""
+    from powertrain.checkpoint import from_blob, to_blob
+
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=torch.float64)) for s in ((256, 96), (300, 128))]
+    for variant in ("paper", "alternating"):
+        config = Config(rank=8, variant=variant, start_compressing_after_num_steps=0)
+        gen = torch.Generator().manual_seed(0)
+        steps = [[torch.randn(p.shape, generator=gen, dtype=torch.float64) for p in params] for _ in range(5)]
+        comp = PowerSGDCompressor(params, config=config)
+        for grads in steps[:3]:
+            comp.aggregate(grads)
+        state = comp.state_dict()
+        resumed = []
+        for loaded in (from_blob(to_blob(state)), state):
+            fresh = PowerSGDCompressor(params, config=config)
+            fresh.load_state_dict(loaded)
+            resumed.append([fresh.aggregate(grads) for grads in steps[3:]])
+        uninterrupted = [comp.aggregate(grads) for grads in steps[3:]]
+        for run in resumed:
+            for a, b in zip(run, uninterrupted, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), variant
+
+
 def test_bad_inputs_raise_value_error():
     model = make_model()
     params = list(model.parameters())

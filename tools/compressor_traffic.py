@@ -6,10 +6,10 @@ below. Counted as the sizes of each operation's tensor arguments (read) and resu
 both, unless the operation only overwrites it: a fill, a random draw, a copy's destination, an ``out=``), views not at
 all: the true traffic for elementwise work, a floor for matrix products (each operand read once). World size 1 (no
 collectives; an all-gather compressor decodes one message per rank, so its traffic grows with the ranks). Usage:
-``python tools/compressor_traffic.py powersgd rank=32 start=0``; ``fused=1``: the fused kernels
-(:mod:`powertrain.ops.fused`, as on CUDA) and PowerSGD's Triton kernels (:mod:`powertrain.ops.lowrank_kernels`) each
-counted as one operation by its inputs and outputs. ``TOP=N`` in the environment lists the N operations that move
-the most bytes (10).
+``python tools/compressor_traffic.py powersgd rank=32 start=0``; ``fused=auto``: the fused kernels
+(:mod:`powertrain.ops.fused`, as CUDA runs by default), ``fused=1``: those and PowerSGD's Triton kernel
+(:mod:`powertrain.ops.lowrank_kernels`, ``POWERTRAIN_FUSED=1``), each counted as one operation by its inputs and
+outputs. ``TOP=N`` in the environment lists the N operations that move the most bytes (10).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ SHAPE_ONLY = frozenset(
 )
 
 
-def count_fused(traffic: Traffic) -> None:
+def count_fused(traffic: Traffic, kernels: bool) -> None:
     """Count each fused kernel (:func:`powertrain.ops.fused.fused_or_eager`) as one operation reading its tensor
     arguments and writing its result, computed by its eager twin (the same values) unseen by ``traffic``."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -99,26 +99,25 @@ def count_fused(traffic: Traffic) -> None:
 
         return call
 
-    os.environ["POWERTRAIN_FUSED"] = "1"  # what CUDA's default does, counted here on the CPU
+    os.environ["POWERTRAIN_FUSED"] = "1"  # the fusion CUDA's default does, counted here on the CPU
     fused.fused_or_eager = fused_or_eager  # type: ignore[assignment]
-    count_lowrank_kernels(traffic)
+    if kernels:
+        count_lowrank_kernels(traffic)
 
 
 def count_lowrank_kernels(traffic: Traffic) -> None:
-    """Count PowerSGD's Triton kernels (:mod:`powertrain.ops.lowrank_kernels`, as CUDA runs them) each as one operation
-    that reads its tensor arguments and writes its results, computed by its eager twin unseen by ``traffic``: the
-    first argument of ``approx_residual`` (M, read and written in place) twice, ``sum_project``'s (written only)
-    once."""
+    """Count PowerSGD's Triton kernel (:mod:`powertrain.ops.lowrank_kernels`, as CUDA runs it) as one operation that
+    reads its tensor arguments once and writes its outputs (``owed`` and ``p``, also arguments: counted once each, as
+    written only), computed by its eager twin unseen by ``traffic``."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from powertrain.ops import lowrank_kernels as kernels
 
-    def counted(name: str, eager: Any, in_place: bool) -> Any:
+    def counted(name: str, eager: Any) -> Any:
         def call(*args: Any) -> Any:
             with _disable_current_modes():
                 out = eager(*args)
             tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-            tensors += [args[0]] if in_place else []
             traffic.bytes[f"kernel {name}"] += sum(t.numel() * t.element_size() for t in tensors)
             traffic.calls[f"kernel {name}"] += 1
             return out
@@ -126,8 +125,7 @@ def count_lowrank_kernels(traffic: Traffic) -> None:
         return call
 
     kernels.usable = lambda device, dtype: dtype == torch.float32
-    kernels.sum_project = counted("sum_project", kernels.sum_project_eager, False)
-    kernels.approx_residual = counted("approx_residual", kernels.approx_residual_eager, True)
+    kernels.sum_project = counted("sum_project", kernels.sum_project_eager)
 
 
 class Traffic(TorchDispatchMode):
@@ -157,7 +155,9 @@ def main(argv: list[str]) -> None:
     opts: dict[str, Any] = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in options.items()}
     if "start" in opts:
         opts["start_compressing_after_num_steps"] = opts.pop("start")
-    fused = bool(opts.pop("fused", 0))
+    fused = str(opts.pop("fused", 0))
+    if fused not in ("0", "auto", "1"):
+        raise SystemExit(f"fused={fused}: choose 0 (eager), auto (CUDA's default) or 1 (POWERTRAIN_FUSED=1)")
     config, _ = SIZES["124m"]
     torch.manual_seed(0)
     model = GPT(config)
@@ -166,13 +166,13 @@ def main(argv: list[str]) -> None:
     for _ in range(2):  # warm-up: error buffers, factors
         comp.aggregate(grads)
     traffic = Traffic()
-    if fused:
-        count_fused(traffic)
+    if fused != "0":
+        count_fused(traffic, kernels=fused == "1")
     with traffic:
         comp.aggregate(grads)
     total, gradient = sum(traffic.bytes.values()), 4 * sum(g.numel() for g in grads)
     print(
-        f"{name} {opts}{' fused' if fused else ''}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, "
+        f"{name} {opts} fused={fused}: {sum(traffic.calls.values())} operations, {total / 1e9:.2f} GB, "
         f"{total / gradient:.1f} passes over the float32 gradients"
     )
     for op, n in traffic.bytes.most_common(int(os.environ.get("TOP", "10"))):

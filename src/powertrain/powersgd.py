@@ -132,11 +132,7 @@ class PowerSGD(Aggregator):
         # The gradients already hold last step's residual (p.grad accumulates into it) and the compressor owes
         # nothing of its own; its new residual goes back into them (zero where a tensor was averaged exactly).
         averaged = run_program(self.compressor.program(grads), self.compressor.comm)
-        for g, r in zip(grads, self.compressor.pop_residuals(), strict=True):
-            if r is None:
-                g.zero_()
-            else:
-                g.copy_(r.view(g.shape))
+        self.compressor.pop_residuals(into=grads)
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for i, a in zip(self._trainable, averaged, strict=True):
             out[i] = a

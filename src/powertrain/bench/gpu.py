@@ -567,8 +567,8 @@ def _compute_table(measured: dict[str, Any]) -> str:
         "`auto`: what `rank=auto` picks for this backward on 2 nodes x 8 GPUs at 100 Gbit/s. TF32: the same "
         "with `torch.backends.cuda.matmul.allow_tf32 = True` (torch's default is off). Householder QR: the same "
         "with `torch.linalg.qr` as PowerSGD's orthonormalisation (on CUDA powertrain runs a Cholesky QR). Triton "
-        "kernels: the same with `POWERTRAIN_FUSED=1` (the sum with the first product, the approximation with the "
-        "residual: 7.8 passes over the gradients, 9.8 without; powertrain.ops.lowrank_kernels).\n\n"
+        "kernels: the same with `POWERTRAIN_FUSED=1` (the gradient + what is owed with the first product in one "
+        "pass: 5.9 passes over the gradients, 8.8 without; powertrain.ops.lowrank_kernels).\n\n"
         + table(["model", "what", "ms", "of backward", "fp32 bytes / bytes sent"], rows)
     )
 

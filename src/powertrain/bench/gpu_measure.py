@@ -199,15 +199,15 @@ def _optimizer_steps(
 HOUSEHOLDER = "PowerSGD r32, Householder QR"
 
 
-#: PowerSGD rank 32 with its Triton kernels (powertrain.ops.lowrank_kernels, POWERTRAIN_FUSED=1): fewer passes over
-#: the gradients, one launch a matrix; they run by default once this row shows them faster than the one above.
+#: PowerSGD rank 32 with its Triton kernel (powertrain.ops.lowrank_kernels, POWERTRAIN_FUSED=1): fewer passes over
+#: the gradients, one launch a matrix; it runs by default once this row shows it faster than the one above.
 TRITON = "PowerSGD r32, Triton kernels"
 
 
 @contextlib.contextmanager
 def _variant(label: str) -> Iterator[None]:
     """While the block runs: PowerSGD's orthonormalisation as torch.linalg.qr on every device (:data:`HOUSEHOLDER`),
-    or its Triton kernels asked for (:data:`TRITON`); else nothing changes."""
+    or its Triton kernel asked for (:data:`TRITON`); else nothing changes."""
     from powertrain.compress import powersgd
     from powertrain.ops.lowrank import householder_qr
 

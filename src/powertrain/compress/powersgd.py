@@ -24,7 +24,10 @@ next step's gradient (error feedback), so nothing is lost, only delayed. Two var
     used here at every rank).
 ``"paper"`` (Algorithm 1 of the paper; what torch's DDP hook implements)
     ``P = M Q``; all-reduce ``P``; orthonormalise ``P``; ``Q = M^T P``; all-reduce ``Q``; the
-    approximation is ``P Q^T`` and the error is the local ``M`` minus it.
+    approximation is ``P Q^T`` and the error is the local ``M`` minus it. That error is kept as ``M`` itself with
+    the factors, and subtracted when the next step adds its gradient (``M' = G + M - P Q^T``): the same sum, and one
+    write of the whole matrix fewer a step than writing the residual out (:mod:`powertrain.ops.lowrank_kernels`
+    forms it in the pass that adds the gradient).
 
 Either way ``mean_over_ranks(M) == approximation + mean_over_ranks(residual)``: the invariant the tests
 check in float64.
@@ -66,7 +69,7 @@ from powertrain.ops import fused as fusion
 from powertrain.ops import lowrank_kernels
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
-from powertrain.ops.lowrank import add_owed, matrix_shape, orthonormalize, unit_scaled
+from powertrain.ops.lowrank import add_owed, low_rank, matrix_shape, orthonormalize, unit_scaled
 
 __all__ = ["RECOMMENDED", "Config", "FactorDtype", "PowerSGDCompressor", "Variant", "recommended_config"]
 
@@ -170,11 +173,17 @@ class _Batch:
     phase: int  # compressed steps taken so far, modulo 2
     p_bnr: torch.Tensor
     q_bmr: torch.Tensor
-    m_bnm: torch.Tensor  # gradient + residual; becomes the new residual
+    m_bnm: torch.Tensor  # gradient + residual; the alternating variant makes it the new residual, the paper's keeps it
     rows: tuple[int, int] | None = None  # only these rows of the approximation are wanted (FSDP shard)
     approx_bnm: torch.Tensor | None = None
     extrema: torch.Tensor | None = None  # each matrix's (min, max) of m_bnm, where a fused kernel wrote it
-    first_p: torch.Tensor | None = None  # the paper variant's first P = M Q, where a kernel formed it with M
+    first_p: torch.Tensor | None = None  # the paper variant's first P = M Q, where the kernel formed it with M
+
+
+def _residual(e: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """An error buffer as the residual: ``e - P Q^T`` where it keeps the paper variant's ``M`` and ``kept = (P, Q)``
+    (a new tensor; see :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
+    return e if e is None or kept is None else torch.addmm(e, kept[0], kept[1].mT, alpha=-1)
 
 
 def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -265,6 +274,8 @@ class PowerSGDCompressor(Compressor):
                 batch = torch.randn((len(idx), mat[dim], mat[2]), generator=self._generator)
                 for j, i in enumerate(idx):
                     side[i] = batch[j].to(self.device, self.dtype, copy=True)
+        # What each matrix owes (None before its first compressed step): the residual itself (alternating), or the
+        # paper variant's last M, whose residual is M - P Q^T with this parameter's _p and _q (see _residual)
         self._errors: list[torch.Tensor | None] = [None] * len(self.params)
         self._steps = [0] * len(self.params)  # aggregations of each parameter (warm-up counts)
 
@@ -299,11 +310,32 @@ class PowerSGDCompressor(Compressor):
     def _itemsize(self) -> int:
         return self.dtype.itemsize
 
-    def pop_residuals(self) -> list[torch.Tensor | None]:
-        """The error buffers (None where nothing is owed), aligned with ``self.params``, and forget them: for a
-        caller that carries the residual itself (the reference API keeps it in ``p.grad`` and hands it back in
-        the next step's gradient)."""
-        out, self._errors = self._errors, [None] * len(self.params)
+    def pop_residuals(self, into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor | None]:
+        """The residuals (None where nothing is owed), aligned with ``self.params``, and forget them: for a caller
+        that carries the residual itself (the reference API keeps it in ``p.grad`` and hands it back in the next
+        step's gradient). With ``into`` (a tensor shaped as each parameter, e.g. its gradient) each is written there
+        instead, zeros where nothing is owed, and those are returned: the paper variant, which keeps ``M`` and
+        forms the residual, then allocates nothing for it."""
+        if into is not None and [tuple(t.shape) for t in into] != [tuple(s) for s in self._shapes]:
+            raise ValueError(
+                f"pop_residuals(into=...) takes a tensor shaped as each parameter: got shapes "
+                f"{[tuple(t.shape) for t in into]}, the parameters have {[tuple(s) for s in self._shapes]}"
+            )
+        out: list[torch.Tensor | None] = []
+        for i in range(len(self.params)):
+            e, kept = self._errors[i], self._kept(i)
+            if into is None:
+                out.append(_residual(e, kept))
+                continue
+            t = into[i]
+            if e is None:
+                t.zero_()
+            elif kept is not None and t.dtype == e.dtype and t.is_contiguous():
+                torch.addmm(e, kept[0], kept[1].mT, alpha=-1, out=t.view(e.shape))  # _residual's operation
+            else:
+                t.copy_(_residual(e, kept).view(t.shape))  # type: ignore[union-attr]
+            out.append(t)
+        self._errors = [None] * len(self.params)
         return out
 
     def residuals(self) -> list[torch.Tensor]:
@@ -312,8 +344,22 @@ class PowerSGDCompressor(Compressor):
         """
         return [
             torch.zeros(s, dtype=self.dtype, device=self.device) if e is None else e.view(s)
-            for s, e in zip(self._shapes, self._errors, strict=True)
+            for s, e in zip(self._shapes, map(self._residual, range(len(self.params))), strict=True)
         ]
+
+    def _kept(self, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The factors whose product parameter ``i``'s error buffer still owes back (the paper variant keeps ``M``,
+        and the residual is ``M - P Q^T``), or None where the buffer is the residual itself or nothing is owed."""
+        if self.config.variant != "paper" or self._errors[i] is None:
+            return None
+        p, q = self._p[i], self._q[i]
+        assert p is not None and q is not None, "a compressed matrix has factors"
+        return p, q
+
+    def _residual(self, i: int) -> torch.Tensor | None:
+        """Parameter ``i``'s residual as an ``n x m`` matrix (None where nothing is owed), formed where it is kept as
+        ``M`` and the factors: a new tensor, the error buffer itself otherwise."""
+        return _residual(self._errors[i], self._kept(i))
 
     def bytes_per_step(self, compressed_step_index: int | None = None) -> int:
         """Payload bytes one step over all parameters sends (exact all-reduce during warm-up).
@@ -381,12 +427,13 @@ class PowerSGDCompressor(Compressor):
             return out
 
         names = [self.names[i] for i in idx]
-        errors = [self._errors[i] for i in idx]
-        return guard_nonfinite(
-            collectives(),
-            local_ok=local_ok,
-            error=lambda: self._too_large(grads, batches, errors) or self._nonfinite_error(names, grads, errors),
-        )
+        owed = [(self._errors[i], self._kept(i)) for i in idx]  # the state this call started from, for its error
+
+        def error() -> NonFiniteGradientError:
+            errors = [_residual(e, kept) for e, kept in owed]
+            return self._too_large(grads, batches, errors) or self._nonfinite_error(names, grads, errors)
+
+        return guard_nonfinite(collectives(), local_ok=local_ok, error=error)
 
     def _limit(self, b: _Batch) -> float:
         """The largest ``|gradient + residual|`` entry of batch ``b`` that nothing computed from it can overflow.
@@ -492,23 +539,23 @@ class PowerSGDCompressor(Compressor):
                 units = unit_scaled(q_bmr).unbind(0)
                 batch.extrema = torch.stack(
                     [
-                        lowrank_kernels.sum_project(owed, grads[j].reshape(n, m), self._errors[i], q, p)
+                        lowrank_kernels.sum_project(owed, grads[j].reshape(n, m), self._errors[i], self._kept(i), q, p)
                         for owed, j, i, q, p in zip(m_bnm, call_js, params, units, batch.first_p, strict=True)
                     ]
                 )
                 continue
             extrema = []
             for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
-                e = self._errors[i]
+                e, kept = self._errors[i], self._kept(i)
                 g = grads[j].reshape(n, m)
                 if e is None:
                     owed.copy_(g)
                     if fuse:
                         extrema.append(torch.stack(torch.aminmax(owed)))
                 elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
-                    extrema.append(add_extrema(owed, g, e))
+                    extrema.append(add_extrema(owed, g, e if kept is None else _residual(e, kept)))
                 else:
-                    add_owed(owed, g, e)
+                    add_owed(owed, g, e, *(kept or ()))
             if fuse:
                 batch.extrema = torch.stack(extrema)
         return batches
@@ -590,17 +637,12 @@ class PowerSGDCompressor(Compressor):
             yield from self._reduce(q_buf, "mean", it == k - 1)
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
-        residual = (
-            lowrank_kernels.approx_residual
-            if lowrank_kernels.usable(self.device, self.dtype)
-            else lowrank_kernels.approx_residual_eager
-        )
-        for b in batches:
-            if b.rows is None:  # the approximation written twice: as itself and, from M, as the residual
-                b.approx_bnm = residual(b.m_bnm, b.p_bnr, b.q_bmr)
-            else:  # the residual needs the full product; the output only this rank's rows
-                b.m_bnm.baddbmm_(b.p_bnr, b.q_bmr.transpose(1, 2), alpha=-1)
-                b.approx_bnm = torch.bmm(b.p_bnr[:, b.rows[0] : b.rows[1]], b.q_bmr.transpose(1, 2))
+        for b in batches:  # M is kept: the next step subtracts P Q^T from it (_kept), so only the output is written
+            # P kept in rows, the layout a checkpoint restores (the QR's is by columns): a BLAS may round a product
+            # differently by layout, and a resumed run must subtract the same P Q^T
+            b.p_bnr = b.p_bnr.contiguous()
+            p_bnr = b.p_bnr if b.rows is None else b.p_bnr[:, b.rows[0] : b.rows[1]]  # an FSDP shard: its rows
+            b.approx_bnm = low_rank(p_bnr, b.q_bmr)
 
     # ------------------------------------------------------------------ state
 
@@ -612,13 +654,15 @@ class PowerSGDCompressor(Compressor):
             "steps": list(self._steps),
             "p": list(self._p),
             "q": list(self._q),
-            "errors": list(self._errors),
+            # the paper variant's kept M under a name of its own: a reader that takes "errors" for the residual (one
+            # written before it kept M) fails on the missing key rather than owing the approximation twice
+            "m" if self.config.variant == "paper" else "errors": list(self._errors),
             "generator": self._generator.get_state(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # "num_steps" and "compressed_steps", in states written before they were derived from "steps", are ignored
-        keys = {"variant", "layout", "steps", "p", "q", "errors", "generator"}
+        keys = {"variant", "layout", "steps", "p", "q", "generator"}
         missing = keys - set(state)
         if missing:
             raise ValueError(f"PowerSGD state_dict is missing {sorted(missing)}")
@@ -632,13 +676,23 @@ class PowerSGDCompressor(Compressor):
                 f"(n, m, rank) per parameter {state['layout']}, this one has {self.config.variant!r} with {layout}; "
                 "build it with the same parameters and Config"
             )
+        # the paper variant keeps M ("m"); its states written before that hold the residual ("errors"), as the
+        # alternating variant's do
+        kept = self.config.variant == "paper" and "errors" not in state
+        key = "m" if kept else "errors"
+        if key not in state:
+            raise ValueError(f"PowerSGD state_dict is missing [{key!r}]")
         check_state_tensors("PowerSGD", "p", state["p"], [None if m is None else (m[0], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
-        check_state_tensors("PowerSGD", "errors", state["errors"], [None if m is None else m[:2] for m in self._mat])
+        check_state_tensors("PowerSGD", key, state[key], [None if m is None else m[:2] for m in self._mat])
         steps = check_state_counts("PowerSGD", "steps", state["steps"], len(self._mat))
         copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
         self._steps = steps
         self._p = [copy(t) for t in state["p"]]
         self._q = [copy(t) for t in state["q"]]
-        self._errors = [copy(t) for t in state["errors"]]
+        self._errors = [copy(t) for t in state[key]]
+        if self.config.variant == "paper" and not kept:  # the residual itself: as M with P = 0 it is owed exactly
+            self._p = [
+                p if e is None or p is None else torch.zeros_like(p) for p, e in zip(self._p, self._errors, strict=True)
+            ]
         self._generator.set_state(state["generator"])

@@ -112,9 +112,17 @@ def unit_scaled(x: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(x, -exponent)
 
 
-def add_owed(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> None:
-    """``owed <- g + e`` (gradient + residual), a gradient wider than ``owed`` rounded to its dtype first, as a stack
-    of them would be."""
+def add_owed(
+    owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor, p: torch.Tensor | None = None, q: torch.Tensor | None = None
+) -> None:
+    """``owed <- g + (e - p q^T)`` (gradient + residual; without ``p``, ``e`` is the residual itself), a gradient
+    wider than ``owed`` rounded to its dtype first, as a stack of them would be. ``p`` (``n x r``) and ``q``
+    (``m x r``) are the factors of the approximation last sent, which PowerSGD's paper variant subtracts here, from
+    the ``e`` it kept whole, rather than writing the residual out a step earlier."""
+    if p is not None:
+        assert q is not None, "the residual's factors come in pairs"
+        torch.addmm(e, p, q.mT, alpha=-1, out=owed)
+        e = owed
     torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
 
 
