@@ -419,6 +419,39 @@ def test_lowrank_kernels_on_cuda_match_eager(device, monkeypatch):
     assert not K._FAILED, K._FAILED
 
 
+@pytest.mark.parametrize("tf32", [False, True])
+def test_powersgd_paper_feedback_loses_only_roundings(device, monkeypatch, tf32):
+    """The paper variant sends P Q^T and, a step later, subtracts P Q^T recomputed from the kept M (another kernel):
+    what it sent over 20 steps plus what it still owes must equal the gradients up to the roundings of those
+    residuals and sums. Each residual M - P Q^T is a sum of r + 1 terms, within gamma_{r+1} (|M| + |P| |Q|^T) of the
+    exact one in any order, as sent and as subtracted; each new M one rounding (u |M|). With TF32 on (CUDA) both
+    products take TF32-rounded P and Q and stay inside that bound only if both kernels round them the same way: a
+    kernel that did not would lose about 2^-11 of the approximation a step, which no later step feeds back."""
+    if tf32:
+        _cuda_only(device)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", tf32)
+    from powertrain.compress import PowerSGDCompressor
+    from powertrain.compress.powersgd import Config
+
+    r, u = 8, 2.0**-24
+    gamma = (r + 1) * u / (1 - (r + 1) * u)
+    param = torch.nn.Parameter(torch.zeros(512, 384, device=device))
+    comp = PowerSGDCompressor([param], config=Config(rank=r, variant="paper", start_compressing_after_num_steps=0))
+    gen = torch.Generator().manual_seed(0)
+    sent = torch.zeros(512, 384, dtype=torch.float64, device=device)
+    given, bound = sent.clone(), sent.clone()
+    for _ in range(20):
+        g = torch.randn(512, 384, generator=gen).to(device)
+        (out,) = comp.aggregate([g])
+        given += g.double()
+        sent += out.double()
+        state = comp.state_dict()
+        m, pq = state["m"][0].double(), state["p"][0].abs().double() @ state["q"][0].abs().double().T
+        bound += 2 * gamma * (m.abs() + pq) + u * m.abs()
+    lost = (given - sent - comp.residuals()[0].double()).abs()
+    assert bool((lost <= bound).all()), float((lost - bound).max())
+
+
 def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Optimizer], int]]:
     from powertrain.optim import DeMo, Dion, DistributedShampoo, FrozenVarianceAdamW, GaLoreAdamW, Muon
 
