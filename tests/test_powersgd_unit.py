@@ -553,6 +553,8 @@ def test_the_paper_variant_keeps_m_and_loads_a_state_that_holds_the_residual():
         assert torch.equal(got, torch.zeros_like(got) if w is None else w.view(got.shape))
     with pytest.raises(ValueError, match="takes a tensor shaped as each parameter"):
         comp.pop_residuals(into=into[:3])
+    with pytest.raises(ValueError, match="holds both 'm' .a kept M. and 'errors'"):
+        resumed.load_state_dict({**state, "errors": state["m"]})
 
 
 def test_a_resume_through_a_checkpoint_is_bitwise():

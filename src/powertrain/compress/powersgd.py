@@ -682,11 +682,18 @@ class PowerSGDCompressor(Compressor):
         key = "m" if kept else "errors"
         if key not in state:
             raise ValueError(f"PowerSGD state_dict is missing [{key!r}]")
+        if "m" in state and "errors" in state:
+            raise ValueError(
+                "PowerSGD state_dict holds both 'm' (a kept M) and 'errors' (a residual): keep the one it saved"
+            )
         check_state_tensors("PowerSGD", "p", state["p"], [None if m is None else (m[0], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", key, state[key], [None if m is None else m[:2] for m in self._mat])
         steps = check_state_counts("PowerSGD", "steps", state["steps"], len(self._mat))
-        copy = lambda t: None if t is None else t.to(self.device, self.dtype, copy=True)
+        # in rows, as a commit stores them: the products formed from them must not depend on how a state was kept
+        copy = lambda t: (
+            None if t is None else t.to(self.device, self.dtype, copy=True, memory_format=torch.contiguous_format)
+        )
         self._steps = steps
         self._p = [copy(t) for t in state["p"]]
         self._q = [copy(t) for t in state["q"]]
