@@ -534,28 +534,32 @@ class PowerSGDCompressor(Compressor):
             q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
             batch = _Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row)
             batches.append(batch)
+            # the factors a kept M owes back, from these stacks: fresh tensors laid out alike however the state was
+            # kept (a view into a commit's batch, or one loaded from a checkpoint), whose product a BLAS may round by
+            # layout and alignment: a resumed run subtracts the same P Q^T
+            kept = [None if self._kept(i) is None else (p_bnr[k], q_bmr[k]) for k, i in enumerate(params)]
             if project:
                 batch.first_p = torch.empty_like(p_bnr)
                 units = unit_scaled(q_bmr).unbind(0)
                 batch.extrema = torch.stack(
                     [
-                        lowrank_kernels.sum_project(owed, grads[j].reshape(n, m), self._errors[i], self._kept(i), q, p)
-                        for owed, j, i, q, p in zip(m_bnm, call_js, params, units, batch.first_p, strict=True)
+                        lowrank_kernels.sum_project(owed, grads[j].reshape(n, m), self._errors[i], pq, q, p)
+                        for owed, j, i, pq, q, p in zip(m_bnm, call_js, params, kept, units, batch.first_p, strict=True)
                     ]
                 )
                 continue
             extrema = []
-            for owed, j, i in zip(m_bnm.unbind(0), call_js, params, strict=True):
-                e, kept = self._errors[i], self._kept(i)
+            for owed, j, i, pq in zip(m_bnm.unbind(0), call_js, params, kept, strict=True):
+                e = self._errors[i]
                 g = grads[j].reshape(n, m)
                 if e is None:
                     owed.copy_(g)
                     if fuse:
                         extrema.append(torch.stack(torch.aminmax(owed)))
                 elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
-                    extrema.append(add_extrema(owed, g, e if kept is None else _residual(e, kept)))
+                    extrema.append(add_extrema(owed, g, _residual(e, pq)))
                 else:
-                    add_owed(owed, g, e, *(kept or ()))
+                    add_owed(owed, g, e, *(pq or ()))
             if fuse:
                 batch.extrema = torch.stack(extrema)
         return batches
@@ -638,9 +642,6 @@ class PowerSGDCompressor(Compressor):
             if last is not None:
                 last.copy_(q_buf[q_buf.numel() - last.numel() :])
         for b in batches:  # M is kept: the next step subtracts P Q^T from it (_kept), so only the output is written
-            # P kept in rows, the layout a checkpoint restores (the QR's is by columns): a BLAS may round a product
-            # differently by layout, and a resumed run must subtract the same P Q^T
-            b.p_bnr = b.p_bnr.contiguous()
             p_bnr = b.p_bnr if b.rows is None else b.p_bnr[:, b.rows[0] : b.rows[1]]  # an FSDP shard: its rows
             b.approx_bnm = low_rank(p_bnr, b.q_bmr)
 

@@ -44,7 +44,7 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cuda":
         # its P Q^T is exact float32; with TF32 on, the approximation sent (torch's bmm) is not, and error feedback
         # must subtract the same product it sent
-        return not torch.backends.cuda.matmul.allow_tf32
+        return torch.backends.cuda.matmul.fp32_precision != "tf32"  # also set by allow_tf32 and "high" precision
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
