@@ -69,7 +69,7 @@ from powertrain.ops import fused as fusion
 from powertrain.ops import lowrank_kernels
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
-from powertrain.ops.lowrank import add_owed, low_rank, matrix_shape, orthonormalize, unit_scaled
+from powertrain.ops.lowrank import add_owed, less_low_rank, low_rank, matrix_shape, orthonormalize, unit_scaled
 
 __all__ = ["RECOMMENDED", "Config", "FactorDtype", "PowerSGDCompressor", "Variant", "recommended_config"]
 
@@ -183,7 +183,7 @@ class _Batch:
 def _residual(e: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
     """An error buffer as the residual: ``e - P Q^T`` where it keeps the paper variant's ``M`` and ``kept = (P, Q)``
     (a new tensor; see :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
-    return e if e is None or kept is None else torch.addmm(e, kept[0], kept[1].mT, alpha=-1)
+    return e if e is None or kept is None else less_low_rank(e, *kept)
 
 
 def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -331,7 +331,7 @@ class PowerSGDCompressor(Compressor):
             if e is None:
                 t.zero_()
             elif kept is not None and t.dtype == e.dtype and t.is_contiguous():
-                torch.addmm(e, kept[0], kept[1].mT, alpha=-1, out=t.view(e.shape))  # _residual's operation
+                less_low_rank(e, *kept, out=t.view(e.shape))
             else:
                 t.copy_(_residual(e, kept).view(t.shape))  # type: ignore[union-attr]
             out.append(t)

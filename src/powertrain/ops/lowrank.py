@@ -10,7 +10,16 @@ import functools
 
 import torch
 
-__all__ = ["add_owed", "cholesky_qr", "householder_qr", "low_rank", "matrix_shape", "orthonormalize", "unit_scaled"]
+__all__ = [
+    "add_owed",
+    "cholesky_qr",
+    "householder_qr",
+    "less_low_rank",
+    "low_rank",
+    "matrix_shape",
+    "orthonormalize",
+    "unit_scaled",
+]
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int]:
@@ -121,9 +130,14 @@ def add_owed(
     the ``e`` it kept whole, rather than writing the residual out a step earlier."""
     if p is not None:
         assert q is not None, "the residual's factors come in pairs"
-        torch.addmm(e, p, q.mT, alpha=-1, out=owed)
-        e = owed
+        e = less_low_rank(e, p, q, out=owed)
     torch.add(g if g.dtype == owed.dtype else g.to(owed.dtype), e, out=owed)
+
+
+def less_low_rank(e: torch.Tensor, p: torch.Tensor, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``e - p q^T`` (``n x m``, ``p`` ``n x r``, ``q`` ``m x r``) in one addmm, into ``out`` if given: the residual
+    PowerSGD's paper variant owes from the ``M`` it kept and the factors it sent, formed the same way wherever it is."""
+    return torch.addmm(e, p, q.mT, alpha=-1, out=out)
 
 
 def low_rank(p_bnr: torch.Tensor, q_bmr: torch.Tensor) -> torch.Tensor:
