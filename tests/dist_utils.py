@@ -116,6 +116,10 @@ def _stacks(tmp: str, ranks: list[int]) -> str:
     return "".join(out)
 
 
+#: Seconds the ranks still running after a peer failed get to end by themselves before the runner stops them.
+PEER_GRACE = 3.0
+
+
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -139,7 +143,13 @@ def run_ranks(
         try:
             while any(p.is_alive() for p in procs):
                 if any(p.exitcode not in (None, 0) for p in procs):
-                    break  # one rank failed: the others would only wait for it
+                    # One rank failed. Its peers usually fail by themselves at once (gloo sees the reset connection)
+                    # and write their own error, which a SIGABRT part-way through formatting it would lose (CI: a
+                    # peer killed inside traceback.format_exc); one that still runs after the grace waits elsewhere.
+                    grace = time.monotonic() + PEER_GRACE
+                    while any(p.is_alive() for p in procs) and time.monotonic() < min(grace, deadline):
+                        time.sleep(0.05)
+                    break
                 if time.monotonic() > deadline:
                     timed_out = True
                     break
