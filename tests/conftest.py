@@ -70,6 +70,7 @@ SLOW_MODULES = {
     "test_bench_optimizers",
     "test_bench_parallel",
     "test_bench_quality",
+    "test_bench_simple_fsdp",
     "test_bench_torchft",
     "test_gpu_check",
     "test_multinode",
