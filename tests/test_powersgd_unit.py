@@ -585,6 +585,36 @@ def test_a_resume_through_a_checkpoint_is_bitwise(shapes, rank):
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), variant
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_residuals_are_what_the_next_call_adds_also_after_a_resume(dtype):
+    """residuals() is what the next call adds to its gradient (its kept M is gradient + residual, one rounding),
+    bitwise, in the run that never stopped and in one resumed from its state, whose residuals are the same: the
+    paper variant forms M - P Q^T from factors laid out alike wherever they are kept. The shapes are ones where this
+    machine's MKL rounds that product by its operands' layout (512 x 9 at rank 5: P by columns, as the QR leaves it,
+    or by rows) and start (three 33 x 47: factors part-way into a stack). A kept M without its factors is refused."""
+    from powertrain.checkpoint import from_blob, to_blob
+
+    shapes = ((512, 9), (33, 47), (33, 47), (33, 47), (5,))
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    config = Config(rank=5, variant="paper", start_compressing_after_num_steps=0, min_compression_rate=0)
+    gen = torch.Generator().manual_seed(0)
+    comp = PowerSGDCompressor(params, config=config)
+    for _ in range(3):
+        comp.aggregate([torch.randn(s, generator=gen, dtype=dtype) for s in shapes])
+    resumed = PowerSGDCompressor(params, config=config)
+    resumed.load_state_dict(from_blob(to_blob(comp.state_dict())))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.residuals(), comp.residuals(), strict=True))
+    grads = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    for run in (comp, resumed):
+        owed = run.residuals()
+        run.aggregate(grads)
+        for i, m in enumerate(run.state_dict()["m"][:4]):
+            assert torch.equal(m, (grads[i] + owed[i]).reshape(m.shape)), i
+    state = comp.state_dict()
+    with pytest.raises(ValueError, match=r"owes an error for parameters \[1\] without their factors p and q"):
+        resumed.load_state_dict({**state, "q": [q if i != 1 else None for i, q in enumerate(state["q"])]})
+
+
 def test_bad_inputs_raise_value_error():
     model = make_model()
     params = list(model.parameters())

@@ -69,7 +69,16 @@ from powertrain.ops import fused as fusion
 from powertrain.ops import lowrank_kernels
 from powertrain.ops.finite import bounded_flag
 from powertrain.ops.flat import flat_views, pack
-from powertrain.ops.lowrank import add_owed, less_low_rank, low_rank, matrix_shape, orthonormalize, unit_scaled
+from powertrain.ops.lowrank import (
+    add_owed,
+    less_low_rank,
+    low_rank,
+    matrix_shape,
+    orthonormalize,
+    settled,
+    stack_settled,
+    unit_scaled,
+)
 
 __all__ = ["RECOMMENDED", "Config", "FactorDtype", "PowerSGDCompressor", "Variant", "recommended_config"]
 
@@ -182,8 +191,9 @@ class _Batch:
 
 def _residual(e: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
     """An error buffer as the residual: ``e - P Q^T`` where it keeps the paper variant's ``M`` and ``kept = (P, Q)``
-    (a new tensor; see :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
-    return e if e is None or kept is None else less_low_rank(e, *kept)
+    (a new tensor, from the factors laid out as the next call's stacks lay them out, so that it is the residual that
+    call adds; see :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
+    return e if e is None or kept is None else less_low_rank(e, settled(kept[0]), settled(kept[1]))
 
 
 def _add_extrema(owed: torch.Tensor, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
@@ -331,7 +341,7 @@ class PowerSGDCompressor(Compressor):
             if e is None:
                 t.zero_()
             elif kept is not None and t.dtype == e.dtype and t.is_contiguous():
-                less_low_rank(e, *kept, out=t.view(e.shape))
+                less_low_rank(e, settled(kept[0]), settled(kept[1]), out=t.view(e.shape))
             else:
                 t.copy_(_residual(e, kept).view(t.shape))  # type: ignore[union-attr]
             out.append(t)
@@ -518,6 +528,8 @@ class PowerSGDCompressor(Compressor):
         add_extrema = fusion.fused_or_eager("add_extrema", _add_extrema, _add_extrema_eager, self.device)
         # the sum, its extremes and the first product P = M Q in one pass (ops/lowrank_kernels.py)
         project = self.config.variant == "paper" and lowrank_kernels.usable(self.device, self.dtype)
+        # the paper variant owes P Q^T back from these stacks (below); the alternating one only starts from them
+        stack = stack_settled if self.config.variant == "paper" else torch.stack
         for j, i in enumerate(idx):
             mat = self._mat[i]
             if mat is not None and self._steps[i] >= start:
@@ -530,13 +542,13 @@ class PowerSGDCompressor(Compressor):
             # gradient + residual written once into the batch (a stack, then adding the residuals in place, would pass
             # over it three more times); the sum is the same: computed in self.dtype, rounded once
             m_bnm = torch.empty((len(call_js), n, m), dtype=self.dtype, device=self.device)
-            p_bnr = torch.stack([self._p[i] for i in params])  # type: ignore[misc]
-            q_bmr = torch.stack([self._q[i] for i in params])  # type: ignore[misc]
+            p_bnr = stack([self._p[i] for i in params])  # type: ignore[misc]
+            q_bmr = stack([self._q[i] for i in params])  # type: ignore[misc]
             batch = _Batch(call_js, params, n, m, r, phase, p_bnr, q_bmr, m_bnm, row)
             batches.append(batch)
-            # the factors a kept M owes back, from these stacks: fresh tensors laid out alike however the state was
-            # kept (a view into a commit's batch, or one loaded from a checkpoint), whose product a BLAS may round by
-            # layout and alignment: a resumed run subtracts the same P Q^T
+            # the factors a kept M owes back, from these stacks: laid out as settled() lays out a tensor however the
+            # state was kept (a view into a commit's batch, or one loaded from a checkpoint), as a BLAS may round their
+            # product by layout and alignment: a resumed run and residuals() subtract the same P Q^T
             kept = [None if self._kept(i) is None else (p_bnr[k], q_bmr[k]) for k, i in enumerate(params)]
             if project:
                 batch.first_p = torch.empty_like(p_bnr)
@@ -557,7 +569,7 @@ class PowerSGDCompressor(Compressor):
                     if fuse:
                         extrema.append(torch.stack(torch.aminmax(owed)))
                 elif fuse:  # the sum and its extremes in one pass (the bound's check reads those, not the batch)
-                    extrema.append(add_extrema(owed, g, _residual(e, pq)))
+                    extrema.append(add_extrema(owed, g, e if pq is None else less_low_rank(e, *pq)))
                 else:
                     add_owed(owed, g, e, *(pq or ()))
             if fuse:
@@ -691,6 +703,16 @@ class PowerSGDCompressor(Compressor):
         check_state_tensors("PowerSGD", "q", state["q"], [None if m is None else (m[1], m[2]) for m in self._mat])
         check_state_tensors("PowerSGD", key, state[key], [None if m is None else m[:2] for m in self._mat])
         steps = check_state_counts("PowerSGD", "steps", state["steps"], len(self._mat))
+        unfactored = [
+            i
+            for i, (e, p, q) in enumerate(zip(state[key], state["p"], state["q"], strict=True))
+            if e is not None and None in (p, q)
+        ]
+        if unfactored:
+            raise ValueError(
+                f"PowerSGD state_dict owes an error for parameters {unfactored} without their factors p and q (a state "
+                "this compressor saves has both): load the state it saved whole"
+            )
         # in rows, as a commit stores them: the products formed from them must not depend on how a state was kept
         copy = lambda t: (
             None if t is None else t.to(self.device, self.dtype, copy=True, memory_format=torch.contiguous_format)
