@@ -591,7 +591,7 @@ def test_residuals_are_what_the_next_call_adds_also_after_a_resume(dtype):
     bitwise, in the run that never stopped and in one resumed from its state, whose residuals are the same: the
     paper variant forms M - P Q^T from factors laid out alike wherever they are kept. The shapes are ones where this
     machine's MKL rounds that product by its operands' layout (512 x 9 at rank 5: P by columns, as the QR leaves it,
-    or by rows) and start (three 33 x 47: factors part-way into a stack). A kept M without its factors is refused."""
+    or by rows) and start (three 33 x 47: factors part-way into a stack). A compressed matrix without factors is refused."""
     from powertrain.checkpoint import from_blob, to_blob
 
     shapes = ((512, 9), (33, 47), (33, 47), (33, 47), (5,))
@@ -611,8 +611,12 @@ def test_residuals_are_what_the_next_call_adds_also_after_a_resume(dtype):
         for i, m in enumerate(run.state_dict()["m"][:4]):
             assert torch.equal(m, (grads[i] + owed[i]).reshape(m.shape)), i
     state = comp.state_dict()
-    with pytest.raises(ValueError, match=r"owes an error for parameters \[1\] without their factors p and q"):
-        resumed.load_state_dict({**state, "q": [q if i != 1 else None for i, q in enumerate(state["q"])]})
+    for key, i in (("q", 1), ("p", 0)):  # a kept M without its factors, or none of the three
+        bad = {**state, key: [x if j != i else None for j, x in enumerate(state[key])]}
+        if i == 0:
+            bad["m"] = [None, *state["m"][1:]]
+        with pytest.raises(ValueError, match=rf"no factors p and q for the compressed parameters \[{i}\]"):
+            resumed.load_state_dict(bad)
 
 
 def test_bad_inputs_raise_value_error():

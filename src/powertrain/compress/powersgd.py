@@ -192,7 +192,8 @@ class _Batch:
 def _residual(e: torch.Tensor | None, kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
     """An error buffer as the residual: ``e - P Q^T`` where it keeps the paper variant's ``M`` and ``kept = (P, Q)``
     (a new tensor, from the factors laid out as the next call's stacks lay them out, so that it is the residual that
-    call adds; see :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
+    call adds on the eager path, bitwise; the Triton kernel sums the product in another order; see
+    :meth:`PowerSGDCompressor._kept`), ``e`` itself otherwise."""
     return e if e is None or kept is None else less_low_rank(e, settled(kept[0]), settled(kept[1]))
 
 
@@ -705,13 +706,13 @@ class PowerSGDCompressor(Compressor):
         steps = check_state_counts("PowerSGD", "steps", state["steps"], len(self._mat))
         unfactored = [
             i
-            for i, (e, p, q) in enumerate(zip(state[key], state["p"], state["q"], strict=True))
-            if e is not None and None in (p, q)
+            for i, (mat, p, q) in enumerate(zip(self._mat, state["p"], state["q"], strict=True))
+            if mat is not None and (p is None or q is None)
         ]
         if unfactored:
             raise ValueError(
-                f"PowerSGD state_dict owes an error for parameters {unfactored} without their factors p and q (a state "
-                "this compressor saves has both): load the state it saved whole"
+                f"PowerSGD state_dict has no factors p and q for the compressed parameters {unfactored} (a state this "
+                "compressor saves has both for every compressed matrix): load the state it saved whole"
             )
         # in rows, as a commit stores them: the products formed from them must not depend on how a state was kept
         copy = lambda t: (

@@ -145,8 +145,9 @@ def add_owed(
 
 
 def settled(t: torch.Tensor) -> torch.Tensor:
-    """A fresh copy of ``t`` in rows, starting on a boundary of :data:`ALIGN_BYTES`: how a factor is laid out wherever a
-    product of it is owed back (:func:`less_low_rank`), so that the product does not depend on how it was kept."""
+    """A fresh copy of ``t`` in rows (starting on the allocator's boundary, which :data:`ALIGN_BYTES` is a multiple of):
+    how a factor is laid out wherever a product of it is owed back (:func:`less_low_rank`), so that the product does
+    not depend on how it was kept."""
     return t.clone(memory_format=torch.contiguous_format)
 
 
