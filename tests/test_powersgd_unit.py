@@ -591,7 +591,8 @@ def test_residuals_are_what_the_next_call_adds_also_after_a_resume(dtype):
     bitwise, in the run that never stopped and in one resumed from its state, whose residuals are the same: the
     paper variant forms M - P Q^T from factors laid out alike wherever they are kept. The shapes are ones where this
     machine's MKL rounds that product by its operands' layout (512 x 9 at rank 5: P by columns, as the QR leaves it,
-    or by rows) and start (three 33 x 47: factors part-way into a stack). A compressed matrix without factors is refused."""
+    or by rows) and start (three 33 x 47: factors part-way into a stack). A compressed matrix without factors is
+    refused."""
     from powertrain.checkpoint import from_blob, to_blob
 
     shapes = ((512, 9), (33, 47), (33, 47), (33, 47), (5,))
