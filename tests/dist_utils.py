@@ -140,9 +140,11 @@ def run_ranks(
             p.start()
         deadline = time.monotonic() + timeout
         timed_out = False
+        first: set[int] | None = None  # the ranks that had failed when the runner saw a failure (None: all, unknown)
         try:
             while any(p.is_alive() for p in procs):
                 if any(p.exitcode not in (None, 0) for p in procs):
+                    first = {r for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
                     # One rank failed. Its peers usually fail by themselves at once (gloo sees the reset connection)
                     # and write their own error, which a SIGABRT part-way through formatting it would lose (CI: a
                     # peer killed inside traceback.format_exc); one that still runs after the grace waits elsewhere.
@@ -168,13 +170,14 @@ def run_ranks(
                 p.join(5)
         codes = {r: p.exitcode for r, p in enumerate(procs)}
         # A rank that a signal killed, other than the runner, died on its own (an abort in C++): it comes first, as
-        # the others' errors (a peer's reset connection) follow from it.
+        # the others' errors (a peer's reset connection) follow from it; unless it died after a peer had failed
+        # (inside the grace), from that failure: then it comes after the tracebacks.
         signalled = [r for r, c in codes.items() if c is not None and c < 0 and r not in stopped]
+        later = [r for r in signalled if first is not None and r not in first]
+        causes = [r for r in signalled if r not in later]
         parts = []
-        if signalled:
-            parts.append(
-                f"ranks {signalled} killed by a signal (exit codes {codes}), no traceback{_stacks(tmp, signalled)}"
-            )
+        if causes:
+            parts.append(f"ranks {causes} killed by a signal (exit codes {codes}), no traceback{_stacks(tmp, causes)}")
         for r in range(world_size):
             path = f"{tmp}/error_{r}.txt"
             if os.path.exists(path):
@@ -182,6 +185,10 @@ def run_ranks(
                     text = f.read()
                 if text:  # empty: killed by the runner while it wrote
                     parts.append(f"--- rank {r} ---\n{text}")
+        if later:
+            parts.append(
+                f"ranks {later} killed by a signal after a peer failed (exit codes {codes}){_stacks(tmp, later)}"
+            )
         if timed_out:
             parts.append(f"timed out after {timeout:.0f}s: ranks {stopped} hung{_stacks(tmp, stopped)}")
         elif stopped:

@@ -20,6 +20,20 @@ def _dies_in_cpp() -> None:
     os.abort()  # as a C++ abort ("malloc(): ... detected", "terminate called ...") ends a rank: SIGABRT, no traceback
 
 
+def _raises_on_first_then_peer_aborts(rank: int, world: int) -> int:
+    import torch.distributed as dist
+
+    if rank == 0:
+        time.sleep(0.3)
+        raise ValueError("the failure itself, on rank 0")
+    try:
+        dist.barrier()  # fails on rank 0's reset connection
+    except Exception:
+        time.sleep(0.5)
+        _dies_in_cpp()  # a consequence, as a gloo thread's terminate after a peer's death would be
+    return rank
+
+
 def _hangs_on_first(rank: int, world: int) -> int:
     if rank == 0:
         _waits_forever()
@@ -39,6 +53,17 @@ def test_a_rank_killed_by_a_signal_shows_its_python_stack():
     assert "_dies_in_cpp" in text and "_abort_on_last" in text, text
     assert "rank 0: Python stacks" not in text, text  # killed by the runner: not the story
     assert "Extension modules" not in text, text
+
+
+def test_a_rank_killed_by_a_signal_after_a_peer_failed_comes_after_the_peers_error():
+    """A rank that aborts after a peer raised (inside the runner's grace) is the consequence: the peer's traceback
+    comes first, the abort after it with its stack."""
+    with pytest.raises(RankFailed) as info:
+        run_ranks(_raises_on_first_then_peer_aborts, 2, timeout=60)
+    text = str(info.value)
+    assert text.startswith("--- rank 0 ---") and "the failure itself, on rank 0" in text, text
+    assert "ranks [1] killed by a signal after a peer failed" in text and "rank 1: Python stacks" in text, text
+    assert text.index("the failure itself") < text.index("ranks [1] killed"), text
 
 
 def test_a_hung_rank_fails_at_the_timeout_with_its_python_stack():
