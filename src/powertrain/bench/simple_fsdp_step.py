@@ -22,6 +22,7 @@ from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import machine_info, publish, table
 from powertrain.bench.rounds import Workload, interleaved
 from powertrain.models import GPT, GPTConfig
+from powertrain.ops.flat import local_tensor
 from powertrain.train.config import TrainConfig
 from powertrain.train.data import TokenData, load_data
 from powertrain.train.launch import launch, leave_world
@@ -47,6 +48,12 @@ SETUPS = [
     Setup("SimpleFSDP, compiled, no reshard", "simple", True, reshard=False),
 ]
 
+
+#: How far apart two configurations' first gradients may be, in norm, relative: they are the same gradient computed with
+#: sums in other orders (compiled kernels fuse and reorder them; the tiny preset's 8 agree within 3e-9); a reduction
+#: that sums where it should average, or averages twice, is off by the world size (2), which AdamW's scale-free steps
+#: would leave out of the loss
+GRAD_NORM_RTOL = 1e-4
 
 PRESETS = {  # warm-up rounds: compilation happens there
     "default": Workload(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), batch=16, warmup=3, timed=10),
@@ -75,6 +82,17 @@ def _build(setup: Setup, cfg: GPTConfig) -> tuple[GPT, Any]:
     return model, compile_model(model, bucket=setup.bucket) if setup.kind == "simple" else torch.compile(model)
 
 
+def _grad_norm(model: torch.nn.Module) -> float:
+    """The gradient's norm over the whole model: each rank's shards' sum of squares, summed over the ranks (every
+    configuration shards every parameter by rows, each row on one rank)."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq += local_tensor(p.grad).double().square().sum()
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
 def _worker(preset: str) -> dict[str, Any]:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -88,6 +106,7 @@ def _worker(preset: str) -> dict[str, Any]:
         runs.append((model, run, torch.optim.AdamW(model.parameters(), lr=1e-3)))
     held: list[list[int]] = [[] for _ in SETUPS]
     losses: list[float] = [0.0] * len(SETUPS)
+    norms: list[float] = [0.0] * len(SETUPS)
     batches = [
         corpus.batch("train", rank, world, (0, rank, step), p.batch, p.model.block_size)
         for step in range(p.warmup + p.timed)
@@ -98,6 +117,8 @@ def _worker(preset: str) -> dict[str, Any]:
         opt.zero_grad()
         loss = run(*batches[step])
         loss.backward()
+        if step == 0:  # a warm-up round, untimed
+            norms[i] = _grad_norm(runs[i][0])
         opt.step()
         losses[i] = loss.item()
 
@@ -117,6 +138,7 @@ def _worker(preset: str) -> dict[str, Any]:
         "times": times,
         "held": [min(h) if h else None for h in held],
         "loss": losses,
+        "grad_norm": norms,
         "params": runs[0][0].num_params(),
     }
 
@@ -125,6 +147,13 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
     p = PRESETS[preset]
     results = launch(_worker, 2, preset)
     ranks = sorted(results)
+    norms = results[ranks[0]]["grad_norm"]  # all-reduced: the same on every rank
+    for s, norm in zip(SETUPS, norms, strict=True):
+        if not abs(norm - norms[0]) <= GRAD_NORM_RTOL * norms[0]:
+            raise RuntimeError(
+                f"bench simple_fsdp: {s.label!r} computed another first gradient than {SETUPS[0].label!r} (norm "
+                f"{norm:.7g} against {norms[0]:.7g}): the configurations must train alike for the table to compare them"
+            )
     rows = []
     med = {}
     for i, s in enumerate(SETUPS):
