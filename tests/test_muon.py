@@ -251,6 +251,39 @@ def test_state_dict_resumes_bitwise():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("where", ["matrix", "adamw"])
+def test_a_non_finite_gradient_raises_with_nothing_applied(where):
+    """A NaN or Inf gradient, of a Muon matrix or of a parameter AdamW steps, raises NonFiniteGradientError naming it
+    before any weight or state changes (stepped, it made the weights NaN); the next finite step runs as usual."""
+    from powertrain.compress import NonFiniteGradientError
+
+    model = _gpt()
+    opt = Muon(model.named_parameters(), lr=0.02)
+    model(*_tokens(0)).backward()
+    opt.step()
+    weights = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    target, name = (
+        (model.blocks[0].fc.weight, "blocks.0.fc.weight") if where == "matrix" else (model.tok.weight, "tok.weight")
+    )
+    for bad in (float("nan"), float("inf")):
+        target.grad.view(-1)[3] = bad
+        with pytest.raises(NonFiniteGradientError, match=rf"Muon: non-finite gradient \(this rank's {name}\); nothing"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), weights.values(), strict=True))
+        now = opt.state_dict()["state"]
+        assert now.keys() == state["state"].keys()
+        assert all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(state["state"][i][k]))
+            for i in now
+            for k, v in now[i].items()
+        )
+    model.zero_grad()
+    model(*_tokens(1)).backward()
+    opt.step()
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
 def test_a_crafted_state_is_refused_at_load_with_nothing_taken():
     """Muon.load_state_dict took what torch takes: a momentum of the wrong shape (failing at the next step), a NaN
     momentum (NaN weights), a saved weight_decay of -5 (the constructor refuses it), a key for no parameter."""
@@ -374,6 +407,27 @@ def muon_cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
         _steps(model, opt, range(2, 4))
         return {"params": _full(model), "bytes": dict(opt.comm.stats.by_op)}
 
+    def nonfinite() -> dict[str, Any]:
+        """A NaN in rank 0's rows of one matrix: every rank raises, before anything changes."""
+        from powertrain.compress import NonFiniteGradientError
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model()
+        fully_shard(model, mesh=mesh)
+        opt = Muon(model.named_parameters(), **_OPTIONS)
+        _steps(model, opt, range(1))
+        before = _full(model)
+        _set_grads(model, 1)
+        if rank == 0:
+            model.fc1.weight.grad.to_local().view(-1)[0] = float("nan")
+        try:
+            opt.step()
+            raised = ""
+        except NonFiniteGradientError as e:
+            raised = str(e)
+        same = all(torch.equal(a, b) for a, b in zip(_full(model), before, strict=True))
+        return {"raised": raised, "unchanged": same}
+
     def bad() -> dict[str, str]:
         mesh = init_device_mesh("cpu", (world,))
         model = make_model()
@@ -392,6 +446,7 @@ def muon_cases(rank: int, world: int, tmp: str) -> dict[str, Any]:
         "fsdp2": guard(sharded, "fsdp2"),
         "simple": guard(sharded, "simple"),
         "bad": guard(bad),
+        "nonfinite": guard(nonfinite),
     }
 
 
@@ -412,7 +467,12 @@ def test_across_ranks_equals_one_process_bitwise(world, tmp_path):
         assert set(r["bytes"]) == {"all_gather"}, r["bytes"]
     for name in ("fsdp2", "simple"):
         for r in case(runs, name):
-            assert set(r["bytes"]) == {"all_to_all"}, r["bytes"]  # never a full gather
+            # never a full gather; the all-reduce is each step's finiteness flag, one float a rank
+            assert set(r["bytes"]) == {"all_to_all", "all_reduce"} and r["bytes"]["all_reduce"] <= 4 * 4 * 2, r
+    for r in case(runs, "nonfinite"):
+        assert r["unchanged"] and r["raised"].startswith("Muon: non-finite gradient"), r
+    assert "this rank's fc1.weight" in case(runs, "nonfinite")[0]["raised"]
+    assert all("another rank's shard" in r["raised"] for r in case(runs, "nonfinite")[1:])
     for r in case(runs, "bad"):
         assert "leave split=True" in r["split"]
         assert "mesh's group is used" in r["group"]

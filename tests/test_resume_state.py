@@ -34,6 +34,27 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- item 3: the advice after a divergence can be taken
 
 
+def test_the_advice_after_a_divergence_names_the_matrices_rate_of_muon_and_dion(tmp_path):
+    """Muon's and Dion's matrices step at --muon-lr, the rest at --lr: a divergence's advice halves both (halving --lr
+    alone left the rate that diverged as it was)."""
+    from powertrain.train.loop import _nonfinite_message
+
+    for optimizer, rate in (("muon", "0.02"), ("dion", "0.01")):
+        cfg = resolve("tiny", None, {"optimizer": optimizer, "compressor": "none"})
+        text = _nonfinite_message(1, "loss nan", tmp_path, cfg)
+        assert text.endswith(
+            f"try lower rates (--lr 0.001, --muon-lr {2 * float(rate):g} now; e.g. --lr 0.0005 --muon-lr {rate})"
+        ), text
+        (tmp_path / "ckpt").mkdir(exist_ok=True)
+        resumed = resolve(
+            "tiny", None, {"optimizer": optimizer, "compressor": "none", "resume": str(tmp_path / "ckpt")}
+        )
+        text = _nonfinite_message(1, "loss nan", tmp_path, resumed)
+        assert text.endswith(f"--lr 0.0005 --muon-lr {rate}"), text
+    adamw = _nonfinite_message(1, "loss nan", tmp_path, resolve("tiny", None, {"compressor": "none"}))
+    assert adamw.endswith("try a lower --lr (now 0.001, e.g. 0.0005)") and "muon" not in adamw, adamw
+
+
 def test_the_advice_after_a_divergence_is_followed_and_the_lower_lr_takes_effect(tmp_path):
     """A run continued at a far too high --lr (a change a resume accepts, and logs) diverges; its one line says how
     to continue from a checkpoint at a lower --lr; doing so (with a sane lr, from the step before) is accepted and

@@ -41,6 +41,8 @@ import torch.distributed as dist
 
 from powertrain._checks import check_int
 from powertrain.comm import Communicator
+from powertrain.compress.base import NonFiniteGradientError
+from powertrain.ops.finite import finite_flag, read_flag
 from powertrain.ops.flat import local_tensor
 from powertrain.ops.lowrank import matrix_shape
 from powertrain.ops.newton_schulz import NS_COEFFICIENTS, AdjustLR, adjusted_lr, newton_schulz, ns_flops
@@ -178,6 +180,7 @@ class Muon(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_finite()
         work: list[tuple[Block, torch.Tensor, torch.Tensor, dict[str, Any]]] = []  # block, param, update, group
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
@@ -197,6 +200,33 @@ class Muon(MatrixOptimizer):
         if work:
             self._orthogonalize_and_apply(work)
         return loss
+
+    def _check_finite(self) -> None:
+        """Raise :class:`~powertrain.compress.NonFiniteGradientError` before anything changes when a gradient this step
+        would apply holds NaN or Inf (stepped, it would make the weights and the momenta NaN). One flag read on the
+        host (a synchronisation on CUDA: whether to raise is the host's decision). Replicated gradients are the same on
+        every rank (averaged), so every rank decides alike; row shards differ, so their flags are combined first, and
+        every rank of the mesh raises together."""
+        grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return
+        ok = finite_flag(grads)
+        if isinstance(self._dist, Shards):
+            flag = torch.as_tensor(ok, dtype=torch.float32, device=grads[0].device).reshape(1)
+            self.comm.all_reduce_(flag, "sum")  # every rank's 1 when all are finite
+            ok = flag == self.comm.world_size
+        if read_flag(ok):
+            return
+        bad = [
+            self._names.get(id(p), "a parameter")
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
+        ]
+        where = f"this rank's {', '.join(bad)}" if bad else "another rank's shard"
+        raise NonFiniteGradientError(
+            f"Muon: non-finite gradient ({where}); nothing was applied: lower the learning rate or skip the step"
+        )
 
     def _orthogonalize(self, update: torch.Tensor, shape: tuple[int, ...], group: dict[str, Any]) -> torch.Tensor:
         return newton_schulz(

@@ -519,11 +519,15 @@ def _nonfinite_message(step: int, what: Any, out: Path, cfg: TrainConfig) -> str
     else:
         good, kept = None, "there is no checkpoint (use --checkpoint-every)"
     what = str(what).rstrip(". ")
-    lower = f"{cfg.lr / 2:g}"
+    # Muon's and Dion's matrices step at --muon-lr (--lr is AdamW's, on the rest): halve both
+    rates = [("lr", cfg.lr)] + ([("muon-lr", cfg.muon_lr)] if cfg.muon_lr is not None else [])
+    lower = " ".join(f"--{flag} {rate / 2:g}" for flag, rate in rates)
     advice = (
-        f"continue from it at a lower learning rate with the same command and --resume {good} --lr {lower}"
+        f"continue from it at a lower learning rate with the same command and --resume {good} {lower}"
         if good
-        else f"try a lower --lr (now {cfg.lr:g}, e.g. {lower})"
+        else f"try lower rates ({', '.join(f'--{flag} {rate:g}' for flag, rate in rates)} now; e.g. {lower})"
+        if len(rates) > 1
+        else f"try a lower --lr (now {cfg.lr:g}, e.g. {cfg.lr / 2:g})"
     )
     return f"training stopped at step {step + 1}: {what}; {kept}; {advice}"
 
