@@ -199,6 +199,10 @@ def test_bad_input_is_refused_in_one_line():
             "resnet": lambda: TrainConfig(model="resnet", data="mnist1d", optimizer="muon"),
             "muon_lr": lambda: TrainConfig(muon_lr=0.05),
             "dion_rank": lambda: TrainConfig(optimizer="muon", dion_rank=0.25),
+            "sgd_momentum": lambda: TrainConfig(optimizer="muon", momentum=0.5),
+            "galore_rank": lambda: TrainConfig(optimizer="dion", galore_rank=3),
+            "coefficients_int": lambda: Muon(named(), ns_coefficients=3),
+            "coefficients_bool": lambda: Muon(named(), ns_coefficients=(1.0, 2.0, True)),
         }
     )
     expected = {
@@ -220,6 +224,10 @@ def test_bad_input_is_refused_in_one_line():
         "resnet": "the ResNet's weights are convolutions",
         "muon_lr": "optimizer='adamw' does not use it",
         "dion_rank": "applies to optimizer='dion', not 'muon'",
+        "sgd_momentum": "momentum=0.5 applies to optimizer='sgd', not 'muon': drop it",
+        "galore_rank": "galore_rank=3 applies to optimizer='galore', not 'dion': drop it",
+        "coefficients_int": "Invalid ns_coefficients=3: must be three finite numbers",
+        "coefficients_bool": "Invalid ns_coefficients=(1.0, 2.0, True)",
     }
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])

@@ -115,7 +115,7 @@ class Muon(MatrixOptimizer):
             "weight_decay": weight_decay,
             "momentum": momentum,
             "nesterov": nesterov,
-            "ns_coefficients": tuple(ns_coefficients),
+            "ns_coefficients": tuple(ns_coefficients) if isinstance(ns_coefficients, tuple | list) else ns_coefficients,
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
@@ -286,7 +286,11 @@ def _check_muon_options(o: dict[str, Any]) -> None:
     if o["ns_steps"] >= 100:
         raise ValueError(f"Invalid ns_steps={o['ns_steps']!r}: must be below 100 (5 is Muon's)")
     coefficients = o["ns_coefficients"]
-    if len(coefficients) != 3 or not all(isinstance(c, int | float) and math.isfinite(c) for c in coefficients):
+    if (
+        not isinstance(coefficients, tuple | list)
+        or len(coefficients) != 3
+        or not all(isinstance(c, int | float) and not isinstance(c, bool) and math.isfinite(c) for c in coefficients)
+    ):
         raise ValueError(f"Invalid ns_coefficients={coefficients!r}: must be three finite numbers (a, b, c)")
     if o["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"Invalid adjust_lr_fn={o['adjust_lr_fn']!r}: choose 'original', 'match_rms_adamw' or None")

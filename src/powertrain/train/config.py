@@ -60,6 +60,9 @@ GPT_SIZES: dict[str, tuple[int, int, int]] = {
 #: of the rates bench quality --preset muon sweeps on the default GPT (BENCHMARKS.md, "Muon against a swept AdamW";
 #: Dion's at rank 1/4, above microsoft/dion's 0.01).
 MATRIX_LR = {"muon": 0.04, "dion": 0.02}
+
+#: The optimizer each optimizer-specific setting belongs to (the settings named ``momentum`` or ``<prefix>_...``)
+_OPTION_OWNERS = {"momentum": "sgd", "shampoo": "shampoo", "galore": "galore", "demo": "demo"}
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25
 #: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off; Dion on
@@ -293,6 +296,11 @@ class TrainConfig:
             raise ValueError(f"Invalid galore_scale={self.galore_scale!r}: must be > 0")
         if not 0 <= self.demo_decay < 1:
             raise ValueError(f"Invalid demo_decay={self.demo_decay!r}: must be in [0, 1)")
+        for f in dataclasses.fields(self):  # another optimizer's setting would be ignored: refused instead
+            owner = _OPTION_OWNERS.get(f.name.split("_")[0])
+            value = getattr(self, f.name)
+            if owner is not None and self.optimizer != owner and value != f.default:
+                raise ValueError(f"{f.name}={value!r} applies to optimizer={owner!r}, not {self.optimizer!r}: drop it")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"Invalid weight_decay={self.weight_decay!r}: must be >= 0")
         if self.data in ("textdir", "bin") and not self.data_path:
