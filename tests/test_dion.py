@@ -371,7 +371,7 @@ def test_bad_input_is_refused_in_one_line():
         "typo": "unknown option(s) ['rank_fracton']",
         "bool": "Invalid adamw_lr=True",
         "string": "Invalid adamw_lr='0.1'",
-        "shape": "this optimizer's is",
+        "shape": "was saved with rank_fraction=1.0, this optimizer has rank_fraction=0.5: build it with",
     }
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])

@@ -203,6 +203,9 @@ def test_bad_input_is_refused_in_one_line():
             "galore_rank": lambda: TrainConfig(optimizer="dion", galore_rank=3),
             "coefficients_int": lambda: Muon(named(), ns_coefficients=3),
             "coefficients_bool": lambda: Muon(named(), ns_coefficients=(1.0, 2.0, True)),
+            "option": lambda: Muon(named(), momentum=0.5).load_state_dict(Muon(named()).state_dict()),
+            "adamw_option": lambda: Muon(named(), adamw_betas=(0.8, 0.99)).load_state_dict(Muon(named()).state_dict()),
+            "lr_moves": lambda: Muon(named(), lr=0.5, adamw_lr=0.1).load_state_dict(Muon(named()).state_dict()),
         }
     )
     expected = {
@@ -228,7 +231,11 @@ def test_bad_input_is_refused_in_one_line():
         "galore_rank": "galore_rank=3 applies to optimizer='galore', not 'dion': drop it",
         "coefficients_int": "Invalid ns_coefficients=3: must be three finite numbers",
         "coefficients_bool": "Invalid ns_coefficients=(1.0, 2.0, True)",
+        # torch's load would replace the constructor's setting by the saved one; the rate is the schedule's to move
+        "option": "group 0 (muon) was saved with momentum=0.95, this optimizer has momentum=0.5: build it with",
+        "adamw_option": "group 1 (adamw) was saved with betas=(0.9, 0.999), this optimizer has betas=(0.8, 0.99)",
     }
+    assert errors.pop("lr_moves") == ""
     for key, fragment in expected.items():
         assert fragment in errors[key], (key, errors[key])
         assert "\n" not in errors[key]

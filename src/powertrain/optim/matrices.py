@@ -124,6 +124,11 @@ def check_matrices(owner: str, algorithm: str, groups: list[dict[str, Any]], nam
         )
 
 
+def _option(value: Any) -> Any:
+    """An option as compared at load: a sequence as a tuple (a state through JSON or DCP may hold a list)."""
+    return tuple(value) if isinstance(value, list | tuple) else value
+
+
 def check_algorithms(owner: str, saved: Any, groups: list[dict[str, Any]]) -> None:
     """ValueError in one line unless a state dict's parameter groups name this optimizer's groups' algorithms, in
     order (torch would relabel them and fail in a later step)."""
@@ -319,6 +324,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
                 self._check_options(filled)
             else:
                 check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
+        for i, (group, built) in enumerate(zip(state_dict["param_groups"], self.param_groups, strict=False)):
+            for key in self._group_defaults[built["algorithm"]]:
+                # torch's load replaces the built group's options by the saved ones: a setting given to the
+                # constructor would be dropped without a word. The learning rate is the schedule's to move.
+                if key == "lr" or key not in group:
+                    continue
+                was, now = _option(group[key]), _option(built[key])
+                if was != now:
+                    raise ValueError(
+                        f"{owner} state_dict's parameter group {i} ({built['algorithm']}) was saved with "
+                        f"{key}={was!r}, this optimizer has {key}={now!r}: build it with {key}={was!r} to continue"
+                    )
         saved = state_dict.get("state", {})
         params = self._saved_keys(state_dict)
         for index, st in saved.items() if isinstance(saved, dict) else ():
