@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 import pytest
 import torch
@@ -186,6 +187,40 @@ def test_nonfinite_leaves_state_untouched_and_state_roundtrips(name, opts, devic
     fresh = make_compressor(name, params, **opts)
     fresh.load_state_dict(saved)  # back onto the device
     g = _grads(params, 2)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.aggregate(g), comp.aggregate(g), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("name", "saved_with", "loaded_with", "message"),
+    [
+        ("int4", {}, {"chunk": 256}, "saved with chunk=1024, this compressor has chunk=256"),
+        (
+            "int4",
+            {"loco_beta": 0.5},
+            {},
+            "saved with loco_beta=0.5, error_dtype='bfloat16', this compressor has loco_beta=0.0, "
+            "error_dtype='float32'",
+        ),
+        ("int8", {"stochastic": False}, {}, "saved with stochastic=False, this compressor has stochastic=True"),
+        ("topk", {"ratio": 0.01}, {"ratio": 0.5}, "saved with ratio=0.01, this compressor has ratio=0.5"),
+        ("randk", {"ratio": 0.01}, {"ratio": 0.02}, "saved with ratio=0.01, this compressor has ratio=0.02"),
+        ("sign", {}, {"chunk": 64}, "saved with chunk=4096, this compressor has chunk=64"),
+    ],
+)
+def test_a_state_saved_with_other_settings_is_refused(name, saved_with, loaded_with, message):
+    """An error-feedback state is its compressor's: loaded into one built with other settings (DiLoCo's outer step
+    built as int8 from an int4 run's checkpoint), its buffers would be owed in another code. One line names the
+    setting; a state written before the settings were saved (no "settings") still loads."""
+    params = _params(torch.device("cpu"))
+    comp = make_compressor(name, params, **saved_with)
+    comp.aggregate(_grads(params, 0))
+    state = comp.state_dict()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_compressor(name, params, **loaded_with).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "settings"}
+    fresh = make_compressor(name, params, **saved_with)
+    fresh.load_state_dict(older)
+    g = _grads(params, 1)
     assert all(torch.equal(a, b) for a, b in zip(fresh.aggregate(g), comp.aggregate(g), strict=True))
 
 

@@ -164,9 +164,15 @@ class ErrorFeedbackCompressor(Compressor):
             for s, e in zip(self._shapes, self._errors, strict=True)
         ]
 
+    def settings(self) -> dict[str, Any]:
+        """What this compressor was built with that decides what it sends and what it keeps: saved with its state,
+        and a state saved with other settings is refused at load (its error buffers are another compressor's)."""
+        return {"error_decay": self.error_decay, "error_dtype": str(self.error_dtype).removeprefix("torch.")}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "kind": type(self).__name__,
+            "settings": self.settings(),
             "shapes": [list(s) for s in self._shapes],
             "errors": _compact(self._errors),
             "steps": list(self._steps),
@@ -183,6 +189,19 @@ class ErrorFeedbackCompressor(Compressor):
                 f"state_dict of a {state['kind']} for shapes {state['shapes']} does not fit this "
                 f"{type(self).__name__} for {shapes}"
             )
+        saved = state.get("settings")  # absent from a state written before it was saved: nothing to check it by
+        if saved is not None:
+            ours = self.settings()
+            if not isinstance(saved, Mapping) or set(saved) != set(ours):
+                raise ValueError(f"{type(self).__name__} state_dict's settings are {saved!r:.100}, expected {ours}")
+            differ = [key for key, value in ours.items() if saved[key] != value]
+            if differ:
+                was = ", ".join(f"{key}={saved[key]!r}" for key in differ)
+                now = ", ".join(f"{key}={ours[key]!r}" for key in differ)
+                raise ValueError(
+                    f"{type(self).__name__} state_dict was saved with {was}, this compressor has {now}: build it with "
+                    "the settings the state was saved with"
+                )
         check_state_tensors(type(self).__name__, "errors", state["errors"], self._shapes)
         steps = check_state_counts(type(self).__name__, "steps", state["steps"], len(self._shapes))
         seed = state["seed"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,16 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         self.bits, self.chunk, self.stochastic = bits, chunk, stochastic
         self.loco_beta, self.loco_reset_every = loco_beta, loco_reset_every
         self._keeps_old = loco_beta > 0
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "bits": self.bits,
+            "chunk": self.chunk,
+            "stochastic": self.stochastic,
+            "loco_beta": self.loco_beta,
+            "loco_reset_every": self.loco_reset_every,
+            **super().settings(),
+        }
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         lengths = chunk_lengths([p.numel() for p in parts], self.chunk)  # x is laid out in whole chunks (_layout_chunk)

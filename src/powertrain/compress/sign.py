@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ class SignCompressor(ErrorFeedbackCompressor):
         check_int("chunk", chunk, 8)
         super().__init__(params, group=group)
         self.chunk = chunk
+
+    def settings(self) -> dict[str, Any]:
+        return {"chunk": self.chunk, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         lengths = chunk_lengths([p.numel() for p in parts], self.chunk)  # x is laid out in whole chunks (_layout_chunk)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,9 @@ class TopKCompressor(ErrorFeedbackCompressor):
             raise ValueError(f"Invalid bits={bits!r}: 32 (float32 values) or 2 (2-bit codes and a scale)")
         super().__init__(params, group=group, error_decay=error_decay)
         self.ratio, self.bits = ratio, bits
+
+    def settings(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "bits": self.bits, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         ks = [_k(self.ratio, p.numel()) for p in parts]
@@ -129,6 +133,9 @@ class RandomKCompressor(ErrorFeedbackCompressor):
         _check_ratio(ratio)
         super().__init__(params, group=group, seed=seed)
         self.ratio = ratio
+
+    def settings(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
         offset, picks = 0, []
