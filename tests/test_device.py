@@ -464,7 +464,7 @@ def _optimizers() -> list[tuple[str, Callable[[torch.nn.Module], torch.optim.Opt
         ("GaLoreAdamW", galore, 0),
         ("DistributedShampoo", shampoo, 0),
         ("DeMo", lambda m: DeMo(m.parameters()), 1),
-        ("Muon", lambda m: Muon(m.named_parameters()), 0),  # bfloat16 Newton-Schulz on CUDA, nothing read back
+        ("Muon", lambda m: Muon(m.named_parameters()), 1),  # bfloat16 Newton-Schulz; its finiteness flag's one read
         ("Dion", lambda m: Dion(m.named_parameters(), rank_fraction=0.25), 1),  # its program's one flag read
     ]
 

@@ -208,11 +208,10 @@ class Muon(MatrixOptimizer):
         every rank (averaged), so every rank decides alike; row shards differ, so their flags are combined first, and
         every rank of the mesh raises together."""
         grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return
-        ok = finite_flag(grads)
-        if isinstance(self._dist, Shards):
-            flag = torch.as_tensor(ok, dtype=torch.float32, device=grads[0].device).reshape(1)
+        ok = finite_flag(grads) if grads else True
+        if isinstance(self._dist, Shards):  # every rank of the mesh takes part, with gradients or without
+            device = next(p.device for g in self.param_groups for p in g["params"])
+            flag = torch.as_tensor(ok, dtype=torch.float32, device=device).reshape(1)
             self.comm.all_reduce_(flag, "sum")  # every rank's 1 when all are finite
             ok = flag == self.comm.world_size
         if read_flag(ok):
