@@ -34,6 +34,20 @@ def _metrics(out: Path) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- item 3: the advice after a divergence can be taken
 
 
+def test_a_run_that_holds_another_optimizers_setting_resumes():
+    """A run written before another optimizer's settings were refused may hold one it ignored (--momentum with
+    --optimizer muon): its resume compares only what the run used; sgd's own momentum still may not change."""
+    import dataclasses
+
+    from powertrain.train.checkpoint import config_changes
+    from powertrain.train.config import TrainConfig
+
+    now = dataclasses.asdict(TrainConfig(optimizer="muon"))
+    assert config_changes({**now, "momentum": 0.5, "galore_rank": 3}, now) == ""
+    sgd = dataclasses.asdict(TrainConfig(optimizer="sgd"))
+    assert config_changes({**sgd, "momentum": 0.5}, sgd) == "momentum=0.5 -> 0.9"
+
+
 def test_the_advice_after_a_divergence_names_the_matrices_rate_of_muon_and_dion(tmp_path):
     """Muon's and Dion's matrices step at --muon-lr, the rest at --lr: a divergence's advice halves both (halving --lr
     alone left the rate that diverged as it was)."""

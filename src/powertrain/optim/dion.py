@@ -97,6 +97,7 @@ class Dion(MatrixOptimizer):
     """
 
     algorithm = "dion"
+    fixed_options = frozenset({"rank_fraction", "eps"})
 
     def __init__(
         self,

@@ -124,6 +124,10 @@ def check_matrices(owner: str, algorithm: str, groups: list[dict[str, Any]], nam
         )
 
 
+#: AdamW's options that no schedule moves (see :attr:`MatrixOptimizer.fixed_options`)
+_ADAMW_FIXED = frozenset({"eps"})
+
+
 def _option(value: Any) -> Any:
     """An option as compared at load: a sequence as a tuple (a state through JSON or DCP may hold a list)."""
     return tuple(value) if isinstance(value, list | tuple) else value
@@ -238,6 +242,10 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     #: the name of the matrices' groups' algorithm ("muon", "dion")
     algorithm: ClassVar[str]
+    #: the options of the matrices' groups that define the algorithm rather than a schedule's value: a state saved with
+    #: others is refused at load. Learning rates, momenta, betas and weight decay follow torch's load (the saved
+    #: values replace the built ones), as schedules move them (OneCycleLR cycles a group's momentum).
+    fixed_options: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -325,10 +333,11 @@ class MatrixOptimizer(torch.optim.Optimizer):
             else:
                 check_adamw_options(filled["lr"], filled["betas"], filled["eps"], filled["weight_decay"])
         for i, (group, built) in enumerate(zip(state_dict["param_groups"], self.param_groups, strict=False)):
-            for key in self._group_defaults[built["algorithm"]]:
+            fixed = self.fixed_options if built["algorithm"] == self.algorithm else _ADAMW_FIXED
+            for key in sorted(fixed):
                 # torch's load replaces the built group's options by the saved ones: a setting given to the
-                # constructor would be dropped without a word. The learning rate is the schedule's to move.
-                if key == "lr" or key not in group:
+                # constructor would be dropped without a word
+                if key not in group:
                     continue
                 was, now = _option(group[key]), _option(built[key])
                 if was != now:

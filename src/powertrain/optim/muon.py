@@ -88,6 +88,7 @@ class Muon(MatrixOptimizer):
     """
 
     algorithm = "muon"
+    fixed_options = frozenset({"nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn"})
 
     def __init__(
         self,
@@ -207,7 +208,13 @@ class Muon(MatrixOptimizer):
         host (a synchronisation on CUDA: whether to raise is the host's decision). Replicated gradients are the same on
         every rank (averaged), so every rank decides alike; row shards differ, so their flags are combined first, and
         every rank of the mesh raises together."""
-        grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        # a sparse gradient is left to the step, which refuses it in one line
+        grads = [
+            local_tensor(p.grad)
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None and not p.grad.is_sparse
+        ]
         ok = finite_flag(grads) if grads else True
         if isinstance(self._dist, Shards):  # every rank of the mesh takes part, with gradients or without
             device = next(p.device for g in self.param_groups for p in g["params"])

@@ -327,10 +327,17 @@ def resume_changes(manifest: dict[str, Any], config: dict[str, Any]) -> str:
 def config_changes(saved: dict[str, Any], config: dict[str, Any]) -> str:
     """The settings of ``config`` that a continuation of the run with ``saved`` settings may not change, as
     ``"key=old -> new, ..."`` (up to four), or ``""``."""
+    from powertrain.train.config import ignored_by
+
+    ignored = ignored_by(saved.get("optimizer"))  # another optimizer's setting, which that run never used
     changed = [
         k
         for k, v in config.items()
-        if k not in RESUME_MAY_CHANGE and k in saved and saved[k] != v and not (k == "compressor" and _auto(v))
+        if k not in RESUME_MAY_CHANGE
+        and k not in ignored
+        and k in saved
+        and saved[k] != v
+        and not (k == "compressor" and _auto(v))
     ]  # rank=auto continues with what it chose (the caller)
     return ", ".join(f"{k}={saved[k]!r} -> {config[k]!r}" for k in changed[:4])
 

@@ -63,6 +63,18 @@ MATRIX_LR = {"muon": 0.04, "dion": 0.02}
 
 #: The optimizer each optimizer-specific setting belongs to (the settings named ``momentum`` or ``<prefix>_...``)
 _OPTION_OWNERS = {"momentum": "sgd", "shampoo": "shampoo", "galore": "galore", "demo": "demo"}
+
+
+def ignored_by(optimizer: object) -> set[str]:
+    """The settings ``optimizer`` does not use (other optimizers' own): refused when given, and not compared on a
+    resume (a run written before they were refused may hold one it ignored)."""
+    return {
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if _OPTION_OWNERS.get(f.name.split("_")[0], optimizer) != optimizer
+    }
+
+
 #: Dion's rank (a fraction of each matrix's smaller side) when a run does not set --dion-rank.
 DEFAULT_DION_RANK = 0.25
 #: Optimizers that send their own messages instead of averaged gradients (the gradient all-reduce is off; Dion on
@@ -296,10 +308,11 @@ class TrainConfig:
             raise ValueError(f"Invalid galore_scale={self.galore_scale!r}: must be > 0")
         if not 0 <= self.demo_decay < 1:
             raise ValueError(f"Invalid demo_decay={self.demo_decay!r}: must be in [0, 1)")
+        ignored = ignored_by(self.optimizer)
         for f in dataclasses.fields(self):  # another optimizer's setting would be ignored: refused instead
-            owner = _OPTION_OWNERS.get(f.name.split("_")[0])
             value = getattr(self, f.name)
-            if owner is not None and self.optimizer != owner and value != f.default:
+            if f.name in ignored and value != f.default:
+                owner = _OPTION_OWNERS[f.name.split("_")[0]]
                 raise ValueError(f"{f.name}={value!r} applies to optimizer={owner!r}, not {self.optimizer!r}: drop it")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ValueError(f"Invalid weight_decay={self.weight_decay!r}: must be >= 0")
