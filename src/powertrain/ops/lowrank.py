@@ -26,9 +26,8 @@ __all__ = [
 
 #: The boundary each factor of a kept ``M`` starts on, in bytes, as a fresh tensor does (on a 64-byte boundary on the
 #: CPU, 512 on CUDA: its caching allocator's blocks). A BLAS may round ``e - p q^T`` differently by where ``p`` and
-#: ``q`` start, not only by their strides (MKL does here: 8 shapes in float32 and float64, each factor placed at 64
-#: offsets, 304 of the 1,024 products differed from a fresh tensor's, none of those starting on a 64-byte boundary),
-#: so the product owed back is formed from factors laid out as :func:`settled` lays them.
+#: ``q`` start, not only by their strides (MKL does: docs/notes/compression.md, "Where the kept factors start"), so
+#: the product owed back is formed from factors laid out as :func:`settled` lays them.
 ALIGN_BYTES = 512
 
 

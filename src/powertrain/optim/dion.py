@@ -338,16 +338,7 @@ class Dion(MatrixOptimizer):
 
     def _nonfinite(self) -> NonFiniteGradientError:
         """The error every rank raises, naming this rank's non-finite gradients (or momenta) if it has any."""
-        bad = [
-            self._names.get(id(p), "a parameter")
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None
-            and not (
-                bool(torch.isfinite(p.grad).all())
-                and bool(torch.isfinite(self.state.get(p, {}).get("momentum", p.grad)).all())
-            )
-        ]
+        bad = self._nonfinite_names("momentum")
         rank = self.comm.rank
         where = (
             f"non-finite gradient (or momentum) in {', '.join(bad[:4])} on rank {rank}"

@@ -309,6 +309,24 @@ class MatrixOptimizer(torch.optim.Optimizer):
         local = tuple(local_tensor(p).shape)
         return {"step": (), "exp_avg": local, "exp_avg_sq": local}
 
+    def _nonfinite_names(self, *state_keys: str) -> list[str]:
+        """The names of the parameters whose gradient on this rank (a shard's local part), or state tensor under one of
+        ``state_keys``, holds NaN or Inf: what an error names after a step's finiteness check failed. Sparse gradients
+        are left to the step, which refuses them in one line."""
+        from powertrain.ops.flat import local_tensor
+
+        def finite(t: torch.Tensor) -> bool:
+            return bool(torch.isfinite(local_tensor(t)).all())
+
+        return [
+            self._names.get(id(p), "a parameter")
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+            and not p.grad.is_sparse
+            and not (finite(p.grad) and all(finite(self.state[p][k]) for k in state_keys if k in self.state.get(p, {})))
+        ]
+
     def _saved_keys(self, state_dict: dict[str, Any]) -> dict[Any, torch.Tensor]:
         """Which of this optimizer's parameters each key of a saved state names: the saved groups' ``params`` list
         the keys in the order of the parameters (indices, or names through torch.distributed.checkpoint's state

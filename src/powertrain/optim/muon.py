@@ -223,12 +223,7 @@ class Muon(MatrixOptimizer):
             ok = flag == self.comm.world_size
         if read_flag(ok):
             return
-        bad = [
-            self._names.get(id(p), "a parameter")
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None and not bool(torch.isfinite(local_tensor(p.grad)).all())
-        ]
+        bad = self._nonfinite_names()
         where = f"this rank's {', '.join(bad)}" if bad else "another rank's shard"
         raise NonFiniteGradientError(
             f"Muon: non-finite gradient ({where}); nothing was applied: lower the learning rate or skip the step"
