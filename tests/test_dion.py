@@ -204,7 +204,7 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
     sent_p = sum(p.shape[1] * opt.rank_of(p) for p in dion_matrices)  # P: the columns of W x r
     sent_sq = sum(opt.rank_of(p) for p in dion_matrices) + 1  # R's column norms, and one entry for a non-finite flag
     for name in ("fsdp2", "simple"):
-        for r in case(runs, name):
+        for rank, r in enumerate(case(runs, name)):
             for got, want, ref in zip(r["params"], expect, reference.parameters(), strict=True):
                 if want is None:
                     assert torch.equal(got, ref.detach()), name
@@ -213,6 +213,10 @@ def test_across_ranks_is_single_process_dion_on_the_mean(world):
             assert r["bytes"] == {"all_reduce": 3 * 8 * (sent_p + sent_sq)}, (r["bytes"], sent_p, sent_sq)
             assert r["collectives"] == 3 * 2
             assert "Dion:" in r["raised"] and r["unchanged"], r["raised"]
+            # the NaN is in the last rank's rows: that rank names the bias, every other one says another rank's
+            mine = rank == len(case(runs, name)) - 1
+            assert ("non-finite gradient (or momentum) in fc1.bias" in r["raised"]) == mine, (rank, r["raised"])
+            assert ("another rank's were non-finite" in r["raised"]) != mine, (rank, r["raised"])
     for r in case(runs, "resume"):
         for a, b in zip(r["whole"], r["resumed"], strict=True):
             assert torch.equal(a, b)  # each rank's own state: the same operations on the same values

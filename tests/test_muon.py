@@ -302,6 +302,37 @@ def test_a_non_finite_gradient_raises_with_nothing_applied(where):
     assert all(p.isfinite().all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("where", ["matrix", "adamw"])
+@pytest.mark.parametrize("cls", ["Muon", "Dion"])
+def test_a_sparse_gradient_is_refused_in_one_line_with_nothing_applied(cls, where):
+    """A sparse gradient (an nn.Embedding(sparse=True)'s) is refused before anything changes, naming the parameter:
+    Muon failed inside torch.zeros_like after stepping its AdamW groups, Dion stepped a sparse matrix gradient, and a
+    NaN in one was reported as another rank's."""
+    from powertrain.optim import Dion
+
+    model = _gpt()
+    opt = (Muon if cls == "Muon" else Dion)(model.named_parameters(), lr=0.02)
+    model(*_tokens(0)).backward()
+    opt.step()
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    target, name = (
+        (model.blocks[0].fc.weight, "blocks.0.fc.weight") if where == "matrix" else (model.tok.weight, "tok.weight")
+    )
+    for value in (1.0, float("nan")):
+        target.grad.view(-1)[3] = value
+        target.grad = target.grad.to_sparse()
+        with pytest.raises(ValueError, match=rf"^{cls} does not step sparse gradients, and {name} has one: build"):
+            opt.step()
+        target.grad = target.grad.to_dense()
+        assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), weights.values(), strict=True))
+        now = opt.state_dict()["state"]
+        assert all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(state["state"][i][k]))
+            for i in now
+            for k, v in now[i].items()
+        )
+
+
 def test_a_crafted_state_is_refused_at_load_with_nothing_taken():
     """Muon.load_state_dict took what torch takes: a momentum of the wrong shape (failing at the next step), a NaN
     momentum (NaN weights), a saved weight_decay of -5 (the constructor refuses it), a key for no parameter."""

@@ -200,6 +200,7 @@ class Dion(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_sparse()
         if self.sharded:
             self._step_sharded()
             return loss

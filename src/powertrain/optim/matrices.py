@@ -309,10 +309,22 @@ class MatrixOptimizer(torch.optim.Optimizer):
         local = tuple(local_tensor(p).shape)
         return {"step": (), "exp_avg": local, "exp_avg_sq": local}
 
+    def _refuse_sparse(self) -> None:
+        """ValueError in one line, before anything changes, for a sparse gradient (an ``nn.Embedding(sparse=True)``):
+        neither the matrices' algorithm nor the AdamW groups step one."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    name = self._names.get(id(p), "a parameter")
+                    raise ValueError(
+                        f"{type(self).__name__} does not step sparse gradients, and {name} has one: build its module "
+                        "with sparse=False"
+                    )
+
     def _nonfinite_names(self, *state_keys: str) -> list[str]:
         """The names of the parameters whose gradient on this rank (a shard's local part), or state tensor under one of
-        ``state_keys``, holds NaN or Inf: what an error names after a step's finiteness check failed. Sparse gradients
-        are left to the step, which refuses them in one line."""
+        ``state_keys``, holds NaN or Inf: what an error names after a step's finiteness check failed (the step has
+        refused sparse gradients before)."""
         from powertrain.ops.flat import local_tensor
 
         def finite(t: torch.Tensor) -> bool:
@@ -323,7 +335,6 @@ class MatrixOptimizer(torch.optim.Optimizer):
             for g in self.param_groups
             for p in g["params"]
             if p.grad is not None
-            and not p.grad.is_sparse
             and not (finite(p.grad) and all(finite(self.state[p][k]) for k in state_keys if k in self.state.get(p, {})))
         ]
 

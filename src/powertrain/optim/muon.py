@@ -181,6 +181,7 @@ class Muon(MatrixOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._refuse_sparse()
         self._check_finite()
         work: list[tuple[Block, torch.Tensor, torch.Tensor, dict[str, Any]]] = []  # block, param, update, group
         for group in self.param_groups:
@@ -208,13 +209,7 @@ class Muon(MatrixOptimizer):
         host (a synchronisation on CUDA: whether to raise is the host's decision). Replicated gradients are the same on
         every rank (averaged), so every rank decides alike; row shards differ, so their flags are combined first, and
         every rank of the mesh raises together."""
-        # a sparse gradient is left to the step, which refuses it in one line
-        grads = [
-            local_tensor(p.grad)
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None and not p.grad.is_sparse
-        ]
+        grads = [local_tensor(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
         ok = finite_flag(grads) if grads else True
         if isinstance(self._dist, Shards):  # every rank of the mesh takes part, with gradients or without
             device = next(p.device for g in self.param_groups for p in g["params"])
