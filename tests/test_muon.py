@@ -306,8 +306,8 @@ def test_a_non_finite_gradient_raises_with_nothing_applied(where):
 @pytest.mark.parametrize("cls", ["Muon", "Dion"])
 def test_a_sparse_gradient_is_refused_in_one_line_with_nothing_applied(cls, where):
     """A sparse gradient (an nn.Embedding(sparse=True)'s) is refused before anything changes, naming the parameter:
-    Muon failed inside torch.zeros_like after stepping its AdamW groups, Dion stepped a sparse matrix gradient, and a
-    NaN in one was reported as another rank's."""
+    Muon raised after changing its momenta, Dion stepped a sparse matrix gradient and failed on an AdamW one inside
+    torch."""
     from powertrain.optim import Dion
 
     model = _gpt()
