@@ -325,18 +325,18 @@ class MatrixOptimizer(torch.optim.Optimizer):
         """The names of the parameters whose gradient on this rank (a shard's local part), or state tensor under one of
         ``state_keys``, holds NaN or Inf: what an error names after a step's finiteness check failed (the step has
         refused sparse gradients before)."""
+        from powertrain.ops.finite import all_finite
         from powertrain.ops.flat import local_tensor
 
-        def finite(t: torch.Tensor) -> bool:
-            return bool(torch.isfinite(local_tensor(t)).all())
-
-        return [
-            self._names.get(id(p), "a parameter")
-            for g in self.param_groups
-            for p in g["params"]
-            if p.grad is not None
-            and not (finite(p.grad) and all(finite(self.state[p][k]) for k in state_keys if k in self.state.get(p, {})))
-        ]
+        bad = []
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state.get(p, {})
+                if not all_finite(local_tensor(t) for t in [p.grad, *(st[k] for k in state_keys if k in st)]):
+                    bad.append(self._names.get(id(p), "a parameter"))
+        return bad
 
     def _saved_keys(self, state_dict: dict[str, Any]) -> dict[Any, torch.Tensor]:
         """Which of this optimizer's parameters each key of a saved state names: the saved groups' ``params`` list
