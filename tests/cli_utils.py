@@ -64,9 +64,12 @@ def run_cli(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, EXTENSIONS.sub("", err))
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, timeout: float = 150, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc-per-node NPROC SCRIPT ARGS`` as a user runs it on one machine (c10d rendezvous on a free
-    loopback port), one torch thread per worker, the tests' directory importable; a hang fails as in
+    loopback port), one torch thread per worker, the tests' directory importable, in ``cwd`` (a script that writes
+    relative paths, as the guides' do, needs one: the default is pytest's, the checkout); a hang fails as in
     :func:`run_cli`."""
     tests = str(Path(__file__).parent)
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH", "")) if p)
@@ -80,6 +83,7 @@ def torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 150) -> 
         str(script),
         *args,
         timeout=timeout,
+        cwd=cwd,
         module="torch.distributed.run",
         env={"OMP_NUM_THREADS": "1", "PYTHONPATH": path},
     )

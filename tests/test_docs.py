@@ -147,13 +147,16 @@ def test_every_python_example_runs(tmp_path):
     for b in _python_blocks():
         if b.mark == "skip":
             continue
-        script = tmp_path / f"{b.page.stem}_{b.line}.py"
+        # Each block in a directory of its own: what one writes (a checkpoint) must not be what another resumes from.
+        here = tmp_path / f"{b.page.stem}_{b.line}"
+        here.mkdir()
+        script = here / "example.py"
         script.write_text(b.code)
         if b.mark.startswith("torchrun"):
-            r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300)
+            r = torchrun(script, nproc=int(b.mark.split()[1]), timeout=300, cwd=here)
         else:
             r = subprocess.run(
-                [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+                [sys.executable, str(script)], cwd=here, env=env, capture_output=True, text=True, timeout=300
             )
         assert r.returncode == 0, f"{b.name}: the example failed:\n{r.stderr[-3000:]}"
         ran += 1
