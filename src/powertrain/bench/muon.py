@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.rounds import interleaved
+from powertrain.bench.report import command, machine_info, publish, section, table
+from powertrain.bench.rounds import interleaved, slowest
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.matrices import default_rule
 from powertrain.train.launch import launch, leave_world
@@ -88,9 +88,9 @@ def _measure(p: Preset, world: int) -> dict[str, Any]:
     args = {"model": dataclasses.asdict(p.model), "batch": p.batch, "rounds": p.rounds, "warmup": p.warmup}
     print(f"[bench muon] {world} worker(s): {p.rounds} rounds", file=sys.stderr)
     ranks = launch(_worker, world, args)
-    slowest = {k: [max(r) for r in zip(*(ranks[i][k] for i in ranks), strict=True)] for k in _KINDS}
-    med = {k: statistics.median(v) for k, v in slowest.items()}
-    ratios = [s / a for s, a in zip(slowest["split"], slowest["alone"], strict=True)]
+    per_round = {k: slowest([ranks[i][k] for i in ranks]) for k in _KINDS}
+    med = {k: statistics.median(v) for k, v in per_round.items()}
+    ratios = [s / a for s, a in zip(per_round["split"], per_round["alone"], strict=True)]
     return {
         "world": world,
         **{f"{k}_s": v for k, v in med.items()},
@@ -100,7 +100,7 @@ def _measure(p: Preset, world: int) -> dict[str, Any]:
     }
 
 
-def markdown(report: dict[str, Any], p: Preset, command: str) -> str:
+def markdown(report: dict[str, Any], p: Preset, cmd: str) -> str:
     rows = [
         [
             r["world"],
@@ -122,7 +122,7 @@ def markdown(report: dict[str, Any], p: Preset, command: str) -> str:
     ]
     return (
         "## Muon's optimizer step: the Newton-Schulz share and the work split\n\n"
-        f"`{command}`: GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
+        f"`{cmd}`: GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
         f"parameters, {report['matrices']} hidden matrices), {p.batch}x{p.model.block_size} tokens per worker, one "
         "thread per worker, float32 Newton-Schulz (5 steps). Medians over "
         f"{p.rounds} rounds of the slowest worker's time; each round times every kind in turn on the same gradients "
@@ -138,6 +138,5 @@ def run_muon_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.m
     matrices = sum(1 for n, q in model.named_parameters() if default_rule(n, q))
     rows = [_measure(p, w) for w in p.worlds]
     report = {"preset": preset, "params": model.num_params(), "matrices": matrices, "rows": rows}
-    command = "powertrain bench muon" + ("" if preset == "default" else f" --preset {preset}")
-    publish(markdown(report, p, command), write, "muon" if preset == "default" else f"muon-{preset}")
+    publish(markdown(report, p, command("muon", preset)), write, section("muon", preset))
     return report

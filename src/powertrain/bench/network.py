@@ -20,25 +20,24 @@ Configurations whose modelled communication exceeds ``max_comm_s`` per step at a
 (fp32 at 10 Mbit/s would take ~11 s a step); their modelled time is shown instead, marked as such. Without
 root or iproute2 the sweep falls back to loopback, labelled so.
 
-The other benchmarks use :func:`run_rate` (configurations side by side at a link rate, emulated or on loopback),
-:func:`modelled_bytes` and :func:`fsdp2_weight_bytes`; :func:`run_network_bench` returns a typed :class:`Report`.
+The other benchmarks use :func:`modelled_bytes` and :func:`fsdp2_weight_bytes`; :func:`run_network_bench` returns a
+typed :class:`Report`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from powertrain import _json
 from powertrain.bench import plots
 from powertrain.bench.netem import comm_seconds, unavailable
-from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.report import command, footer, publish, quartiles, rate_name, section, table
 from powertrain.bench.rounds import Workload
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.compress import PowerSGDCompressor
@@ -49,12 +48,10 @@ __all__ = [
     "PRESETS",
     "START",
     "Preset",
-    "RateRun",
     "Report",
     "fsdp2_weight_bytes",
     "modelled_bytes",
     "run_network_bench",
-    "run_rate",
 ]
 
 START = 2  # PowerSGD's exact warm-up steps (both implementations): expensive on slow links
@@ -180,36 +177,6 @@ def _overlaps(spec: Spec) -> bool:
     return spec.parallel == "fsdp" or (spec.parallel == "ddp" and spec.bucket_cap_mb is not None)
 
 
-class RateRun(NamedTuple):
-    """What :func:`run_rate` measured."""
-
-    results: list[SpecResult]  # one per spec, in their order
-    check: dict[str, float] | None  # the emulation's validation (netem.validate); None unthrottled or on loopback
-
-
-def run_rate(
-    p: Preset, rate: float | None, specs: list[Spec], *, emulate: bool, steps: int | None = None, eval_every: int = 0
-) -> RateRun:
-    """Run ``specs`` side by side on 2 workers at ``rate`` (Mbit/s; None: unthrottled): the sweep's timed rounds, or
-    ``steps`` steps with validation every ``eval_every``. ``emulate``: on an emulated cluster
-    (:mod:`powertrain.bench.netem`, validated first at a finite rate); else on loopback, whatever ``rate``."""
-    quality = steps is not None
-    return RateRun(
-        *side_by_side(
-            specs,
-            rate=rate,
-            emulate=emulate,
-            check=rate is not None,
-            model=p.model,
-            batch=p.batch,
-            warmup=0 if quality else p.warmup,
-            timed=steps if quality else p.timed,
-            start=START,
-            eval_every=eval_every if quality else 0,
-        )
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Measured:
     """A configuration's step as the sweep measured it at one rate, over the timed rounds (each the slower rank's)."""
@@ -302,9 +269,7 @@ class Report:
 
 
 def _measured(res: SpecResult) -> Measured:
-    ts = sorted(res.step_times())
-    val_loss = sum(r.val_loss for r in res.ranks) / len(res.ranks)
-    return Measured(statistics.median(ts), ts[len(ts) // 4], ts[(3 * len(ts)) // 4], val_loss)
+    return Measured(*quartiles(res.step_times()), sum(r.val_loss for r in res.ranks) / len(res.ranks))
 
 
 def _row(spec: Spec, res: SpecResult | None, model: GPT, rate: float | None, compute: float, latency: float) -> Row:
@@ -359,10 +324,20 @@ def _sweep(p: Preset, model: GPT, emulate: bool) -> list[RateResult]:
     for rate in p.rates if emulate else (None,):
         runnable = {k: s for k, s in SPECS.items() if comm_seconds(modelled_bytes(s, model), rate) <= p.max_comm_s}
         print(f"[bench network] {rate_name(rate)}: {len(runnable)} configurations", file=sys.stderr)
-        run = run_rate(p, rate, list(runnable.values()), emulate=emulate)
-        latency = run.check["latency_s"] if run.check else latency
-        results = dict(zip(runnable, run.results, strict=True))
-        out.append(RateResult(rate, run.check, _rows(rate, results, model, latency)))
+        ran, check = side_by_side(
+            list(runnable.values()),
+            rate=rate,
+            emulate=emulate,
+            check=rate is not None,  # validated first at a finite rate on an emulated cluster
+            model=p.model,
+            batch=p.batch,
+            warmup=p.warmup,
+            timed=p.timed,
+            start=START,
+        )
+        latency = check["latency_s"] if check else latency
+        results = dict(zip(runnable, ran, strict=True))
+        out.append(RateResult(rate, check, _rows(rate, results, model, latency)))
     return out
 
 
@@ -455,10 +430,8 @@ def _markdown(report: Report, model: GPT, out: str | None) -> str:
         + ("" if report.emulated else "**No emulated network was available: loopback only.** ")
         + "\n\n"
         + "\n\n".join(sections)
-        + f"\n\nMachine: {machine_info()}.\n\nCommand: `powertrain bench network"
-        + ("" if report.preset == "default" else f" --preset {report.preset}")
-        + (f" --out {out}" if out else "")
-        + "`\n"
+        + "\n\n"
+        + footer(command("network", report.preset, *(["--out", out] if out else [])))
     )
 
 
@@ -488,5 +461,5 @@ def run_network_bench(
     text = _markdown(report, model, out)
     if out:
         _write_out(Path(out), report, text)
-    publish(text, write, "network" if preset == "default" else f"network-{preset}")
+    publish(text, write, section("network", preset))
     return report

@@ -50,7 +50,7 @@ import torch
 from powertrain._files import read_bounded
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
-from powertrain.bench.report import machine_info, publish, rate_name, table
+from powertrain.bench.report import command, footer, publish, rate_name, section, table
 from powertrain.bench.rounds import interleaved
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig
@@ -108,7 +108,9 @@ def budgeted_steps(steps: int, ratio: float) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset(network.Preset):
+class Preset:
+    model: GPTConfig
+    batch: int  # sequences per worker per step
     quality_steps: int  # steps of the learning-rate and equal-steps parts
     eval_every: int
     frequency: int  # Shampoo's precondition_frequency
@@ -128,10 +130,6 @@ PRESETS = {
     "default": Preset(
         GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128),
         16,
-        5,
-        0,
-        (100.0,),
-        0.0,
         quality_steps=200,
         eval_every=25,
         frequency=50,
@@ -149,10 +147,6 @@ PRESETS = {
     "tiny": Preset(
         GPTConfig(n_layer=1, n_head=2, d_model=32, block_size=32),
         2,
-        1,
-        0,
-        (100.0,),
-        0.0,
         quality_steps=4,
         eval_every=2,
         frequency=2,
@@ -227,12 +221,24 @@ def _rows(results: list[SpecResult], specs: list[Spec], skip: int) -> dict[str, 
 # ---------------------------------------------------------------- the parts
 
 
-def _side_by_side(p: Preset, specs: list[Spec], steps: int, nproc: int = 2) -> list[SpecResult]:
-    """``specs`` side by side on loopback, compared on their final validation only (no evaluations along the
-    way: only the slow-link part, through :func:`network.run_rate`, reads validation curves)."""
+def _side_by_side(
+    p: Preset, specs: list[Spec], steps: int, nproc: int = 2, *, rate: float | None = None, eval_every: int = 0
+) -> tuple[list[SpecResult], dict[str, float] | None]:
+    """``specs`` side by side for ``steps`` steps: on loopback, or with ``rate`` (Mbit/s) on an emulated link of that
+    rate (validated first: the check is returned); validation every ``eval_every`` steps (0: at the end only)."""
     return side_by_side(
-        specs, world=nproc, model=p.model, batch=p.batch, warmup=0, timed=steps, start=network.START, eval_every=0
-    )[0]
+        specs,
+        world=nproc,
+        rate=rate,
+        emulate=rate is not None,
+        check=rate is not None,
+        model=p.model,
+        batch=p.batch,
+        warmup=0,
+        timed=steps,
+        start=network.START,
+        eval_every=eval_every,
+    )
 
 
 def best_lr(rows: list[dict[str, Any]]) -> float:
@@ -245,7 +251,7 @@ def _sweep(p: Preset) -> dict[str, Any]:
     side; each optimizer's best rate is the one the quality part uses."""
     specs = [s for lr in p.lr_grid for s in _specs(p, p.quality_steps, lr)[:2]]
     print(f"[bench optimizers] learning rates: {len(specs)} runs x {p.quality_steps} steps", file=sys.stderr)
-    results = _side_by_side(p, specs, p.quality_steps)
+    results, _ = _side_by_side(p, specs, p.quality_steps)
     rows = _rows(results, specs, skip=min(5, p.quality_steps - 1))["rows"]
     for row, spec in zip(rows, specs, strict=True):
         row["optimizer"], row["lr"] = spec.optimizer, spec.optimizer_options["lr"]
@@ -262,7 +268,7 @@ def _quality(p: Preset, ratio: float, lr: float, shampoo_lr: float, steps: int, 
     shampoo = specs[1]
     specs.append(dataclasses.replace(shampoo, label=f"{shampoo.label}, AdamW's time", steps=budget))
     print(f"[bench optimizers] quality: {len(specs)} runs x up to {steps} steps", file=sys.stderr)
-    results = _side_by_side(p, specs, steps)
+    results, _ = _side_by_side(p, specs, steps)
     return {"steps": steps, "ratio": ratio, **_rows(results, specs, skip=min(5, budget - 1))}
 
 
@@ -281,7 +287,7 @@ def _scaling(p: Preset) -> list[dict[str, Any]]:
         # Shampoo preconditions from step p.frequency on (its default start) and uses only the graft before:
         # timing from 5 steps past that start, the timed steps span whole precondition periods (one root each)
         warmup = p.frequency + 5
-        results = _side_by_side(p, specs, warmup + p.scaling_steps, world)
+        results, _ = _side_by_side(p, specs, warmup + p.scaling_steps, world)
         t = [statistics.fmean(res.step_times()[warmup:]) for res in results]
         out.append(
             {
@@ -301,9 +307,7 @@ def _slow_link(p: Preset, lr: float) -> dict[str, Any]:
     reason = unavailable()
     rate = p.link_rate if reason is None else None
     print(f"[bench optimizers] DeMo vs AdamW at {rate_name(rate)}", file=sys.stderr)
-    results, check = network.run_rate(
-        p, rate, specs, emulate=reason is None, steps=p.link_steps, eval_every=p.eval_every
-    )
+    results, check = _side_by_side(p, specs, p.link_steps, rate=rate, eval_every=p.eval_every)
     result = _rows(results, specs, skip=min(2, p.link_steps - 1))
     rows = result["rows"]
     return {
@@ -707,7 +711,7 @@ def equal_time_sentence(q: dict[str, Any]) -> str:
     )
 
 
-def markdown(report: dict[str, Any], command: str) -> str:
+def markdown(report: dict[str, Any], cmd: str) -> str:
     p = PRESETS[report["preset"]]
     q = report["quality"]
     sweep = report["lr_sweep"]
@@ -828,8 +832,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             ],
         )
     )
-    parts.append(f"Machine: {machine_info()}.\n\nCommand: `{command}`")
-    return "\n\n".join(parts) + "\n"
+    return "\n\n".join([*parts, footer(cmd)])
 
 
 def _reference_markdown(p: Preset, r: dict[str, Any], params: int) -> str:
@@ -889,12 +892,10 @@ def run_optimizers_bench(
     report["long"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"], p.long_steps, every=False)
     report["slow_link"] = _slow_link(p, best["adamw"])
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
-    command = "powertrain bench optimizers" + ("" if preset == "default" else f" --preset {preset}")
-    suffix = "" if preset == "default" else f"-{preset}"
-    publish(markdown(report, command), write, f"optimizers{suffix}")
-    if ref is not None:  # a section of its own: the agreement table above it came from the tool this part replaced
+    publish(markdown(report, command("optimizers", preset)), write, section("optimizers", preset))
+    if ref is not None and shampoo_reference is not None:  # a section of its own (the agreement is a test)
         report["shampoo_reference"] = _shampoo_reference(p, ref)
         text = _reference_markdown(p, report["shampoo_reference"], report["params"])
-        command += f" --shampoo-reference {shampoo_reference}"
-        publish(f"{text}\n\nMachine: {machine_info()}.\n\nCommand: `{command}`\n", write, f"shampoo-reference{suffix}")
+        cmd = command("optimizers", preset, "--shampoo-reference", shampoo_reference)
+        publish(f"{text}\n\n{footer(cmd)}", write, section("shampoo-reference", preset))
     return report

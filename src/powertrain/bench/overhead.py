@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.report import command, footer, publish, section, table
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
@@ -108,8 +108,7 @@ def run_overhead(
         "calls of `PowerSGDCompressor.aggregate` at world size 1 (all math, no collectives), measured in "
         f"{n_rep} interleaved rounds of one backward and one call per row. Compression ratio: fp32 all-reduce "
         "bytes / bytes sent, averaged over two steps."
-        f"\n\n{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
-        f"Command: `powertrain bench overhead{'' if preset == 'default' else ' --preset ' + preset}`\n"
+        f"\n\n{table(headers, cells)}\n\n{footer(command('overhead', preset))}"
     )
-    publish(text, write, "overhead" if preset == "default" else f"overhead-{preset}")
+    publish(text, write, section("overhead", preset))
     return rows

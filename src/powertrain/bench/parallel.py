@@ -38,8 +38,8 @@ import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use, peak_allocated
 from powertrain.bench.network import fsdp2_weight_bytes
-from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.rounds import interleaved
+from powertrain.bench.report import command, footer, publish, section, table
+from powertrain.bench.rounds import interleaved, slowest
 from powertrain.comm import CommStats
 from powertrain.models import GPT, GPTConfig
 from powertrain.tp import local_numel
@@ -183,8 +183,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
             ddp_state = max(res[r]["state"].get("ddp", 0) for r in ranks)
             fsdp_t = None
             for kind in KINDS:
-                rounds = [max(res[r]["times"][kind][j] for r in ranks) for j in range(p.timed)]
-                med = statistics.median(rounds)
+                med = statistics.median(slowest([res[r]["times"][kind] for r in ranks]))
                 fsdp_t = med if kind == "fsdp2" else fsdp_t
                 state = max(res[r]["state"].get(kind, 0) for r in ranks) if res[0]["state"] else None
                 peak = None if state is None else max(state + res[r]["peak"][kind] for r in ranks)
@@ -230,8 +229,7 @@ def run_parallel_bench(*, preset: str = "default", write: str | None = "BENCHMAR
         "it, plus the sharded modes' weight all-gathers (computed). 'rtp "
         "(no overlap)' waits for each hop before computing: its extra time is what the overlap hides. 'tp 2 x "
         "fsdp2': tensor parallel in pairs (which read the same batch: half as many tokens per step), FSDP2 across "
-        "the pairs.\n\n" + "\n\n".join(parts) + f"\n\nMachine: {machine_info()}.\n\n"
-        f"Command: `powertrain bench parallel{'' if preset == 'default' else ' --preset ' + preset}`\n"
+        "the pairs.\n\n" + "\n\n".join(parts) + f"\n\n{footer(command('parallel', preset))}"
     )
-    publish(text, write, "parallel" if preset == "default" else f"parallel-{preset}")
+    publish(text, write, section("parallel", preset))
     return text

@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import re
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +39,28 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def command(suite: str, preset: str, *flags: str) -> str:
+    """The command line that reproduces a suite's section."""
+    return " ".join(["powertrain bench", suite, *([] if preset == "default" else ["--preset", preset]), *flags])
+
+
+def footer(cmd: str) -> str:
+    """How a section ends: the machine it was measured on and the command that reproduces it."""
+    return f"Machine: {machine_info()}.\n\nCommand: `{cmd}`\n"
+
+
+def section(suite: str, preset: str) -> str:
+    """A suite's section of BENCHMARKS.md at ``preset`` (the default's carries the suite's name alone)."""
+    return suite if preset == "default" else f"{suite}-{preset}"
+
+
+def quartiles(times: Sequence[float]) -> tuple[float, float, float]:
+    """Median, first and third quartile of ``times`` (the quartiles as the tables' IQR columns have them: the
+    sorted values at n/4 and 3n/4)."""
+    ts = sorted(times)
+    return statistics.median(ts), ts[len(ts) // 4], ts[(3 * len(ts)) // 4]
 
 
 def publish(text: str, write: str | None, section: str) -> None:

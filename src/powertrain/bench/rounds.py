@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from powertrain.models import GPTConfig
 
-__all__ = ["Workload", "interleaved"]
+__all__ = ["Workload", "interleaved", "slowest"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,3 +45,9 @@ def interleaved(
             if round_ >= warmup:
                 times[i].append(elapsed)
     return times
+
+
+def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
+    """Per round, the slowest rank's time (``per_rank``: each rank's times of the same rounds): a step is over when
+    every rank is done."""
+    return [max(round_s) for round_s in zip(*per_rank, strict=True)]

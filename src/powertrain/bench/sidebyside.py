@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from powertrain.bench.rounds import slowest
 from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
@@ -326,7 +327,7 @@ class SpecResult:
 
     def step_times(self) -> list[float]:
         """Per timed round, the slower rank's step time: a step is over when every rank is done."""
-        return [max(round_s) for round_s in zip(*(r.times for r in self.ranks), strict=True)]
+        return slowest([r.times for r in self.ranks])
 
 
 def by_spec(results: Mapping[int, dict[str, Any]]) -> list[SpecResult]:

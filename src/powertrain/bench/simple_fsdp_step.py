@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from powertrain.bench.memory import available, heap_in_use
-from powertrain.bench.report import machine_info, publish, table
-from powertrain.bench.rounds import Workload, interleaved
+from powertrain.bench.report import command, footer, publish, quartiles, section, table
+from powertrain.bench.rounds import Workload, interleaved, slowest
 from powertrain.models import GPT, GPTConfig
 from powertrain.ops.flat import local_tensor
 from powertrain.train.config import TrainConfig
@@ -158,21 +157,21 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
     rows = []
     med = {}
     for i, s in enumerate(SETUPS):
-        per_round = sorted(max(results[r]["times"][i][j] for r in ranks) for j in range(p.timed))
-        med[s.label] = statistics.median(per_round)
+        per_round = slowest([results[r]["times"][i] for r in ranks])
+        med[s.label], q1, q3 = quartiles(per_round)
         per_rank = [results[r]["held"][i] for r in ranks]
-        rows.append((s, per_round, None if None in per_rank else max(per_rank)))
+        rows.append((s, (q1, q3), None if None in per_rank else max(per_rank)))
     base_t = med[SETUPS[0].label]
     base_m = rows[0][2]
     cells = []
-    for s, ts, peak in rows:
+    for s, (q1, q3), peak in rows:
         mem = "-" if peak is None else f"{peak / 1e6:.1f}"
         rel = "-" if peak is None or not base_m else f"{peak / base_m:.2f}x"
         cells.append(
             [
                 s.label,
                 f"{med[s.label]:.3f}",
-                f"{ts[len(ts) // 4]:.3f}-{ts[(3 * len(ts)) // 4]:.3f}",
+                f"{q1:.3f}-{q3:.3f}",
                 f"{base_t / med[s.label]:.2f}x",
                 mem,
                 rel,
@@ -198,8 +197,7 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
         "fwd->bwd': heap bytes allocated by forward and still alive when backward starts (activations, plus "
         "gathered weights where they are kept), the larger rank's. The configurations' first gradients agree in "
         f"norm within {spread:.1e} relative (refused above {GRAD_NORM_RTOL:g}).\n\n"
-        f"{table(headers, cells)}\n\nMachine: {machine_info()}.\n\n"
-        f"Command: `powertrain bench simple_fsdp{'' if preset == 'default' else ' --preset ' + preset}`\n"
+        f"{table(headers, cells)}\n\n{footer(command('simple_fsdp', preset))}"
     )
-    publish(text, write, "simple_fsdp" if preset == "default" else f"simple_fsdp-{preset}")
+    publish(text, write, section("simple_fsdp", preset))
     return text
