@@ -191,6 +191,23 @@ def test_a_muon_rows_exact_steps_are_timed_as_the_row_runs_them():
     assert timetotarget._timed(rest.spec).options["start_compressing_after_num_steps"] == 0
 
 
+def test_a_local_update_warm_up_is_a_fraction_of_each_horizon_trained_to_it_only():
+    """The warm row's per-step warm-up is a quarter of whichever horizon it trains (its AdamW freezes there too); a run
+    on to the target would spread its dense warm-up bytes over steps it did not take, and the link times no phase for
+    it: both are refused or left out, not guessed."""
+    from powertrain.bench.quality import PRESETS, _phases, _spec
+
+    (row,) = select_rows(["local-h5-warm"])[1:]
+    assert not row.to_target
+    for steps in (300, 1000):
+        opts = _spec(row, steps, 5, None).optimizer_options
+        assert opts["sync_warmup"] == steps // 4 and opts["adam_freeze"] == 0.25
+        TrainConfig(steps=steps, parallel="diloco", **opts)  # what the runner builds: the command accepts it
+    with pytest.raises(ValueError, match="local-h5-warm: a local-update warm-up"):
+        _spec(row, 300, 5, 2.0)
+    assert _phases(PRESETS["local"], row) is None
+
+
 def test_rows_are_chosen_by_key_with_fp32_first():
     assert [r.key for r in select_rows(["r32", "bf16", "r32"])] == ["fp32", "r32", "bf16"]
     with pytest.raises(ValueError, match=r"Unknown quality row.*nope: choose from fp32, bf16"):

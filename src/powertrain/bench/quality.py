@@ -158,6 +158,25 @@ GRID = [
     for h in (10, 25, 50, 100)
     for c, (kind, opts) in _OUTER.items()
 ]
+#: what closes AdamW's gap to its own per-step DDP (issue 48; docs/notes/local-updates.md): the replicas train as one
+#: for the first quarter (every step's gradients averaged by PowerSGD, the per-step default), AdamW's second moment
+#: freezes at its end so that every replica keeps DDP's normaliser, then short periods (H 5) keep the drift small.
+#: Its ``sync_warmup`` is a fraction of the horizon (:func:`_spec` makes it steps); trained to its horizon only
+WARM = Row(
+    "local-h5-warm",
+    f"local updates H 5, {DEFAULT_OUTER_COMPRESSOR} outer, the first {ADAM_FREEZE:.0%} of the steps averaged every "
+    f"step (powersgd r32 paper, bf16 factors), AdamW frozen at {ADAM_FREEZE:g}",
+    *parse_compressor(DEFAULT_OUTER_COMPRESSOR),
+    optimizer_options={
+        "sync_every": 5,
+        **_AVG,
+        "sync_warmup": ADAM_FREEZE,
+        "warmup_compressor": "powersgd",
+        **_FROZEN,
+    },
+    parallel="diloco",
+    to_target=False,
+)
 
 
 #: the optimizer comparison (issue 47): AdamW's learning rate swept (fp32 is its 1e-3, the command's), the best
@@ -374,7 +393,7 @@ PRESETS = {
 
 def select_rows(keys: Sequence[str] | None) -> list[Row]:
     """The rows named by ``keys`` (all of :data:`ROWS` for None), fp32 first: it sets the target."""
-    by_key = {r.key: r for r in [*ROWS, LOCAL, STREAMING, PAPER, *GRID, *OPTIMIZER_ROWS, *OUTER_ROWS]}
+    by_key = {r.key: r for r in [*ROWS, LOCAL, STREAMING, PAPER, *GRID, WARM, *OPTIMIZER_ROWS, *OUTER_ROWS]}
     if keys is None:
         return list(ROWS)
     unknown = [k for k in keys if k not in by_key]
@@ -394,11 +413,14 @@ def rows_at(p: Preset, chosen: list[Row], steps: int) -> list[Row]:
 
 
 def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
-    if row.optimizer_options.get("sync_warmup"):
+    if row.optimizer_options.get("sync_warmup") and target is not None:
         raise ValueError(
             f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
             "yet (they would be spread over a run to target): drop sync_warmup from its rows"
         )
+    optimizer_options = dict(row.optimizer_options)
+    if isinstance(optimizer_options.get("sync_warmup"), float):  # a fraction of the horizon
+        optimizer_options["sync_warmup"] = round(optimizer_options["sync_warmup"] * steps)
     opts = dict(row.options)
     if row.kind == "powersgd":  # local updates compress from their first sync
         opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)
@@ -410,7 +432,7 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
         steps=steps,
         optimizer=row.optimizer,
         extra_steps=extra,
-        optimizer_options=dict(row.optimizer_options),
+        optimizer_options=optimizer_options,
         stop_below=target,
         parallel=row.parallel,
     )
@@ -440,8 +462,9 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
 
 
 def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
-    """How a row's steps are timed on the link (None: not timed, torch's hook)."""
-    if row.kind == "torch_psgd":
+    """How a row's steps are timed on the link (None: not timed: torch's hook, or local updates with a warm-up, whose
+    per-step averaging would need a phase of its own)."""
+    if row.kind == "torch_psgd" or row.optimizer_options.get("sync_warmup"):
         return None
     spec = _spec(row, 0, p.start, None)
     warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
@@ -481,7 +504,7 @@ def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict
     if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
         return {}
     h = int(paper.optimizer_options["sync_every"])
-    ours = [r for r in rows if r.parallel == "diloco"]
+    ours = [r for r in rows if r.parallel == "diloco" and not r.optimizer_options.get("sync_warmup")]  # as _phases
     specs = [_spec(r, 0, p.start, None) for r in ours]
     periods = [
         timetotarget.Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"]))

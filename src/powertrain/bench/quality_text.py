@@ -105,11 +105,11 @@ def _torchft_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
     )
 
 
-def _target_text(p: Preset) -> str:
-    """What the target is: fp32's mean + 1%, or the best of the baseline's sweep."""
+def _target_text(p: Preset, ran: Sequence[str]) -> str:
+    """What the target is: fp32's mean + 1%, or the best of the baseline's sweep (``ran``: its rows that ran)."""
     if p.baseline == ("fp32",):
         return f"fp32's mean validation loss at the horizon + {100 * (p.target - 1):.3g}%"
-    swept = ", ".join(p.baseline)
+    swept = ", ".join(ran)
     margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
     return (
         f"the lowest mean validation loss at the horizon of the baseline's learning-rate sweep ({swept}: each "
@@ -199,13 +199,14 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         if only:
             at = " and ".join(f"{n:,}" for n in only)
             on += f"; at {at} steps every row trained its horizon only: steps to target where it reached it within it"
+    ran = list(dict.fromkeys(k for h in report["horizons"] for k in h.get("baseline_rows", p.baseline)))
     if p.rates:
         timed = (
             "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
             "**measured on an emulated link** of that rate (a network namespace per worker, tc tbf; the real overlap "
             "with backward, DDP's buckets as `powertrain train` builds them: torch's default; local updates over "
             "whole sync periods); '-' where some seed did not reach the target or the row is not timed on the link "
-            "(torch's hook)."
+            "(torch's hook, or local updates with a warm-up)."
         )
     else:
         timed = "No time to target: this run timed no link (`--rates none`)."
@@ -218,7 +219,7 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         f"validation every {p.eval_every} steps on the same held-out "
         f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
         f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
-        f"included. Target: {_target_text(p)}; {on}. Steps to target: the median over "
+        f"included. Target: {_target_text(p, ran)}; {on}. Steps to target: the median over "
         "seeds of the first evaluation at or below it. "
         "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
         "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "
