@@ -201,10 +201,12 @@ def test_a_local_update_warm_up_is_a_fraction_of_each_horizon_trained_to_it_only
     assert not row.to_target
     for steps in (300, 1000):
         opts = _spec(row, steps, 5, None).optimizer_options
-        assert opts["sync_warmup"] == steps // 4 and opts["adam_freeze"] == 0.25
-        TrainConfig(steps=steps, parallel="diloco", **opts)  # what the runner builds: the command accepts it
+        cfg = TrainConfig(optimizer="adamw", compressor="none", steps=steps, parallel="diloco", **opts)  # the runner's
+        assert cfg.sync_warmup == cfg.freeze_after == steps // 4
     with pytest.raises(ValueError, match="local-h5-warm: a local-update warm-up"):
         _spec(row, 300, 5, 2.0)
+    with pytest.raises(ValueError, match="local-h5-warm: its warm-up is a fraction of the horizon, and 0 steps"):
+        _spec(row, 0, 5, None)  # as the link's specs are built: no row is timed without its warm-up
     assert _phases(PRESETS["local"], row) is None
 
 
@@ -312,7 +314,7 @@ def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, mo
     monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", torchft_link)
     monkeypatch.setattr(timetotarget, "seconds_per_step", ours_link)
     p = dataclasses.replace(PRESETS["local"], rates=(100.0, 1.0))
-    rows = select_rows(["bf16", "local", "diloco-paper"])
+    rows = select_rows(["bf16", "local", "local-h5-warm", "diloco-paper"])  # the warm row is not timed on the link
     path = tmp_path / "torchft_link.json"
     got = quality._torchft_link(p, rows, path)
     assert calls == ["torchft 100 h25", "ours 100 local,diloco-paper"] * quality.TORCHFT_PAIRS + [

@@ -11,10 +11,10 @@ seed sets the initial weights and the training batches; the validation batches a
 
 Per row: the validation loss at the horizon (mean over seeds and min-max), the bytes a worker sent over the horizon
 (warm-up included) against fp32's, the steps to the target (the first evaluation at or below it) and the time to
-the target at each link rate: each phase of those steps (PowerSGD's exact warm-up, a local-update warm-up, the rest)
-at its seconds per step **measured on an emulated link** of that rate (:mod:`powertrain.bench.timetotarget`: the
-real overlap with backward, the syncs of local updates amortised over whole periods; needs root for the network
-namespaces). torch's PowerSGD hook is not timed on the link.
+the target at each link rate: each phase of those steps (PowerSGD's exact warm-up, the rest) at its seconds per step
+**measured on an emulated link** of that rate (:mod:`powertrain.bench.timetotarget`: the real overlap with backward,
+the syncs of local updates amortised over whole periods; needs root for the network namespaces). torch's PowerSGD
+hook and local updates with a per-step warm-up are not timed on the link.
 
 Local updates (``parallel="diloco"``: :class:`powertrain.diloco.DiLoCo`, the compressor on the outer step) are rows
 like any other: ``--preset local`` runs the recommended configuration beside fp32, bf16, the per-step default and
@@ -73,8 +73,9 @@ class Row:
     optimizer_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: ddp: the compressor averages every step's gradients; diloco: local updates, the compressor on the outer step
     parallel: Parallel = "ddp"
-    #: False: the row trains its horizon only (its loss and bytes; a time to target only if it got there), for rows
-    #: known to end far above the target, which would otherwise train CAP x the horizon for nothing
+    #: False: the row trains its horizon only (its loss and bytes; a time to target only if it got there and is timed
+    #: on the link), for rows known to end far above the target, which would otherwise train CAP x the horizon for
+    #: nothing, and for local updates with a warm-up (whose bytes a run on to the target would spread)
     to_target: bool = True
     #: ``powertrain train``'s optimizer of the row (its options, e.g. ``lr`` or ``muon_lr``, in optimizer_options)
     optimizer: str = "adamw"
@@ -159,9 +160,10 @@ GRID = [
     for c, (kind, opts) in _OUTER.items()
 ]
 #: what closes AdamW's gap to its own per-step DDP (issue 48; docs/notes/local-updates.md): the replicas train as one
-#: for the first quarter (every step's gradients averaged by PowerSGD, the per-step default), AdamW's second moment
-#: freezes at its end so that every replica keeps DDP's normaliser, then short periods (H 5) keep the drift small.
-#: Its ``sync_warmup`` is a fraction of the horizon (:func:`_spec` makes it steps); trained to its horizon only
+#: for the first quarter (every step's gradients averaged by PowerSGD: r32, the paper variant, bf16 factors), AdamW's
+#: second moment freezes at its end so that every replica keeps the same normaliser (that of per-step PowerSGD's
+#: training), then short periods (H 5) keep the drift small. Its ``sync_warmup`` is a fraction of the horizon
+#: (:func:`_spec` makes it steps); trained to its horizon only
 WARM = Row(
     "local-h5-warm",
     f"local updates H 5, {DEFAULT_OUTER_COMPRESSOR} outer, the first {ADAM_FREEZE:.0%} of the steps averaged every "
@@ -416,11 +418,13 @@ def _spec(row: Row, steps: int, start: int, target: float | None) -> Spec:
     if row.optimizer_options.get("sync_warmup") and target is not None:
         raise ValueError(
             f"Row {row.key}: a local-update warm-up's bytes are not counted apart from the syncs' "
-            "yet (they would be spread over a run to target): drop sync_warmup from its rows"
+            "yet (they would be spread over a run to target): train it to its horizon only (to_target=False)"
         )
     optimizer_options = dict(row.optimizer_options)
     if isinstance(optimizer_options.get("sync_warmup"), float):  # a fraction of the horizon
         optimizer_options["sync_warmup"] = round(optimizer_options["sync_warmup"] * steps)
+        if not optimizer_options["sync_warmup"]:  # e.g. a spec for the link (steps 0): it would time no warm-up
+            raise ValueError(f"Row {row.key}: its warm-up is a fraction of the horizon, and {steps} steps leave none")
     opts = dict(row.options)
     if row.kind == "powersgd":  # local updates compress from their first sync
         opts.setdefault("start_compressing_after_num_steps", 0 if row.parallel == "diloco" else start)
@@ -619,9 +623,9 @@ def run_quality_bench(
     write: str | None = "BENCHMARKS.md",
     horizon_only: bool = False,
 ) -> dict[str, Any]:
-    """Run what is missing of ``rows`` (keys of :data:`ROWS`, :data:`GRID`, ``local``, ``diloco-paper``; the preset's
-    by default) at ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s
-    (the preset's by default; empty: no time to target, and no root needed), keeping results in ``out`` (default
+    """Run what is missing of ``rows`` (keys of the rows :func:`select_rows` knows; the preset's by default) at
+    ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s (the preset's by
+    default; empty: no time to target, and no root needed), keeping results in ``out`` (default
     ``runs/bench-quality``), and publish the tables. Returns the report (also written to
     ``out/<preset>[-w<workers>]/report.json``). ``horizon_only``: no row runs on to the target (a quick comparison
     of losses and bytes; steps and time to target only for rows that reach it within the horizon)."""
@@ -700,7 +704,8 @@ def _at(m: dict[str, Any] | None, steps: int, curve: str = "curve") -> float:
 
 
 def _bytes(m: dict[str, Any], k: float) -> float:
-    """Bytes a worker sends in a row's first k steps."""
+    """Bytes a worker sends in a row's first k steps (a local-update row's warm-up is in its ``low``, an average over
+    all its steps: exact at its horizon, the only k such a row is read at, as it never runs on to a target)."""
     warm = min(k, m["warm"])
     return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
 

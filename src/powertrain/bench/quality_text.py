@@ -107,7 +107,7 @@ def _torchft_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
 
 def _target_text(p: Preset, ran: Sequence[str]) -> str:
     """What the target is: fp32's mean + 1%, or the best of the baseline's sweep (``ran``: its rows that ran)."""
-    if p.baseline == ("fp32",):
+    if list(ran) == ["fp32"]:  # no sweep, or only its fp32 row ran
         return f"fp32's mean validation loss at the horizon + {100 * (p.target - 1):.3g}%"
     swept = ", ".join(ran)
     margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
