@@ -125,6 +125,15 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     assert launched == []
     by_key = {r["key"]: r for r in again["horizons"][0]["rows"]}
     assert all(by_key[r["key"]] == r for r in report["horizons"][0]["rows"])
+    # some rows under a section of their own: the preset's full section stays as it was
+    full = md.read_text().split("<!-- bench:quality-tiny -->")[1].split("<!-- /bench:quality-tiny -->")[0]
+    run_quality_bench(preset="tiny", rows=rest[:1], out=str(out), write=str(md), section="quality-tiny-hook")
+    text = md.read_text()
+    assert f"<!-- bench:quality-tiny -->{full}<!-- /bench:quality-tiny -->" in text and launched == []
+    hook_section = text.split("<!-- bench:quality-tiny-hook -->")[1].split("<!-- /bench:quality-tiny-hook -->")[0]
+    assert "torch powerSGD_hook r4" in hook_section and "alternating" not in hook_section
+    with pytest.raises(ValueError, match=r"Invalid section='x -->': use lower-case letters"):
+        run_quality_bench(preset="tiny", out=str(out), write=str(md), section="x -->")
     # a horizon limited to some rows (rows_at: the long one) runs and reports only those, fp32 first; the kept
     # results stay valid (rows_at is not part of a result's identity)
     monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(p, rows_at={8: ("alt-r4",)}))

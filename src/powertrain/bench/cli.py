@@ -124,6 +124,12 @@ def _quality_arguments(p: argparse.ArgumentParser) -> None:
         help="link rates in Mbit/s the time to target is measured at, on an emulated link (needs root; default: "
         "the preset's; 'none': no time to target)",
     )
+    p.add_argument(
+        "--section",
+        default=None,
+        help="the section of --write to replace (default: quality-PRESET, -wN with N workers): a run of some rows "
+        "under a name of its own leaves the preset's full table as it is",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
             out=args.out,
             write=write,
             horizon_only=args.horizon_only,
+            section=args.section,
         )
     elif args.suite == "gpu":
         from powertrain.bench.gpu import run_gpu_bench

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import sys
 from collections.abc import Sequence
@@ -622,13 +623,19 @@ def run_quality_bench(
     out: str | None = None,
     write: str | None = "BENCHMARKS.md",
     horizon_only: bool = False,
+    section: str | None = None,
 ) -> dict[str, Any]:
     """Run what is missing of ``rows`` (keys of the rows :func:`select_rows` knows; the preset's by default) at
     ``horizons`` over ``seeds`` seeds on ``workers`` workers, the time to target at ``rates`` Mbit/s (the preset's by
     default; empty: no time to target, and no root needed), keeping results in ``out`` (default
     ``runs/bench-quality``), and publish the tables. Returns the report (also written to
     ``out/<preset>[-w<workers>]/report.json``). ``horizon_only``: no row runs on to the target (a quick comparison
-    of losses and bytes; steps and time to target only for rows that reach it within the horizon)."""
+    of losses and bytes; steps and time to target only for rows that reach it within the horizon). ``section``: the
+    section of ``write`` to replace (default ``quality-<preset>[-w<workers>]``, ``quality`` for the default)."""
+    if section is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", section):
+        raise ValueError(
+            f"Invalid section={section!r}: use lower-case letters, digits and '-', e.g. quality-local-warm"
+        )
     p = PRESETS[preset]
     if workers is not None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
@@ -694,7 +701,8 @@ def run_quality_bench(
         summary = _summarise(here, runs, steps, target, p, phases, link)
         report["horizons"].append({**summary, "baseline": best, "baseline_rows": [r.key for r in base]})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
-    publish(markdown(report, p, n_seeds, CAP), write, "quality" if name == "default" else f"quality-{name}")
+    default = "quality" if name == "default" else f"quality-{name}"
+    publish(markdown(report, p, n_seeds, CAP), write, section or default)
     return report
 
 

@@ -161,11 +161,11 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
         swept = h.get("baseline_rows", list(p.baseline))  # the baseline's rows that ran at this horizon
         origin = "fp32's mean" if swept == ["fp32"] else f"the best of {', '.join(swept)}: {base}'s mean"
+        fastest = "\n".join(_speedups(h, p.rates))  # none without a link timed
         parts.append(
             f"### {h['steps']} steps (target: validation loss {h['target']:.4f}, {origin}{margin})\n\n"
             + table(headers, cells)
-            + "\n\n"
-            + "\n".join(_speedups(h, p.rates))
+            + (f"\n\n{fastest}" if fastest else "")
         )
     if p.model is None:
         title = "Quality on a second workload: the 1-D ResNet on mnist1d"
