@@ -150,6 +150,16 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
     assert (keep.get(8, 0, alt, 0.0) is None) == (m["steps_run"] < CAP * 8)
 
 
+def test_the_median_seeds_steps_decide_the_time_to_target():
+    """A seed that never reached the target counts as slower than every seed that did: with 3 seeds the median is
+    known once two reached it (a time to target from it), not while the median seed itself is missing."""
+    from powertrain.bench.quality import median_steps
+
+    assert median_steps([275, None, 250]) == 275 and median_steps([300, 275, 250]) == 275
+    assert median_steps([100, None, None]) is None and median_steps([None]) is None
+    assert median_steps([100, 200, 300, None]) == 250 and median_steps([100, 200, None, None]) is None
+
+
 def test_phases_add_up_per_phase():
     """seconds_to: each phase's share of the first k steps at its own seconds per step."""
     a, b = Spec("a", "none"), Spec("b", "int4")

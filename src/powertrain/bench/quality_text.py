@@ -205,8 +205,8 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
             "**measured on an emulated link** of that rate (a network namespace per worker, tc tbf; the real overlap "
             "with backward, DDP's buckets as `powertrain train` builds them: torch's default; local updates over "
-            "whole sync periods); '-' where some seed did not reach the target or the row is not timed on the link "
-            "(torch's hook, or local updates with a warm-up)."
+            "whole sync periods); '-' where the median seed did not reach the target or the row is not timed on the "
+            "link (torch's hook, or local updates with a warm-up)."
         )
     else:
         timed = "No time to target: this run timed no link (`--rates none`)."
