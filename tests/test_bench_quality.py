@@ -153,11 +153,15 @@ def test_quality_bench_tiny(tmp_path, monkeypatch):
 def test_the_median_seeds_steps_decide_the_time_to_target():
     """A seed that never reached the target counts as slower than every seed that did: with 3 seeds the median is
     known once two reached it (a time to target from it), not while the median seed itself is missing."""
-    from powertrain.bench.quality import median_steps
+    from powertrain.bench.quality_text import _hits_text
+    from powertrain.bench.timetotarget import median_steps
 
     assert median_steps([275, None, 250]) == 275 and median_steps([300, 275, 250]) == 275
     assert median_steps([100, None, None]) is None and median_steps([None]) is None
     assert median_steps([100, 200, 300, None]) == 250 and median_steps([100, 200, None, None]) is None
+    # the table prints the same median: the seeds that reached it, and where the median seed did not, only how many
+    assert _hits_text([275, None, 250], 300) == "275 (2/3 seeds)" and _hits_text([100, None, None], 300) == "1/3 seeds"
+    assert _hits_text([None, None], 300) == "not within 300" and _hits_text([100, 150], 300) == "125"
 
 
 def test_phases_add_up_per_phase():

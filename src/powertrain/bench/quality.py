@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import statistics
 import sys
@@ -719,14 +718,6 @@ def _bytes(m: dict[str, Any], k: float) -> float:
     return warm * sum(m["dense"].values()) + (k - warm) * sum(m["low"].values())
 
 
-def median_steps(hits: Sequence[int | None]) -> float | None:
-    """The median over seeds of the steps to the target, a seed that never reached it counting as more than any that
-    did; None where that decides it (the median seed, or one of the two, did not reach it)."""
-    ranked = sorted(hits, key=lambda h: math.inf if h is None else h)
-    middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
-    return None if None in middle else statistics.mean(h for h in middle if h is not None)
-
-
 def _summarise(
     rows: list[Row],
     runs: dict[str, list[Any]],
@@ -757,7 +748,7 @@ def _summarise(
             accs = [_at(m, steps, "acc_curve") for m in ms]
             res.update(acc_mean=statistics.mean(accs), acc_min=min(accs), acc_max=max(accs))
         ph = phases[row.key]
-        k = median_steps(hits)
+        k = timetotarget.median_steps(hits)
         if k is not None and ph is not None:  # the median seed's steps
             res["seconds"] = {str(rate): timetotarget.seconds_to(k, ph, link[rate]) for rate in p.rates}
         out["rows"].append(res)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from powertrain.bench.report import machine_info, table
+from powertrain.bench.timetotarget import median_steps
 from powertrain.models import GPTConfig
 
 
@@ -42,11 +43,14 @@ def _seconds(t: float) -> str:
 
 
 def _hits_text(hits: list[int | None], cap: int) -> str:
+    """The median seed's steps to the target (as the time to target takes them), and how many seeds reached it."""
     reached = [h for h in hits if h is not None]
     if not reached:
         return f"not within {cap:,}"
-    med = f"{statistics.median(reached):g}"
-    return med if len(reached) == len(hits) else f"{med} ({len(reached)}/{len(hits)} seeds)"
+    med = median_steps(hits)
+    if len(reached) == len(hits):
+        return f"{med:g}"
+    return f"{med:g} ({len(reached)}/{len(hits)} seeds)" if med is not None else f"{len(reached)}/{len(hits)} seeds"
 
 
 def _speedups(h: dict[str, Any], rates: Sequence[float]) -> list[str]:

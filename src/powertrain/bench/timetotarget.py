@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -35,7 +36,17 @@ from powertrain._files import write_atomic
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPTConfig
 
-__all__ = ["Phase", "Timing", "measure", "overlaps", "phases_of", "seconds_per_step", "seconds_to", "timing_key"]
+__all__ = [
+    "Phase",
+    "Timing",
+    "measure",
+    "median_steps",
+    "overlaps",
+    "phases_of",
+    "seconds_per_step",
+    "seconds_to",
+    "timing_key",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +80,14 @@ def seconds_to(k: float, phases: Sequence[Phase], seconds: Mapping[str, float]) 
             total += (end - start) * seconds[timing_key(ph.spec)]
         start = max(start, end)
     return total
+
+
+def median_steps(hits: Sequence[int | None]) -> float | None:
+    """The median over seeds of the steps to the target, a seed that never reached it counting as more than any that
+    did; None where that decides it (the median seed, or one of the two, did not reach it)."""
+    ranked = sorted(hits, key=lambda h: math.inf if h is None else h)
+    middle = ranked[(len(ranked) - 1) // 2 : len(ranked) // 2 + 1]
+    return None if None in middle else statistics.mean(h for h in middle if h is not None)
 
 
 #: bytes a file of kept bench results may hold (a row's curves and step times over a run to target take well under
