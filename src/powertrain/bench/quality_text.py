@@ -111,14 +111,19 @@ def _torchft_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
 
 def _target_text(p: Preset, ran: Sequence[str]) -> str:
     """What the target is: fp32's mean + 1%, or the best of the baseline's sweep (``ran``: its rows that ran)."""
-    if list(ran) == ["fp32"]:  # no sweep, or only its fp32 row ran
-        return f"fp32's mean validation loss at the horizon + {100 * (p.target - 1):.3g}%"
-    swept = ", ".join(ran)
     margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
+    if list(ran) == ["fp32"]:  # no sweep, or only its fp32 row ran
+        what = f"fp32's mean validation loss at the horizon{margin}"
+    else:
+        what = (
+            f"the lowest mean validation loss at the horizon of the baseline's learning-rate sweep ({', '.join(ran)}: "
+            f"each trained its horizon only){margin}"
+        )
+    if p.baseline == ("fp32",):
+        return what
     return (
-        f"the lowest mean validation loss at the horizon of the baseline's learning-rate sweep ({swept}: each "
-        f"trained its horizon only){margin}; Muon rows: powertrain.optim.Muon on the hidden matrices at the "
-        "row's rate, AdamW at the command's --lr on the rest, the same schedule"
+        f"{what}; Muon rows: powertrain.optim.Muon on the hidden matrices at the row's rate, AdamW at the command's "
+        "--lr on the rest, the same schedule"
     )
 
 
