@@ -616,8 +616,8 @@ def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):
         main(["bench", "simple_fsdp", "--repeats", "2"])
     assert "unrecognized arguments: --repeats 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["bench", "cluster", "--preset", "paper", "--help"])
-    assert "paper: GPU clusters on paper" in capsys.readouterr().out
+        main(["bench", "quality", "--preset", "mnist1d", "--help"])
+    assert "mnist1d (the 1-D ResNet on mnist1d)" in capsys.readouterr().out
 
 
 def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):

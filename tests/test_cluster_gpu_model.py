@@ -1,4 +1,4 @@
-"""The on-paper GPU cluster model (``powertrain bench cluster --preset paper``): its communication time against the ring
+"""The on-paper GPU cluster model (tools/gpu_cluster.py): its communication time against the ring
 formulas its section states."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from powertrain.bench.cluster_gpu import ALPHA_S, GPUS, NVLINK_BPS, comm_s
+from gpu_cluster import ALPHA_S, GPUS, NVLINK_BPS, comm_s
 
 EPS = sys.float_info.epsilon
 MB, GBIT = 1e6, 1e9

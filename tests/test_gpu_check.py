@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from powertrain.bench import cluster_gpu
-from powertrain.bench.gpu import Stage, load_previous, run, section, select, stages, write_profiles
-from powertrain.bench.gpu_measure import COMPRESSORS, PROFILED, measure
+import gpu_cluster
+from gpu_measure import COMPRESSORS, PROFILED, measure
+from gpu_stages import Stage, load_previous, run, section, select, stages, write_profiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def test_stages_fail_alone_and_within_the_budget(tmp_path):
 
 
 def _env_stage(tmp_path: Path, **env: str) -> Stage:
-    """An env stage that reports ``env`` (a stand-in for ``powertrain.bench.gpu env``)."""
+    """An env stage that reports ``env`` (a stand-in for ``tools/gpu_stages.py env``)."""
     path = tmp_path / "env.json"
     return Stage(
         "env", [sys.executable, "-c", f"open({str(path)!r}, 'w').write({json.dumps(json.dumps(env))})"], 30, path
@@ -194,7 +194,7 @@ def test_only_runs_the_named_stages_after_env(tmp_path):
 def test_gpu_check_reruns_a_stage_and_merges(tmp_path):
     """tools/gpu_check.py --only ... --merge FILE (the dry run's preset): the earlier run's other stages in the results
     and the section; a bad --only or --merge is refused before anything runs."""
-    from powertrain.bench.gpu import env_info
+    from gpu_stages import env_info
 
     env = env_info()
     previous = {
@@ -297,8 +297,8 @@ def _results(backward_124: float, backward_350: float) -> dict:
 
 
 def test_gpu_model_takes_measured_figures_and_scales_them():
-    figs = cluster_gpu.figures(_results(0.02, 0.05))
-    small, medium, xl = (figs[k] for k in cluster_gpu.MODELS)
+    figs = gpu_cluster.figures(_results(0.02, 0.05))
+    small, medium, xl = (figs[k] for k in gpu_cluster.MODELS)
     assert (small.params, medium.params) == (SMALL, MEDIUM)
     assert (small.backward_s, small.forward_s, small.compress_s["PowerSGD r32"]) == (0.02, 0.01, 0.002)  # as measured
     # 1.3B: from the 350M measurement by training FLOPs (4 x 2048 tokens, 24 layers of 2048), by parameters
@@ -306,9 +306,9 @@ def test_gpu_model_takes_measured_figures_and_scales_them():
     assert xl.backward_s == pytest.approx(0.05 * ratio, rel=1e-12) and "extrapolated" in xl.source
     assert xl.compress_s["PowerSGD r32"] == pytest.approx(0.005 * xl.params / MEDIUM, rel=1e-12)
     assert xl.compress_s["int8"] > 0  # not measured here: estimated from the datasheet
-    assert medium.source.startswith("measured") and figs == cluster_gpu.figures(_results(0.02, 0.05))
+    assert medium.source.startswith("measured") and figs == gpu_cluster.figures(_results(0.02, 0.05))
     with pytest.raises(ValueError, match="measured on 'cpu'"):
-        cluster_gpu.figures({"device": "cpu", "stages": {}})
+        gpu_cluster.figures({"device": "cpu", "stages": {}})
 
 
 def _per_token(n: int, layers: int, d: int, context: int) -> float:
@@ -316,54 +316,48 @@ def _per_token(n: int, layers: int, d: int, context: int) -> float:
 
 
 def test_break_even_is_where_the_steps_cross():
-    figs = cluster_gpu.figures(None)  # published figures
+    figs = gpu_cluster.figures(None)  # published figures
     fig = figs["GPT-2 medium shape"]
     for method in ("PowerSGD r32", "int8"):
         for hier in (False, True):
-            bps = cluster_gpu.break_even_bps(fig, method, 2, hier)
+            bps = gpu_cluster.break_even_bps(fig, method, 2, hier)
             if bps is None or math.isinf(bps):
                 continue
-            steps = [cluster_gpu.step_s(fig, m, 2, bps, hier) for m in (method, "bf16")]
+            steps = [gpu_cluster.step_s(fig, m, 2, bps, hier) for m in (method, "bf16")]
             assert steps[0] == pytest.approx(steps[1], rel=1e-6), (method, hier)  # the bisection's end
-            assert cluster_gpu.step_s(fig, method, 2, bps / 2, hier) < cluster_gpu.step_s(fig, "bf16", 2, bps / 2, hier)
+            assert gpu_cluster.step_s(fig, method, 2, bps / 2, hier) < gpu_cluster.step_s(fig, "bf16", 2, bps / 2, hier)
     # a flat int8 all-gather over 128 GPUs sends (W - 1) bytes per value, bf16's ring 2 (W - 1) / W x 2: never pays
-    assert cluster_gpu.break_even_bps(fig, "int8", 16, False) is None
-    text = cluster_gpu.gpu_scale_section(None)
+    assert gpu_cluster.break_even_bps(fig, "int8", 16, False) is None
+    text = gpu_cluster.gpu_scale_section(None)
     assert text.count("literature: 40%") == 3 and "| GPT-3 XL shape (1.3B) | 16 x 8 | 400 |" in text
 
 
 def test_results_feed_the_benchmarks_in_one_command(tmp_path, capsys):
-    """``bench gpu --results`` and ``bench cluster --preset paper --results`` take a CUDA run's file; a CPU dry run's
-    is refused in one line."""
-    from powertrain.cli import main
+    """``tools/gpu_check.py --results FILE`` rewrites the GPU section and the on-paper cluster model's from a CUDA
+    run's file, measuring nothing; a CPU dry run's file is refused in one line, the Markdown file untouched."""
+    import gpu_check
+    import gpu_stages
 
     good, bad = tmp_path / "gpu.json", tmp_path / "cpu.json"
     good.write_text(json.dumps({**_results(0.02, 0.05), "started": "then", "budget_s": 420, "elapsed_s": 400}))
     bad.write_text(json.dumps({"device": "cpu", "stages": {}}))
     out = tmp_path / "B.md"
-    assert main(["bench", "cluster", "--preset", "paper", "--results", str(good), "--write", str(out)]) == 0
+    assert gpu_check.main(["--results", str(good), "--write", str(out)]) == 0
     text = out.read_text()
     assert "measured (124m, a GPU)" in text and "extrapolated from the measured 350m" in text
-    assert main(["bench", "gpu", "--results", str(good), "--write", str(out)]) == 0
-    assert "## GPU (`make gpu-check`)" in out.read_text()
-    for suite in (["gpu"], ["cluster", "--preset", "paper"]):
-        with pytest.raises(SystemExit) as exit_:
-            main(["bench", *suite, "--results", str(bad), "--write", str(out)])
-        assert exit_.value.code == 2 and f"{bad} was measured on 'cpu'" in capsys.readouterr().err
+    assert "## GPU (`make gpu-check`)" in text
+    assert gpu_check.main(["--results", str(bad), "--write", str(out)]) == 2
+    assert f"{bad} was measured on 'cpu'" in capsys.readouterr().err and out.read_text() == text
     # a results file larger than any run's, or not a regular file, is refused in one line before it is read
-    from powertrain.bench import gpu
-
     big, pipe = tmp_path / "big.json", tmp_path / "pipe.json"
-    big.write_text(" " * (gpu.RESULTS_LIMIT + 1))
+    big.write_text(" " * (gpu_stages.RESULTS_LIMIT + 1))
     os.mkfifo(pipe)
-    for suite in (["gpu"], ["cluster", "--preset", "paper"]):
-        for path, why in ((big, "more than the"), (pipe, "is not a regular file")):
-            with pytest.raises(SystemExit) as exit_:
-                main(["bench", *suite, "--results", str(path), "--write", str(out)])
-            err = capsys.readouterr().err
-            assert exit_.value.code == 2 and "GPU results file" in err and why in err, err
+    for path, why in ((big, "more than the"), (pipe, "is not a regular file")):
+        assert gpu_check.main(["--results", str(path), "--write", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "GPU results file" in err and why in err and len(err.splitlines()) == 1, err
     with pytest.raises(ValueError, match=r"GPU results file .* more than the"):
-        gpu.load_previous(big, "cuda", "default")
+        gpu_stages.load_previous(big, "cuda", "default")
 
 
 # ---------------------------------------------------------------- make gpu-multi
@@ -372,7 +366,7 @@ def test_results_feed_the_benchmarks_in_one_command(tmp_path, capsys):
 def test_gpu_multi_stages_and_table(tmp_path):
     """The multi-GPU plan's stages (every run at each world size, NCCL on CUDA, gloo for the dry run) and its table,
     with a run's memory, another's missing figure and a failed stage."""
-    from powertrain.bench.gpu import MULTI_RUNS, multi_section, multi_stages
+    from gpu_stages import MULTI_RUNS, multi_section, multi_stages
 
     built = multi_stages("default", "cuda", tmp_path, [2, 4])
     names = [s.name for s in built]
@@ -417,7 +411,7 @@ def test_gpu_multi_stages_and_table(tmp_path):
 @pytest.mark.timeout(300)
 def test_make_gpu_multi_dry_run(tmp_path):
     """``make gpu-multi DEVICE=cpu``: every run trains at 2 gloo workers, and the table has a row for each."""
-    from powertrain.bench.gpu import MULTI_RUNS
+    from gpu_stages import MULTI_RUNS
 
     r = subprocess.run(
         ["make", "--no-print-directory", "gpu-multi", "DEVICE=cpu", f"OUT={tmp_path}"],

@@ -29,6 +29,7 @@ from powertrain._files import FileTooLarge, quote, read_bounded
 from powertrain.serialize import UnsafeData, check_torch_pickle
 
 ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"  # the GPU check's modules, run from a checkout
 SPARSE = 2 << 30  # 2 GiB, none of it on disk
 PEAK_MB = 600
 
@@ -272,10 +273,11 @@ def test_a_metrics_log_is_read_row_by_row_within_a_bound(tmp_path):
 
 
 def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
-    """bench cluster and bench gpu read the run directories of the ``powertrain train`` runs they launch, the torchft
-    bench its replicas' logs: every one of those reads is bounded (2 GiB sparse files are refused, or tailed, in
+    """bench cluster and the GPU check read the run directories of the ``powertrain train`` runs they launch, the
+    torchft bench its replicas' logs: every one of those reads is bounded (2 GiB sparse files are refused, or tailed, in
     moments and without the memory they would take)."""
-    from powertrain.bench import gpu, torchft_diloco
+    import gpu_stages as gpu
+    from powertrain.bench import torchft_diloco
     from powertrain.train.metrics import read_run
 
     run = tmp_path / "run"
@@ -301,7 +303,7 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
     _sparse(run / "config.toml")
     with pytest.raises(FileTooLarge, match=r"Config file .* more than the 1,048,576"):
         gpu._train_result(run, "")
-    # a bench gpu stage's result file: refused before it is read, the stage (not the run) fails in one line
+    # a GPU check stage's result file: refused before it is read, the stage (not the run) fails in one line
     stage = gpu.Stage("probe", [sys.executable, "-c", "pass"], 60, result=_sparse(tmp_path / "probe.json"))
     res = gpu.run_stage(stage, time.monotonic() + 120, io.StringIO())
     assert not res["ok"] and "FileTooLarge: Stage probe's result" in res["error"] and "16,777,216" in res["error"]
@@ -329,12 +331,12 @@ sys.exit(1)
 """
 
 
-def test_a_bench_gpu_stage_s_output_is_read_back_from_its_end_only():
-    """bench gpu keeps a stage's output on disk and reads back its last OUTPUT_TAIL bytes: a stage that prints 700 MiB
-    (held whole, with its lines, it would take over twice the bound) fails in its one error line and its tail, within
-    the memory bound."""
+def test_a_gpu_check_stage_s_output_is_read_back_from_its_end_only():
+    """The GPU check keeps a stage's output on disk and reads back its last OUTPUT_TAIL bytes: a stage that prints
+    700 MiB (held whole, with its lines, it would take over twice the bound) fails in its one error line and its
+    tail, within the memory bound."""
     script = (
-        "import io, sys, time; from powertrain.bench import gpu; "
+        f"import io, sys, time; sys.path.insert(0, {str(TOOLS)!r}); import gpu_stages as gpu; "
         f"stage = gpu.Stage('chatty', [sys.executable, '-c', {CHATTY!r}], 120); "
         "res = gpu.run_stage(stage, time.monotonic() + 300, io.StringIO()); "
         "ok = res['error'] == 'ValueError: the end' and res['tail'].splitlines()[-2] == 'x' * 1023; "

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from powertrain.bench.gpu_measure import SIZES
+from gpu_measure import SIZES
 from powertrain.compress import make_compressor
 from powertrain.models import GPT
 

@@ -1,11 +1,11 @@
-"""``make gpu-check [DEVICE=cpu]``: ``powertrain bench gpu``'s stages and the CUDA test leg, in one time budget.
+"""``make gpu-check [DEVICE=cpu]``: the GPU stages (tools/gpu_stages.py) and the CUDA test leg, in one time budget.
 
 Run from the source tree (``PYTHONPATH=src``: a GPU machine without network needs no install). Every stage is a
-subprocess with its own timeout; a failure is recorded and the next stage runs (:mod:`powertrain.bench.gpu`).
+subprocess with its own timeout; a failure is recorded and the next stage runs.
 Files, in ``$OUT`` if set (what a device run returns), else ``runs/gpu-check``:
 
-* ``gpu_check.json``: every stage's result or error (feed it back: ``powertrain bench gpu --results FILE`` rewrites
-  BENCHMARKS.md's GPU section, ``powertrain bench cluster --preset paper --results FILE`` the on-paper cluster model);
+* ``gpu_check.json``: every stage's result or error (feed it back: ``make gpu-check GPU_CHECK_ARGS="--results
+  FILE"`` rewrites BENCHMARKS.md's GPU section and the on-paper cluster model's from it, measuring nothing);
 * ``gpu_check.log``: each stage's command and the tail of its output;
 * ``gpu_section.md`` and ``cluster_gpu.md``: the two Markdown sections this run's figures give;
 * ``BENCHMARKS.md``: the repository's, with the GPU section replaced (CUDA runs only);
@@ -72,7 +72,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="an earlier run's gpu_check.json: keep its other stages (same device, torch, CUDA)",
     )
+    parser.add_argument(
+        "--write",
+        default=str(ROOT / "BENCHMARKS.md"),
+        metavar="FILE",
+        help="the Markdown file whose GPU sections a CUDA run or --results rewrites (default: the repository's)",
+    )
+    parser.add_argument(
+        "--results",
+        metavar="FILE",
+        help="a CUDA run's gpu_check.json: rewrite BENCHMARKS.md's GPU and on-paper cluster sections from it, "
+        "measuring nothing",
+    )
     args = parser.parse_args(argv)
+    args.write = str(Path(args.write).resolve())  # before the run changes directory
+    if args.results is not None:
+        return _publish(args.results, args.write)
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
     if only is not None and not only:
         parser.error(f"--only {args.only!r} names no stage: give comma-separated names, e.g. --only tests,train:fsdp")
@@ -81,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from powertrain.bench.cluster_gpu import gpu_scale_section
-    from powertrain.bench.gpu import Stage, load_previous, run_gpu_bench, select, stages
+    from gpu_cluster import gpu_scale_section
+    from gpu_stages import Stage, load_previous, run_gpu_bench, select, stages
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -131,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         out=str(out),
         extra=tests,
-        write=str(ROOT / "BENCHMARKS.md"),
+        write=args.write,
         only=only,
         merge=args.merge,
     )
     # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then)
     (out / "cluster_gpu.md").write_text(gpu_scale_section(data if args.device == "cuda" else None) + "\n")
     if args.device == "cuda":
-        shutil.copy(ROOT / "BENCHMARKS.md", out / "BENCHMARKS.md")
+        shutil.copy(args.write, out / "BENCHMARKS.md")
     bad = {name: r.get("error") or r.get("skipped") for name, r in data["stages"].items() if not r["ok"]}
     print(
         json.dumps(
@@ -146,6 +161,21 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     return 1 if bad else 0
+
+
+def _publish(results: str, write: str) -> int:
+    """BENCHMARKS.md's two GPU sections rewritten from a CUDA run's results file."""
+    from gpu_cluster import gpu_scale_section
+    from gpu_stages import run_gpu_bench
+    from powertrain.bench.report import publish
+
+    try:
+        data = run_gpu_bench(results=results, write=write)  # refuses a CPU run's results
+    except (OSError, ValueError) as e:
+        print(f"make gpu-check: {e}", file=sys.stderr)
+        return 2
+    publish(gpu_scale_section(data), write, "cluster-gpu")
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 DDP and FSDP2, exact, with the command's PowerSGD and with int8, trained by ``powertrain train`` on NCCL at every
 world size the machine holds (2, 4 and 8 GPUs, one worker each): throughput, step time, bytes a step and rank 0's
 ``torch.cuda.max_memory_reserved`` (compression's error buffers and factors against what it saves on the wire), in
-stages with their own timeouts inside one budget (:mod:`powertrain.bench.gpu`: a failed stage is recorded and the
+stages with their own timeouts inside one budget (tools/gpu_stages.py: a failed stage is recorded and the
 next runs). The NCCL side of the test suite is tests/test_device.py's leg, which ``make gpu-check`` runs.
 
 Files in ``$OUT`` if set, else ``runs/gpu-multi``: ``gpu_multi.json`` (every stage's result or error),
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from powertrain.bench.gpu import multi_section, multi_stages, run
+    from gpu_stages import multi_section, multi_stages, run
 
     gpus = torch.cuda.device_count() if args.device == "cuda" else 2
     worlds = [w for w in (2, 4, 8) if w <= gpus]

@@ -35,23 +35,13 @@ SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
         QUALITY_ONLY,
     ),
     "parallel": ("DDP, FSDP2, SimpleFSDP and RTP: memory per rank, step time and bytes on 2 and 4 workers", ()),
-    "cluster": (
-        "flat and hierarchical compression on 2 emulated nodes x 2 workers under torchrun (needs root); --preset "
-        "paper: nodes of 8 GPUs on paper instead (no root; with --results: a GPU's measured compute)",
-        ("paper",),
-    ),
-    "gpu": (
-        "compression's GPU compute, memory and every --parallel mode on one GPU, in isolated stages (make gpu-check "
-        "adds the CUDA test leg)",
-        (),
-    ),
+    "cluster": ("flat and hierarchical compression on 2 emulated nodes x 2 workers under torchrun (needs root)", ()),
 }
 _PRESET_HELP = {
     "quality": "tiny: seconds; mnist1d (the 1-D ResNet on mnist1d), wide (a wider, shallower GPT: 2 layers x "
     "d_model 384), local (local updates against per-step rows), muon (Muon against a swept AdamW, the best AdamW's "
     "loss as the target), outer and outer-const (local updates' outer step on the command's schedule and on a "
     "constant-rate AdamW)",
-    "cluster": "tiny: seconds; paper: GPU clusters on paper, no root",
 }
 
 
@@ -72,26 +62,14 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
             "checkout of powertrain)",
         )
-        if name in ("network", "quality", "gpu"):
+        if name in ("network", "quality"):
             p.add_argument(
                 "--out",
                 default=None,
                 help={
                     "network": "directory for results.json and table.md",
                     "quality": "kept results, reused by later calls (default runs/bench-quality)",
-                    "gpu": "directory for gpu_check.json, its log and the section",
                 }[name],
-            )
-        if name in ("gpu", "cluster"):
-            p.add_argument(
-                "--results",
-                default=None,
-                help="a make gpu-check results file (gpu_check.json): "
-                + (
-                    "rewrite the section from it (no measuring)"
-                    if name == "gpu"
-                    else "--preset paper takes its measured GPU compute figures"
-                ),
             )
         if name == "overhead":
             p.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
@@ -171,14 +149,10 @@ def run(args: argparse.Namespace) -> int:
             horizon_only=args.horizon_only,
             section=args.section,
         )
-    elif args.suite == "gpu":
-        from powertrain.bench.gpu import run_gpu_bench
-
-        run_gpu_bench(preset=args.preset, write=write, out=args.out, results=args.results)
     elif args.suite == "cluster":
         from powertrain.bench.cluster import run_cluster_bench
 
-        run_cluster_bench(preset=args.preset, write=write, gpu_results=args.results)
+        run_cluster_bench(preset=args.preset, write=write)
     elif args.suite == "optimizers":
         from powertrain.bench.optimizers import run_optimizers_bench
 

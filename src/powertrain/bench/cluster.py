@@ -76,26 +76,8 @@ def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: floa
     }
 
 
-def run_cluster_bench(
-    *, preset: str = "default", write: str | None = "BENCHMARKS.md", gpu_results: str | None = None
-) -> dict[str, Any]:
-    """The emulated cluster; ``preset="paper"``: the GPU cluster on paper instead (no root needed,
-    :mod:`powertrain.bench.cluster_gpu`), with the compute figures of ``gpu_results`` (a ``make gpu-check`` results
-    file) when given."""
-    if preset == "paper" or gpu_results is not None:
-        if preset != "paper":
-            raise ValueError("--results feeds the on-paper model: use bench cluster --preset paper --results FILE")
-        from powertrain.bench.cluster_gpu import gpu_scale_section
-        from powertrain.bench.gpu import read_results
-
-        gpu = read_results(gpu_results) if gpu_results is not None else None
-        if gpu is not None and gpu.get("device") != "cuda":
-            raise ValueError(
-                f"{gpu_results} was measured on {gpu.get('device')!r}: the GPU model takes a CUDA run's "
-                "results (make gpu-check on a GPU)"
-            )
-        publish(gpu_scale_section(gpu), write, "cluster-gpu")
-        return {"gpu_results": gpu_results}
+def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
+    """The emulated cluster (needs network namespaces: root)."""
     reason = unavailable()
     if reason:
         raise RuntimeError(f"bench cluster needs network namespaces: {reason}")

@@ -1,17 +1,20 @@
-"""``powertrain bench gpu`` (the measuring part of ``make gpu-check``): what compression costs in GPU compute, how
-much memory each way to train needs, and every ``--parallel`` mode trained on one GPU.
+"""The measuring part of ``make gpu-check`` (tools/gpu_check.py) and ``make gpu-multi``: what compression costs in
+GPU compute, how much memory each way to train needs, and every ``--parallel`` mode trained on one GPU.
 
 It runs in *stages*, each a subprocess with its own timeout, inside one time budget: a stage that fails (the first
 CUDA run of any code may) is recorded, one line and its output's tail, and the next stage still runs. The results
 file (JSON) is rewritten after every stage, so a run stopped from outside keeps what it measured.
 
 * ``env``: the device, torch, CUDA, NCCL and driver versions;
-* ``measure:SIZE``: :mod:`powertrain.bench.gpu_measure` for a GPT of that size (backward, compressors, memory);
+* ``measure:SIZE``: tools/gpu_measure.py for a GPT of that size (backward, compressors, memory);
 * ``train:RUN``: ``powertrain train`` for 50 steps on one worker (NCCL on CUDA), one run per ``--parallel`` mode
   (and DDP with the command's default PowerSGD): tokens/s from the median step after the first 10.
 
-``--results FILE`` rewrites the section from a results file instead (the GPU run's, copied back), and ``bench
-cluster --preset paper --results FILE`` feeds its compute figures to the cluster model.
+``make gpu-check GPU_CHECK_ARGS="--results FILE"`` rewrites the section from a results file instead (the GPU run's,
+copied back), and the on-paper cluster model's (tools/gpu_cluster.py) from its compute figures.
+
+These run from a checkout, not from the installed package: a lent GPU machine runs the source tree without an
+install, and what they write is the repository's BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from powertrain.bench.report import publish, table
 from powertrain.train.config import load_toml
 from powertrain.train.metrics import read_run
 
+TOOLS = Path(__file__).resolve().parent
 SCHEMA = 1
 MIN_STAGE_S = 20.0  # a stage is not started with less of the budget left
 
@@ -114,7 +118,7 @@ def train_runs() -> dict[str, list[str]]:
 
 def _env_stage(work: Path) -> Stage:
     return Stage(
-        "env", [sys.executable, "-m", "powertrain.bench.gpu", "env", str(work / "env.json")], 60, work / "env.json"
+        "env", [sys.executable, str(TOOLS / "gpu_stages.py"), "env", str(work / "env.json")], 60, work / "env.json"
     )
 
 
@@ -130,13 +134,12 @@ def _train_stage(
 def stages(preset: str, device: str, work: Path) -> list[Stage]:
     """The stages of a run, most telling first: the budget may end before the last."""
     plan = PRESETS[preset]
-    py = [sys.executable, "-m"]
     out = [_env_stage(work)]
     sizes = list(plan.sizes)
     first, rest = sizes[:1], sizes[1:]
     measure = lambda s: Stage(
         f"measure:{s}",
-        [*py, "powertrain.bench.gpu_measure", s, device, str(work / f"{s}.json")],
+        [sys.executable, str(TOOLS / "gpu_measure.py"), s, device, str(work / f"{s}.json")],
         plan.measure_timeout_s,
         work / f"{s}.json",
     )
@@ -459,7 +462,7 @@ def run_gpu_bench(
         publish(section(data), write, "gpu")
         return data
     if preset not in PRESETS:
-        raise ValueError(f"Unknown preset {preset!r} for bench gpu: choose {', '.join(PRESETS)}")
+        raise ValueError(f"Unknown preset {preset!r} for the GPU check: choose {', '.join(PRESETS)}")
     import torch
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -589,9 +592,9 @@ def _optimizer_table(measured: dict[str, Any]) -> str:
 
 
 def write_profiles(data: dict[str, Any], outdir: Path) -> list[Path]:
-    """The profiler tables a run's measure stages recorded (:data:`powertrain.bench.gpu_measure.PROFILED`), each in
+    """The profiler tables a run's measure stages recorded (``gpu_measure.PROFILED``), each in
     its file in ``outdir`` (a later size's replaces an earlier's, as the check measures 124m first)."""
-    from powertrain.bench.gpu_measure import PROFILED
+    from gpu_measure import PROFILED
 
     written = []
     for name, res in data["stages"].items():
@@ -608,7 +611,7 @@ def _target_line(measured: dict[str, Any]) -> str:
     c = (first.get("compressors") or {}).get("PowerSGD r32") or {}
     if "of_backward" not in c:
         return ""
-    from powertrain.bench.gpu_measure import TARGET
+    from gpu_measure import TARGET
 
     met = c["of_backward"] <= TARGET
     verdict = "met" if met else "not met: the top operations are in `powersgd_profile.txt`"

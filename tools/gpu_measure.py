@@ -1,5 +1,5 @@
-"""One model size's measurements for ``powertrain bench gpu``, in one process (``python -m
-powertrain.bench.gpu_measure SIZE DEVICE JSON``).
+"""One model size's measurements for ``make gpu-check`` (tools/gpu_stages.py), in one process (``python
+tools/gpu_measure.py SIZE DEVICE JSON``).
 
 Under bf16 autocast, one micro-batch of ``batch x block_size`` tokens, at world size 1:
 
@@ -53,7 +53,7 @@ COMPRESSORS: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": ("bf16", {}),
 }
 #: Compressors whose top operations are profiled (``torch.profiler``) when above :data:`TARGET` of backward, with the
-#: result's key and the file ``bench gpu`` writes it to: the target's rank 32, and int8 (99.8% of backward on the
+#: result's key and the file the GPU check writes it to: the target's rank 32, and int8 (99.8% of backward on the
 #: H100's first run, a compressor whose math is a few passes over the gradients: per-parameter calls were suspected).
 PROFILED: dict[str, tuple[str, str]] = {
     "PowerSGD r32": ("powersgd_r32_profile", "powersgd_profile.txt"),

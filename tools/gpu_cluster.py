@@ -1,4 +1,5 @@
-"""Where compression pays on GPUs, on paper (issue 36, part 4): ``powertrain bench cluster --preset paper``.
+"""Where compression pays on GPUs, on paper (issue 36, part 4): a section ``make gpu-check`` writes (from a results
+file with ``--results FILE``).
 
 Nodes of 8 H100s, NVLink inside, one link between nodes shared by the node's 8 GPUs. Per GPU and step, for GPTs of
 the GPT-2 small and medium shapes and a 1.3B (GPT-3 XL's shape), the step time of bf16 all-reduce, PowerSGD rank 32
@@ -214,7 +215,7 @@ def gpu_scale_section(results: dict[str, Any] | None) -> str:
             )
     method_cols = [f"{m} {'hier.' if h else 'flat'} ms" for m in METHODS for h in (False, True)]
     return (
-        "## Where compression pays on GPUs, on paper (`powertrain bench cluster --preset paper`)\n\n"
+        "## Where compression pays on GPUs, on paper (`make gpu-check`)\n\n"
         f"Nodes of 8 H100s: NVLink inside ({NVLINK_BPS / 8e9:.0f} GB/s per direction), one link between nodes shared "
         f"by the node's GPUs at the rate shown, {ALPHA_S * 1e6:.0f} us per message; ring collectives. Flat: one ring "
         "over all GPUs. Hierarchical: bf16 reduce-scatters inside the node and all-reduces between nodes; the "
