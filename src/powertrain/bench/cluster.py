@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from powertrain.bench.netem import EmulatedCluster, unavailable
-from powertrain.bench.report import machine_info, publish, table
+from powertrain.bench.report import machine_info, publish, section, table
 from powertrain.train.metrics import read_run
 
 NODES, PER_NODE = 2, 2
@@ -138,5 +138,5 @@ def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARK
         "the hierarchical rows; HSDP's weight all-gathers stay inside the node and are not counted).\n\n"
         + table(headers, body)
     )
-    publish(text, write, "cluster" if preset == "default" else f"cluster-{preset}")
+    publish(text, write, section("cluster", preset))
     return {"results": results}

@@ -44,6 +44,7 @@ from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
 from powertrain.bench.quality_text import markdown
 from powertrain.bench.report import publish
+from powertrain.bench.report import section as report_section
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig, ResNet1d
 from powertrain.train.config import (
@@ -702,8 +703,7 @@ def run_quality_bench(
         summary = _summarise(here, runs, steps, target, p, phases, link)
         report["horizons"].append({**summary, "baseline": best, "baseline_rows": [r.key for r in base]})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")
-    default = "quality" if name == "default" else f"quality-{name}"
-    publish(markdown(report, p, n_seeds, CAP), write, section or default)
+    publish(markdown(report, p, n_seeds, CAP), write, section or report_section("quality", name))
     return report
 
 
