@@ -314,46 +314,6 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     assert any(r.to_target for r in at300[1:])  # the rows that run on to the target at 300 still do
 
 
-def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, monkeypatch):
-    """torchft's DiLoCo and powertrain's local-update rows take turns on the link (torchft, then one launch of ours,
-    TORCHFT_PAIRS times at a rate of timetotarget.SLOW or more, once below); the pairs are kept and reused, and the
-    text gives each row's median and each pair's ratio to torchft's step."""
-    from powertrain.bench import quality_text, torchft_diloco
-
-    calls: list[str] = []
-    theirs = iter([0.7, 0.72, 0.69, 6.0])
-    ours = iter([[0.8, 0.83], [0.79, 0.81], [0.9, 0.85], [2.0, 6.5]])
-
-    def torchft_link(**kw):
-        calls.append(f"torchft {kw['rate_mbit']:g} h{kw['sync_every']}")
-        return next(theirs)
-
-    def ours_link(specs, timings, **kw):
-        assert [t.timed for t in timings] == [int(s.optimizer_options["sync_every"]) for s in specs]
-        calls.append(f"ours {kw['rate']:g} " + ",".join(s.label for s in specs))
-        return next(ours)
-
-    monkeypatch.setattr(torchft_diloco, "available", lambda: True)
-    monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", torchft_link)
-    monkeypatch.setattr(timetotarget, "seconds_per_step", ours_link)
-    p = dataclasses.replace(PRESETS["local"], rates=(100.0, 1.0))
-    rows = select_rows(["bf16", "local", "local-h5-warm", "diloco-paper"])  # the warm row is not timed on the link
-    path = tmp_path / "torchft_link.json"
-    got = quality._torchft_link(p, rows, path)
-    assert calls == ["torchft 100 h25", "ours 100 local,diloco-paper"] * quality.TORCHFT_PAIRS + [
-        "torchft 1 h25",
-        "ours 1 local,diloco-paper",
-    ]
-    assert got["100.0"][1] == {"torchft": 0.72, "local": 0.79, "diloco-paper": 0.81} and len(got["1.0"]) == 1
-    calls.clear()
-    assert quality._torchft_link(p, rows, path) == got and calls == []  # kept: nothing runs again
-    text = quality_text._torchft_text(got)
-    assert "at 100 Mbit/s (median of 3 pairs) torchft 0.7 s, local 0.8 s (1.14/1.10/1.30x torchft's)" in text
-    assert "at 1 Mbit/s (one pair) torchft 6 s, local 2 s (0.33x torchft's)" in text
-    # without the paper row (the same H and outer step as torchft's) there is nothing to compare with
-    assert quality._torchft_link(p, select_rows(["local"]), path) == {} and calls == []
-
-
 def test_kept_results_larger_than_they_can_be_are_refused_before_reading(tmp_path, monkeypatch):
     """A file in a reused --out that is larger than any kept result (or not a regular file) is refused in one line
     naming it, before it is read: the bench's kept rows, link timings and torchft pairs alike."""

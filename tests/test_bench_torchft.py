@@ -1,5 +1,5 @@
-"""powertrain.bench.torchft_diloco: torchft's DiLoCo on powertrain's GPT and data, and its parity with powertrain's
-diloco rows (powertrain.bench.sidebyside) on a tiny GPT.
+"""tools/torchft_diloco.py: torchft's DiLoCo on powertrain's GPT and data, its parity with powertrain's diloco rows
+(powertrain.bench.sidebyside) on a tiny GPT, and its timing beside them on the link.
 
 Why the parity is bitwise at 2 replicas: both runs build the same seeded model, draw the same batches, take the same
 AdamW steps on the same schedule and the same SGD outer steps, and evaluate with the same sums; they differ only in
@@ -10,27 +10,31 @@ fl(a / 2 + b / 2) = fl(a + b) / 2: the same bits (and a + b = b + a for gloo's t
 sum's order inside gloo can differ between powertrain's one flat buffer and torchft's per-parameter all-reduces, and
 only a tolerance would hold; these tests stay at 2.
 
-torchft is optional (``pip install -e '.[torchft]'``): without it the runs are skipped, and the install hint is checked.
+torchft is not a dependency (``pip install torchft==0.2.0``): without it the runs are skipped, and the install hint is
+checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from powertrain.bench.netem import collective_seconds
 from powertrain.bench.sidebyside import Spec, SpecResult, by_spec, launch_args, worker
-from powertrain.bench.torchft_diloco import TorchftResult, _combine, run_torchft
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.launch import launch
+from torchft_diloco import TorchftResult, _combine, run_torchft
 
+TOOLS = Path(__file__).resolve().parents[1] / "tools"  # where the comparison lives: a checkout's
 HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
-needs_torchft = pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed (pip install -e '.[torchft]')")
+needs_torchft = pytest.mark.skipif(not HAVE_TORCHFT, reason="torchft is not installed (pip install torchft==0.2.0)")
 
 TINY = GPTConfig(256, 32, 1, 2, 32)
 RUN: dict[str, Any] = {"model": TINY, "batch": 2, "seed": 0, "data_mb": 0.5, "eval_every": 2, "timeout": 120}
@@ -78,8 +82,8 @@ def diloco() -> TorchftResult:
 
 
 def test_importing_the_bench_does_not_import_torchft() -> None:
-    code = "import sys, powertrain.bench.torchft_diloco; assert 'torchft' not in sys.modules, 'torchft was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    code = "import sys, torchft_diloco; assert 'torchft' not in sys.modules, 'torchft was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=TOOLS)
 
 
 def test_invalid_settings_are_named() -> None:
@@ -112,7 +116,7 @@ def test_step_times_follow_the_slower_replica_between_meetings() -> None:
 
 @pytest.mark.skipif(HAVE_TORCHFT, reason="torchft is installed")
 def test_without_torchft_says_how_to_install() -> None:
-    with pytest.raises(ModuleNotFoundError, match=r"pip install -e '\.\[torchft\]'"):
+    with pytest.raises(ModuleNotFoundError, match=r"pip install torchft==0\.2\.0"):
         _torchft("diloco")
 
 
@@ -162,3 +166,66 @@ def test_emulated_link(diloco: TorchftResult) -> None:
     link_s = collective_seconds("all_reduce", slow.bytes_per_sync[0], 2, rate)
     for step in slow.sync_steps:
         assert slow.step_times[step - 1] > 0.6 * link_s, (step, slow.step_times, link_s)
+
+
+def test_torchft_is_timed_in_alternation_with_the_local_update_rows(tmp_path, monkeypatch):
+    """torchft's DiLoCo and powertrain's local-update rows take turns on the link (torchft, then one launch of ours,
+    TORCHFT_PAIRS times at a rate of timetotarget.SLOW or more, once below); the pairs are kept and reused, and the
+    text gives each row's median and each pair's ratio to torchft's step."""
+    import torchft_diloco
+    from powertrain.bench import timetotarget
+    from powertrain.bench.quality import PRESETS, select_rows
+
+    calls: list[str] = []
+    theirs = iter([0.7, 0.72, 0.69, 6.0])
+    ours = iter([[0.8, 0.83], [0.79, 0.81], [0.9, 0.85], [2.0, 6.5]])
+
+    def torchft_link(**kw):
+        calls.append(f"torchft {kw['rate_mbit']:g} h{kw['sync_every']}")
+        return next(theirs)
+
+    def ours_link(specs, timings, **kw):
+        assert [t.timed for t in timings] == [int(s.optimizer_options["sync_every"]) for s in specs]
+        calls.append(f"ours {kw['rate']:g} " + ",".join(s.label for s in specs))
+        return next(ours)
+
+    monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", torchft_link)
+    monkeypatch.setattr(timetotarget, "seconds_per_step", ours_link)
+    p = dataclasses.replace(PRESETS["local"], rates=(100.0, 1.0))
+    rows = select_rows(["bf16", "local", "local-h5-warm", "diloco-paper"])  # the warm row is not timed on the link
+    path = tmp_path / "torchft_link.json"
+    got = torchft_diloco.link_pairs(p, rows, path)
+    assert calls == ["torchft 100 h25", "ours 100 local,diloco-paper"] * torchft_diloco.TORCHFT_PAIRS + [
+        "torchft 1 h25",
+        "ours 1 local,diloco-paper",
+    ]
+    assert got["100.0"][1] == {"torchft": 0.72, "local": 0.79, "diloco-paper": 0.81} and len(got["1.0"]) == 1
+    calls.clear()
+    assert torchft_diloco.link_pairs(p, rows, path) == got and calls == []  # kept: nothing runs again
+    text = torchft_diloco.pairs_text(got)
+    assert "at 100 Mbit/s (median of 3 pairs) torchft 0.7 s, local 0.8 s (1.14/1.10/1.30x torchft's)" in text
+    assert "at 1 Mbit/s (one pair) torchft 6 s, local 2 s (0.33x torchft's)" in text
+    # without the paper row (the same H and outer step as torchft's) there is nothing to compare with
+    assert torchft_diloco.link_pairs(p, select_rows(["local"]), path) == {} and calls == []
+
+
+def test_the_command_publishes_its_own_section(tmp_path, monkeypatch, capsys):
+    """``python tools/torchft_diloco.py``: without torchft it says how to install it (exit 2, nothing written); with it,
+    the preset's pairs land in the section ``torchft-PRESET`` of --write, with the command that reproduces them."""
+    import torchft_diloco
+    from powertrain.bench import timetotarget
+
+    out = tmp_path / "B.md"
+    monkeypatch.setattr(torchft_diloco, "available", lambda: False)
+    assert torchft_diloco.main(["--out", str(tmp_path), "--write", str(out)]) == 2
+    assert "pip install torchft==0.2.0" in capsys.readouterr().err and not out.exists()
+    monkeypatch.setattr(torchft_diloco, "available", lambda: True)
+    monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", lambda **kw: 1.0)
+    monkeypatch.setattr(timetotarget, "seconds_per_step", lambda specs, timings, **kw: [0.5] * len(specs))
+    out.write_text("# Benchmarks\n")
+    assert torchft_diloco.main(["--preset", "local", "--out", str(tmp_path), "--write", str(out)]) == 0
+    text = out.read_text()
+    assert "<!-- bench:torchft-local -->" in text and "(2 replicas)" in text
+    assert "local 0.5 s (0.50/0.50/0.50x torchft's)" in text
+    assert "Command: `python tools/torchft_diloco.py --preset local`" in text
+    assert (tmp_path / "local" / "torchft_link.json").is_file()

@@ -277,7 +277,7 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
     torchft bench its replicas' logs: every one of those reads is bounded (2 GiB sparse files are refused, or tailed, in
     moments and without the memory they would take)."""
     import gpu_stages as gpu
-    from powertrain.bench import torchft_diloco
+    import torchft_diloco
     from powertrain.train.metrics import read_run
 
     run = tmp_path / "run"
@@ -313,7 +313,7 @@ def test_what_the_benches_read_back_from_their_own_runs_is_bounded(tmp_path):
         f.write(b"boom\n")
     assert torchft_diloco._tail(log, 10) == "\x00" * 5 + "boom\n"
     script = (
-        "import sys; from pathlib import Path; from powertrain.bench.torchft_diloco import _tail; "
+        f"import sys; from pathlib import Path; sys.path.insert(0, {str(TOOLS)!r}); from torchft_diloco import _tail; "
         "sys.exit(0 if _tail(Path(sys.argv[1])).endswith('boom\\n') else 3)"
     )
     code, lines, peak = _refusal(sys.executable, "-c", script, str(log))

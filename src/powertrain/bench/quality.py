@@ -18,8 +18,9 @@ hook and local updates with a per-step warm-up are not timed on the link.
 
 Local updates (``parallel="diloco"``: :class:`powertrain.diloco.DiLoCo`, the compressor on the outer step) are rows
 like any other: ``--preset local`` runs the recommended configuration beside fp32, bf16, the per-step default and
-DiLoCo at the paper's outer step (which torchft's DiLoCo matches bitwise, ``tests/test_bench_torchft.py``); the
-``h<H>-<compressor>`` rows (:data:`GRID`) sweep H and the outer compressor.
+DiLoCo at the paper's outer step (which torchft's DiLoCo matches bitwise, ``tests/test_bench_torchft.py``; the
+repository's tools/torchft_diloco.py times the two on the link); the ``h<H>-<compressor>`` rows (:data:`GRID`) sweep
+H and the outer compressor.
 
 Every row's result is kept in ``out`` (one JSON file per horizon, seed and row, with the row's definition and the
 preset; the timing launch in one more): a later call with more rows, seeds or horizons runs only what is missing,
@@ -495,50 +496,6 @@ def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float
     )
 
 
-#: torchft's DiLoCo and powertrain's local-update rows are timed on the link in alternation: a run of torchft, then a
-#: launch of powertrain's rows, this many pairs at a rate (one below timetotarget.SLOW Mbit/s, where a pair takes
-#: about 12 minutes and the link, not the machine's load, sets the step)
-TORCHFT_PAIRS = 3
-
-
-def _torchft_link(p: Preset, rows: list[Row], path: Path) -> dict[str, list[dict[str, float]]]:
-    """torchft's DiLoCo at the paper row's H on the link, timed side by side with the local-update rows among
-    ``rows`` (kept in ``path``), per rate: a list of pairs, each {"torchft": s, row key: s, ...} seconds per step over
-    one sync period after another; when the paper row runs and torchft is installed; else nothing."""
-    from powertrain.bench import torchft_diloco
-
-    paper = next((r for r in rows if r.key == PAPER.key), None)
-    if paper is None or p.model is None or not p.rates or not torchft_diloco.available():
-        return {}
-    h = int(paper.optimizer_options["sync_every"])
-    ours = [r for r in rows if r.parallel == "diloco" and not r.optimizer_options.get("sync_warmup")]  # as _phases
-    specs = [_spec(r, 0, p.start, None) for r in ours]
-    periods = [
-        timetotarget.Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"]))
-        for s in specs
-    ]
-    kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft timings") if path.exists() else {}
-    names = ",".join(r.key for r in ours)
-    keys = {rate: f"{rate:g}/h{h}/w{p.workers}/{names}" for rate in p.rates}
-    for rate, key in keys.items():
-        pairs = kept.get(key, [])
-        while len(pairs) < (TORCHFT_PAIRS if rate >= timetotarget.SLOW else 1):
-            print(
-                f"[bench quality] torchft's DiLoCo and {names} on the link at {rate:g} Mbit/s, pair {len(pairs) + 1}",
-                file=sys.stderr,
-            )
-            theirs = torchft_diloco.link_seconds_per_step(
-                model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
-            )
-            mine = timetotarget.seconds_per_step(
-                specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb, world=p.workers
-            )
-            pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
-            kept[key] = pairs
-            _write(path, kept)  # after every pair: a stopped call loses one
-    return {str(rate): kept[key] for rate, key in keys.items()}
-
-
 def _measured(row: Row, res: SpecResult, p: Preset, model: GPT | ResNet1d) -> dict[str, Any]:
     """What the launch measured of ``row`` (``res``): validation curve, steps taken, bytes per exact and compressed
     step (by collective)."""
@@ -666,7 +623,6 @@ def run_quality_bench(
     report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
     link = _link(p, chosen, kept.root / "linktime.json")
     phases = {r.key: _phases(p, r) for r in chosen}
-    report["torchft_s"] = _torchft_link(p, chosen, kept.root / "torchft_link.json")
     report["link_s"] = {
         str(rate): {
             r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]

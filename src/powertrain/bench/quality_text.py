@@ -3,7 +3,6 @@ seconds per step."""
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -82,31 +81,6 @@ def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]
         for key in link_s[str(rates[0])]
     ]
     return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
-
-
-def _torchft_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
-    """torchft's DiLoCo against powertrain's local-update rows on the link, timed in alternation, at each rate."""
-    if not pairs_at:
-        return ""
-    out = []
-    for rate, pairs in pairs_at.items():
-        ours = [k for k in pairs[0] if k != "torchft"]
-        ratios = "; ".join(
-            f"{k} {statistics.median(p[k] for p in pairs):.3g} s "
-            f"({'/'.join(format(p[k] / p['torchft'], '.2f') for p in pairs)}x torchft's)"
-            for k in ours
-        )
-        n = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "one pair"
-        out.append(
-            f"at {float(rate):g} Mbit/s ({n}) torchft {statistics.median(p['torchft'] for p in pairs):.3g} s, {ratios}"
-        )
-    return (
-        "\n\ntorchft's DiLoCo (the paper's outer step, fp32, an all-reduce per parameter after a quorum) timed "
-        "side by side with powertrain's local-update rows, seconds per step over one sync period after another, "
-        "a run of torchft then one launch of powertrain's rows per pair (each pair's ratio in brackets): "
-        + "; ".join(out)
-        + "."
-    )
 
 
 def _target_text(p: Preset, ran: Sequence[str]) -> str:
@@ -235,7 +209,6 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         f"are amortised over the steps. {timed}\n\n"
         + "\n\n".join(parts)
         + _link_text(report["link_s"], p.rates)
-        + _torchft_text(report.get("torchft_s", {}))
         + f"\n\nMachine: {machine_info()}.\n"
     )
 

@@ -1,4 +1,8 @@
-"""torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) on powertrain's GPT and data: the baseline row.
+"""torchft's DiLoCo (``torchft.local_sgd.DiLoCo``, torchft 0.2.0) on powertrain's GPT and data, timed on the link
+beside powertrain's local updates: ``python tools/torchft_diloco.py [--preset local]``.
+
+A comparison for powertrain's own claims, not a feature of the package: it lives in the repository's tools/ and needs
+torchft 0.2.0, which it was written against (``pip install torchft==0.2.0``); :func:`main` says what it measures.
 
 :func:`run_torchft` trains ``world`` replicas of one process each, as ``powertrain bench quality``'s local-update rows
 train theirs (:mod:`powertrain.bench.sidebyside`): the model seeded with ``seed``, replica r's batch at step s
@@ -48,8 +52,8 @@ namespace per replica, the lighthouse in replica 0's), never to all interfaces: 
 ``[::]``, so the worker rewrites that one argument. There is no checkpoint server (``init_sync=False``: the replicas
 start from the same seeded weights; nobody joins late, so nothing is ever healed).
 
-Worker entry point (started by :func:`run_torchft`): ``python -m powertrain.bench.torchft_diloco --worker JSON``.
-torchft is an optional dependency (``pip install -e '.[torchft]'``); importing this module does not import it.
+Worker entry point (started by :func:`run_torchft`): ``python tools/torchft_diloco.py --worker JSON``. Importing this
+module does not import torchft.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -82,10 +87,8 @@ from powertrain.bench import netem
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
 
-__all__ = ["TORCHFT_VERSION", "TorchftResult", "available", "link_seconds_per_step", "main", "run_torchft"]
-
-TORCHFT_VERSION = "0.2.0"  # the version this bench was written against (pyproject's torchft extra)
-_MISSING = "torchft is not installed: install it with pip install -e '.[torchft]'"
+TORCHFT_VERSION = "0.2.0"  # the version this comparison was written against
+_MISSING = f"torchft is not installed: install it with pip install torchft=={TORCHFT_VERSION}"
 _VAL_BATCHES = 8  # as sidebyside's eval_batches
 
 
@@ -240,7 +243,7 @@ def _launch(job: dict[str, Any], tmp: Path, cluster: netem.EmulatedCluster | Non
                 "result": str(tmp / f"replica{r}.json"),
             }
             ifname = cluster.interface(r) if cluster is not None else "lo"
-            argv = [sys.executable, "-m", "powertrain.bench.torchft_diloco", "--worker", json.dumps(args)]
+            argv = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]
             procs.append(_start(argv, tmp / f"replica{r}.log", {**env, "GLOO_SOCKET_IFNAME": ifname}, cluster, r))
         deadline = time.monotonic() + timeout
         workers = procs[1:]
@@ -525,16 +528,123 @@ def _worker(a: dict[str, Any]) -> None:
     manager.shutdown(wait=False)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``--worker JSON``: one replica of :func:`run_torchft` (started by it)."""
+# ------------------------------------------------------------------------------ the comparison on the link
+
+#: torchft's DiLoCo and powertrain's local-update rows are timed on the link in alternation: a run of torchft, then a
+#: launch of powertrain's rows, this many pairs at a rate (one below timetotarget.SLOW Mbit/s, where a pair takes
+#: about 12 minutes and the link, not the machine's load, sets the step)
+TORCHFT_PAIRS = 3
+
+
+def link_pairs(p: Any, rows: list[Any], path: Path) -> dict[str, list[dict[str, float]]]:
+    """torchft's DiLoCo at the paper row's H on the link, timed side by side with the local-update rows among
+    ``rows`` (quality bench rows of preset ``p``; kept in ``path``), per rate: a list of pairs, each {"torchft": s,
+    row key: s, ...} seconds per step over one sync period after another; nothing without the paper row."""
+    from powertrain.bench import quality, timetotarget
+
+    paper = next((r for r in rows if r.key == quality.PAPER.key), None)
+    if paper is None or p.model is None or not p.rates:
+        return {}
+    h = int(paper.optimizer_options["sync_every"])
+    ours = [r for r in rows if r.parallel == "diloco" and not r.optimizer_options.get("sync_warmup")]  # as _phases
+    specs = [quality._spec(r, 0, p.start, None) for r in ours]
+    periods = [
+        timetotarget.Timing(int(s.optimizer_options["sync_every"]), int(s.optimizer_options["sync_every"]))
+        for s in specs
+    ]
+    kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft timings") if path.exists() else {}
+    names = ",".join(r.key for r in ours)
+    keys = {rate: f"{rate:g}/h{h}/w{p.workers}/{names}" for rate in p.rates}
+    for rate, key in keys.items():
+        pairs = kept.get(key, [])
+        while len(pairs) < (TORCHFT_PAIRS if rate >= timetotarget.SLOW else 1):
+            print(f"[torchft] torchft's DiLoCo and {names} on the link at {rate:g} Mbit/s, pair {len(pairs) + 1}")
+            theirs = link_seconds_per_step(
+                model=p.model, batch=p.batch, sync_every=h, data_mb=p.data_mb, rate_mbit=rate, world=p.workers
+            )
+            mine = timetotarget.seconds_per_step(
+                specs, periods, model=p.model, batch=p.batch, rate=rate, data_mb=p.data_mb, world=p.workers
+            )
+            pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
+            kept[key] = pairs
+            quality._write(path, kept)  # after every pair: a stopped call loses one
+    return {str(rate): kept[key] for rate, key in keys.items()}
+
+
+def pairs_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
+    """torchft's DiLoCo against powertrain's local-update rows on the link, timed in alternation, at each rate."""
+    out = []
+    for rate, pairs in pairs_at.items():
+        ours = [k for k in pairs[0] if k != "torchft"]
+        ratios = "; ".join(
+            f"{k} {statistics.median(p[k] for p in pairs):.3g} s "
+            f"({'/'.join(format(p[k] / p['torchft'], '.2f') for p in pairs)}x torchft's)"
+            for k in ours
+        )
+        n = f"median of {len(pairs)} pairs" if len(pairs) > 1 else "one pair"
+        out.append(
+            f"at {float(rate):g} Mbit/s ({n}) torchft {statistics.median(p['torchft'] for p in pairs):.3g} s, {ratios}"
+        )
+    return (
+        "torchft's DiLoCo (the paper's outer step, fp32, an all-reduce per parameter after a quorum) timed "
+        "side by side with powertrain's local-update rows, seconds per step over one sync period after another, "
+        "a run of torchft then one launch of powertrain's rows per pair (each pair's ratio in brackets): "
+        + "; ".join(out)
+        + "."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/torchft_diloco.py [--preset local] [--workers N] [--out DIR] [--write FILE]``: torchft's DiLoCo
+    and the quality preset's local-update rows timed on the emulated link in alternation (needs root), the pairs
+    kept beside the quality bench's results (``DIR/PRESET[-wN]/torchft_link.json``, reused), the section
+    ``torchft-PRESET[-wN]`` of FILE (default: the repository's BENCHMARKS.md) rewritten. ``--worker JSON``: one
+    replica of :func:`run_torchft` (started by it)."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] != "--worker":
-        raise SystemExit("usage: python -m powertrain.bench.torchft_diloco --worker JSON (started by run_torchft)")
-    _worker(json.loads(argv[1]))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown: torchft's manager threads and gloo's have been seen to abort it
+    if argv[:1] == ["--worker"]:
+        if len(argv) != 2:
+            raise SystemExit("usage: python tools/torchft_diloco.py --worker JSON (started by run_torchft)")
+        _worker(json.loads(argv[1]))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # no interpreter teardown: torchft's manager threads and gloo's have been seen to abort it
+    import argparse
+
+    from powertrain.bench import quality
+    from powertrain.bench.report import footer, publish, section
+
+    parser = argparse.ArgumentParser(
+        prog="tools/torchft_diloco.py",
+        description="torchft's DiLoCo and a quality preset's local-update rows, timed on the emulated link in "
+        "alternation (needs root)",
+    )
+    # the presets that time their rows on a link and run the paper's outer step, which torchft's DiLoCo runs
+    with_paper = [n for n, p in quality.PRESETS.items() if quality.PAPER.key in (p.rows or ()) and p.model and p.rates]
+    parser.add_argument("--preset", choices=with_paper, default="local")
+    parser.add_argument("--workers", type=int, default=None, help="replicas (default: the preset's)")
+    parser.add_argument("--out", default="runs/bench-quality", help="the quality bench's kept results")
+    parser.add_argument("--write", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    if not available():
+        print(_MISSING, file=sys.stderr)
+        return 2
+    p = quality.PRESETS[args.preset]
+    if args.workers is not None:
+        check_int("workers", args.workers, 2)
+        p = dataclasses.replace(p, workers=args.workers)
+    name = args.preset if p.workers == 2 else f"{args.preset}-w{p.workers}"
+    pairs = link_pairs(p, quality.select_rows(p.rows), Path(args.out) / name / "torchft_link.json")
+    flags = [] if args.workers is None else ["--workers", str(args.workers)]
+    text = (
+        f"## torchft's DiLoCo and powertrain's local updates on the link ({p.workers} replicas)\n\n"
+        f"The quality bench's preset {args.preset!r} ({p.batch} sequences a step per replica).\n\n"
+        + pairs_text(pairs)
+        + "\n\n"
+        + footer(" ".join(["python tools/torchft_diloco.py --preset", args.preset, *flags]))
+    )
+    publish(text, args.write, section("torchft", name))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
