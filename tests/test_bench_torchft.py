@@ -229,3 +229,19 @@ def test_the_command_publishes_its_own_section(tmp_path, monkeypatch, capsys):
     assert "local 0.5 s (0.50/0.50/0.50x torchft's)" in text
     assert "Command: `python tools/torchft_diloco.py --preset local`" in text
     assert (tmp_path / "local" / "torchft_link.json").is_file()
+
+
+def test_kept_pairs_larger_than_they_can_be_are_refused_before_reading(tmp_path, monkeypatch):
+    """A kept torchft_link.json larger than any kept result is refused in one line naming it, before it is read."""
+    import torchft_diloco
+    from powertrain._files import FileTooLarge
+    from powertrain.bench import timetotarget
+    from powertrain.bench.quality import PRESETS, select_rows
+
+    path = tmp_path / "torchft_link.json"
+    path.write_text(" " * 100 + "{}")
+    monkeypatch.setattr(timetotarget, "KEPT_LIMIT", 64)
+    with pytest.raises(
+        FileTooLarge, match=r"Kept torchft timings '.*torchft_link\.json' is 102 bytes, more than the 64"
+    ):
+        torchft_diloco.link_pairs(PRESETS["local"], select_rows(["local", "diloco-paper"]), path)

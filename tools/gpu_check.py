@@ -85,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         "measuring nothing",
     )
     args = parser.parse_args(argv)
-    args.write = str(Path(args.write).resolve())  # before the run changes directory
+    # paths as given, before the run changes directory to the repository's root
+    args.write = str(Path(args.write).resolve())
+    args.out = str(Path(args.out).resolve())
+    if args.merge is not None:
+        args.merge = str(Path(args.merge).resolve())
     if args.results is not None:
         return _publish(args.results, args.write)
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only is not None else None
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gpu_cluster import gpu_scale_section
     from gpu_stages import Stage, load_previous, run_gpu_bench, select, stages
+    from powertrain.bench.report import publish
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
@@ -150,9 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         only=only,
         merge=args.merge,
     )
-    # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then)
-    (out / "cluster_gpu.md").write_text(gpu_scale_section(data if args.device == "cuda" else None) + "\n")
+    # the on-paper model with this run's figures (a CPU dry run's are no GPU's: published figures then, and the
+    # Markdown file left alone, as run_gpu_bench leaves it)
+    paper = gpu_scale_section(data if args.device == "cuda" else None)
+    (out / "cluster_gpu.md").write_text(paper + "\n")
     if args.device == "cuda":
+        publish(paper, args.write, "cluster-gpu")
         shutil.copy(args.write, out / "BENCHMARKS.md")
     bad = {name: r.get("error") or r.get("skipped") for name, r in data["stages"].items() if not r["ok"]}
     print(

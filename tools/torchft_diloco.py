@@ -197,7 +197,7 @@ def run_torchft(
 
 
 def available() -> bool:
-    """Whether torchft is installed (the bench extra)."""
+    """Whether torchft is installed (not a dependency: ``pip install torchft==0.2.0``)."""
     return importlib.util.find_spec("torchft") is not None
 
 
@@ -573,6 +573,8 @@ def link_pairs(p: Any, rows: list[Any], path: Path) -> dict[str, list[dict[str, 
 
 def pairs_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
     """torchft's DiLoCo against powertrain's local-update rows on the link, timed in alternation, at each rate."""
+    if not pairs_at:
+        raise ValueError("No pairs timed: the preset runs no paper row, no GPT or no link rate")
     out = []
     for rate, pairs in pairs_at.items():
         ours = [k for k in pairs[0] if k != "torchft"]
@@ -625,12 +627,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bench-quality", help="the quality bench's kept results")
     parser.add_argument("--write", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"))
     args = parser.parse_args(argv)
+    if args.workers is not None and args.workers < 2:
+        parser.error(f"--workers {args.workers}: local updates need 2 or more replicas")
     if not available():
         print(_MISSING, file=sys.stderr)
         return 2
+    reason = netem.unavailable()
+    if reason:
+        print(
+            f"tools/torchft_diloco.py times on an emulated link, which needs network namespaces: {reason}",
+            file=sys.stderr,
+        )
+        return 2
     p = quality.PRESETS[args.preset]
     if args.workers is not None:
-        check_int("workers", args.workers, 2)
         p = dataclasses.replace(p, workers=args.workers)
     name = args.preset if p.workers == 2 else f"{args.preset}-w{p.workers}"
     pairs = link_pairs(p, quality.select_rows(p.rows), Path(args.out) / name / "torchft_link.json")
