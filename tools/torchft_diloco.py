@@ -567,7 +567,7 @@ def link_pairs(p: Any, rows: list[Any], path: Path) -> dict[str, list[dict[str, 
             )
             pairs.append({"torchft": theirs, **{r.key: t for r, t in zip(ours, mine, strict=True)}})
             kept[key] = pairs
-            quality._write(path, kept)  # after every pair: a stopped call loses one
+            timetotarget.write_kept(path, kept)  # after every pair: a stopped call loses one
     return {str(rate): kept[key] for rate, key in keys.items()}
 
 

@@ -44,6 +44,11 @@ _PRESET_HELP = {
     "constant-rate AdamW)",
 }
 
+_OUT_HELP = {
+    "network": "directory for results.json and table.md",
+    "quality": "kept results, reused by later calls (default runs/bench-quality)",
+}
+
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     """``powertrain bench SUITE``: one subcommand per suite, each with the flags it reads."""
@@ -62,15 +67,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
             "checkout of powertrain)",
         )
-        if name in ("network", "quality"):
-            p.add_argument(
-                "--out",
-                default=None,
-                help={
-                    "network": "directory for results.json and table.md",
-                    "quality": "kept results, reused by later calls (default runs/bench-quality)",
-                }[name],
-            )
+        if name in _OUT_HELP:
+            p.add_argument("--out", default=None, help=_OUT_HELP[name])
         if name == "overhead":
             p.add_argument("--repeats", type=int, default=None, help="timed repetitions per configuration")
             p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -111,61 +109,35 @@ def _quality_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the suite's own flags (each subcommand has only those its run_<suite>_bench takes), by the same names
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "suite", "preset", "write")}
     for name in ("repeats", "threads"):
-        value = getattr(args, name, None)
-        if value is not None:
-            check_int(name, value, 1)
+        if options.get(name) is not None:
+            check_int(name, options[name], 1)
     cores = os.cpu_count() or 1
-    threads = getattr(args, "threads", None)
-    if threads is not None and threads > cores:
-        raise ValueError(f"Invalid threads={threads}: this machine has {cores} cores; use at most {cores}")
+    if options.get("threads") is not None and options["threads"] > cores:
+        raise ValueError(f"Invalid threads={options['threads']}: this machine has {cores} cores; use at most {cores}")
     write = _write_target(args.write)
-    if args.suite == "network":
-        from powertrain.bench.network import run_network_bench
-
-        run_network_bench(preset=args.preset, out=args.out, write=write)
-    elif args.suite == "quality":
-        from powertrain.bench.quality import run_quality_bench
-
-        rows = args.rows.split(",") if args.rows else None
-        try:
-            horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
-        except ValueError:
-            raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
-        rates = None if args.rates is None else [] if args.rates == "none" else args.rates.split(",")
-        try:
-            rates = None if rates is None else [float(r) for r in rates]
-        except ValueError:
-            raise ValueError(f"Invalid --rates {args.rates!r}: use Mbit/s such as 1,10,100, or none") from None
-        run_quality_bench(
-            preset=args.preset,
-            rows=rows,
-            horizons=horizons,
-            seeds=args.seeds,
-            workers=args.workers,
-            rates=rates,
-            out=args.out,
-            write=write,
-            horizon_only=args.horizon_only,
-            section=args.section,
-        )
-    elif args.suite == "cluster":
-        from powertrain.bench.cluster import run_cluster_bench
-
-        run_cluster_bench(preset=args.preset, write=write)
-    elif args.suite == "optimizers":
-        from powertrain.bench.optimizers import run_optimizers_bench
-
-        run_optimizers_bench(preset=args.preset, write=write, shampoo_reference=args.shampoo_reference)
-    elif args.suite == "overhead":
-        from powertrain.bench.overhead import run_overhead
-
-        run_overhead(preset=args.preset, repeats=args.repeats, threads=args.threads, write=write)
-    else:  # the suites that take only a preset: function run_<suite>_bench of their module
-        home = {"simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
-        module = importlib.import_module(f"powertrain.bench.{home}")
-        getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write)
+    if args.suite == "quality":
+        options.update(_quality_lists(args))
+    home = {"simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
+    module = importlib.import_module(f"powertrain.bench.{home}")
+    getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write, **options)
     return 0
+
+
+def _quality_lists(args: argparse.Namespace) -> dict[str, list | None]:
+    """bench quality's comma-separated flags as run_quality_bench takes them."""
+    try:
+        horizons = [int(h) for h in args.horizons.split(",")] if args.horizons else None
+    except ValueError:
+        raise ValueError(f"Invalid --horizons {args.horizons!r}: use step counts such as 300,1000") from None
+    try:
+        rates = None if args.rates in (None, "none") else [float(r) for r in args.rates.split(",")]
+    except ValueError:
+        raise ValueError(f"Invalid --rates {args.rates!r}: use Mbit/s such as 1,10,100, or none") from None
+    rates = [] if args.rates == "none" else rates
+    return {"rows": args.rows.split(",") if args.rows else None, "horizons": horizons, "rates": rates}
 
 
 def _write_target(write: str | None) -> str | None:

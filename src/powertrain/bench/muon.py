@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.bench.report import command, machine_info, publish, section, table
-from powertrain.bench.rounds import interleaved, slowest
+from powertrain.bench.rounds import Workload, interleaved, slowest
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.matrices import default_rule
 from powertrain.train.launch import launch, leave_world
@@ -35,22 +35,18 @@ __all__ = ["run_muon_bench"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
-    model: GPTConfig
-    batch: int
-    rounds: int
-    warmup: int
+class Preset(Workload):
     worlds: tuple[int, ...] = (1, 2, 4)
 
 
 PRESETS = {
-    "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, 30, 3),
-    "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, 3, 1, (1, 2)),
+    "default": Preset(GPTConfig(256, 128, 4, 4, 256), 16, warmup=3, timed=30),
+    "tiny": Preset(GPTConfig(256, 32, 1, 2, 32), 2, warmup=1, timed=3, worlds=(1, 2)),
 }
 _KINDS = ("split", "alone", "adamw", "forward_backward")
 
 
-def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
+def _worker(preset: str) -> dict[str, list[float]]:
     """One rank: every kind's seconds per round (this rank's; the caller takes the slowest rank's)."""
     from powertrain.optim import Muon
 
@@ -60,10 +56,10 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = GPTConfig(**args["model"])
-    model = GPT(cfg)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    x = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.block_size))
+    p = PRESETS[preset]
+    model = GPT(p.model)
+    named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+    x = torch.randint(0, p.model.vocab_size, (p.batch, p.model.block_size))
     model(x, x).backward()  # gradients for every parameter; the optimizers step these same ones
     opts = {
         "split": Muon(named, lr=0.02, split=True),
@@ -79,15 +75,14 @@ def _worker(args: dict[str, Any]) -> dict[str, list[float]]:
             opts[kind].step()
 
     steps = [functools.partial(timed, kind) for kind in _KINDS]
-    measured = interleaved(steps, warmup=args["warmup"], timed=args["rounds"], rotate=True)  # no kind always first
+    measured = interleaved(steps, warmup=p.warmup, timed=p.timed, rotate=True)  # no kind always first
     leave_world()
     return dict(zip(_KINDS, measured, strict=True))
 
 
-def _measure(p: Preset, world: int) -> dict[str, Any]:
-    args = {"model": dataclasses.asdict(p.model), "batch": p.batch, "rounds": p.rounds, "warmup": p.warmup}
-    print(f"[bench muon] {world} worker(s): {p.rounds} rounds", file=sys.stderr)
-    ranks = launch(_worker, world, args)
+def _measure(preset: str, world: int) -> dict[str, Any]:
+    print(f"[bench muon] {world} worker(s): {PRESETS[preset].timed} rounds", file=sys.stderr)
+    ranks = launch(_worker, world, preset)
     per_round = {k: slowest([ranks[i][k] for i in ranks]) for k in _KINDS}
     med = {k: statistics.median(v) for k, v in per_round.items()}
     ratios = [s / a for s, a in zip(per_round["split"], per_round["alone"], strict=True)]
@@ -125,7 +120,7 @@ def markdown(report: dict[str, Any], p: Preset, cmd: str) -> str:
         f"`{cmd}`: GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({report['params'] / 1e6:.2f}M "
         f"parameters, {report['matrices']} hidden matrices), {p.batch}x{p.model.block_size} tokens per worker, one "
         "thread per worker, float32 Newton-Schulz (5 steps). Medians over "
-        f"{p.rounds} rounds of the slowest worker's time; each round times every kind in turn on the same gradients "
+        f"{p.timed} rounds of the slowest worker's time; each round times every kind in turn on the same gradients "
         "(the order rotating), so the ratios are side by side. A step's share: the optimizer step over forward + "
         "backward + step (the gradient all-reduce not included). With 4 workers on 2 cores two workers share a core: "
         "read the ratio, not the times.\n\n" + table(headers, rows) + f"\n\nMachine: {machine_info()}.\n"
@@ -136,7 +131,7 @@ def run_muon_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.m
     p = PRESETS[preset]
     model = GPT(p.model)
     matrices = sum(1 for n, q in model.named_parameters() if default_rule(n, q))
-    rows = [_measure(p, w) for w in p.worlds]
+    rows = [_measure(preset, w) for w in p.worlds]
     report = {"preset": preset, "params": model.num_params(), "matrices": matrices, "rows": rows}
     publish(markdown(report, p, command("muon", preset)), write, section("muon", preset))
     return report

@@ -128,10 +128,6 @@ class EmulatedCluster:
         self._procs: list[subprocess.Popen[str]] = []
         self._created: list[str] = []
 
-    @property
-    def master_addr(self) -> str:
-        return self.addresses[0]
-
     def __enter__(self) -> EmulatedCluster:
         reason = unavailable()
         if reason:
@@ -204,7 +200,7 @@ class EmulatedCluster:
             "RANK": str(rank),
             "LOCAL_RANK": "0",
             "WORLD_SIZE": str(self.world),
-            "MASTER_ADDR": self.master_addr,
+            "MASTER_ADDR": self.addresses[0],
             "MASTER_PORT": str(self.port),
             "GLOO_SOCKET_IFNAME": self.interface(rank),
             "OMP_NUM_THREADS": "1",
@@ -243,7 +239,7 @@ class EmulatedCluster:
             "--rdzv-backend",
             "c10d",
             "--rdzv-endpoint",
-            f"{self.master_addr}:{self.port}",
+            f"{self.addresses[0]}:{self.port}",
             "--rdzv-id",
             self.tag,
             "--max-restarts",

@@ -37,11 +37,10 @@ import torch
 from powertrain import _json
 from powertrain.bench import plots
 from powertrain.bench.netem import comm_seconds, unavailable
-from powertrain.bench.report import command, footer, publish, quartiles, rate_name, section, table
+from powertrain.bench.report import cell, command, footer, publish, quartiles, rate_name, section, table
 from powertrain.bench.rounds import Workload
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
-from powertrain.compress import PowerSGDCompressor
-from powertrain.compress.powersgd import Config
+from powertrain.compress import make_compressor
 from powertrain.models import GPT, GPTConfig
 
 __all__ = [
@@ -118,18 +117,6 @@ PRESETS = {
 }
 
 
-def computed_bytes(spec: Spec, model: torch.nn.Module) -> dict[str, float]:
-    """Payload bytes per step of torch's DDP hooks, which do not count them (all all-reduce)."""
-    numel = sum(p.numel() for p in model.parameters())
-    if spec.kind in ("plain", "noop"):
-        return {"all_reduce": 4.0 * numel} if spec.kind == "plain" else {}
-    if spec.kind == "torch_fp16":
-        return {"all_reduce": 2.0 * numel}
-    # torch's hook compresses exactly the matrices the paper variant does (same rate rule) and sends P and Q.
-    cfg = Config(rank=spec.options["rank"], variant="paper", start_compressing_after_num_steps=0)
-    return {"all_reduce": float(PowerSGDCompressor(model.parameters(), config=cfg).bytes_per_step(0))}
-
-
 def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
     """Payload (in :func:`powertrain.bench.netem.collective_seconds`' sense: each rank's own part) of FSDP2's
     weight all-gathers per step and rank, with each of ``model.blocks`` and the root wrapped: each block twice
@@ -143,14 +130,16 @@ def fsdp2_weight_bytes(model: torch.nn.Module, world: int) -> float:
 
 def modelled_bytes(spec: Spec, model: torch.nn.Module, world: int = 2) -> dict[str, float]:
     """Payload bytes per step of ``spec`` by collective, computed before running: to decide what is affordable at a
-    rate, and for torch's hooks, which count nothing."""
-    if spec.kind in ("plain", "noop", "torch_fp16", "torch_psgd"):
-        return computed_bytes(spec, model)
-    from powertrain.compress import make_compressor
-
+    rate, and for torch's DDP hooks, which count nothing (all all-reduce)."""
     numel = sum(p.numel() for p in model.parameters())
-    if spec.kind == "powersgd":
-        opts = {**spec.options, "start_compressing_after_num_steps": 0}
+    if spec.kind == "noop":
+        return {}
+    if spec.kind in ("plain", "torch_fp16"):
+        return {"all_reduce": (4.0 if spec.kind == "plain" else 2.0) * numel}
+    if spec.kind in ("powersgd", "torch_psgd"):
+        # torch's hook compresses exactly the matrices the paper variant does (same rate rule) and sends P and Q, fp32
+        hook = {"variant": "paper", "factor_dtype": "fp32"} if spec.kind == "torch_psgd" else {}
+        opts = {**spec.options, **hook, "start_compressing_after_num_steps": 0}
         comp = make_compressor("powersgd", model.parameters(), **opts)
         out = {"all_reduce": float(comp.bytes_per_step(0) + comp.bytes_per_step(1)) / 2}  # type: ignore[attr-defined]
     elif spec.kind == "int8":
@@ -294,12 +283,6 @@ def _row(spec: Spec, res: SpecResult | None, model: GPT, rate: float | None, com
     return Row(spec, by_op, collectives, compress, work + comm, work + max(0.0, comm - hidden), measured)
 
 
-def _rows(rate: float | None, results: dict[str, SpecResult], model: GPT, latency: float) -> dict[str, Row]:
-    """Every configuration of SPECS at ``rate``: as it ran (``results``, by key), or modelled where it was not run."""
-    compute = _measured(results[COMPUTE]).median_s
-    return {key: _row(spec, results.get(key), model, rate, compute, latency) for key, spec in SPECS.items()}
-
-
 def _break_even(unthrottled: dict[str, Row]) -> dict[str, float | None]:
     """Per compressing row (by key), the link rate (Mbit/s) above which the best 16-bit all-reduce row is faster in
     the serial alpha-beta model built on the unthrottled step times: T_c + k_c / B = T_16 + k_16 / B. None when
@@ -337,12 +320,10 @@ def _sweep(p: Preset, model: GPT, emulate: bool) -> list[RateResult]:
         )
         latency = check["latency_s"] if check else latency
         results = dict(zip(runnable, ran, strict=True))
-        out.append(RateResult(rate, check, _rows(rate, results, model, latency)))
+        compute = _measured(results[COMPUTE]).median_s  # every row's compute; the rows not run there are modelled
+        rows = {key: _row(spec, results.get(key), model, rate, compute, latency) for key, spec in SPECS.items()}
+        out.append(RateResult(rate, check, rows))
     return out
-
-
-def _fmt(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
 
 
 def _rate_section(e: RateResult) -> str:
@@ -359,8 +340,8 @@ def _rate_section(e: RateResult) -> str:
                 f"{r.median_s:.3f}",
                 f"{m.q1:.3f}-{m.q3:.3f}" if m else "-",
                 f"{compute:.3f}",
-                _fmt(r.compress_s),
-                _fmt(exposed),
+                cell(r.compress_s),
+                cell(exposed),
                 f"{r.total_bytes / 1e6:.3f}",
                 f"{r.model_s:.3f}",
                 f"{r.ideal_s:.3f}",

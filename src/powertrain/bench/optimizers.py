@@ -50,7 +50,7 @@ import torch
 from powertrain._files import read_bounded
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
-from powertrain.bench.report import command, footer, publish, rate_name, section, table
+from powertrain.bench.report import cell, command, footer, publish, rate_name, section, table
 from powertrain.bench.rounds import interleaved
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig
@@ -70,33 +70,17 @@ def _specs(p: Preset, steps: int = 0, lr: float = 1e-3, shampoo_lr: float | None
     ``lr``: AdamW's and GaLore's peak rate; ``shampoo_lr`` Shampoo's and SOAP's (default ``lr``)."""
     common: dict[str, Any] = {"lr": lr, **({"warmup_steps": p.lr_warmup} if steps else {})}
     shampoo = {**common, "lr": shampoo_lr or lr, "shampoo_frequency": p.frequency, "shampoo_max_dim": p.max_dim}
-    label = f"blocks {p.max_dim}, every {p.frequency}"
+    soap = {**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"}
+    blocks = f"blocks {p.max_dim}, every {p.frequency}"
     return [
-        Spec(f"AdamW lr {lr:g}", "none", optimizer="adamw", optimizer_options=common, steps=steps),
-        Spec(
-            f"Shampoo ({label}) lr {shampoo['lr']:g}",
-            "none",
-            optimizer="shampoo",
-            optimizer_options=shampoo,
-            steps=steps,
-        ),
-        Spec(
-            f"SOAP ({label}) lr {shampoo['lr']:g}",
-            "none",
-            optimizer="shampoo",
-            steps=steps,
-            optimizer_options={**shampoo, "shampoo_preconditioner": "eigenvalue_corrected"},
-        ),
-        Spec(
-            f"GaLore r{p.galore_rank} (randomized) lr {lr:g}",
-            "none",
-            optimizer="galore",
-            steps=steps,
-            optimizer_options={**common, "galore_rank": p.galore_rank},
-        ),
-        Spec(
-            f"DeMo lr {DEMO_LR:g}", "none", optimizer="demo", optimizer_options={**common, "lr": DEMO_LR}, steps=steps
-        ),
+        Spec(label, "none", optimizer=optimizer, optimizer_options=options, steps=steps)
+        for label, optimizer, options in (
+            (f"AdamW lr {lr:g}", "adamw", common),
+            (f"Shampoo ({blocks}) lr {shampoo['lr']:g}", "shampoo", shampoo),
+            (f"SOAP ({blocks}) lr {shampoo['lr']:g}", "shampoo", soap),
+            (f"GaLore r{p.galore_rank} (randomized) lr {lr:g}", "galore", {**common, "galore_rank": p.galore_rank}),
+            (f"DeMo lr {DEMO_LR:g}", "demo", {**common, "lr": DEMO_LR}),
+        )
     ]
 
 
@@ -546,20 +530,13 @@ def _provenance(ref: Any) -> str:
 def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
     """Step times of powertrain's Shampoo and SOAP against the reference's and heavyball's: each optimizer on its own
     copy of the GPT (same initial weights), every round a forward + backward and a ``step()`` of each on the same
-    batch, timed apart. Hyperparameters as the train command's, roots every ``p.reference_frequency`` steps."""
+    batch, timed apart, in one thread (as :func:`_galore`). Hyperparameters as the train command's, roots every
+    ``p.reference_frequency`` steps."""
     try:
         heavyball: Any = importlib.import_module("heavyball")
     except ImportError:
         heavyball = None
-    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        return _time_against_reference(p, ref, heavyball)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _time_against_reference(p: Preset, ref: Any, heavyball: Any) -> dict[str, Any]:
     corpus = load_data(TrainConfig(data_max_mb=2.0))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
     torch.manual_seed(0)
@@ -658,22 +635,18 @@ def _time_against_reference(p: Preset, ref: Any, heavyball: Any) -> dict[str, An
 # ---------------------------------------------------------------- report
 
 
-def _f(x: float | None, spec: str = ".3f") -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def _quality_table(rows: list[dict[str, Any]], budget: float | None = None) -> str:
     """One row per run; with ``budget``, each run's last validation within that many seconds of training."""
     cells = [
         [
             r["label"],
             r["steps"],
-            _f(r["mean_s"]),
-            _f(r["median_s"]),
+            cell(r["mean_s"]),
+            cell(r["median_s"]),
             f"{r['time_vs_adamw']:.2f}x",
-            _f(r["total_s"], ".1f"),
+            cell(r["total_s"], ".1f"),
             f"{r['bytes'] / 1e6:.2f}",
-            _f(r["val_loss"]),
+            cell(r["val_loss"]),
             f"{100 * r['loss_vs_adamw']:+.1f}%",
         ]
         for r in rows
@@ -692,7 +665,7 @@ def _quality_table(rows: list[dict[str, Any]], budget: float | None = None) -> s
     if budget is not None:
         head.append(f"val loss at {budget:.1f} s")
         for row, r in zip(cells, rows, strict=True):
-            row.append(f"{_f(r['wall_loss'])} (step {r['wall_step']})" if r["wall_step"] else "-")
+            row.append(f"{cell(r['wall_loss'])} (step {r['wall_step']})" if r["wall_step"] else "-")
     return table(head, cells)
 
 
@@ -732,7 +705,7 @@ def markdown(report: dict[str, Any], cmd: str) -> str:
         f"AdamW's also for GaLore and Shampoo's for SOAP; DeMo's sign updates use {DEMO_LR:g}.\n\n"
         + table(
             ["optimizer", "peak lr", "mean s/step", "val loss"],
-            [[r["optimizer"], f"{r['lr']:g}", _f(r["mean_s"]), _f(r["val_loss"])] for r in sweep["rows"]],
+            [[r["optimizer"], f"{r['lr']:g}", cell(r["mean_s"]), cell(r["val_loss"])] for r in sweep["rows"]],
         ),
         f"### Quality: {q['steps']} steps, tuned rates\n\nThe last row is Shampoo with only the steps that "
         "AdamW's time buys it, on a schedule over those steps.\n\n"
@@ -768,10 +741,10 @@ def markdown(report: dict[str, Any], cmd: str) -> str:
             [
                 [
                     s["world"],
-                    _f(s["adamw_s"]),
-                    _f(s["shampoo_s"]),
+                    cell(s["adamw_s"]),
+                    cell(s["shampoo_s"]),
                     f"{s['ratio']:.2f}x",
-                    _f(s["vectors_s"]),
+                    cell(s["vectors_s"]),
                     f"{s['vectors_ratio']:.2f}x",
                 ]
                 for s in sc

@@ -27,15 +27,6 @@ class Preset:
     repeats: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    variant: Variant
-    rank: int
-    iters: int
-    compress_s: float
-    ratio: float
-
-
 PRESETS = {
     # >= 10M parameters; one worker's micro-batch of 8 x 256 tokens.
     "default": Preset(GPTConfig(n_layer=6, n_head=6, d_model=384, block_size=256), batch=8, repeats=15),
@@ -44,13 +35,13 @@ PRESETS = {
 CONFIGS: list[tuple[Variant, int, int]] = [("alternating", r, k) for r in (1, 2, 4) for k in (1, 2)] + [("paper", 4, 1)]
 
 
-def run_overhead(
+def run_overhead_bench(
     *,
     preset: str = "default",
     repeats: int | None = None,
     threads: int | None = None,
     write: str | None = "BENCHMARKS.md",
-) -> list[Row]:
+) -> str:
     p = PRESETS[preset]
     n_rep = repeats or p.repeats
     if threads:
@@ -89,17 +80,15 @@ def run_overhead(
             t0 = time.perf_counter()
             comp.aggregate(grads)
             ts.append(time.perf_counter() - t0)
-    rows = []
-    for (variant, rank, iters), comp, ts in zip(CONFIGS, comps, times, strict=True):
-        sent = (comp.bytes_per_step(0) + comp.bytes_per_step(1)) / 2
-        rows.append(Row(variant, rank, iters, statistics.median(ts), comp.dense_bytes_per_step / sent))
     bwd = statistics.median(backward_times)
     n_params = sum(prm.numel() for prm in model.parameters())
     headers = ["variant", "rank", "iters/step", "compress (ms, median)", "% of backward", "compression ratio"]
-    cells = [
-        [r.variant, r.rank, r.iters, f"{1e3 * r.compress_s:.1f}", f"{100 * r.compress_s / bwd:.1f}%", f"{r.ratio:.0f}x"]
-        for r in rows
-    ]
+    cells = []
+    for (variant, rank, iters), comp, ts in zip(CONFIGS, comps, times, strict=True):
+        sent = (comp.bytes_per_step(0) + comp.bytes_per_step(1)) / 2
+        t = statistics.median(ts)
+        ratio = comp.dense_bytes_per_step / sent
+        cells.append([variant, rank, iters, f"{1e3 * t:.1f}", f"{100 * t / bwd:.1f}%", f"{ratio:.0f}x"])
     text = (
         f"## PowerSGD compute overhead (CPU, no communication)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({n_params / 1e6:.1f}M parameters), one worker's "
@@ -111,4 +100,4 @@ def run_overhead(
         f"\n\n{table(headers, cells)}\n\n{footer(command('overhead', preset))}"
     )
     publish(text, write, section("overhead", preset))
-    return rows
+    return text

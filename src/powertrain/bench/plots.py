@@ -9,7 +9,8 @@ from typing import Any
 UNTHROTTLED_X = 1e4  # where the unthrottled run sits on the bandwidth axis (Mbit/s), labelled as such
 
 
-def _pyplot() -> Any:
+def speedup_vs_bandwidth(report: dict[str, Any], path: Path) -> bool:
+    """Step-time speedup over the best fp32 all-reduce row, per configuration, against link rate."""
     try:
         import matplotlib
 
@@ -17,14 +18,6 @@ def _pyplot() -> Any:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
-        return None
-    return plt
-
-
-def speedup_vs_bandwidth(report: dict[str, Any], path: Path) -> bool:
-    """Step-time speedup over the best fp32 all-reduce row, per configuration, against link rate."""
-    plt = _pyplot()
-    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
     labels = [r["label"] for r in report["rates"][0]["rows"] if r["kind"] != "noop"]

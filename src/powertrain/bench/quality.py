@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from powertrain import _json
-from powertrain._files import write_atomic
+from powertrain._checks import check_int
 from powertrain.bench import timetotarget
 from powertrain.bench.network import modelled_bytes
 from powertrain.bench.quality_text import markdown
@@ -336,10 +336,6 @@ class Preset:
     #: inner recipe than the command's schedule, e.g. a constant learning rate
     recipe: dict[str, Any] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if any(h % self.eval_every for h in self.horizons):
-            raise ValueError(f"Invalid Preset: eval_every={self.eval_every} must divide every horizon {self.horizons}")
-
 
 #: the default GPT on the stdlib corpus, 2 x 16 sequences a step, 3 seeds at 300 and 1,000 steps: what most presets vary
 _GPT = Preset(GPTConfig(256, 128, 4, 4, 256), 16, (300, 1000), 3, 25, 32.0, DEFAULT_START)
@@ -562,13 +558,7 @@ class _Kept:
 
     def put(self, steps: int, seed: int, row: Row, measured: dict[str, Any]) -> None:
         kept = {"identity": _identity(row, self.preset), "label": row.label, "measured": measured}
-        _write(self._path(steps, seed, row), kept)
-
-
-def _write(path: Path, obj: Any) -> None:
-    """JSON to ``path`` whole or not at all (a stopped run leaves no half-written result)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, _json.dumps(obj) + "\n")
+        timetotarget.write_kept(self._path(steps, seed, row), kept)
 
 
 def run_quality_bench(
@@ -597,8 +587,7 @@ def run_quality_bench(
         )
     p = PRESETS[preset]
     if workers is not None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
-            raise ValueError(f"Invalid workers={workers!r}: bench quality needs at least 2 workers")
+        check_int("workers", workers, 2, ": bench quality needs at least 2 workers")
         p = dataclasses.replace(p, workers=workers)
     if rates is not None:
         if any(isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r < float("inf") for r in rates):

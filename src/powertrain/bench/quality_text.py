@@ -4,35 +4,13 @@ seconds per step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from powertrain.bench.report import machine_info, table
 from powertrain.bench.timetotarget import median_steps
-from powertrain.models import GPTConfig
 
-
-class Preset(Protocol):
-    """What the Markdown says of a :class:`powertrain.bench.quality.Preset` (that module imports this one)."""
-
-    @property
-    def model(self) -> GPTConfig | None: ...
-    @property
-    def batch(self) -> int: ...
-    @property
-    def eval_every(self) -> int: ...
-    @property
-    def start(self) -> int: ...
-    @property
-    def workers(self) -> int: ...
-    @property
-    def rates(self) -> tuple[float, ...]: ...
-    @property
-    def baseline(self) -> tuple[str, ...]: ...
-    @property
-    def target(self) -> float: ...
-    @property
-    def recipe(self) -> dict[str, Any]: ...
-
+if TYPE_CHECKING:  # quality imports this module
+    from powertrain.bench.quality import Preset
 
 __all__ = ["markdown"]
 
@@ -83,9 +61,9 @@ def _link_text(link_s: dict[str, dict[str, list[float]]], rates: Sequence[float]
     return "\n\nSeconds per step on the link (per phase, '/'-separated): " + "; ".join(rows) + "."
 
 
-def _target_text(p: Preset, ran: Sequence[str]) -> str:
-    """What the target is: fp32's mean + 1%, or the best of the baseline's sweep (``ran``: its rows that ran)."""
-    margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
+def _target_text(p: Preset, ran: Sequence[str], margin: str) -> str:
+    """What the target is: fp32's mean + 1% (``margin``), or the best of the baseline's sweep (``ran``: its rows that
+    ran)."""
     if list(ran) == ["fp32"]:  # no sweep, or only its fp32 row ran
         what = f"fp32's mean validation loss at the horizon{margin}"
     else:
@@ -104,6 +82,7 @@ def _target_text(p: Preset, ran: Sequence[str]) -> str:
 def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
     """The report of :func:`powertrain.bench.quality.run_quality_bench` as BENCHMARKS.md's section."""
     parts = []
+    margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
     for h in report["horizons"]:
         base = h.get("baseline", "fp32")  # the row that set the target (the best of a sweep), compared with
         fp32 = next(r for r in h["rows"] if r["key"] == base)
@@ -141,7 +120,6 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
             "steps to target",
             *[f"time to target @ {rate:g} Mbit/s" for rate in p.rates],
         ]
-        margin = f" + {100 * (p.target - 1):.3g}%" if p.target != 1 else ""
         swept = h.get("baseline_rows", list(p.baseline))  # the baseline's rows that ran at this horizon
         origin = "fp32's mean" if swept == ["fp32"] else f"the best of {', '.join(swept)}: {base}'s mean"
         fastest = "\n".join(_speedups(h, p.rates))  # none without a link timed
@@ -202,7 +180,7 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
         f"validation every {p.eval_every} steps on the same held-out "
         f"{'samples (the whole validation split)' if p.model is None else 'batches'}. "
         f"PowerSGD rows compress after {p.start} exact steps; bytes are a worker's total over the horizon, warm-up "
-        f"included. Target: {_target_text(p, ran)}; {on}. Steps to target: the median over "
+        f"included. Target: {_target_text(p, ran, margin)}; {on}. Steps to target: the median over "
         "seeds of the first evaluation at or below it. "
         "Local updates ('H n'): each replica trains alone, every n steps the replicas' progress is averaged through "
         "the outer compressor (its error feedback kept) and an outer step (powertrain.diloco.DiLoCo); their bytes "

@@ -41,6 +41,11 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
+def cell(x: float | None, spec: str = ".3f") -> str:
+    """A table's cell: ``x`` formatted by ``spec``, '-' where there is none."""
+    return "-" if x is None else format(x, spec)
+
+
 def command(suite: str, preset: str, *flags: str) -> str:
     """The command line that reproduces a suite's section."""
     return " ".join(["powertrain bench", suite, *([] if preset == "default" else ["--preset", preset]), *flags])

@@ -45,7 +45,6 @@ __all__ = [
     "by_spec",
     "launch_args",
     "main",
-    "on_cluster",
     "run",
     "side_by_side",
     "worker",
@@ -380,29 +379,6 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def on_cluster(
-    args: dict[str, Any], world: int, rate: float | None, *, timeout: float = 3600.0, check: bool = False
-) -> tuple[list[SpecResult], dict[str, float] | None]:
-    """:func:`main` on ``args`` (:func:`launch_args`) in each of ``world`` workers of an emulated cluster whose links
-    run at ``rate`` Mbit/s (None: unthrottled; :class:`powertrain.bench.netem.EmulatedCluster`), each worker a process
-    in its own network namespace; with ``check``, the emulation is validated first (:func:`powertrain.bench.netem.
-    validate`, returned with the results)."""
-    from powertrain.bench.netem import EmulatedCluster, validate
-
-    cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
-    where = "unthrottled" if rate is None else f"at {rate:g} Mbit/s"
-    with EmulatedCluster(world, rate) as cluster:
-        checked = validate(cluster, megabytes=4.0) if check else None
-        procs = [cluster.spawn(r, cmd) for r in range(world)]
-        results: dict[int, Any] = {}
-        for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"side-by-side worker {r} {where} failed: {err.strip()[-1500:]}")
-            results[r] = json.loads(out.strip().splitlines()[-1])
-    return by_spec(results), checked
-
-
 def side_by_side(
     specs: Sequence[Spec],
     *,
@@ -414,15 +390,30 @@ def side_by_side(
     **options: Any,
 ) -> tuple[list[SpecResult], dict[str, float] | None]:
     """:func:`run` of ``specs`` (``options``: :func:`launch_args`' keywords) on ``world`` workers: local ones on
-    loopback, or with ``emulate`` each in its own network namespace of an emulated cluster whose links run at ``rate``
-    Mbit/s (None: unthrottled; :func:`on_cluster`, the emulation validated first with ``check``; ``timeout``: how
-    long its workers may take, and their collectives' timeout, else an hour and :func:`main`'s). Returns one
-    :class:`SpecResult` per spec, in order, and the validation (None where none ran)."""
+    loopback, or with ``emulate`` each a process in its own network namespace of an emulated cluster whose links run
+    at ``rate`` Mbit/s (None: unthrottled; :class:`powertrain.bench.netem.EmulatedCluster`), the emulation validated
+    first with ``check`` (:func:`powertrain.bench.netem.validate`); ``timeout``: how long its workers may take, and
+    their collectives' timeout, else an hour and :func:`main`'s. Returns one :class:`SpecResult` per spec, in order,
+    and the validation (None where none ran)."""
     if not emulate:
         return by_spec(launch(worker, world, launch_args(specs, **options))), None
-    if timeout is None:
-        return on_cluster(launch_args(specs, **options), world, rate, check=check)
-    return on_cluster(launch_args(specs, timeout_s=timeout, **options), world, rate, timeout=timeout, check=check)
+    from powertrain.bench.netem import EmulatedCluster, validate
+
+    if timeout is not None:
+        options["timeout_s"] = timeout
+    args = launch_args(specs, **options)
+    cmd = [sys.executable, "-m", "powertrain.bench.sidebyside", json.dumps(args)]
+    where = "unthrottled" if rate is None else f"at {rate:g} Mbit/s"
+    with EmulatedCluster(world, rate) as cluster:
+        checked = validate(cluster) if check else None
+        procs = [cluster.spawn(r, cmd) for r in range(world)]
+        results: dict[int, Any] = {}
+        for r, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=timeout or 3600.0)
+            if proc.returncode != 0:
+                raise RuntimeError(f"side-by-side worker {r} {where} failed: {err.strip()[-1500:]}")
+            results[r] = json.loads(out.strip().splitlines()[-1])
+    return by_spec(results), checked
 
 
 def main() -> None:

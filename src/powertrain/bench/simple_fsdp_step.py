@@ -154,30 +154,21 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
                 f"{norm:.7g} against {norms[0]:.7g}): the configurations must train alike for the table to compare them"
             )
     spread = max(abs(n - norms[0]) for n in norms) / norms[0]
-    rows = []
-    med = {}
-    for i, s in enumerate(SETUPS):
-        per_round = slowest([results[r]["times"][i] for r in ranks])
-        med[s.label], q1, q3 = quartiles(per_round)
-        per_rank = [results[r]["held"][i] for r in ranks]
-        rows.append((s, (q1, q3), None if None in per_rank else max(per_rank)))
-    base_t = med[SETUPS[0].label]
-    base_m = rows[0][2]
-    cells = []
-    for s, (q1, q3), peak in rows:
-        mem = "-" if peak is None else f"{peak / 1e6:.1f}"
-        rel = "-" if peak is None or not base_m else f"{peak / base_m:.2f}x"
-        cells.append(
-            [
-                s.label,
-                f"{med[s.label]:.3f}",
-                f"{q1:.3f}-{q3:.3f}",
-                f"{base_t / med[s.label]:.2f}x",
-                mem,
-                rel,
-                f"{sum(results[r]['loss'][SETUPS.index(s)] for r in ranks) / len(ranks):.4f}",
-            ]
-        )
+    stats = [quartiles(slowest([results[r]["times"][i] for r in ranks])) for i in range(len(SETUPS))]
+    held = [[results[r]["held"][i] for r in ranks] for i in range(len(SETUPS))]
+    peaks = [None if None in per_rank else max(per_rank) for per_rank in held]
+    cells = [
+        [
+            s.label,
+            f"{med:.3f}",
+            f"{q1:.3f}-{q3:.3f}",
+            f"{stats[0][0] / med:.2f}x",
+            "-" if peak is None else f"{peak / 1e6:.1f}",
+            "-" if peak is None or not peaks[0] else f"{peak / peaks[0]:.2f}x",
+            f"{sum(results[r]['loss'][i] for r in ranks) / len(ranks):.4f}",
+        ]
+        for i, (s, (med, q1, q3), peak) in enumerate(zip(SETUPS, stats, peaks, strict=True))
+    ]
     headers = [
         "configuration",
         "s/step",

@@ -96,6 +96,12 @@ KEPT_LIMIT = 16 << 20
 SLOW = 5.0  # Mbit/s: below this a dense step takes minutes; fewer rounds (the link dominates the step)
 
 
+def write_kept(path: Path, obj: object) -> None:
+    """Kept results (JSON) to ``path`` whole or not at all (a stopped run leaves no half-written result)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, _json.dumps(obj, indent=1) + "\n")
+
+
 def _timing(spec: Spec, rate: float) -> Timing:
     """Rounds to time ``spec`` for at ``rate``: whole sync periods for local updates (from the end of the first; one
     period below :data:`SLOW`), a few steps for per-step configurations (fewer below :data:`SLOW`)."""
@@ -135,8 +141,7 @@ def measure(
             )
             for spec, t in zip(group, got, strict=True):
                 store[_store_key(model_id, rate, spec)] = t
-            kept.parent.mkdir(parents=True, exist_ok=True)  # kept after every launch: a stopped call loses one
-            write_atomic(kept, _json.dumps(store, indent=1) + "\n")
+            write_kept(kept, store)  # after every launch: a stopped call loses one
         out[rate] = {key: store[_store_key(model_id, rate, _timed(spec))] for key, spec in unique.items()}
     return out
 
@@ -186,14 +191,10 @@ def overlaps(spec: Spec) -> bool:
     return spec.parallel == "diloco" and spec.optimizer_options.get("sync_delay", 0) > 0
 
 
-def _period(spec: Spec) -> int:
-    return int(spec.optimizer_options.get("sync_every", 1)) if spec.parallel == "diloco" else 1
-
-
 def _per_step(spec: Spec, res: SpecResult) -> float:
     times = res.step_times()
     if spec.parallel == "diloco":  # whole periods: the sync steps and the steps between them
-        period = _period(spec)
+        period = int(spec.optimizer_options.get("sync_every", 1))
         n = len(times) // period * period
         return sum(times[:n]) / n
     return statistics.median(times)
@@ -208,7 +209,6 @@ def seconds_per_step(
     rate: float,
     data_mb: float,
     world: int = 2,
-    timeout: float = 3600.0,
 ) -> list[float]:
     """Each of ``specs`` trained on an emulated cluster of ``world`` workers whose links run at ``rate`` Mbit/s, for
     its :class:`Timing` (side by side where they can be, see the module; rows of one launch take the most rounds any of
@@ -235,7 +235,7 @@ def seconds_per_step(
             world=world,
             rate=rate,
             emulate=True,
-            timeout=timeout,
+            timeout=3600.0,
             model=model,
             batch=batch,
             warmup=warmup,
