@@ -4,13 +4,36 @@ seconds per step."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from powertrain.bench.report import machine_info, table
 from powertrain.bench.timetotarget import median_steps
+from powertrain.models import GPTConfig
 
-if TYPE_CHECKING:  # quality imports this module
-    from powertrain.bench.quality import Preset
+
+class Preset(Protocol):
+    """What the Markdown says of a :class:`powertrain.bench.quality.Preset` (that module imports this one, so this one
+    names the fields it reads rather than import it back)."""
+
+    @property
+    def model(self) -> GPTConfig | None: ...
+    @property
+    def batch(self) -> int: ...
+    @property
+    def eval_every(self) -> int: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def rates(self) -> tuple[float, ...]: ...
+    @property
+    def baseline(self) -> tuple[str, ...]: ...
+    @property
+    def target(self) -> float: ...
+    @property
+    def recipe(self) -> dict[str, Any]: ...
+
 
 __all__ = ["markdown"]
 
