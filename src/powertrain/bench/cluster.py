@@ -78,6 +78,8 @@ def _run_row(cluster: EmulatedCluster, args: list[str], out: Path, timeout: floa
 
 def run_cluster_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.md") -> dict[str, Any]:
     """The emulated cluster (needs network namespaces: root)."""
+    if preset not in PRESETS:  # before any namespace is made
+        raise ValueError(f"Unknown preset {preset!r} for bench cluster: choose {', '.join(PRESETS)}")
     reason = unavailable()
     if reason:
         raise RuntimeError(f"bench cluster needs network namespaces: {reason}")

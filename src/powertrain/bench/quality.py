@@ -587,7 +587,7 @@ def run_quality_bench(
         )
     p = PRESETS[preset]
     if workers is not None:
-        check_int("workers", workers, 2, ": bench quality needs at least 2 workers")
+        check_int("workers", workers, 2, " (bench quality)")
         p = dataclasses.replace(p, workers=workers)
     if rates is not None:
         if any(isinstance(r, bool) or not isinstance(r, int | float) or not 0 < r < float("inf") for r in rates):

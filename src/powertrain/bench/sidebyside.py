@@ -409,7 +409,7 @@ def side_by_side(
         procs = [cluster.spawn(r, cmd) for r in range(world)]
         results: dict[int, Any] = {}
         for r, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=timeout or 3600.0)
+            out, err = proc.communicate(timeout=3600.0 if timeout is None else timeout)
             if proc.returncode != 0:
                 raise RuntimeError(f"side-by-side worker {r} {where} failed: {err.strip()[-1500:]}")
             results[r] = json.loads(out.strip().splitlines()[-1])
