@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     with_paper = [n for n, p in quality.PRESETS.items() if quality.PAPER.key in (p.rows or ()) and p.model and p.rates]
     parser.add_argument("--preset", choices=with_paper, default="local")
     parser.add_argument("--workers", type=int, default=None, help="replicas (default: the preset's)")
-    parser.add_argument("--out", default="runs/bench-quality", help="the quality bench's kept results")
+    parser.add_argument("--out", default=quality.KEPT, help="the quality bench's kept results")
     parser.add_argument("--write", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"))
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 2:
@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     p = quality.PRESETS[args.preset]
     if args.workers is not None:
         p = dataclasses.replace(p, workers=args.workers)
-    name = args.preset if p.workers == 2 else f"{args.preset}-w{p.workers}"
+    name = quality.run_name(args.preset, p.workers)
     pairs = link_pairs(p, quality.select_rows(p.rows), Path(args.out) / name / "torchft_link.json")
     flags = [] if args.workers is None else ["--workers", str(args.workers)]
     text = (

@@ -561,6 +561,15 @@ class _Kept:
         timetotarget.write_kept(self._path(steps, seed, row), kept)
 
 
+#: where the results are kept without ``out``
+KEPT = "runs/bench-quality"
+
+
+def run_name(preset: str, workers: int) -> str:
+    """A run's name, of its directory under ``out`` and of its section: the preset's, ``-w<workers>`` beyond 2."""
+    return preset if workers == 2 else f"{preset}-w{workers}"
+
+
 def run_quality_bench(
     *,
     preset: str = "default",
@@ -607,8 +616,8 @@ def run_quality_bench(
             f"of the preset's eval_every ({p.eval_every}), seeds >= 1"
         )
     model: GPT | ResNet1d = ResNet1d() if p.model is None else GPT(p.model)
-    name = preset if p.workers == 2 else f"{preset}-w{p.workers}"
-    kept = _Kept(Path(out or "runs/bench-quality") / name, p)
+    name = run_name(preset, p.workers)
+    kept = _Kept(Path(out or KEPT) / name, p)
     report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
     link = _link(p, chosen, kept.root / "linktime.json")
     phases = {r.key: _phases(p, r) for r in chosen}
