@@ -239,6 +239,22 @@ def test_gpu_check_reruns_a_stage_and_merges(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "no such file" in r.stderr
+    # relative --out and --merge are where the command was called, though the run changes directory to the root
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    (here / "prev.json").write_text(json.dumps(previous))
+    rel = [sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--device", "cpu", "--no-tests", "--out", "out"]
+    r = subprocess.run(
+        [*rel, "--only", "env", "--merge", "prev.json"],
+        cwd=here,
+        capture_output=True,
+        text=True,
+        env=env_vars,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    data = json.loads((here / "out" / "gpu_check.json").read_text())
+    assert data["merge"] == {"from": "then", "kept": ["train:ddp"]} and not (ROOT / "out").exists()
 
 
 @pytest.mark.parametrize("venv", [True, False], ids=["venv", "no-venv"])
