@@ -220,6 +220,7 @@ def test_the_command_publishes_its_own_section(tmp_path, monkeypatch, capsys):
     assert torchft_diloco.main(["--out", str(tmp_path), "--write", str(out)]) == 2
     assert "pip install torchft==0.2.0" in capsys.readouterr().err and not out.exists()
     monkeypatch.setattr(torchft_diloco, "available", lambda: True)
+    monkeypatch.setattr(torchft_diloco.netem, "unavailable", lambda: None)  # the link is stubbed: no root needed
     monkeypatch.setattr(torchft_diloco, "link_seconds_per_step", lambda **kw: 1.0)
     monkeypatch.setattr(timetotarget, "seconds_per_step", lambda specs, timings, **kw: [0.5] * len(specs))
     out.write_text("# Benchmarks\n")
@@ -229,6 +230,22 @@ def test_the_command_publishes_its_own_section(tmp_path, monkeypatch, capsys):
     assert "local 0.5 s (0.50/0.50/0.50x torchft's)" in text
     assert "Command: `python tools/torchft_diloco.py --preset local`" in text
     assert (tmp_path / "local" / "torchft_link.json").is_file()
+
+
+def test_the_command_refuses_one_replica_and_a_machine_without_namespaces(tmp_path, monkeypatch, capsys):
+    """Each refusal is one line naming the value or the reason, exits 2 and writes nothing."""
+    import torchft_diloco
+
+    out = tmp_path / "B.md"
+    with pytest.raises(SystemExit) as exit_:
+        torchft_diloco.main(["--workers", "1", "--write", str(out)])
+    assert exit_.value.code == 2 and "--workers 1: local updates need 2 or more replicas" in capsys.readouterr().err
+    monkeypatch.setattr(torchft_diloco, "available", lambda: True)
+    monkeypatch.setattr(torchft_diloco.netem, "unavailable", lambda: "not root")
+    assert torchft_diloco.main(["--out", str(tmp_path), "--write", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "tools/torchft_diloco.py times on an emulated link, which needs network namespaces: not root"
+    assert not out.exists()
 
 
 def test_kept_pairs_larger_than_they_can_be_are_refused_before_reading(tmp_path, monkeypatch):
