@@ -20,6 +20,30 @@ def test_budgeted_steps():
         budgeted_steps(200, 0)
 
 
+def test_torch_threads_are_given_back():
+    """A part timed in the calling process sets its thread count and gives the caller's back, also when it fails."""
+    from powertrain.bench.rounds import torch_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+
+        @torch_threads(1)
+        def part() -> int:
+            return torch.get_num_threads()
+
+        assert part() == 1 and torch.get_num_threads() == 3
+        assert part() == 1 and torch.get_num_threads() == 3  # a decorator holds for every call
+        with pytest.raises(RuntimeError, match="inside"), torch_threads(2):
+            assert torch.get_num_threads() == 2
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 3
+        with torch_threads(None):
+            assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_best_lr_is_the_lowest_validation_loss():
     rows = [{"lr": 5e-4, "val_loss": 2.4}, {"lr": 1e-3, "val_loss": 2.3}, {"lr": 2e-3, "val_loss": 2.35}]
     assert best_lr(rows) == 1e-3

@@ -601,6 +601,13 @@ def test_bench_overhead_tiny(tmp_path):
     assert text.count("| alternating |") == 6 and text.count("| paper |") == 1
     main(["bench", "overhead", "--preset", "tiny", "--repeats", "1", "--write", str(target)])
     assert target.read_text().count("<!-- bench:overhead-tiny -->") == 1  # replaced, not appended
+    before = torch.get_num_threads()
+    try:  # --threads holds for the measurement only: this process's count is given back
+        torch.set_num_threads(2)
+        main(["bench", "overhead", "--preset", "tiny", "--repeats", "1", "--threads", "1", "--write", str(target)])
+        assert "1 torch thread(s)" in target.read_text() and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):

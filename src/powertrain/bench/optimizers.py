@@ -51,7 +51,7 @@ from powertrain._files import read_bounded
 from powertrain.bench import network
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import cell, command, footer, publish, rate_name, section, table
-from powertrain.bench.rounds import interleaved
+from powertrain.bench.rounds import interleaved, torch_threads
 from powertrain.bench.sidebyside import Spec, SpecResult, side_by_side
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.shampoo.optimizer import DistributedShampoo
@@ -334,11 +334,11 @@ def load_galore_torch() -> Any:
                 sys.modules[name] = module
 
 
+@torch_threads(1)
 def _galore(p: Preset, repeats: int) -> dict[str, Any]:
-    """State bytes and ``step()`` times on the default GPT's parameters with fixed random gradients."""
+    """State bytes and ``step()`` times on the default GPT's parameters with fixed random gradients, one thread."""
     from powertrain.optim.galore import GaLoreAdamW, optimizer_state_bytes
 
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(p.model, vocab_size=256))
     mats, rest = galore_split(model, list(model.parameters()))
@@ -527,6 +527,7 @@ def _provenance(ref: Any) -> str:
     return name + where
 
 
+@torch_threads(1)
 def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
     """Step times of powertrain's Shampoo and SOAP against the reference's and heavyball's: each optimizer on its own
     copy of the GPT (same initial weights), every round a forward + backward and a ``step()`` of each on the same
@@ -536,7 +537,6 @@ def _shampoo_reference(p: Preset, ref: Any) -> dict[str, Any]:
         heavyball: Any = importlib.import_module("heavyball")
     except ImportError:
         heavyball = None
-    torch.set_num_threads(1)
     corpus = load_data(TrainConfig(data_max_mb=2.0))
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
     torch.manual_seed(0)

@@ -14,6 +14,7 @@ import time
 import torch
 
 from powertrain.bench.report import command, footer, publish, section, table
+from powertrain.bench.rounds import torch_threads
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
@@ -42,10 +43,15 @@ def run_overhead_bench(
     threads: int | None = None,
     write: str | None = "BENCHMARKS.md",
 ) -> str:
+    with torch_threads(threads or None):  # given back after: the caller may go on in this process
+        text = _measured(preset, repeats or PRESETS[preset].repeats)
+    publish(text, write, section("overhead", preset))
+    return text
+
+
+def _measured(preset: str, n_rep: int) -> str:
+    """The section's text: backward and every configuration's compression, timed in ``n_rep`` interleaved rounds."""
     p = PRESETS[preset]
-    n_rep = repeats or p.repeats
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(p.model)
     corpus = load_data(TrainConfig(data_max_mb=2.0))
@@ -89,7 +95,7 @@ def run_overhead_bench(
         t = statistics.median(ts)
         ratio = comp.dense_bytes_per_step / sent
         cells.append([variant, rank, iters, f"{1e3 * t:.1f}", f"{100 * t / bwd:.1f}%", f"{ratio:.0f}x"])
-    text = (
+    return (
         f"## PowerSGD compute overhead (CPU, no communication)\n\n"
         f"GPT {p.model.n_layer} layers x d_model {p.model.d_model} ({n_params / 1e6:.1f}M parameters), one worker's "
         f"micro-batch of {p.batch * p.model.block_size} tokens, {torch.get_num_threads()} torch thread(s). "
@@ -99,5 +105,3 @@ def run_overhead_bench(
         "bytes / bytes sent, averaged over two steps."
         f"\n\n{table(headers, cells)}\n\n{footer(command('overhead', preset))}"
     )
-    publish(text, write, section("overhead", preset))
-    return text

@@ -3,15 +3,17 @@ hits every configuration alike."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import torch
 import torch.distributed as dist
 
 from powertrain.models import GPTConfig
 
-__all__ = ["Workload", "interleaved", "slowest"]
+__all__ = ["Workload", "interleaved", "slowest", "torch_threads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,3 +53,16 @@ def slowest(per_rank: Sequence[Sequence[float]]) -> list[float]:
     """Per round, the slowest rank's time (``per_rank``: each rank's times of the same rounds): a step is over when
     every rank is done."""
     return [max(round_s) for round_s in zip(*per_rank, strict=True)]
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` (None: left as they are) inside, and given back after: a part timed in
+    the calling process must not leave its thread count to whatever runs next there (a test, another part)."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
