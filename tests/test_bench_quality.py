@@ -206,7 +206,7 @@ def test_a_muon_rows_exact_steps_are_timed_as_the_row_runs_them():
     from powertrain.bench.quality import PRESETS, _phases, select_rows
 
     (row,) = select_rows(["muon-r32"])[1:]  # after fp32
-    exact, rest = _phases(PRESETS["muon"], row)
+    exact, rest = _phases(PRESETS["muon"], row, 300)
     assert exact.until == PRESETS["muon"].start == 5 and rest.until is None
     assert exact.spec.kind == "powersgd" and exact.spec.optimizer == "muon"
     assert exact.spec.options["start_compressing_after_num_steps"] == timetotarget.EXACT_ONLY
@@ -216,9 +216,8 @@ def test_a_muon_rows_exact_steps_are_timed_as_the_row_runs_them():
 
 def test_a_local_update_warm_up_is_a_fraction_of_each_horizon_trained_to_it_only():
     """The warm row's per-step warm-up is a quarter of whichever horizon it trains (its AdamW freezes there too); a run
-    on to the target would spread its dense warm-up bytes over steps it did not take, and the link times no phase for
-    it: both are refused or left out, not guessed."""
-    from powertrain.bench.quality import PRESETS, _phases, _spec
+    on to the target would spread its dense warm-up bytes over steps it did not take: refused, not guessed."""
+    from powertrain.bench.quality import _spec
 
     (row,) = select_rows(["local-h5-warm"])[1:]
     assert not row.to_target
@@ -229,8 +228,57 @@ def test_a_local_update_warm_up_is_a_fraction_of_each_horizon_trained_to_it_only
     with pytest.raises(ValueError, match="local-h5-warm: a local-update warm-up"):
         _spec(row, 300, 5, 2.0)
     with pytest.raises(ValueError, match="local-h5-warm: its warm-up is a fraction of the horizon, and 0 steps"):
-        _spec(row, 0, 5, None)  # as the link's specs are built: no row is timed without its warm-up
-    assert _phases(PRESETS["local"], row) is None
+        _spec(row, 0, 5, None)  # a spec at steps 0 would have no warm-up: the link times the phases apart
+
+
+def test_a_local_update_warm_up_is_timed_in_its_phases():
+    """The warm row on the link: its warm-up compressor's exact steps, its compressed steps (both averaged every step,
+    after backward), then local updates; each phase's spec runs only that phase (a warm-up longer than the timing's
+    rounds, or none), is one the runner builds, and ends where the horizon puts it."""
+    from powertrain.bench.quality import PRESETS, WARMUP_ONLY, _phases
+
+    (row,) = select_rows(["local-h5-warm"])[1:]
+    for steps in (300, 1000):
+        exact, warm, local = _phases(PRESETS["local"], row, steps)
+        assert (exact.until, warm.until, local.until) == (5, steps // 4, None)
+    for phase, start in ((exact, timetotarget.EXACT_ONLY), (warm, 0)):
+        o = phase.spec.optimizer_options
+        assert o["sync_warmup"] == WARMUP_ONLY and o["sync_every"] == 5 and o["adam_freeze"] == 0.25
+        assert o["warmup_compressor"] == (
+            f"powersgd:rank=32,variant=paper,factor_dtype=bf16,start_compressing_after_num_steps={start}"
+        )
+    assert "sync_warmup" not in local.spec.optimizer_options and "warmup_compressor" not in local.spec.optimizer_options
+    assert local.spec.kind == "int4" and local.spec.parallel == "diloco" and local.spec.steps == 0
+    most = max(t.warmup + t.timed for t in (timetotarget._timing(warm.spec, r) for r in (1.0, 100.0)))
+    assert most < WARMUP_ONLY  # every timed round of a warm-up phase is a warm-up step
+    for phase in (exact, warm, local):  # as the runner builds them (its TrainConfig; steps: the command's default)
+        TrainConfig(optimizer="adamw", compressor="none", parallel="diloco", **phase.spec.optimizer_options)
+    seconds = {timetotarget.timing_key(ph.spec): t for ph, t in ((exact, 10.0), (warm, 2.0), (local, 1.0))}
+    # 1,000 steps (the loop's last): 5 exact steps, 245 more of the warm-up, then local updates
+    assert timetotarget.seconds_to(300, [exact, warm, local], seconds) == 5 * 10.0 + 245 * 2.0 + 50 * 1.0
+
+
+@pytest.mark.timeout(240)
+def test_a_warm_up_phase_spec_averages_every_step_and_the_local_one_syncs():
+    """The phases' specs run what they are timed for (loopback, a tiny GPT, a rank-2 warm-up compressor that
+    compresses there): the exact phase sends the whole gradient every step, the compressed phase PowerSGD's factors
+    every step, the local phase one int4 sync per 5 steps."""
+    from powertrain.bench.quality import _phases
+    from powertrain.bench.sidebyside import side_by_side
+
+    p = PRESETS["tiny"]
+    (warm_row,) = select_rows(["local-h5-warm"])[1:]
+    row = dataclasses.replace(
+        warm_row, optimizer_options={**warm_row.optimizer_options, "warmup_compressor": "powersgd:rank=2"}
+    )
+    phases = _phases(p, row, 100)
+    results, _ = side_by_side(
+        [ph.spec for ph in phases], model=p.model, batch=p.batch, warmup=0, timed=5, start=p.start, data_mb=0.5
+    )
+    exact, warm, local = (sum(r.first.sent_per_step.values()) for r in results)
+    dense = 4.0 * GPT(p.model).num_params()
+    assert exact == pytest.approx(dense, rel=1e-6)  # fp32, every parameter, every step
+    assert 0 < warm < dense / 2 and 0 < local < warm / 2
 
 
 def test_rows_are_chosen_by_key_with_fp32_first():

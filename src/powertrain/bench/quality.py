@@ -11,10 +11,11 @@ seed sets the initial weights and the training batches; the validation batches a
 
 Per row: the validation loss at the horizon (mean over seeds and min-max), the bytes a worker sent over the horizon
 (warm-up included) against fp32's, the steps to the target (the first evaluation at or below it) and the time to
-the target at each link rate: each phase of those steps (PowerSGD's exact warm-up, the rest) at its seconds per step
+the target at each link rate: each phase of those steps (PowerSGD's exact warm-up, the rest; a local-update row's
+per-step warm-up, its exact steps apart) at its seconds per step
 **measured on an emulated link** of that rate (:mod:`powertrain.bench.timetotarget`: the real overlap with backward,
 the syncs of local updates amortised over whole periods; needs root for the network namespaces). torch's PowerSGD
-hook and local updates with a per-step warm-up are not timed on the link.
+hook is not timed on the link.
 
 Local updates (``parallel="diloco"``: :class:`powertrain.diloco.DiLoCo`, the compressor on the outer step) are rows
 like any other: ``--preset local`` runs the recommended configuration beside fp32, bf16, the per-step default and
@@ -465,11 +466,39 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
     )[0]
 
 
-def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
-    """How a row's steps are timed on the link (None: not timed: torch's hook, or local updates with a warm-up, whose
-    per-step averaging would need a phase of its own)."""
-    if row.kind == "torch_psgd" or row.optimizer_options.get("sync_warmup"):
+#: A warm-up phase's link timing: a warm-up longer than any timing's rounds (:func:`timetotarget.measure`), so that
+#: every timed step averages its gradients (below the command's default 300 steps, which the timing's specs run at)
+WARMUP_ONLY = 100
+
+
+def _warm_phases(p: Preset, row: Row, steps: int) -> list[timetotarget.Phase]:
+    """The phases of a local-update row with a per-step warm-up, over a horizon of ``steps``: the warm-up
+    compressor's exact steps, its compressed steps (each averaged after backward, by the compressor's program), then
+    local updates. Each is timed as a spec that runs only that phase (a warm-up longer than its timing, or none)."""
+    opts = dict(row.optimizer_options)
+    frac_or_steps = opts.pop("sync_warmup")
+    warm = round(frac_or_steps * steps) if isinstance(frac_or_steps, float) else int(frac_or_steps)
+    name, warm_opts = parse_compressor(opts.pop("warmup_compressor", "none"))
+    exact = min(warm, int(warm_opts.get("start_compressing_after_num_steps", 0))) if name == "powersgd" else 0
+    local = _spec(dataclasses.replace(row, optimizer_options=opts), 0, p.start, None)
+
+    def warming(start: int) -> Spec:
+        given = {**warm_opts, "start_compressing_after_num_steps": start}
+        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in given.items())
+        options = {**opts, "sync_warmup": WARMUP_ONLY, "warmup_compressor": spec}
+        return dataclasses.replace(local, optimizer_options=options)
+
+    phases = [timetotarget.Phase(exact, warming(timetotarget.EXACT_ONLY))] if exact else []
+    return [*phases, timetotarget.Phase(warm, warming(0)), timetotarget.Phase(None, local)]
+
+
+def _phases(p: Preset, row: Row, steps: int) -> list[timetotarget.Phase] | None:
+    """How a row's steps are timed on the link, over a horizon of ``steps`` (a local-update warm-up is a fraction of
+    it); None: not timed (torch's hook)."""
+    if row.kind == "torch_psgd":
         return None
+    if row.optimizer_options.get("sync_warmup"):
+        return _warm_phases(p, row, steps)
     spec = _spec(row, 0, p.start, None)
     warm = spec.options.get("start_compressing_after_num_steps", 0) if row.kind == "powersgd" else 0
     if row.optimizer == "muon" and warm:
@@ -484,9 +513,10 @@ def _phases(p: Preset, row: Row) -> list[timetotarget.Phase] | None:
     return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))
 
 
-def _link(p: Preset, rows: list[Row], kept: Path) -> dict[float, dict[str, float]]:
-    """Seconds per step on the emulated link, at each rate, of every phase of every row (by timing key)."""
-    specs = [ph.spec for r in rows for ph in _phases(p, r) or []]
+def _link(p: Preset, rows: list[Row], steps: int, kept: Path) -> dict[float, dict[str, float]]:
+    """Seconds per step on the emulated link, at each rate, of every phase of every row (by timing key; a phase's
+    timing does not depend on the horizon ``steps``, only where it ends does)."""
+    specs = [ph.spec for r in rows for ph in _phases(p, r, steps) or []]
     return timetotarget.measure(
         specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept, world=p.workers
     )
@@ -619,8 +649,8 @@ def run_quality_bench(
     name = run_name(preset, p.workers)
     kept = _Kept(Path(out or KEPT) / name, p)
     report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
-    link = _link(p, chosen, kept.root / "linktime.json")
-    phases = {r.key: _phases(p, r) for r in chosen}
+    link = _link(p, chosen, max(horizons), kept.root / "linktime.json")
+    phases = {r.key: _phases(p, r, max(horizons)) for r in chosen}
     report["link_s"] = {
         str(rate): {
             r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
@@ -654,6 +684,7 @@ def run_quality_bench(
             r.key: [kept.get(steps, s, r, target if r.to_target and r not in base else None) for s in range(n_seeds)]
             for r in here
         }
+        phases = {r.key: _phases(p, r, steps) for r in here}
         summary = _summarise(here, runs, steps, target, p, phases, link)
         report["horizons"].append({**summary, "baseline": best, "baseline_rows": [r.key for r in base]})
     (kept.root / "report.json").write_text(_json.dumps(report, indent=1) + "\n")

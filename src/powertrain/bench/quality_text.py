@@ -186,11 +186,11 @@ def markdown(report: dict[str, Any], p: Preset, seeds: int, cap: int) -> str:
     ran = list(dict.fromkeys(k for h in report["horizons"] for k in h.get("baseline_rows", p.baseline)))
     if p.rates:
         timed = (
-            "Time to target: those steps, each phase (PowerSGD's exact steps, the rest) at its seconds per step "
-            "**measured on an emulated link** of that rate (a network namespace per worker, tc tbf; the real overlap "
-            "with backward, DDP's buckets as `powertrain train` builds them: torch's default; local updates over "
-            "whole sync periods); '-' where the median seed did not reach the target or the row is not timed on the "
-            "link (torch's hook, or local updates with a warm-up)."
+            "Time to target: those steps, each phase (PowerSGD's exact steps, the rest; a local-update warm-up's "
+            "exact and compressed steps, then the local steps) at its seconds per step **measured on an emulated "
+            "link** of that rate (a network namespace per worker, tc tbf; the real overlap with backward, DDP's "
+            "buckets as `powertrain train` builds them: torch's default; local updates over whole sync periods); "
+            "'-' where the median seed did not reach the target or the row is not timed on the link (torch's hook)."
         )
     else:
         timed = "No time to target: this run timed no link (`--rates none`)."
