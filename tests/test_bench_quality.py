@@ -253,6 +253,11 @@ def test_a_local_update_warm_up_is_timed_in_its_phases():
     assert most < WARMUP_ONLY  # every timed round of a warm-up phase is a warm-up step
     for phase in (exact, warm, local):  # as the runner builds them (its TrainConfig; steps: the command's default)
         TrainConfig(optimizer="adamw", compressor="none", parallel="diloco", **phase.spec.optimizer_options)
+    for compressor in ("bf16", "none"):  # no exact steps of its own: the warm-up, then local updates
+        plain = dataclasses.replace(row, optimizer_options={**row.optimizer_options, "warmup_compressor": compressor})
+        first, then = _phases(PRESETS["local"], plain, 300)
+        assert (first.until, first.spec.optimizer_options["warmup_compressor"], then.until) == (75, compressor, None)
+        TrainConfig(optimizer="adamw", compressor="none", parallel="diloco", **first.spec.optimizer_options)
     seconds = {timetotarget.timing_key(ph.spec): t for ph, t in ((exact, 10.0), (warm, 2.0), (local, 1.0))}
     # 1,000 steps (the loop's last): 5 exact steps, 245 more of the warm-up, then local updates
     assert timetotarget.seconds_to(300, [exact, warm, local], seconds) == 5 * 10.0 + 245 * 2.0 + 50 * 1.0

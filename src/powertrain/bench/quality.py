@@ -483,8 +483,8 @@ def _warm_phases(p: Preset, row: Row, steps: int) -> list[timetotarget.Phase]:
     local = _spec(dataclasses.replace(row, optimizer_options=opts), 0, p.start, None)
 
     def warming(start: int) -> Spec:
-        given = {**warm_opts, "start_compressing_after_num_steps": start}
-        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in given.items())
+        given = {**warm_opts, "start_compressing_after_num_steps": start} if name == "powersgd" else warm_opts
+        spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in given.items()) if given else name
         options = {**opts, "sync_warmup": WARMUP_ONLY, "warmup_compressor": spec}
         return dataclasses.replace(local, optimizer_options=options)
 
