@@ -8,13 +8,13 @@ compression are timed in the same run, interleaved, and reported as medians.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
-import time
 
 import torch
 
 from powertrain.bench.report import command, footer, publish, section, table
-from powertrain.bench.rounds import torch_threads
+from powertrain.bench.rounds import interleaved, torch_threads
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, Variant
 from powertrain.models import GPT, GPTConfig
 from powertrain.train.config import TrainConfig
@@ -58,16 +58,17 @@ def _measured(preset: str, n_rep: int) -> str:
     assert isinstance(corpus, TokenData), "the stdlib corpus is text"
     x, y = corpus.batch("train", 0, 1, (0,), p.batch, p.model.block_size)
 
-    backward_times: list[float] = []
+    loss: list[torch.Tensor] = []
 
-    def backward() -> None:
+    def forward(_round: int) -> None:
         model.zero_grad(set_to_none=False)
-        loss = model(x, y)
-        t0 = time.perf_counter()
-        loss.backward()
-        backward_times.append(time.perf_counter() - t0)
+        loss.append(model(x, y))
 
-    backward()
+    def backward(_round: int) -> None:
+        loss.pop().backward()
+
+    forward(0)
+    backward(0)
     grads = [prm.grad.clone() for prm in model.parameters() if prm.grad is not None]
     comps = [
         PowerSGDCompressor(
@@ -76,16 +77,10 @@ def _measured(preset: str, n_rep: int) -> str:
         )
         for variant, rank, iters in CONFIGS
     ]
-    times: list[list[float]] = [[] for _ in comps]
-    for comp in comps:
-        comp.aggregate(grads)  # warm-up: allocates the error buffers
-    # Interleaved rounds, so that load from other processes hits every configuration alike.
-    for _ in range(n_rep):
-        backward()
-        for comp, ts in zip(comps, times, strict=True):
-            t0 = time.perf_counter()
-            comp.aggregate(grads)
-            ts.append(time.perf_counter() - t0)
+    # a round: forward (not counted), backward, every configuration's compression of the same gradients; the
+    # untimed first round allocates the compressors' error buffers
+    aggregate = [functools.partial(lambda comp, _round: comp.aggregate(grads), comp) for comp in comps]
+    _, backward_times, *times = interleaved([forward, backward, *aggregate], warmup=1, timed=n_rep)
     bwd = statistics.median(backward_times)
     n_params = sum(prm.numel() for prm in model.parameters())
     headers = ["variant", "rank", "iters/step", "compress (ms, median)", "% of backward", "compression ratio"]
