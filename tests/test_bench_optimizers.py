@@ -91,7 +91,13 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
     from powertrain.bench.optimizers import PRESETS, run_optimizers_bench
 
     target = tmp_path / "B.md"
-    report = run_optimizers_bench(preset="tiny", write=str(target))
+    before = torch.get_num_threads()
+    try:  # the scaling part's one worker and the GaLore part run in this process: its thread count is given back
+        torch.set_num_threads(2)
+        report = run_optimizers_bench(preset="tiny", write=str(target))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     text = target.read_text()
     assert "<!-- bench:optimizers-tiny -->" in text and "At equal wall-clock" in text
     assert [s["world"] for s in report["scaling"]] == [1, 2, 4]
@@ -126,7 +132,13 @@ def test_bench_muon_tiny_end_to_end(tmp_path):
     from powertrain.bench.muon import run_muon_bench
 
     out = tmp_path / "BENCHMARKS.md"
-    report = run_muon_bench(preset="tiny", write=str(out))
+    before = torch.get_num_threads()
+    try:  # the one-worker row runs in this process, on one thread, and gives this process's count back
+        torch.set_num_threads(2)
+        report = run_muon_bench(preset="tiny", write=str(out))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     assert [r["world"] for r in report["rows"]] == [1, 2]
     for r in report["rows"]:
         assert all(r[f"{k}_s"] > 0 for k in ("split", "alone", "adamw", "forward_backward")), r

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from powertrain.bench.report import command, machine_info, publish, section, table
-from powertrain.bench.rounds import Workload, interleaved, slowest
+from powertrain.bench.rounds import Workload, interleaved, slowest, torch_threads
 from powertrain.models import GPT, GPTConfig
 from powertrain.optim.matrices import default_rule
 from powertrain.train.launch import launch, leave_world
@@ -46,6 +46,7 @@ PRESETS = {
 _KINDS = ("split", "alone", "adamw", "forward_backward")
 
 
+@torch_threads(1)  # given back: at one worker this runs in the calling process
 def _worker(preset: str) -> dict[str, list[float]]:
     """One rank: every kind's seconds per round (this rank's; the caller takes the slowest rank's)."""
     from powertrain.optim import Muon
@@ -54,7 +55,6 @@ def _worker(preset: str) -> dict[str, list[float]]:
         dist.init_process_group("gloo")
     else:  # one worker, in the calling process: a group of its own
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    torch.set_num_threads(1)
     torch.manual_seed(0)
     p = PRESETS[preset]
     model = GPT(p.model)

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks, default
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from powertrain.bench.rounds import slowest
+from powertrain.bench.rounds import slowest, torch_threads
 from powertrain.comm import CommStats
 from powertrain.compress import make_compressor
 from powertrain.ddp import register_compressor
@@ -210,6 +210,7 @@ def _build_ddp(spec: Spec, model: torch.nn.Module, start: int, bucket_cap_mb: fl
     return ddp, stats
 
 
+@torch_threads(1)  # given back: a launch of one worker runs in the calling process
 def run(
     specs: list[Spec],
     *,
@@ -230,7 +231,6 @@ def run(
     ``Spec.steps`` sits out the rounds after its last step (``+ extra_steps``, or its ``stop_below`` target).
     ``seed`` sets the initial weights and the training batches; the validation batches are the same for every
     seed. ``model``: the GPT's shape (on the stdlib corpus), or None for the 1-D ResNet on mnist1d."""
-    torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     corpus: TokenData | ClassData
     build: Callable[[], GPT | ResNet1d]
