@@ -249,8 +249,12 @@ def test_a_local_update_warm_up_is_timed_in_its_phases():
         )
     assert "sync_warmup" not in local.spec.optimizer_options and "warmup_compressor" not in local.spec.optimizer_options
     assert local.spec.kind == "int4" and local.spec.parallel == "diloco" and local.spec.steps == 0
-    most = max(t.warmup + t.timed for t in (timetotarget._timing(warm.spec, r) for r in (1.0, 100.0)))
-    assert most < WARMUP_ONLY  # every timed round of a warm-up phase is a warm-up step
+    # timed per step, as a per-step configuration is (whatever its H): every timed round is a warm-up step
+    for rate in (1.0, 100.0):
+        assert timetotarget._timing(warm.spec, rate) == timetotarget._timing(Spec("x", "none"), rate)
+    h50 = dataclasses.replace(warm.spec, optimizer_options={**warm.spec.optimizer_options, "sync_every": 50})
+    assert max(t.warmup + t.timed for t in (timetotarget._timing(h50, r) for r in (1.0, 100.0))) < WARMUP_ONLY
+    assert timetotarget._timing(local.spec, 100.0) == timetotarget.Timing(5, 10)  # local steps: whole periods
     for phase in (exact, warm, local):  # as the runner builds them (its TrainConfig; steps: the command's default)
         TrainConfig(optimizer="adamw", compressor="none", parallel="diloco", **phase.spec.optimizer_options)
     for compressor in ("bf16", "none"):  # no exact steps of its own: the warm-up, then local updates

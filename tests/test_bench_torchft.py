@@ -233,7 +233,7 @@ def test_the_command_publishes_its_own_section(tmp_path, monkeypatch, capsys):
 
 
 def test_the_command_refuses_one_replica_and_a_machine_without_namespaces(tmp_path, monkeypatch, capsys):
-    """Each refusal is one line naming the value or the reason, exits 2 and writes nothing."""
+    """Each refusal names the value or the reason in one error line, exits 2 and writes nothing."""
     import torchft_diloco
 
     out = tmp_path / "B.md"

@@ -466,8 +466,9 @@ def _launch(p: Preset, rows: list[Row], steps: int, seed: int, target: float | N
     )[0]
 
 
-#: A warm-up phase's link timing: a warm-up longer than any timing's rounds (:func:`timetotarget.measure`), so that
-#: every timed step averages its gradients (below the command's default 300 steps, which the timing's specs run at)
+#: A warm-up phase's link timing: a warm-up longer than any timing's rounds (a few steps: :func:`timetotarget.measure`
+#: times a spec in its warm-up per step), so that every timed step averages its gradients (below the command's
+#: default 300 steps, which the timing's specs run at)
 WARMUP_ONLY = 100
 
 

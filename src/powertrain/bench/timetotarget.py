@@ -102,10 +102,16 @@ def write_kept(path: Path, obj: object) -> None:
     write_atomic(path, _json.dumps(obj, indent=1) + "\n")
 
 
+def _periodic(spec: Spec) -> bool:
+    """Whether ``spec``'s steps differ by design (local updates: a sync every H steps); a local-update spec with a
+    warm-up is timed in it, every step alike (bench quality times a warm-up's phases apart)."""
+    return spec.parallel == "diloco" and not spec.optimizer_options.get("sync_warmup")
+
+
 def _timing(spec: Spec, rate: float) -> Timing:
     """Rounds to time ``spec`` for at ``rate``: whole sync periods for local updates (from the end of the first; one
     period below :data:`SLOW`), a few steps for per-step configurations (fewer below :data:`SLOW`)."""
-    if spec.parallel == "diloco":
+    if _periodic(spec):
         period = int(spec.optimizer_options.get("sync_every", 1))
         return Timing(period, period if rate < SLOW else 2 * period)
     return Timing(1, 1) if rate < SLOW else Timing(2, 3)
@@ -193,7 +199,7 @@ def overlaps(spec: Spec) -> bool:
 
 def _per_step(spec: Spec, res: SpecResult) -> float:
     times = res.step_times()
-    if spec.parallel == "diloco":  # whole periods: the sync steps and the steps between them
+    if _periodic(spec):  # whole periods: the sync steps and the steps between them
         period = int(spec.optimizer_options.get("sync_every", 1))
         n = len(times) // period * period
         return sum(times[:n]) / n
