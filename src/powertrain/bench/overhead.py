@@ -8,7 +8,6 @@ compression are timed in the same run, interleaved, and reported as medians.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 
 import torch
@@ -79,7 +78,7 @@ def _measured(preset: str, n_rep: int) -> str:
     ]
     # a round: forward (not counted), backward, every configuration's compression of the same gradients; the
     # untimed first round allocates the compressors' error buffers
-    aggregate = [functools.partial(lambda comp, _round: comp.aggregate(grads), comp) for comp in comps]
+    aggregate = [lambda _round, comp=comp: comp.aggregate(grads) for comp in comps]
     _, backward_times, *times = interleaved([forward, backward, *aggregate], warmup=1, timed=n_rep)
     bwd = statistics.median(backward_times)
     n_params = sum(prm.numel() for prm in model.parameters())

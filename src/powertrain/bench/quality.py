@@ -514,10 +514,10 @@ def _phases(p: Preset, row: Row, steps: int) -> list[timetotarget.Phase] | None:
     return timetotarget.phases_of(spec, exact_warmup=int(warm), exact=_spec(exact, 0, p.start, None))
 
 
-def _link(p: Preset, rows: list[Row], steps: int, kept: Path) -> dict[float, dict[str, float]]:
+def _link(p: Preset, phases: dict[str, list[timetotarget.Phase] | None], kept: Path) -> dict[float, dict[str, float]]:
     """Seconds per step on the emulated link, at each rate, of every phase of every row (by timing key; a phase's
-    timing does not depend on the horizon ``steps``, only where it ends does)."""
-    specs = [ph.spec for r in rows for ph in _phases(p, r, steps) or []]
+    timing does not depend on the horizon it was built for, only where it ends does)."""
+    specs = [ph.spec for row_phases in phases.values() for ph in row_phases or []]
     return timetotarget.measure(
         specs, p.rates, model=p.model, batch=p.batch, data_mb=p.data_mb, kept=kept, world=p.workers
     )
@@ -650,8 +650,8 @@ def run_quality_bench(
     name = run_name(preset, p.workers)
     kept = _Kept(Path(out or KEPT) / name, p)
     report: dict[str, Any] = {"preset": preset, "workers": p.workers, "params": model.num_params(), "horizons": []}
-    link = _link(p, chosen, max(horizons), kept.root / "linktime.json")
     phases = {r.key: _phases(p, r, max(horizons)) for r in chosen}
+    link = _link(p, phases, kept.root / "linktime.json")
     report["link_s"] = {
         str(rate): {
             r.key: [link[rate][timetotarget.timing_key(ph.spec)] for ph in phases[r.key] or []]
