@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -548,6 +549,12 @@ def test_the_summary_says_what_the_default_costs_where_measured():
     assert _cost_text(TrainConfig(compressor="powersgd:rank=8")) == ""  # not what was measured
     assert _cost_text(TrainConfig(adam_freeze=0.0)) == ""
     assert _cost_text(resolve("tiny", None, {})) == ""  # another model
+    # every loss it quotes is in the section it names, as the bench wrote it
+    benchmarks = (Path(__file__).resolve().parents[1] / "BENCHMARKS.md").read_text()
+    name = "quality-frozen-bound"
+    section = benchmarks.split(f"<!-- bench:{name} -->")[1].split(f"<!-- /bench:{name} -->")[0]
+    quoted = re.findall(r"\d\.\d{4}", RECOMMENDED_COST)
+    assert len(quoted) == 5 and all(q in section for q in quoted), quoted
 
 
 def test_empty_data_dir_and_bad_config_files(tmp_path, capsys):

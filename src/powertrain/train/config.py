@@ -92,13 +92,13 @@ def _recommended_spec(rank: int) -> str:
 #: The command's PowerSGD on the default GPT when no compressor is named: RECOMMENDED, spelled out.
 RECOMMENDED_POWERSGD = _recommended_spec(RECOMMENDED["rank"])
 #: What the command's default (RECOMMENDED_POWERSGD with AdamW frozen at POWERSGD_ADAM_FREEZE) costs on the default
-#: GPT: bench quality's 300-step section (BENCHMARKS.md; docs/compression.md, "What it costs, measured"); the run's
-#: summary says it.
+#: GPT: bench quality's 300-step section "quality-frozen-bound" (BENCHMARKS.md; docs/compression.md, "What it costs,
+#: measured"); the run's summary says it.
 RECOMMENDED_COST = (
     "measured by powertrain bench quality on this model over 300 steps (3 seeds, on its own validation batches, so "
-    "not comparable with this run's figure), it ends at validation loss 1.9608 (seeds 1.9407-1.9845) against fp32 "
+    "not comparable with this run's figure), it ends at validation loss 1.9609 (seeds 1.9361-1.9850) against fp32 "
     "all-reduce's 1.9770 with torch's AdamW (-0.82%), with 1/9.5 of its bytes; the gain is the frozen AdamW's: fp32 "
-    "all-reduce with the same freeze ends at 1.9523, so against the same optimizer PowerSGD costs +0.44%"
+    "all-reduce with the same freeze ends at 1.9532, so against the same optimizer PowerSGD costs +0.39%"
 )
 
 
