@@ -25,7 +25,7 @@ A frozen coordinate never steps further in one step than AdamW itself could at t
 ``|m_hat| / sqrt(v_hat)`` any gradient history gives AdamW there (``_adamw_step_bound`` derives it; it tends to 1.16
 at betas (0.9, 0.95), 7.27 at (0.9, 0.999), and grows without limit where beta1**2 >= beta2). Without it, a
 coordinate seen rarely before the freeze keeps the tiny second moment its last gradient decayed to (beta2 = 0.95
-forgets within about 20 steps), and its next gradient moves it by hundreds of AdamW's steps: a rare byte's embedding
+forgets within about 20 steps), and its next gradient moves it by thousands of AdamW's steps: a rare byte's embedding
 row that did so took a GPT's whole training with it (docs/notes/compression.md). The bound is per step: such a
 coordinate still moves the bound's full step for as long as its momentum keeps it there, further in all than AdamW
 would. Where the bound does not bind, the update is the unbounded one, bit for bit; where it binds, the update is
