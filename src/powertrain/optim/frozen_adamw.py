@@ -138,7 +138,7 @@ def _update(
             p.addcdiv_(exp_avg, denom, value=-step_size)
             return
         # the unbounded update where the bound leaves it (addcdiv's own bits on any device and dtype), else the bound
-        over = exp_avg.abs().div_(denom).mul_(step_size).gt_(most).bool()
+        over = exp_avg.abs().div_(denom).mul_(step_size).gt(most)
         p.copy_(torch.where(over, p.sub(exp_avg.sign(), alpha=most), p.addcdiv(exp_avg, denom, value=-step_size)))
         return
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
