@@ -109,8 +109,7 @@ POWERSGD_ADAM_FREEZE = 0.25
 
 #: The fewest AdamW steps before a default freeze: the second moment's own horizon, 1 / (1 - beta2) with the command's
 #: beta2 = 0.95. Frozen earlier it holds a few steps' squares: an estimate of the second moment from one or two
-#: gradients (before FrozenVarianceAdamW bounded its steps, the tiny preset frozen after 1 of 4 steps went from
-#: training loss 5.5 to 160; with the bound, 5.39: powertrain train --preset tiny --steps 4 --adam-freeze 0.25).
+#: gradients (docs/notes/compression.md, "The frozen second moment's step bound", has what that did to a tiny run).
 MIN_FREEZE_STEPS = 20
 
 
