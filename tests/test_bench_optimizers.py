@@ -1,13 +1,17 @@
-"""``powertrain bench optimizers``: the side-by-side runner's schedule, the equal-wall-clock budget, and one
+"""``python tools/bench_optimizers.py``: the side-by-side runner's schedule, the equal-wall-clock budget, and one
 tiny end-to-end run of every part (the full default run is a benchmark, not a test)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from bench_optimizers import best_lr, budgeted_steps
 from dist_utils import run_ranks
-from powertrain.bench.optimizers import best_lr, budgeted_steps
 from powertrain.bench.sidebyside import Spec
 from powertrain.train.config import TrainConfig
 from powertrain.train.optimizers import lr_factor
@@ -88,7 +92,7 @@ def test_a_run_with_steps_follows_the_train_schedule():
 
 @pytest.mark.timeout(300)
 def test_optimizers_bench_end_to_end_tiny(tmp_path):
-    from powertrain.bench.optimizers import PRESETS, run_optimizers_bench
+    from bench_optimizers import PRESETS, run_optimizers_bench
 
     target = tmp_path / "B.md"
     before = torch.get_num_threads()
@@ -128,8 +132,8 @@ def test_optimizers_bench_end_to_end_tiny(tmp_path):
 
 
 def test_bench_muon_tiny_end_to_end(tmp_path):
-    """``powertrain bench muon --preset tiny``: every kind timed at 1 and 2 workers, the section written."""
-    from powertrain.bench.muon import run_muon_bench
+    """``python tools/bench_muon.py --preset tiny``: every kind timed at 1 and 2 workers, the section written."""
+    from bench_muon import run_muon_bench
 
     out = tmp_path / "BENCHMARKS.md"
     before = torch.get_num_threads()
@@ -145,3 +149,22 @@ def test_bench_muon_tiny_end_to_end(tmp_path):
         assert 0 < r["split_share"] < 1 and r["split_over_alone"] > 0, r
     assert report["matrices"] == 4  # the tiny GPT's one block: qkv, proj, fc, fc_out
     assert "<!-- bench:muon-tiny -->" in out.read_text()
+
+
+def test_a_suite_script_runs_as_main_from_another_directory(tmp_path):
+    """``python tools/bench_muon.py --preset tiny`` started from a directory outside the checkout: its workers
+    re-import the script as their main module, and ./BENCHMARKS.md there, where one exists, gets the section."""
+    script = Path(__file__).resolve().parents[1] / "tools" / "bench_muon.py"
+    (tmp_path / "BENCHMARKS.md").write_text("# Benchmarks\n")
+    r = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny"], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "<!-- bench:muon-tiny -->" in text and "`python tools/bench_muon.py --preset tiny`" in text
+    (tmp_path / "BENCHMARKS.md").unlink()  # none here: printed only, and said so under the script's own name
+    r = subprocess.run(
+        [sys.executable, str(script), "--preset", "tiny"], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0 and "tools/bench_muon.py: no BENCHMARKS.md here" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "BENCHMARKS.md").exists() and "## Muon's optimizer step" in r.stdout

@@ -1,12 +1,12 @@
-"""``powertrain bench simple_fsdp --preset tiny``: every configuration, eager and compiled, trains the same model on the
-same batches (the bench itself refuses configurations whose first gradients differ: AdamW's loss cannot see a gradient's
-scale), and the section lands in the Markdown file."""
+"""``python tools/bench_simple_fsdp.py --preset tiny``: every configuration, eager and compiled, trains the same
+model on the same batches (the bench itself refuses configurations whose first gradients differ: AdamW's loss cannot
+see a gradient's scale), and the section lands in the Markdown file."""
 
 from __future__ import annotations
 
 import re
 
-from powertrain.bench.simple_fsdp_step import SETUPS, run_simple_fsdp_bench
+from bench_simple_fsdp import SETUPS, run_simple_fsdp_bench
 
 
 def test_bench_simple_fsdp_tiny(tmp_path):

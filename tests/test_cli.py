@@ -627,11 +627,37 @@ def test_each_bench_suite_takes_its_own_presets_and_flags(capsys):
         main(["bench", "parallel", "--preset", "wide"])
     assert "invalid choice: 'wide'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["bench", "simple_fsdp", "--repeats", "2"])
+        main(["bench", "parallel", "--repeats", "2"])
     assert "unrecognized arguments: --repeats 2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "quality", "--preset", "mnist1d", "--help"])
     assert "mnist1d (the 1-D ResNet on mnist1d)" in capsys.readouterr().out
+
+
+def test_a_suite_run_from_a_checkout_takes_the_same_flags_and_errors_in_one_line(tmp_path, capsys):
+    """tools/bench_*.py (suites not installed) read --preset and --write as ``powertrain bench`` does, pass their own
+    flags on, and end a bad value with one line and status 2; ``powertrain bench`` no longer has them."""
+    import bench_muon
+    import bench_optimizers
+
+    with pytest.raises(SystemExit) as exc:
+        bench_muon.main(["--write", str(tmp_path)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        f"tools/bench_muon.py: error: --write {str(tmp_path)!r} is not a file in an existing directory: give a "
+        "Markdown file's path\n"
+    )
+    with pytest.raises(SystemExit) as exc:
+        bench_optimizers.main(["--preset", "tiny", "--write", "", "--shampoo-reference", str(tmp_path)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tools/bench_optimizers.py: error: Invalid Shampoo reference") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        bench_muon.main(["--preset", "wide"])
+    assert "invalid choice: 'wide'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "muon"])
+    assert "invalid choice: 'muon'" in capsys.readouterr().err
 
 
 def test_workers_start_where_tmpdir_is_too_long_for_the_fork_server(tmp_path):

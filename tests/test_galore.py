@@ -34,8 +34,8 @@ def _ulp_nudged(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 def _reference_adamw() -> Any:
-    """galore-torch's AdamW (see :func:`powertrain.bench.optimizers.load_galore_torch`)."""
-    from powertrain.bench.optimizers import load_galore_torch
+    """galore-torch's AdamW (see tools/bench_optimizers.py's ``load_galore_torch``)."""
+    from bench_optimizers import load_galore_torch
 
     reference = load_galore_torch()
     if reference is None:

@@ -213,7 +213,7 @@ def test_network_bench_end_to_end_tiny(tmp_path):
 
 
 def test_equal_wall_clock_picks_the_last_evaluation_within_the_fastest_run():
-    from powertrain.bench.optimizers import at_equal_wall_clock
+    from bench_optimizers import at_equal_wall_clock
 
     times = [[1.0] * 4, [0.5] * 4, [2.0] * 4]  # totals 4, 2, 8: the budget is 2 s
     curves = [[(2, 3.0), (4, 2.0)], [(2, 3.5), (4, 2.5)], [(2, 2.8), (4, 1.0)]]

@@ -1,6 +1,6 @@
 """powertrain's DistributedShampoo against the reference implementation (facebookresearch/optimizers), update by
 update: runs where a clone of it is named by POWERTRAIN_SHAMPOO_REFERENCE (or ``distributed_shampoo`` is installed),
-skips otherwise. ``powertrain bench optimizers --shampoo-reference CLONE`` times the two (and heavyball).
+skips otherwise. ``python tools/bench_optimizers.py --shampoo-reference CLONE`` times the two (and heavyball).
 
 Teacher-forced (both optimizers get the same parameters and gradient at every step, so differences do not compound),
 in float64, for the cases where the two implementations compute the same thing in exact arithmetic (DESIGN_DIFFERENCES
@@ -27,7 +27,7 @@ import pytest
 import torch
 from torch import nn
 
-from powertrain.bench.optimizers import load_shampoo_reference, reference_like
+from bench_optimizers import load_shampoo_reference, reference_like
 from powertrain.optim.shampoo.optimizer import DistributedShampoo
 
 U32 = 2.0**-24
@@ -134,9 +134,9 @@ def test_updates_agree_with_the_reference_implementation(ref, kind, options):
 
 
 def test_bench_part_times_every_optimizer(ref, tmp_path):
-    """``powertrain bench optimizers --preset tiny --shampoo-reference CLONE``: a row per optimizer, in a section of
-    its own beside the optimizers' section."""
-    from powertrain.bench.optimizers import run_optimizers_bench
+    """``python tools/bench_optimizers.py --preset tiny --shampoo-reference CLONE``: a row per optimizer, in a section
+    of its own beside the optimizers' section."""
+    from bench_optimizers import run_optimizers_bench
 
     path = os.environ.get("POWERTRAIN_SHAMPOO_REFERENCE")
     if path is None:
@@ -155,14 +155,14 @@ def test_bench_part_times_every_optimizer(ref, tmp_path):
     text = out.read_text()
     section = text.split("<!-- bench:shampoo-reference-tiny -->")[1].split("<!-- /bench:shampoo-reference-tiny -->")[0]
     assert section.count("\n| ") == len(rows) + 1 and "reference eigenvalue-corrected" in section
-    assert f"Command: `powertrain bench optimizers --preset tiny --shampoo-reference {path}`" in section
+    assert f"Command: `python tools/bench_optimizers.py --preset tiny --shampoo-reference {path}`" in section
     assert (
         "<!-- bench:optimizers-tiny -->" in text and "Shampoo side by side" not in text.split("<!-- bench:shampoo")[0]
     )
 
 
 def test_a_path_without_the_reference_is_refused_before_the_bench_runs(tmp_path):
-    from powertrain.bench.optimizers import run_optimizers_bench
+    from bench_optimizers import run_optimizers_bench
 
     with pytest.raises(ValueError, match=r"Invalid Shampoo reference '.*': no distributed_shampoo/ package there"):
         run_optimizers_bench(preset="tiny", write=None, shampoo_reference=str(tmp_path))
@@ -179,7 +179,7 @@ def test_options_the_reference_has_no_counterpart_for_are_refused(ref):
 
 
 def test_a_clone_that_does_not_import_is_refused_before_the_bench_runs(tmp_path, monkeypatch):
-    from powertrain.bench.optimizers import run_optimizers_bench
+    from bench_optimizers import run_optimizers_bench
 
     (tmp_path / "distributed_shampoo").mkdir()
     (tmp_path / "distributed_shampoo" / "__init__.py").write_text("import a_module_no_one_has\n")

@@ -11,7 +11,7 @@ Reshard after forward: each module that owns parameters runs its forward under a
 whose policy recomputes the collectives (and views of them) and saves every other op's output, so no compute is
 repeated. Eagerly, autograd then holds no gathered weight; under ``torch.compile`` the same policy becomes
 recompute tags on the joint graph, which the min-cut partitioner honours: one mechanism for eager and compiled
-runs. What each mode holds between forward and backward is measured by ``powertrain bench simple_fsdp``
+runs. What each mode holds between forward and backward is measured by tools/bench_simple_fsdp.py
 (BENCHMARKS.md). Because the tags are part of the traced graph, an AOTAutograd cache hit cannot drop them (a
 separate joint-graph pass could be skipped).
 

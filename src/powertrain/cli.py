@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from powertrain.bench import cli as bench_cli
 from powertrain.train import cli as train_cli
-from powertrain.train.launch import disk_full
+from powertrain.train.launch import run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,19 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return train_cli.run(args) if args.command == "train" else bench_cli.run(args)
-    except ValueError as e:
-        parser.exit(2, f"powertrain {args.command}: error: {e}\n")
-    except KeyboardInterrupt:  # before any worker started (workers' interrupts are handled in the launcher)
-        print(f"powertrain {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except BaseException as e:  # a full disk in this process (a single worker, the launcher, bench): one line
-        full = disk_full(e, str(getattr(args, "out", None) or "."))
-        if full is None:
-            raise
-        print(f"powertrain {args.command}: {full}", file=sys.stderr)
-        return 1
+    body = train_cli.run if args.command == "train" else bench_cli.run
+    return run_command(f"powertrain {args.command}", lambda: body(args), str(getattr(args, "out", None) or "."))
 
 
 if __name__ == "__main__":

@@ -247,7 +247,7 @@ def compile_model(model: nn.Module, *, bucket: bool = True, **kwargs: Any) -> An
     """``torch.compile(model, fullgraph=True)`` for a SimpleFSDP ``model`` (as :func:`data_parallel` returns it),
     with inductor's FSDP bucketing of the per-parameter all-gathers and reduce-scatters into a few large collectives
     when ``bucket`` (the default; per compile, through ``options``: no global config is changed): fewer, larger
-    collectives, each with its fixed cost paid once (``powertrain bench simple_fsdp`` measures both). Torch versions
+    collectives, each with its fixed cost paid once (tools/bench_simple_fsdp.py measures both). Torch versions
     without the bucketing passes compile without them (with a warning).
     ``kwargs`` go to ``torch.compile``."""
     options = dict(kwargs.pop("options", None) or {})

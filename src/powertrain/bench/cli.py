@@ -7,9 +7,11 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from powertrain._checks import check_int
+from powertrain.train.launch import run_command
 
 QUALITY_ONLY = ("mnist1d", "wide", "local", "muon", "outer", "outer-const")  # bench quality's other workloads
 BENCHMARKS = "BENCHMARKS.md"
@@ -23,13 +25,6 @@ SUITES: dict[str, tuple[str, tuple[str, ...]]] = {
         "bandwidth-limited cluster (needs root; else on loopback alone)",
         (),
     ),
-    "simple_fsdp": ("SimpleFSDP against FSDP2: step time and memory, eager and compiled", ()),
-    "optimizers": (
-        "Shampoo, SOAP, GaLore and DeMo against AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore "
-        "memory; with --shampoo-reference, Shampoo's step time against the reference implementation's)",
-        (),
-    ),
-    "muon": ("Muon's optimizer step at 1, 2 and 4 workers, its work split against every rank computing alone", ()),
     "quality": (
         "validation loss, total bytes and time to a target loss over several seeds",
         QUALITY_ONLY,
@@ -55,18 +50,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     suites = bench.add_subparsers(dest="suite", required=True, metavar="SUITE")
     for name, (what, presets) in SUITES.items():
         p = suites.add_parser(name, help=what, description=what)
-        p.add_argument(
-            "--preset",
-            choices=["default", "tiny", *presets],
-            default="default",
-            help=_PRESET_HELP.get(name, "tiny: seconds"),
-        )
-        p.add_argument(
-            "--write",
-            default=None,
-            help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
-            "checkout of powertrain)",
-        )
+        _common_arguments(p, presets, _PRESET_HELP.get(name, "tiny: seconds"))
         if name in _OUT_HELP:
             p.add_argument("--out", default=None, help=_OUT_HELP[name])
         if name == "overhead":
@@ -74,13 +58,40 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
             p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
         if name == "quality":
             _quality_arguments(p)
-        if name == "optimizers":
-            p.add_argument(
-                "--shampoo-reference",
-                default=None,
-                metavar="CLONE",
-                help="a clone of facebookresearch/optimizers: time Shampoo against it (and heavyball, if importable)",
-            )
+
+
+def _common_arguments(p: argparse.ArgumentParser, presets: Sequence[str], preset_help: str) -> None:
+    p.add_argument("--preset", choices=["default", "tiny", *presets], default="default", help=preset_help)
+    p.add_argument(
+        "--write",
+        default=None,
+        help=f"Markdown file to update ('' to skip; default: ./{BENCHMARKS} where one exists, as in a "
+        "checkout of powertrain)",
+    )
+
+
+def script(
+    prog: str,
+    description: str,
+    run_bench: Callable[..., object],
+    argv: Sequence[str] | None = None,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> int:
+    """A suite that runs from a checkout (``python tools/bench_NAME.py``) rather than as ``powertrain bench``:
+    the same ``--preset`` (default or tiny) and ``--write``, ``extra``'s flags passed to ``run_bench`` by name, and
+    the command's one-line failures (:func:`~powertrain.train.launch.run_command`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    _common_arguments(parser, (), "tiny: seconds")
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    options = {k: v for k, v in vars(args).items() if k not in ("preset", "write")}
+
+    def body() -> int:
+        run_bench(preset=args.preset, write=_write_target(args.write, prog), **options)
+        return 0
+
+    return run_command(prog, body, str(Path(args.write or ".").parent))
 
 
 def _quality_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     write = _write_target(args.write)
     if args.suite == "quality":
         options.update(_quality_lists(args))
-    home = {"simple_fsdp": "simple_fsdp_step"}.get(args.suite, args.suite)
-    module = importlib.import_module(f"powertrain.bench.{home}")
+    module = importlib.import_module(f"powertrain.bench.{args.suite}")
     getattr(module, f"run_{args.suite}_bench")(preset=args.preset, write=write, **options)
     return 0
 
@@ -140,7 +150,7 @@ def _quality_lists(args: argparse.Namespace) -> dict[str, list | None]:
     return {"rows": args.rows.split(",") if args.rows else None, "horizons": horizons, "rates": rates}
 
 
-def _write_target(write: str | None) -> str | None:
+def _write_target(write: str | None, prog: str = "powertrain bench") -> str | None:
     """The Markdown file a suite updates, checked before it runs (a benchmark takes minutes): ``--write PATH`` (a
     file, in an existing directory), ``''`` for none, and by default ./BENCHMARKS.md where one exists (a checkout
     of powertrain); elsewhere the default prints only, rather than leave a BENCHMARKS.md in any directory."""
@@ -150,7 +160,7 @@ def _write_target(write: str | None) -> str | None:
         if Path(BENCHMARKS).is_file():
             return BENCHMARKS
         print(
-            f"powertrain bench: no {BENCHMARKS} here: the results are printed only (--write PATH writes them)",
+            f"{prog}: no {BENCHMARKS} here: the results are printed only (--write PATH writes them)",
             file=sys.stderr,
         )
         return None

@@ -47,8 +47,10 @@ def cell(x: float | None, spec: str = ".3f") -> str:
 
 
 def command(suite: str, preset: str, *flags: str) -> str:
-    """The command line that reproduces a suite's section."""
-    return " ".join(["powertrain bench", suite, *([] if preset == "default" else ["--preset", preset]), *flags])
+    """The command line that reproduces a suite's section: ``suite`` is one of ``powertrain bench``'s, or a script
+    that runs from a checkout (``tools/bench_NAME.py``)."""
+    head = ["python", suite] if suite.endswith(".py") else ["powertrain bench", suite]
+    return " ".join([*head, *([] if preset == "default" else ["--preset", preset]), *flags])
 
 
 def footer(cmd: str) -> str:

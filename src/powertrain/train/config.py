@@ -179,7 +179,8 @@ class TrainConfig:
     #: AdamW's second moment freezes after this fraction of the steps (powertrain.optim.FrozenVarianceAdamW; 0:
     #: never, torch's AdamW). None: :func:`default_adam_freeze` of the run's compressor.
     adam_freeze: float | None = None
-    shampoo_frequency: int = 50  # with blocks of 256: bench optimizers' configuration (overhead in BENCHMARKS.md)
+    # with blocks of 256: tools/bench_optimizers.py's configuration (its overhead: BENCHMARKS.md)
+    shampoo_frequency: int = 50
     shampoo_max_dim: int = 256
     shampoo_preconditioner: Preconditioner = "shampoo"
     shampoo_comm_dtype: CommDtype = "fp32"  # fp32: bitwise the single-process optimizer; bf16: half the bytes

@@ -140,6 +140,26 @@ def _cause(e: BaseException) -> str:
 NEARLY_FULL = 1 << 20
 
 
+def run_command(prog: str, call: Callable[[], int], where: str) -> int:
+    """``call()``, a command's body, with its expected failures in one line: a ValueError (status 2, as argparse's
+    own errors), an interrupt before any worker started (130; the workers' are the launcher's), a full disk, also
+    while writing under ``where`` (1). Anything else keeps its traceback."""
+    try:
+        return call()
+    except ValueError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as e:
+        full = disk_full(e, where)
+        if full is None:
+            raise
+        print(f"{prog}: {full}", file=sys.stderr)
+        return 1
+
+
 def disk_full(e: BaseException, where: str) -> str | None:
     """One line when ``e`` comes from a full disk: ENOSPC among its causes (its ``__cause__``/``__context__`` chain,
     and the failures DCP gathers from every rank), or an error other than a ValueError or FloatingPointError (which

@@ -1,4 +1,5 @@
-"""``powertrain bench muon``: what Muon's optimizer step costs, and what splitting its Newton-Schulz work saves.
+"""``python tools/bench_muon.py [--preset tiny]``: what Muon's optimizer step costs, and what splitting its
+Newton-Schulz work saves (a check of the repository's claims, run from a checkout).
 
 On the default GPT (or the tiny preset's), at 1, 2 and 4 loopback workers (one thread each; 4 workers share the 2
 cores of the machine the table was made on, so read their ratios, not their times), each worker times, in
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from powertrain.bench.cli import script
 from powertrain.bench.report import command, machine_info, publish, section, table
 from powertrain.bench.rounds import Workload, interleaved, slowest, torch_threads
 from powertrain.models import GPT, GPTConfig
@@ -32,6 +34,9 @@ from powertrain.optim.matrices import default_rule
 from powertrain.train.launch import launch, leave_world
 
 __all__ = ["run_muon_bench"]
+
+
+PROG = "tools/bench_muon.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,5 +138,14 @@ def run_muon_bench(*, preset: str = "default", write: str | None = "BENCHMARKS.m
     matrices = sum(1 for n, q in model.named_parameters() if default_rule(n, q))
     rows = [_measure(preset, w) for w in p.worlds]
     report = {"preset": preset, "params": model.num_params(), "matrices": matrices, "rows": rows}
-    publish(markdown(report, p, command("muon", preset)), write, section("muon", preset))
+    publish(markdown(report, p, command(PROG, preset)), write, section("muon", preset))
     return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    what = "Muon's optimizer step at 1, 2 and 4 workers, its work split against every rank computing alone"
+    return script(PROG, what, run_muon_bench, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

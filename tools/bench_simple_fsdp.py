@@ -1,4 +1,5 @@
-"""``powertrain bench simple_fsdp``: SimpleFSDP against FSDP2, eager and compiled, side by side.
+"""``python tools/bench_simple_fsdp.py [--preset tiny]``: SimpleFSDP against FSDP2, eager and compiled, side by side
+(a check of the repository's claims, run from a checkout).
 
 Two local gloo workers (one thread each) train the default GPT in every configuration, interleaved one step of
 each per round on the same batch (as the other side-by-side benchmarks). Reported per configuration: median
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from powertrain.bench.cli import script
 from powertrain.bench.memory import available, heap_in_use
 from powertrain.bench.report import command, footer, publish, quartiles, section, table
 from powertrain.bench.rounds import Workload, interleaved, slowest
@@ -53,6 +56,8 @@ SETUPS = [
 #: that sums where it should average, or averages twice, is off by the world size (2), which AdamW's scale-free steps
 #: would leave out of the loss
 GRAD_NORM_RTOL = 1e-4
+
+PROG = "tools/bench_simple_fsdp.py"
 
 PRESETS = {  # warm-up rounds: compilation happens there
     "default": Workload(GPTConfig(n_layer=4, n_head=4, d_model=256, block_size=128), batch=16, warmup=3, timed=10),
@@ -150,7 +155,7 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
     for s, norm in zip(SETUPS, norms, strict=True):
         if not abs(norm - norms[0]) <= GRAD_NORM_RTOL * norms[0]:
             raise RuntimeError(
-                f"bench simple_fsdp: {s.label!r} computed another first gradient than {SETUPS[0].label!r} (norm "
+                f"{PROG}: {s.label!r} computed another first gradient than {SETUPS[0].label!r} (norm "
                 f"{norm:.7g} against {norms[0]:.7g}): the configurations must train alike for the table to compare them"
             )
     spread = max(abs(n - norms[0]) for n in norms) / norms[0]
@@ -188,7 +193,17 @@ def run_simple_fsdp_bench(*, preset: str = "default", write: str | None = "BENCH
         "fwd->bwd': heap bytes allocated by forward and still alive when backward starts (activations, plus "
         "gathered weights where they are kept), the larger rank's. The configurations' first gradients agree in "
         f"norm within {spread:.1e} relative (refused above {GRAD_NORM_RTOL:g}).\n\n"
-        f"{table(headers, cells)}\n\n{footer(command('simple_fsdp', preset))}"
+        f"{table(headers, cells)}\n\n{footer(command(PROG, preset))}"
     )
     publish(text, write, section("simple_fsdp", preset))
     return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    return script(
+        PROG, "SimpleFSDP against FSDP2: step time and memory, eager and compiled", run_simple_fsdp_bench, argv
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""``powertrain bench optimizers``: Shampoo, SOAP, GaLore and DeMo against AdamW, side by side in one run.
+"""``python tools/bench_optimizers.py [--preset tiny] [--shampoo-reference CLONE]``: Shampoo, SOAP, GaLore and DeMo
+against AdamW, side by side in one run. It backs the repository's claims about its optimizers on a fixed GPT, so it
+runs from a checkout and is not installed (docs/benchmarks.md says which suites are).
 
 1. **Scaling**: Shampoo's step time against AdamW's with 1, 2 and 4 workers (loopback; 4 workers share the 2
    cores, so absolute times there include time slicing, the ratio is what to read), with its 1-D blocks updated
@@ -28,6 +30,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import functools
@@ -49,6 +52,7 @@ import torch
 
 from powertrain._files import read_bounded
 from powertrain.bench import network
+from powertrain.bench.cli import script
 from powertrain.bench.netem import unavailable
 from powertrain.bench.report import cell, command, footer, publish, rate_name, section, table
 from powertrain.bench.rounds import interleaved, torch_threads
@@ -61,6 +65,7 @@ from powertrain.train.optimizers import galore_split
 
 __all__ = ["load_galore_torch", "load_shampoo_reference", "reference_like", "run_optimizers_bench"]
 
+PROG = "tools/bench_optimizers.py"
 DEMO_LR = 3e-4  # sign updates: an order of magnitude below Adam's, as for Lion
 
 
@@ -865,10 +870,31 @@ def run_optimizers_bench(
     report["long"] = _quality(p, two["ratio"], best["adamw"], best["shampoo"], p.long_steps, every=False)
     report["slow_link"] = _slow_link(p, best["adamw"])
     report["galore"] = _galore(p, repeats=3 if preset == "default" else 1)
-    publish(markdown(report, command("optimizers", preset)), write, section("optimizers", preset))
+    publish(markdown(report, command(PROG, preset)), write, section("optimizers", preset))
     if ref is not None and shampoo_reference is not None:  # a section of its own (the agreement is a test)
         report["shampoo_reference"] = _shampoo_reference(p, ref)
         text = _reference_markdown(p, report["shampoo_reference"], report["params"])
-        cmd = command("optimizers", preset, "--shampoo-reference", shampoo_reference)
+        cmd = command(PROG, preset, "--shampoo-reference", shampoo_reference)
         publish(f"{text}\n\n{footer(cmd)}", write, section("shampoo-reference", preset))
     return report
+
+
+def _reference_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--shampoo-reference",
+        default=None,
+        metavar="CLONE",
+        help="a clone of facebookresearch/optimizers: time Shampoo against it (and heavyball, if importable)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    what = (
+        "Shampoo, SOAP, GaLore and DeMo against AdamW (quality, time, scaling, DeMo on a 100 Mbit/s link, GaLore "
+        "memory; with --shampoo-reference, Shampoo's step time against the reference implementation's)"
+    )
+    return script(PROG, what, run_optimizers_bench, argv, extra=_reference_flag)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
