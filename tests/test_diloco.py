@@ -111,10 +111,37 @@ class _Reference:
                 self.params[i].copy_(self.anchors[i])
 
 
-PLAIN = {"H": 3, "fragments": 1, "delay": 0, "mix": 0.0, "lr": 0.7, "momentum": 0.9, "steps": 10, "warmup": 0}
-STREAMING = {"H": 6, "fragments": 3, "delay": 1, "mix": 0.5, "lr": 0.8, "momentum": 0.5, "steps": 14, "warmup": 0}
+PLAIN = {
+    "H": 3,
+    "fragments": 1,
+    "sync_delay": 0,
+    "sync_mix": 0.0,
+    "lr": 0.7,
+    "momentum": 0.9,
+    "steps": 10,
+    "sync_warmup": 0,
+}
+STREAMING = {
+    "H": 6,
+    "fragments": 3,
+    "sync_delay": 1,
+    "sync_mix": 0.5,
+    "lr": 0.8,
+    "momentum": 0.5,
+    "steps": 14,
+    "sync_warmup": 0,
+}
 #: three steps of exact gradient averaging first, then model averaging every 4 steps in two fragments
-WARM = {"H": 4, "fragments": 2, "delay": 1, "mix": 0.0, "lr": 1.0, "momentum": 0.0, "steps": 12, "warmup": 3}
+WARM = {
+    "H": 4,
+    "fragments": 2,
+    "sync_delay": 1,
+    "sync_mix": 0.0,
+    "lr": 1.0,
+    "momentum": 0.0,
+    "steps": 12,
+    "sync_warmup": 3,
+}
 SETTINGS = {"plain": PLAIN, "streaming": STREAMING, "warm": WARM}
 
 
@@ -130,20 +157,20 @@ def _parity(rank: int, setting: dict[str, Any]) -> dict[str, Any]:
             outer_lr=setting["lr"],
             outer_momentum=setting["momentum"],
             fragments=setting["fragments"],
-            sync_delay=setting["delay"],
-            sync_mix=setting["mix"],
-            sync_warmup=setting["warmup"],
+            sync_delay=setting["sync_delay"],
+            sync_mix=setting["sync_mix"],
+            sync_warmup=setting["sync_warmup"],
         ),
     )
     ref = _Reference(
         ref_model,
         setting["H"],
         diloco.fragments,
-        setting["delay"],
-        setting["mix"],
+        setting["sync_delay"],
+        setting["sync_mix"],
         setting["lr"],
         setting["momentum"],
-        setting["warmup"],
+        setting["sync_warmup"],
     )
     mismatch, trajectory = [], []
     for step in range(setting["steps"]):
@@ -377,7 +404,7 @@ def results(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
 
 def _starts(setting: dict[str, Any]) -> list[tuple[int, int]]:
     """(inner step, fragment) of every sync a run of ``setting`` starts: fragment k at offset_k + j H, never at 0."""
-    H, F, w = setting["H"], setting["fragments"], setting["warmup"]
+    H, F, w = setting["H"], setting["fragments"], setting["sync_warmup"]
     return [
         (s + w, k)
         for s in range(1, setting["steps"] - w + 1)
@@ -393,13 +420,13 @@ def test_matches_the_reference_bitwise(results, name):
         assert r["mismatch"] == [], f"DiLoCo left the reference after inner steps {r['mismatch']}"
     setting = SETTINGS[name]
     starts = _starts(setting)
-    assert runs[0]["syncs"] == sum(1 for s, _ in starts if s + setting["delay"] <= setting["steps"])
+    assert runs[0]["syncs"] == sum(1 for s, _ in starts if s + setting["sync_delay"] <= setting["steps"])
     # exact fp32 averaging: 4 bytes per value of the fragment, handed to one all-reduce per started sync; the warm-up
     # sends every gradient every step
-    warm = setting["warmup"] * 4 * sum(runs[0]["sizes"])
+    warm = setting["sync_warmup"] * 4 * sum(runs[0]["sizes"])
     assert runs[0]["bytes"] == warm + sum(4 * runs[0]["sizes"][k] for _, k in starts)
-    if setting["warmup"]:  # the replicas train as one through the warm-up, then apart
-        w = setting["warmup"]
+    if setting["sync_warmup"]:  # the replicas train as one through the warm-up, then apart
+        w = setting["sync_warmup"]
         assert all(torch.equal(r["trajectory"][w - 1], runs[0]["trajectory"][w - 1]) for r in runs)
         assert not torch.equal(runs[0]["trajectory"][w], runs[1]["trajectory"][w])
     assert all(torch.equal(r["finished"], runs[0]["finished"]) for r in runs), "finish() leaves one model"
@@ -831,6 +858,34 @@ def test_a_state_that_does_not_fit_changes_nothing():
     ]
     assert moments and all(torch.equal(a, n) for a, n, _ in moments)
     assert any(not torch.equal(n, s) for _, n, s in moments)
+
+
+def test_a_state_saved_under_the_old_names_resumes_as_saved():
+    """A state saved before each setting had one name (``delay``, ``mix``, ``warmup``, ``applied``) loads as the
+    same state under today's names, and a mismatch is named in today's."""
+    config = DiLoCoConfig(
+        sync_every=2, compressor="int8", sync_warmup=1, warmup_compressor="int8", outer_lr=0.7, outer_momentum=0.9
+    )
+    model = make_model()
+    diloco = DiLoCo(model.named_parameters(), _inner(model), config)
+    _train(model, diloco, 0, range(5))
+    saved = from_blob(to_blob(diloco.state_dict()))
+    names = {"sync_delay": "delay", "sync_mix": "mix", "sync_warmup": "warmup", "updated_at": "applied"}
+    old = {names.get(k, k): v for k, v in saved.items()}
+    assert set(old) - set(saved) == set(names.values())
+    fresh_model = make_model()
+    fresh = DiLoCo(fresh_model.named_parameters(), _inner(fresh_model), config)
+    fresh.load_state_dict(old)
+    got = fresh.state_dict()
+    assert set(got) == set(saved)
+    for key in ("step", "syncs", "updated_at", "sync_delay", "sync_mix", "sync_warmup"):
+        assert got[key] == saved[key], key
+    assert all(torch.equal(a, b) for a, b in zip(got["anchors"], saved["anchors"], strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(got["compressor"]["errors"], saved["compressor"]["errors"], strict=True)
+    )
+    with pytest.raises(ValueError, match="sync_delay=3 -> 0"):
+        fresh.load_state_dict({**old, "delay": 3})
 
 
 def test_loading_waits_for_the_sync_in_flight():

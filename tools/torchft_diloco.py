@@ -104,7 +104,13 @@ class TorchftResult:
 
 
 def _config(
-    steps: int, sync_every: int, fragments: int, delay: int, alpha: float, outer_lr: float, outer_momentum: float
+    steps: int,
+    sync_every: int,
+    fragments: int,
+    sync_delay: int,
+    sync_mix: float,
+    outer_lr: float,
+    outer_momentum: float,
 ) -> TrainConfig:
     """The config of the powertrain diloco row this run mirrors: it checks the values, and builds the inner AdamW and
     its schedule exactly as sidebyside does."""
@@ -115,8 +121,8 @@ def _config(
         steps=steps,
         sync_every=sync_every,
         fragments=fragments,
-        sync_delay=delay,
-        sync_mix=alpha,
+        sync_delay=sync_delay,
+        sync_mix=sync_mix,
         outer_lr=outer_lr,
         outer_momentum=outer_momentum,
     )
@@ -134,8 +140,8 @@ def run_torchft(
     outer_lr: float = 0.7,
     outer_momentum: float = 0.9,
     fragments: int = 1,
-    delay: int = 0,
-    alpha: float = 0.0,
+    sync_delay: int = 0,
+    sync_mix: float = 0.0,
     world: int = 2,
     rate_mbit: float | None = None,
     timeout: float = 3600.0,
@@ -144,7 +150,7 @@ def run_torchft(
 
     Args:
         sync_every: H, inner steps between two syncs of a fragment; torchft needs ``fragments`` to divide it.
-        fragments, delay, alpha: Streaming DiLoCo's F, tau (torchft's ``fragment_sync_delay``) and alpha
+        fragments, sync_delay, sync_mix: Streaming DiLoCo's F, tau (torchft's ``fragment_sync_delay``) and alpha
             (``fragment_update_alpha``); the fragments are powertrain's (:func:`powertrain.diloco.split_by_size`),
             handed to torchft in the order that makes its schedule powertrain's (fragment k first at step k H / F).
         eval_every: validation every this many steps (0: at the end only).
@@ -152,7 +158,7 @@ def run_torchft(
         timeout: seconds for the whole run (also torchft's quorum and collective timeout).
 
     Raises ValueError for invalid settings, RuntimeError when a replica fails or a sync is not committed."""
-    cfg = _config(steps, sync_every, fragments, delay, alpha, outer_lr, outer_momentum)
+    cfg = _config(steps, sync_every, fragments, sync_delay, sync_mix, outer_lr, outer_momentum)
     if sync_every % fragments:
         raise ValueError(
             f"Invalid fragments={fragments} for sync_every={sync_every}: torchft needs fragments to divide sync_every"
@@ -187,8 +193,8 @@ def run_torchft(
         "outer_momentum": outer_momentum,
         "sync_every": sync_every,
         "fragments": fragments,
-        "delay": delay,
-        "alpha": alpha,
+        "sync_delay": sync_delay,
+        "sync_mix": sync_mix,
     }
     with tempfile.TemporaryDirectory(prefix="powertrain-torchft-") as tmp, contextlib.ExitStack() as stack:
         cluster = stack.enter_context(netem.EmulatedCluster(world, rate_mbit)) if rate_mbit is not None else None
@@ -403,7 +409,7 @@ def _worker(a: dict[str, Any]) -> None:
 
     r, world, host, timeout = a["replica"], a["world"], a["host"], timedelta(seconds=a["timeout"])
     cfg = _config(
-        a["steps"], a["sync_every"], a["fragments"], a["delay"], a["alpha"], a["outer_lr"], a["outer_momentum"]
+        a["steps"], a["sync_every"], a["fragments"], a["sync_delay"], a["sync_mix"], a["outer_lr"], a["outer_momentum"]
     )
     server = tf_manager.ManagerServer
 

@@ -18,9 +18,9 @@ __all__ = ["Layout", "check_state"]
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What the loading DiLoCo is: the settings a state must have been saved with (``sync_every``, ``fragments``,
-    ``delay``, ``mix``, ``warmup``), its local tensors' shapes, its outer optimizer's param_groups, its fragment
-    schedule (``fragments_to_sync(step)``: the fragments whose sync starts after ``step``) and whether it has a warm-up
-    compressor."""
+    ``sync_delay``, ``sync_mix``, ``sync_warmup``, ``outer_lr_schedule``), its local tensors' shapes, its outer
+    optimizer's param_groups, its fragment schedule (``fragments_to_sync(step)``: the fragments whose sync starts after
+    ``step``) and whether it has a warm-up compressor."""
 
     settings: dict[str, Any]
     shapes: list[torch.Size]
@@ -33,13 +33,19 @@ class Layout:
 
 #: the settings a state saved before they existed ran with
 _BEFORE = {"outer_lr_schedule": "constant"}
+#: the keys a state saved before the settings had one name each used (the command's and the class's names since)
+_RENAMED = {"delay": "sync_delay", "mix": "sync_mix", "warmup": "sync_warmup", "applied": "updated_at"}
 
 
-def check_state(state: Any, layout: Layout) -> None:
-    """ValueError in one line unless ``state`` is a DiLoCo state_dict that ``layout``'s DiLoCo can resume from
-    (the compressors check their own parts as they load)."""
+def check_state(state: Any, layout: Layout) -> Mapping[str, Any]:
+    """``state`` under today's keys (one saved under :data:`_RENAMED`'s old ones is read as well); ValueError in one
+    line unless it is a DiLoCo state_dict that ``layout``'s DiLoCo can resume from (the compressors check their own
+    parts as they load)."""
     if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
         raise ValueError("Not a DiLoCo state_dict")
+    today = {k: v for k, v in state.items() if k not in _RENAMED}
+    today.update({new: state[old] for old, new in _RENAMED.items() if old in state and new not in state})
+    state = today
     mine = layout.settings
     saved = {k: state.get(k, _BEFORE.get(k)) for k in mine}
     if saved != mine:
@@ -48,14 +54,14 @@ def check_state(state: Any, layout: Layout) -> None:
             f"DiLoCo state was saved with other settings ({diff}): resume with the same sync_every, "
             "fragments, sync_delay, sync_mix, sync_warmup and outer_lr_schedule"
         )
-    fragments, delay, warmup = mine["fragments"], mine["delay"], mine["warmup"]
-    step, syncs, applied = state.get("step"), state.get("syncs"), state.get("applied")
+    fragments, delay, warmup = mine["fragments"], mine["sync_delay"], mine["sync_warmup"]
+    step, syncs, updated = state.get("step"), state.get("syncs"), state.get("updated_at")
     if not (_is_int(step) and _is_int(syncs) and syncs >= 0 and step >= 0):
         raise ValueError(f"DiLoCo state_dict has invalid counters: step={step!r:.40}, syncs={syncs!r:.40}")
     if not (
-        isinstance(applied, list)
-        and len(applied) == len(fragments)
-        and all(_is_int(a) and 0 <= a <= max(step, warmup) for a in applied)
+        isinstance(updated, list)
+        and len(updated) == len(fragments)
+        and all(_is_int(a) and 0 <= a <= max(step, warmup) for a in updated)
     ):
         raise ValueError("DiLoCo state_dict's latest outer update per fragment is invalid")
     check_state_tensors("DiLoCo", "anchors", state.get("anchors"), layout.shapes)
@@ -83,6 +89,7 @@ def check_state(state: Any, layout: Layout) -> None:
     if not isinstance(state.get("outer"), Mapping) or not isinstance(state.get("compressor"), Mapping):
         raise ValueError("DiLoCo state_dict lacks the outer optimizer's or the compressor's state")
     _check_outer(state["outer"], layout)
+    return state
 
 
 def _check_outer(outer: Mapping[str, Any], layout: Layout) -> None:

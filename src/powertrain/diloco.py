@@ -236,7 +236,8 @@ class DiLoCo:
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One inner step; then the outer update of the fragment whose sync is due, and the start of the syncs that
-        begin at this step (waited for at once when ``delay`` is 0). Returns the closure's loss, if one was given."""
+        begin at this step (waited for at once when ``sync_delay`` is 0). Returns the closure's loss, if one was
+        given."""
         if self.step_count < self.config.sync_warmup:
             if closure is not None:
                 raise ValueError(
@@ -332,15 +333,15 @@ class DiLoCo:
             "kind": "DiLoCo",
             "sync_every": self.config.sync_every,
             "fragments": [list(f) for f in self.fragments],
-            "delay": self.config.sync_delay,
-            "mix": float(self.config.sync_mix),
+            "sync_delay": self.config.sync_delay,
+            "sync_mix": float(self.config.sync_mix),
             "step": self.step_count,
             "syncs": self.syncs,
-            "applied": list(self._updated_at),
+            "updated_at": list(self._updated_at),
             "anchors": list(self.sync.anchors),
             "outer": self.sync.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
-            "warmup": self.config.sync_warmup,
+            "sync_warmup": self.config.sync_warmup,
             "outer_lr_schedule": self.config.outer_lr_schedule,
             "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
             "pending": pending,
@@ -348,15 +349,15 @@ class DiLoCo:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; ValueError (nothing changed) if it does not fit this DiLoCo."""
-        check_state(
+        state = check_state(
             state,
             Layout(
                 settings={
                     "sync_every": self.config.sync_every,
                     "fragments": [list(f) for f in self.fragments],
-                    "delay": self.config.sync_delay,
-                    "mix": float(self.config.sync_mix),
-                    "warmup": self.config.sync_warmup,
+                    "sync_delay": self.config.sync_delay,
+                    "sync_mix": float(self.config.sync_mix),
+                    "sync_warmup": self.config.sync_warmup,
                     "outer_lr_schedule": self.config.outer_lr_schedule,
                 },
                 shapes=[t.shape for t in self._locals()],
@@ -368,7 +369,7 @@ class DiLoCo:
         )
         step: int = state["step"]  # checked above: ints and a list of ints
         syncs: int = state["syncs"]
-        applied: list[int] = state["applied"]
+        updated_at: list[int] = state["updated_at"]
         pending, warm = state.get("pending"), state.get("warmup_compressor")
         self.sync.drain()
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
@@ -388,7 +389,7 @@ class DiLoCo:
                 part.load_state_dict(old)
             raise ValueError(f"DiLoCo state_dict does not fit: {' '.join(str(e).split())[:300]}") from None
         self.sync.restore(state["anchors"], syncs, pending)
-        self.step_count, self._updated_at = step, list(applied)
+        self.step_count, self._updated_at = step, list(updated_at)
         self._lr_scale = None  # the next inner step records it; finish() before one reads the schedule now
 
 
