@@ -61,8 +61,8 @@ class _Ring:
 
 
 def _one_message(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A module's shards (weight and bias) as one buffer: one message per hop, not one per tensor (on gloo each
-    send costs ~1 ms of the caller's time, measured)."""
+    """A module's shards (weight and bias) as one buffer: one message per hop, not one per tensor (each send
+    has a fixed cost to the caller, on gloo most of all)."""
     return tensors[0] if len(tensors) == 1 else pack(tensors, tensors[0].dtype, tensors[0].device)
 
 

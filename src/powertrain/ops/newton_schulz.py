@@ -20,9 +20,7 @@ AdjustLR = Literal["original", "match_rms_adamw"]
 
 def ns_dtype(device: torch.device) -> torch.dtype:
     """The dtype the iteration runs in by default: bfloat16 on CUDA (what torch.optim.Muon always uses: tensor cores),
-    float32 elsewhere. CPUs without bf16 units emulate it: on the 2-core AMD and Intel machines here a bf16 step of
-    the default GPT's matrices took several times the float32 one (FACTS.md: a 300-step run over 50 minutes against
-    AdamW's 17)."""
+    float32 elsewhere: a CPU without bf16 units emulates bfloat16, slower than it runs float32."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

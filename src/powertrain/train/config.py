@@ -168,7 +168,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum: int = 1
     optimizer: Optimizer = "adamw"
-    lr: float = 1e-3  # best of 5e-4, 1e-3, 2e-3 and 3e-3 for AdamW on the default GPT over 200 steps
+    lr: float = 1e-3  # AdamW's best swept rate on the default GPT (BENCHMARKS.md, "Muon against a swept AdamW")
     #: the hidden matrices' learning rate with optimizer="muon" or "dion" (``lr`` is then the AdamW groups'); None:
     #: :data:`MATRIX_LR`'s
     muon_lr: float | None = None

@@ -206,8 +206,8 @@ class DistributedShampoo(torch.optim.Optimizer):
         precondition_1d: precondition vector blocks (1-D parameters such as biases and norm gains, and parameters
             whose merged shape is 1-D) with a full ``d x d`` factor, as the reference implementation does; False
             updates them by the grafting method alone (with ``adam``: Adam with the filtered gradient as its first
-            moment), as SOAP does by default. On the default GPT: 0.3% of the parameters, a tenth of the
-            optimizer's time.
+            moment), as SOAP does by default (their cost on the default GPT:
+            docs/optimizers.md).
         group: the data-parallel process group (default: the world when initialised, else one process); not
             used with sharded (DTensor) parameters, whose shards are preconditioned locally.
         comm_dtype: dtype of the all-gathered directions (float32: bitwise the single-process result).
