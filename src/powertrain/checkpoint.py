@@ -129,9 +129,13 @@ class CompressorState:
         self.compressor = obj
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"rank{r}_of_{world}": blob}``: the wrapped object's ``state_dict()`` as one uint8 tensor
+        (:func:`powertrain.serialize.dumps`), under this rank's key in the default group."""
         return {_rank_key(): to_blob(self.compressor.state_dict())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Parse this rank's blob and hand it to the wrapped object's ``load_state_dict``; :class:`CheckpointError`
+        if the state has no entry for this rank (saved with another world size) or the blob is malformed."""
         key = _rank_key()
         if key not in state:
             raise CheckpointError(

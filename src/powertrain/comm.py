@@ -54,6 +54,7 @@ class CommStats:
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, tensor: torch.Tensor, op: str = "all_reduce") -> None:
+        """Counts one collective of kind ``op`` sending ``tensor`` (its ``numel() * element_size()`` bytes)."""
         self.record_bytes(tensor.numel() * tensor.element_size(), op)
 
     def record_bytes(self, nbytes: int, op: str = "all_reduce", collectives: int = 1) -> None:
@@ -65,6 +66,7 @@ class CommStats:
             self.by_op[op] = self.by_op.get(op, 0) + nbytes
 
     def add_time(self, *, comm_s: float = 0.0, compress_s: float = 0.0) -> None:
+        """Adds seconds to the running totals: ``comm_s`` blocked in collectives, ``compress_s`` in compression."""
         with self._lock:
             self.comm_s += comm_s
             self.compress_s += compress_s
@@ -84,6 +86,7 @@ class CommStats:
         return out
 
     def reset(self) -> None:
+        """Zeroes every total, in place (holders of this object see the reset)."""
         with self._lock:
             self.bytes_sent = 0
             self.num_collectives = 0
@@ -111,16 +114,19 @@ class Communicator:
 
     @property
     def is_distributed(self) -> bool:
+        """Whether torch.distributed is initialised and the group has more than one rank (else nothing is sent)."""
         return dist.is_available() and dist.is_initialized() and self.world_size > 1
 
     @property
     def world_size(self) -> int:
+        """The number of ranks in the group; 1 when torch.distributed is not initialised."""
         if not (dist.is_available() and dist.is_initialized()):
             return 1
         return dist.get_world_size(self.group)
 
     @property
     def rank(self) -> int:
+        """This process's rank in the group; 0 when torch.distributed is not initialised."""
         if not (dist.is_available() and dist.is_initialized()):
             return 0
         return dist.get_rank(self.group)

@@ -92,9 +92,11 @@ class DDPCompressionHook:
         return chain.start()
 
     def state_dict(self) -> dict[str, Any]:
+        """The compressor's ``state_dict()``: the hook keeps no state of its own worth saving."""
         return self.compressor.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """The compressor's ``load_state_dict``: restores what :meth:`state_dict` returned, or raises ValueError."""
         self.compressor.load_state_dict(state)
 
 
@@ -196,6 +198,8 @@ class Rewrapped:
         self._ddp: DistributedDataParallel | None = None
 
     def registered_on(self, ddp_model: DistributedDataParallel) -> bool:
+        """Whether ``ddp_model`` is the wrapper :meth:`register` last registered on (by identity): False for a new
+        wrapper, which needs :meth:`register`."""
         return ddp_model is self._ddp
 
     def register(self, ddp_model: DistributedDataParallel, params: Iterable[Any]) -> tuple[Compressor, bool]:

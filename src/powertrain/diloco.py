@@ -232,6 +232,7 @@ class DiLoCo:
         return self.inner.param_groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad`` (the outer step keeps no gradients of its own)."""
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:

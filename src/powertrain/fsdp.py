@@ -116,6 +116,8 @@ class CompressedReduceScatter(ReduceScatter):
         return cls(compressor, [p for p, _ in managed], [size for _, size in managed])
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What FSDP2 calls for the reduce-scatter's buffers: a plain uninitialised ``torch.empty`` on ``device``
+        (no special memory needed)."""
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(
@@ -238,6 +240,8 @@ class QuantizedAllGather(AllGather):
         self.comm = Communicator()  # FSDP2 passes the group with each call; this counts what they send
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """What FSDP2 calls for the all-gather's buffers: a plain uninitialised ``torch.empty`` on ``device`` (no
+        special memory needed)."""
         return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(

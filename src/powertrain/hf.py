@@ -55,6 +55,10 @@ class GradientCompression(TrainerCallback, Rewrapped):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        """Register on the Trainer's DDP wrapper (again on a new one, the compressor and its state kept). On a resume
+        (``state.global_step > 0``) the first build loads this rank's state from
+        ``checkpoint-<step>/powertrain_compressor_rank<r>_of_<world>.bin``; raises ValueError without a DDP model or
+        for a state saved by another number of workers, FileNotFoundError where the file is missing."""
         ddp = self.trainer.model_wrapped
         if not isinstance(ddp, DistributedDataParallel):
             raise ValueError(
@@ -92,10 +96,13 @@ class GradientCompression(TrainerCallback, Rewrapped):
     # Written when the Trainer decides to save, before it writes its own files and rotates old checkpoints: a crash
     # in between leaves a folder without trainer_state.json, which a resume does not pick.
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """Where the Trainer saves at this step: writes this rank's compressor state into ``checkpoint-<step>``."""
         if control.should_save:
             self._save(args, state)
 
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        """Where the Trainer saves at the end of an epoch: writes this rank's compressor state, as
+        :meth:`on_step_end` does."""
         if control.should_save:
             self._save(args, state)
 

@@ -48,10 +48,15 @@ class GradientCompression(Callback, Rewrapped):
 
     @property
     def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint: made from the compressor's name only, so a resume with
+        other options still finds the state (which then says itself whether it fits)."""
         # the name only: options may change between a run and its resume, the state itself says whether it fits
         return self._generate_state_key(name=self.name)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Register on the strategy's DDP wrapper (again on a new one, the compressor and its state kept) and restore
+        a checkpoint's state loaded before the compressor existed; ValueError without ``strategy="ddp"``, a warning
+        when resuming from a checkpoint that holds no compressor state."""
         ddp = trainer.strategy.model
         if not isinstance(ddp, DistributedDataParallel):
             raise ValueError(
@@ -83,6 +88,9 @@ class GradientCompression(Callback, Rewrapped):
         return {"world_size": dist.get_world_size(self._cpu_group), "ranks": _gather(blob, self._cpu_group)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore this rank's compressor state from what :meth:`state_dict` wrote, or keep it until
+        :meth:`on_fit_start` builds the compressor. ValueError for a malformed state or one written by another
+        number of workers."""
         if not state_dict:
             return
         if self.compressor is None:

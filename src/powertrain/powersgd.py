@@ -71,6 +71,8 @@ class AllReduce(Aggregator):
 
     @torch.no_grad()
     def aggregate(self, gradients: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The exact mean over ranks (new tensors, each in its input's dtype; summed in float32, float64 if any input
+        is); each input is then zeroed: nothing is owed."""
         if not gradients:
             return []
         dtype = torch.float64 if any(g.dtype == torch.float64 for g in gradients) else torch.float32
@@ -104,10 +106,12 @@ class PowerSGD(Aggregator):
 
     @property
     def step_counter(self) -> int:
+        """Steps averaged so far (the compressor's ``num_steps``), as the reference counts them for its warm-up."""
         return self.compressor.num_steps
 
     @property
     def comm(self) -> Communicator:
+        """The compressor's communicator; its ``stats`` count the bytes and collectives sent."""
         return self.compressor.comm
 
     def aggregate(self, gradients: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:  # type: ignore[override]

@@ -50,6 +50,8 @@ class AllReduceCompressor(Compressor):
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
+        """One all-reduce (mean) of ``grads`` packed into one ``dtype`` buffer, cast back to each gradient's dtype;
+        with ``rows`` only those rows of each average are returned. Nothing is kept between calls."""
         idx = self._resolve(grads, indices, rows)
         buf = pack(grads, self.dtype, self.device)
         names = [self.names[i] for i in idx]
@@ -66,9 +68,12 @@ class AllReduceCompressor(Compressor):
         return guard_nonfinite(run(), local_ok=finite_flag([buf]), error=lambda: self._nonfinite_error(names, grads))
 
     def state_dict(self) -> dict[str, Any]:
+        """Only the class name and ``dtype``: nothing is owed between steps, so there is nothing else to resume."""
         return {"kind": type(self).__name__, "dtype": str(self.dtype)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Check that ``state`` is an AllReduceCompressor's with this ``dtype`` (ValueError if not); nothing to
+        restore."""
         if state.get("kind") != type(self).__name__ or state.get("dtype") != str(self.dtype):
             kind = state.get("kind")
             kind = kind[:60] if isinstance(kind, str) else "another compressor"

@@ -145,14 +145,20 @@ class HierarchicalCompressor(Compressor):
         self._node = [Communicator(node(), stats=self.node_stats) for _ in range(2)]
 
     def max_collectives_per_call(self) -> int:
+        """The inner compressor's, plus the all-reduce inside the node before and the all-gather after."""
         return 2 + self.inner.max_collectives_per_call()
 
     def communicators(self) -> list[Communicator]:
+        """One per collective of a call, in order: the node's reduce, one per inner collective (between nodes),
+        the node's gather."""
         return [self._node[0], *self._cross, self._node[1]]
 
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
+        """The exact mean inside the node, each parameter's through ``inner`` between nodes by the local rank that
+        owns it, then an all-gather inside the node of the owners' results. ``rows`` (FSDP's row shards) raises
+        ValueError: whole gradients only."""
         if rows is not None:
             raise ValueError(
                 "HierarchicalCompressor averages whole gradients (DDP); FSDP's row shards are not "
@@ -255,6 +261,8 @@ class HierarchicalCompressor(Compressor):
         return out
 
     def state_dict(self) -> dict[str, Any]:
+        """The inner compressor's state (for the parameters this rank owns) with the layout it belongs to: ``nodes``,
+        ``local_world`` and this rank's ``local_rank``."""
         return {
             "kind": type(self).__name__,
             "nodes": self.nodes,
@@ -264,6 +272,8 @@ class HierarchicalCompressor(Compressor):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned into the inner compressor. ValueError for another compressor's
+        state or one saved on another layout (nodes, ranks per node, local rank): error buffers cannot be resharded."""
         if not isinstance(state, Mapping) or state.get("kind") != type(self).__name__:
             got = state.get("kind") if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"Expected a {type(self).__name__} state_dict, got {got!r}")

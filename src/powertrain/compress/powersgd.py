@@ -310,6 +310,8 @@ class PowerSGDCompressor(Compressor):
 
     @property
     def num_compressed_steps(self) -> int:
+        """Compressed steps (those after the exact warm-up) of the parameter furthest along; 0 during the warm-up
+        and where no matrix is compressed."""
         return max((self._compressed_steps(i) for i in range(len(self.params))), default=0)
 
     @property
@@ -397,6 +399,8 @@ class PowerSGDCompressor(Compressor):
         return exact * self._itemsize + factors * self._wire.itemsize
 
     def max_collectives_per_call(self) -> int:
+        """``num_iters_per_step`` all-reduces (alternating) or twice that (paper), plus one for the exactly averaged
+        tensors where they travel apart (``fuse_exact=False``, or bf16 factors)."""
         # Fused programs: one all-reduce per iteration (alternating) or two (paper); warm-up needs one. Factors
         # sent in 16 bits leave the exactly averaged tensors a collective of their own.
         k = self.config.num_iters_per_step
@@ -661,6 +665,9 @@ class PowerSGDCompressor(Compressor):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        """The factors ``p`` and ``q``, the error buffers (the paper variant's kept ``M`` under ``"m"``), each
+        parameter's step count, the variant, the ``(n, m, rank)`` layout and the generator's state. The tensors are
+        the compressor's own, not copies (a step replaces them, never writes into them)."""
         # Tensors are replaced (never updated in place) at each step, so no clones are needed.
         return {
             "variant": self.config.variant,
@@ -675,6 +682,9 @@ class PowerSGDCompressor(Compressor):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, copied to this compressor's device and dtype. ValueError if a key
+        is missing, the variant or the ``(n, m, rank)`` layout differs (another model or Config), or a tensor's shape
+        or a count does not fit."""
         # "num_steps" and "compressed_steps", in states written before they were derived from "steps", are ignored
         keys = {"variant", "layout", "steps", "p", "q", "generator"}
         missing = keys - set(state)

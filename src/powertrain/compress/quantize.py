@@ -80,6 +80,9 @@ class QuantizedCompressor(ErrorFeedbackCompressor):
         self._keeps_old = loco_beta > 0
 
     def settings(self) -> dict[str, Any]:
+        """``bits``, ``chunk``, ``stochastic``, ``loco_beta`` and ``loco_reset_every``, plus the error buffers'
+        (``error_decay``, ``error_dtype``): saved with the state, and a state saved with other settings is refused at
+        load."""
         return {
             "bits": self.bits,
             "chunk": self.chunk,

@@ -40,6 +40,8 @@ class SignCompressor(ErrorFeedbackCompressor):
         self.chunk = chunk
 
     def settings(self) -> dict[str, Any]:
+        """``chunk`` plus the error buffers' settings (``error_decay``, ``error_dtype``): saved with the state, and a
+        state saved with other settings is refused at load."""
         return {"chunk": self.chunk, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:

@@ -59,6 +59,8 @@ class TopKCompressor(ErrorFeedbackCompressor):
         self.ratio, self.bits = ratio, bits
 
     def settings(self) -> dict[str, Any]:
+        """``ratio`` and ``bits`` plus the error buffers' settings (``error_decay``, ``error_dtype``): saved with the
+        state, and a state saved with other settings is refused at load."""
         return {"ratio": self.ratio, "bits": self.bits, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:
@@ -135,6 +137,8 @@ class RandomKCompressor(ErrorFeedbackCompressor):
         self.ratio = ratio
 
     def settings(self) -> dict[str, Any]:
+        """``ratio`` plus the error buffers' settings (``error_decay``, ``error_dtype``): saved with the state, and a
+        state saved with other settings is refused at load."""
         return {"ratio": self.ratio, **super().settings()}
 
     def _exchange(self, x: torch.Tensor, parts: list[torch.Tensor], idx: list[int]) -> Exchange:

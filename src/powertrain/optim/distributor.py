@@ -87,6 +87,8 @@ class Gather(Local):
         return sizes
 
     def slots(self, active: list[Block], device: torch.device) -> list[torch.Tensor | None]:
+        """Each owned active block's view of a new send buffer in ``comm_dtype`` (as wide as the largest rank's part):
+        directions written there are the all-gather's input, with no copy. Call before :meth:`exchange`."""
         self._send = torch.empty(max(self._sizes(active)), dtype=self.comm_dtype, device=device)
         out: list[torch.Tensor | None] = []
         offset = 0

@@ -84,6 +84,9 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter with a gradient: AdamW's up to its ``freeze_after``-th step, then with the
+        frozen second moment (see the module). Returns ``closure()``'s loss when a closure is given; ValueError for a
+        sparse gradient."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -60,10 +60,12 @@ class ChunkLayout(NamedTuple):
 
     @property
     def num_chunks(self) -> int:
+        """How many ``c1 x c2`` chunks tile the ``rows x cols`` matrix."""
         return (self.rows // self.c1) * (self.cols // self.c2)
 
     @property
     def chunk_numel(self) -> int:
+        """Values per chunk: ``c1 * c2``."""
         return self.c1 * self.c2
 
 

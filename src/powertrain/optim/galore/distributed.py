@@ -39,6 +39,7 @@ class RowShard:
     chunk: int
 
     def rows_of(self, rank: int) -> int:
+        """How many rows rank ``rank`` of the group holds: ``chunk``, fewer for the last, 0 past the end."""
         return max(0, min(self.chunk, self.total - rank * self.chunk))
 
 

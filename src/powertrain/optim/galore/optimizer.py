@@ -222,6 +222,8 @@ class GaLoreAdamW(torch.optim.Optimizer):
             warnings.warn("GaLoreAdamW: no param group sets a rank, so this is plain AdamW", stacklevel=2)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's ``Optimizer.add_param_group`` (options not given take the defaults), then the group's options are
+        checked as the constructor's are: ValueError for one out of range."""
         super().add_param_group(param_group)
         _check_group(self.param_groups[-1])
 

@@ -459,6 +459,9 @@ class DistributedShampoo(torch.optim.Optimizer):
         return [[b.param, b.index] for b in self._dist.owned(self.blocks)]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load this rank's :meth:`state_dict`. ValueError, before any state is replaced, for a state of another
+        layout version, rank or world size, or whose blocks, factors or tensors' shapes differ from this rank's
+        (other parameters or blocking options)."""
         meta = state_dict.get("shampoo")
         if meta is None:
             raise ValueError("Not a DistributedShampoo state dict (no 'shampoo' entry)")
@@ -597,6 +600,10 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
+        """One step: this rank filters and preconditions the blocks it owns, the ranks all-gather the directions (a
+        collective under data parallelism: every rank of ``group`` calls it), then every parameter with a gradient
+        gets weight decay, momentum and ``p -= lr * direction``. Returns ``closure()``'s loss when a closure is
+        given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -30,12 +30,15 @@ class RootCounter:
         self.counts = dict.fromkeys(RootStats._fields, 0)
 
     def stats(self) -> RootStats:
+        """The counts so far, as a :class:`RootStats` (a snapshot: later counts do not change it)."""
         return RootStats(**self.counts)
 
     def computed(self) -> None:
+        """A block's computation succeeded."""
         self.counts["computed"] += 1
 
     def graft_step(self) -> None:
+        """A block stepped with the grafting direction because of failures (no roots yet, or given up)."""
         self.counts["graft_steps"] += 1
 
     def failed(self, where: str, error: Exception, failures: int) -> None:
@@ -61,6 +64,7 @@ class RootCounter:
             )
 
     def state_dict(self) -> dict[str, int]:
+        """The counts by :class:`RootStats` field name (a copy), for the optimizer's ``state_dict()``."""
         return dict(self.counts)
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
