@@ -364,7 +364,7 @@ def test_horizon_only_runs_no_row_on_to_the_target(tmp_path, monkeypatch):
     local = PRESETS["local"]
     chosen = select_rows(local.rows)
     at300, at1000 = quality.rows_at(local, chosen, 300), quality.rows_at(local, chosen, 1000)
-    assert [(r.key, r.to_target) for r in at1000] == [("fp32", True), ("local", False)]
+    assert [(r.key, r.to_target) for r in at1000] == [("fp32", True), ("bf16", False), ("local", False)]
     assert [r.key for r in at300] == [r.key for r in chosen] and [r.to_target for r in at300] == [
         r.to_target for r in chosen
     ]
