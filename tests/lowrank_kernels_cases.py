@@ -86,7 +86,7 @@ def test_sum_project_equals_its_eager_twin(interpreted, monkeypatch, n, m, r):
             # each against the exact sum, not against each other: on some CPUs (an Intel Xeon here) the BLAS and
             # Triton's interpreter add in the same order and agree bit for bit, on others they differ
             exact = g.double() + (e.double() - k[0].double() @ k[1].double().T)
-            terms = (g.abs() + e.abs() + k[0].abs() @ k[1].abs().T).double()
+            terms = g.double().abs() + e.double().abs() + k[0].double().abs() @ k[1].double().abs().T
             most = (gamma(kr + 2) + GAMMA64) * terms
             for got in (got_m, want_m):
                 err = (got.double() - exact).abs()

@@ -886,6 +886,8 @@ def test_a_state_saved_under_the_old_names_resumes_as_saved():
     )
     with pytest.raises(ValueError, match="sync_delay=3 -> 0"):
         fresh.load_state_dict({**old, "delay": 3})
+    with pytest.raises(ValueError, match="holds 'delay' and 'sync_delay'"):  # the same setting under both names
+        fresh.load_state_dict({**saved, "delay": 3})
 
 
 def test_loading_waits_for_the_sync_in_flight():

@@ -370,6 +370,10 @@ def test_bad_options_refused(kwargs, message):
     if "seed" not in kwargs:  # a param group is checked the same way (the seed is the optimizer's)
         with pytest.raises(ValueError, match=message):
             GaLoreAdamW([{"params": [nn.Parameter(torch.zeros(3, 3))], **kwargs}])
+        opt = GaLoreAdamW([nn.Parameter(torch.zeros(3, 3))], rank=2)
+        with pytest.raises(ValueError, match=message):  # a group added later: refused, and not kept
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3))], **kwargs})
+        assert len(opt.param_groups) == 1
 
 
 def test_no_rank_anywhere_warns():

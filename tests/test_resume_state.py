@@ -368,6 +368,10 @@ def test_a_galore_state_is_checked_at_load(path, value, match):
         (("state", 0, "blocks", 0, "filtered"), ..., r"lacks \['filtered'\]"),
         (("state", 0, "blocks", 5), {}, "holds block 5 of parameter 0, which this rank does not own"),
         (("state", 0, "momentum"), torch.zeros(3), r"momentum of parameter 0 is \(3,\), the parameter is \(6, 8\)"),
+        # an entry of another type reached an attribute lookup (AttributeError); counters that are not counts were
+        # refused only after torch's loader had replaced the state
+        (("state", 0), 5, "entry 0 is not a parameter's blocks and momentum"),
+        (("shampoo", "root_stats"), {"computed": "x"}, "root statistics are .*, expected counts"),
     ],
 )
 def test_a_shampoo_state_is_checked_at_load(path, value, match):

@@ -43,8 +43,11 @@ def check_state(state: Any, layout: Layout) -> Mapping[str, Any]:
     parts as they load)."""
     if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
         raise ValueError("Not a DiLoCo state_dict")
+    both = [old for old, new in _RENAMED.items() if old in state and new in state]
+    if both:
+        raise ValueError(f"DiLoCo state_dict holds {both[0]!r} and {_RENAMED[both[0]]!r}, the same setting twice")
     today = {k: v for k, v in state.items() if k not in _RENAMED}
-    today.update({new: state[old] for old, new in _RENAMED.items() if old in state and new not in state})
+    today.update({new: state[old] for old, new in _RENAMED.items() if old in state})
     state = today
     mine = layout.settings
     saved = {k: state.get(k, _BEFORE.get(k)) for k in mine}

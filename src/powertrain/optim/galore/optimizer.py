@@ -223,9 +223,13 @@ class GaLoreAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``Optimizer.add_param_group`` (options not given take the defaults), then the group's options are
-        checked as the constructor's are: ValueError for one out of range."""
+        checked as the constructor's are: ValueError for one out of range, and the group is not kept."""
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        try:
+            _check_group(self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     # -- layout --------------------------------------------------------------------------------------------
 

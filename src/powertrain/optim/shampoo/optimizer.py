@@ -460,8 +460,9 @@ class DistributedShampoo(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load this rank's :meth:`state_dict`. ValueError, before any state is replaced, for a state of another
-        layout version, rank or world size, or whose blocks, factors or tensors' shapes differ from this rank's
-        (other parameters or blocking options)."""
+        layout version, rank or world size, whose blocks, factors or tensors' shapes differ from this rank's (other
+        parameters or blocking options), or whose counters are not counts; torch's own loader checks the groups
+        after that."""
         meta = state_dict.get("shampoo")
         if meta is None:
             raise ValueError("Not a DistributedShampoo state dict (no 'shampoo' entry)")
@@ -489,6 +490,9 @@ class DistributedShampoo(torch.optim.Optimizer):
             raise ValueError(f"This DistributedShampoo state's step count is {steps!r:.40}, expected an int >= 0")
         self._check_factors(state_dict)
         self._check_blocks(state_dict)
+        root = meta.get("root_stats")  # absent from states written before the counters
+        if root is not None and not (isinstance(root, dict) and all(type(v) is int and v >= 0 for v in root.values())):
+            raise ValueError(f"This DistributedShampoo state's root statistics are {root!r:.60}, expected counts")
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         for group in state_dict.get("param_groups", []):  # the options' names before they followed torch's (eps)
             for old, new in (("epsilon", "eps"), ("grafting_epsilon", "grafting_eps")):
@@ -496,7 +500,7 @@ class DistributedShampoo(torch.optim.Optimizer):
                     group[new] = group.pop(old)
         super().load_state_dict(state_dict)
         self.steps = steps
-        self._root_counter.load_state_dict(meta.get("root_stats"))  # absent from states written before the counters
+        self._root_counter.load_state_dict(root)
 
     def _check_factors(self, state_dict: dict[str, Any]) -> None:
         """Refuse factors that do not fit this rank's blocks, before any state is replaced: e.g. a small matrix's
@@ -504,7 +508,13 @@ class DistributedShampoo(torch.optim.Optimizer):
         ``state_dict()`` numbers parameters in the order of :attr:`_params`."""
         state = state_dict.get("state", {})
         for blk in self._dist.owned(self.blocks):
-            factors = state.get(blk.param, {}).get("blocks", {}).get(blk.index, {}).get("factors", [])
+            # a malformed entry is named by _check_blocks, after this: here only well-formed factors are compared
+            entry = state.get(blk.param, {}) if isinstance(state, dict) else {}
+            blocks = entry.get("blocks", {}) if isinstance(entry, dict) else {}
+            st = blocks.get(blk.index, {}) if isinstance(blocks, dict) else {}
+            factors = st.get("factors", []) if isinstance(st, dict) else []
+            if not (isinstance(factors, list) and all(isinstance(f, torch.Tensor) for f in factors)):
+                continue
             shapes = [tuple(f.shape) for f in factors]
             if shapes and shapes != [(d, d) for d in blk.shape]:
                 raise ValueError(
