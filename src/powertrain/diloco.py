@@ -326,24 +326,30 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ state
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings a state is saved with and must match to be resumed, under the config's names."""
+        return {
+            "sync_every": self.config.sync_every,
+            "fragments": [list(f) for f in self.fragments],
+            "sync_delay": self.config.sync_delay,
+            "sync_mix": float(self.config.sync_mix),
+            "sync_warmup": self.config.sync_warmup,
+            "outer_lr_schedule": self.config.outer_lr_schedule,
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
         rank's own: save them with it). A sync in flight is waited for and saved with its result."""
         pending = self.sync.settled_pending()
         return {
             "kind": "DiLoCo",
-            "sync_every": self.config.sync_every,
-            "fragments": [list(f) for f in self.fragments],
-            "sync_delay": self.config.sync_delay,
-            "sync_mix": float(self.config.sync_mix),
+            **self._settings(),
             "step": self.step_count,
             "syncs": self.syncs,
             "updated_at": list(self._updated_at),
             "anchors": list(self.sync.anchors),
             "outer": self.sync.outer.state_dict(),
             "compressor": self.compressor.state_dict(),
-            "sync_warmup": self.config.sync_warmup,
-            "outer_lr_schedule": self.config.outer_lr_schedule,
             "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
             "pending": pending,
         }
@@ -353,14 +359,7 @@ class DiLoCo:
         state = check_state(
             state,
             Layout(
-                settings={
-                    "sync_every": self.config.sync_every,
-                    "fragments": [list(f) for f in self.fragments],
-                    "sync_delay": self.config.sync_delay,
-                    "sync_mix": float(self.config.sync_mix),
-                    "sync_warmup": self.config.sync_warmup,
-                    "outer_lr_schedule": self.config.outer_lr_schedule,
-                },
+                settings=self._settings(),
                 shapes=[t.shape for t in self._locals()],
                 outer_groups=self.sync.outer.state_dict()["param_groups"],
                 fragments_to_sync=self.fragments_to_sync,

@@ -491,8 +491,7 @@ class DistributedShampoo(torch.optim.Optimizer):
         self._check_factors(state_dict)
         self._check_blocks(state_dict)
         root = meta.get("root_stats")  # absent from states written before the counters
-        if root is not None and not (isinstance(root, dict) and all(type(v) is int and v >= 0 for v in root.values())):
-            raise ValueError(f"This DistributedShampoo state's root statistics are {root!r:.60}, expected counts")
+        RootCounter.check(root)
         state_dict = {k: v for k, v in state_dict.items() if k != "shampoo"}
         for group in state_dict.get("param_groups", []):  # the options' names before they followed torch's (eps)
             for old, new in (("epsilon", "eps"), ("grafting_epsilon", "grafting_eps")):

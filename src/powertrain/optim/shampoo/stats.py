@@ -67,6 +67,16 @@ class RootCounter:
         """The counts by :class:`RootStats` field name (a copy), for the optimizer's ``state_dict()``."""
         return dict(self.counts)
 
+    @staticmethod
+    def check(state: Any) -> None:
+        """ValueError in one line unless ``state`` is what :meth:`load_state_dict` takes: None or counts (ints >= 0)."""
+        if state is not None and not (
+            isinstance(state, dict) and all(type(v) is int and v >= 0 for v in state.values())
+        ):
+            raise ValueError(f"This DistributedShampoo state's root statistics are {state!r:.60}, expected counts")
+
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """``None`` (a state written before the counters existed): they start at 0."""
-        self.counts = {k: int((state or {}).get(k, 0)) for k in RootStats._fields}
+        """``None`` (a state written before the counters existed): they start at 0. ValueError (:meth:`check`) for
+        anything else that is not counts."""
+        self.check(state)
+        self.counts = {k: (state or {}).get(k, 0) for k in RootStats._fields}
