@@ -602,12 +602,125 @@ def pairs_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
     )
 
 
+#: the powertrain rows at whose outer step torchft's DiLoCo is trained for its loss (each one fragment, no delay, an
+#: fp32 outer step: what torchft runs): the paper's Nesterov step, and the command's, plain averaging. ``local`` (the
+#: command's default, int4 with error feedback at that same step) is trained beside them: what powertrain adds
+LOSS_ROWS = ("diloco-paper", "h25-none")
+DEFAULT_ROW = "local"
+
+
+def _outer_step(row: Any) -> dict[str, Any]:
+    """The settings of the torchft run that mirrors ``row`` (a local-update row torchft can run: else ValueError)."""
+    o = row.optimizer_options
+    if row.parallel != "diloco" or row.kind != "none" or o.get("fragments", 1) != 1 or o.get("sync_delay", 0):
+        raise ValueError(f"Row {row.key!r} is not one torchft's DiLoCo runs (fp32, one fragment, no delay)")
+    return {"sync_every": int(o["sync_every"]), "outer_lr": o["outer_lr"], "outer_momentum": o["outer_momentum"]}
+
+
+def loss_runs(p: Any, steps: int, seeds: int, path: Path) -> dict[str, list[dict[str, float]]]:
+    """torchft's DiLoCo at the outer step of each of :data:`LOSS_ROWS`, trained ``steps`` steps on the preset's
+    model, data and replicas on loopback, seeds 0 .. ``seeds`` - 1 (as the quality bench seeds its rows); kept in
+    ``path`` under their settings and reused. Row key -> per seed {"val_loss", "bytes"} (a replica's, all syncs)."""
+    from powertrain.bench import quality, timetotarget
+
+    kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft losses") if path.exists() else {}
+    out: dict[str, list[dict[str, float]]] = {}
+    for row in quality.select_rows(LOSS_ROWS)[1:]:
+        step = _outer_step(row)
+        out[row.key] = []
+        for seed in range(seeds):
+            run = {
+                **step,
+                "model": dataclasses.asdict(p.model),
+                "batch": p.batch,
+                "data_mb": p.data_mb,
+                "eval_every": p.eval_every,
+                "world": p.workers,
+                "steps": steps,
+                "seed": seed,
+                "torchft": TORCHFT_VERSION,
+            }
+            key = json.dumps(run, sort_keys=True)
+            if key not in kept:
+                print(f"[torchft] torchft's DiLoCo at {row.key}'s outer step, {steps} steps, seed {seed}")
+                res = run_torchft(
+                    model=p.model,
+                    batch=p.batch,
+                    steps=steps,
+                    seed=seed,
+                    eval_every=p.eval_every,
+                    data_mb=p.data_mb,
+                    world=p.workers,
+                    **step,
+                )
+                kept[key] = {"val_loss": res.val_loss, "bytes": sum(res.bytes_per_sync)}
+                timetotarget.write_kept(path, kept)  # after every run: a stopped call loses one
+            out[row.key].append(kept[key])
+    return out
+
+
+def powertrain_losses(p: Any, steps: int, seeds: int, root: Path) -> dict[str, list[dict[str, float]]]:
+    """powertrain's rows :data:`LOSS_ROWS` and :data:`DEFAULT_ROW` as the quality bench kept them in ``root`` (trained
+    to their horizon only: ``powertrain bench quality --horizon-only``), per seed {"val_loss", "bytes"}."""
+    from powertrain.bench import quality
+
+    kept = quality._Kept(root, p)
+    out: dict[str, list[dict[str, float]]] = {}
+    for row in quality.select_rows([*LOSS_ROWS, DEFAULT_ROW])[1:]:
+        row = dataclasses.replace(row, to_target=False)
+        ms = [kept.get(steps, seed, row, None) for seed in range(seeds)]
+        if any(m is None for m in ms):
+            raise RuntimeError(f"The quality bench has not kept {row.key!r} at {steps} steps in {root}")
+        out[row.key] = [{"val_loss": quality._at(m, steps), "bytes": quality._bytes(m, steps)} for m in ms if m]
+    return out
+
+
+def loss_text(steps: int, theirs: dict[str, list[dict[str, float]]], ours: dict[str, list[dict[str, float]]]) -> str:
+    """torchft's and powertrain's validation losses at the same outer steps, and powertrain's default beside them."""
+    from powertrain.bench import quality
+
+    def loss(runs: list[dict[str, float]]) -> str:
+        vs = [r["val_loss"] for r in runs]
+        return f"{statistics.mean(vs):.4f} ({min(vs):.4f}-{max(vs):.4f})"
+
+    def mb(runs: list[dict[str, float]]) -> str:
+        return f"{statistics.median(r['bytes'] for r in runs) / 1e6:.2f} MB"
+
+    lines = [
+        f"| outer step (H, fp32, one fragment) | torchft's DiLoCo, val loss at {steps} | powertrain's DiLoCo | "
+        "largest difference of a seed | bytes a replica sends (torchft / powertrain) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in quality.select_rows(LOSS_ROWS)[1:]:
+        t, o = theirs[row.key], ours[row.key]
+        diff = max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(t, o, strict=True))
+        same = "0 (the same bits)" if diff == 0 else f"{diff:.2g}"
+        s = _outer_step(row)
+        lines.append(
+            f"| H {s['sync_every']}, lr {s['outer_lr']:g}, momentum {s['outer_momentum']:g} ({row.key}) | {loss(t)} | "
+            f"{loss(o)} | {same} | {mb(t)} / {mb(o)} |"
+        )
+    avg, default = theirs[LOSS_ROWS[1]], ours[DEFAULT_ROW]
+    gap = statistics.mean(d["val_loss"] for d in default) / statistics.mean(a["val_loss"] for a in avg) - 1
+    ratio = statistics.median(a["bytes"] for a in avg) / statistics.median(d["bytes"] for d in default)
+    (label,) = (r.label for r in quality.select_rows([DEFAULT_ROW])[1:])
+    return (
+        "\n".join(lines)
+        + f"\n\nWhat powertrain adds at the command's outer step: {label}, {loss(default)}, {gap:+.2%} against "
+        f"torchft's DiLoCo at the same outer step, for 1/{ratio:.1f} of its bytes ({mb(default)})."
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python tools/torchft_diloco.py [--preset local] [--workers N] [--out DIR] [--write FILE]``: torchft's DiLoCo
     and the quality preset's local-update rows timed on the emulated link in alternation (needs root), the pairs
     kept beside the quality bench's results (``DIR/PRESET[-wN]/torchft_link.json``, reused), the section
-    ``torchft-PRESET[-wN]`` of FILE (default: the repository's BENCHMARKS.md) rewritten. ``--worker JSON``: one
-    replica of :func:`run_torchft` (started by it)."""
+    ``torchft-PRESET[-wN]`` of FILE (default: the repository's BENCHMARKS.md) rewritten.
+
+    ``--losses``: instead, torchft's DiLoCo trained at the outer steps of :data:`LOSS_ROWS` over the preset's first
+    horizon and seeds on loopback (no root), beside powertrain's same rows and its default (trained by the quality
+    bench into DIR, reused), kept in ``DIR/PRESET[-wN]/torchft_loss.json``; the section ``torchft-loss-PRESET[-wN]``.
+    ``--worker JSON``: one replica of :func:`run_torchft` (started by it)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
         if len(argv) != 2:
@@ -632,12 +745,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=None, help="replicas (default: the preset's)")
     parser.add_argument("--out", default=quality.KEPT, help="the quality bench's kept results")
     parser.add_argument("--write", default=str(Path(__file__).resolve().parents[1] / "BENCHMARKS.md"))
+    parser.add_argument(
+        "--losses",
+        action="store_true",
+        help="train torchft's DiLoCo at the paper's outer step and at plain averaging, beside powertrain's same rows "
+        "(validation losses and bytes; loopback, no root)",
+    )
     args = parser.parse_args(argv)
     if args.workers is not None and args.workers < 2:
         parser.error(f"--workers {args.workers}: local updates need 2 or more replicas")
     if not available():
         print(_MISSING, file=sys.stderr)
         return 2
+    if args.losses:
+        return _losses(args)
     reason = netem.unavailable()
     if reason:
         print(
@@ -659,6 +780,42 @@ def main(argv: list[str] | None = None) -> int:
         + footer(" ".join(["python tools/torchft_diloco.py --preset", args.preset, *flags]))
     )
     publish(text, args.write, section("torchft", name))
+    return 0
+
+
+def _losses(args: Any) -> int:
+    """``--losses``: see :func:`main`."""
+    from powertrain.bench import quality
+    from powertrain.bench.report import footer, publish, section
+
+    p = quality.PRESETS[args.preset]
+    if args.workers is not None:
+        p = dataclasses.replace(p, workers=args.workers)
+    steps, name = p.horizons[0], quality.run_name(args.preset, p.workers)
+    root = Path(args.out) / name
+    quality.run_quality_bench(  # what it has kept already is reused
+        preset=args.preset,
+        rows=[*LOSS_ROWS, DEFAULT_ROW],
+        horizons=(steps,),
+        workers=args.workers,
+        rates=(),
+        out=args.out,
+        write=None,
+        horizon_only=True,
+    )
+    theirs = loss_runs(p, steps, p.seeds, root / "torchft_loss.json")
+    ours = powertrain_losses(p, steps, p.seeds, root)
+    flags = [] if args.workers is None else ["--workers", str(args.workers)]
+    text = (
+        f"## torchft's DiLoCo and powertrain's at the same outer step: validation loss ({p.workers} replicas)\n\n"
+        f"The quality bench's preset {args.preset!r} ({p.batch} sequences a step per replica, {p.seeds} seeds, "
+        f"{steps} steps, loopback): torchft {TORCHFT_VERSION}'s DiLoCo trained at the outer step of each powertrain "
+        "row, the same seeded models, batches, inner AdamW and schedule; bytes counted at each one's all-reduce.\n\n"
+        + loss_text(steps, theirs, ours)
+        + "\n\n"
+        + footer(" ".join(["python tools/torchft_diloco.py --losses --preset", args.preset, *flags]))
+    )
+    publish(text, args.write, section("torchft-loss", name))
     return 0
 
 
