@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpu_cluster import ALPHA_S, GPUS, NODES
 from powertrain import _json
 from powertrain._device import synchronize
 from powertrain.models import GPT, GPTConfig
@@ -59,9 +60,10 @@ PROFILED: dict[str, tuple[str, str]] = {
     "PowerSGD r32": ("powersgd_r32_profile", "powersgd_profile.txt"),
     "int8": ("int8_profile", "int8_profile.txt"),
 }
-#: The link rank=auto is asked about: 100 Gbit/s between nodes, 2 nodes x 8 GPUs in one ring (the link carries a
-#: GPU's whole ring traffic), 20 us per message.
-AUTO_LINK = (100e9 / 8, 20e-6, 16)  # Link(bytes_per_s, latency_s, world)
+#: The link rank=auto is asked about, one of tools/gpu_cluster.py's: 100 Gbit/s between nodes, its smaller cluster in
+#: one ring (the link carries a GPU's whole ring traffic); Link's latency is a whole all-reduce's (what measure_link
+#: measures), for which the cluster model's per-message alpha stands in, as it did on the H100's run.
+AUTO_LINK = (100e9 / 8, ALPHA_S, NODES[0] * GPUS)  # Link(bytes_per_s, latency_s, world)
 #: Ways to train whose step's peak memory is measured: powertrain train's --parallel, compressor, compiled.
 MEMORY: dict[str, tuple[str, str, dict[str, Any], bool]] = {
     "ddp": ("ddp", "none", {}, False),

@@ -235,6 +235,25 @@ class Communicator:
         self.all_reduce_(tensor, "mean")
 
 
+def ring_cost(op: str, world: int) -> tuple[float, int]:
+    """A ring collective's two cost terms per rank, the alpha-beta model's multipliers: the bytes it sends per byte of
+    payload (beta's), and the messages it sends (alpha's). The payload is what one rank hands to the collective (the
+    tensor for all-reduce, its own part for all-gather, what leaves it for all-to-all). Ring all-reduce sends
+    ``2 (W-1)/W`` of it in ``2 (W-1)`` messages, all-gather ``W-1`` times it in ``W-1``, reduce-scatter ``(W-1)/W`` in
+    ``W-1``, all-to-all all of it once in ``W-1``; nothing at world size 1."""
+    per_byte = {
+        "all_reduce": 2 * (world - 1) / world,
+        "all_gather": world - 1,
+        "reduce_scatter": (world - 1) / world,
+        "all_to_all": 1.0,
+    }
+    if op not in per_byte:
+        raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(per_byte)}")
+    if world < 2:
+        return 0.0, 0
+    return per_byte[op], 2 * (world - 1) if op == "all_reduce" else world - 1
+
+
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """Where ``group``'s (default: the world's) collectives take their tensors: the current CUDA device under NCCL
     (which refuses CPU tensors), else the CPU (gloo; also when torch.distributed is not initialised). Tensors that

@@ -27,6 +27,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from powertrain.comm import ring_cost
+
 __all__ = ["EmulatedCluster", "collective_seconds", "comm_seconds", "unavailable", "validate"]
 
 #: TCP/IPv4/Ethernet framing: 1448 payload bytes cost 1514 on the wire (measured here: theory x1.046
@@ -44,29 +46,21 @@ def collective_seconds(
     latency_s: float = 0.0,
     collectives: int = 1,
 ) -> float:
-    """Time a ring collective needs on links of ``rate_mbit``, per rank: the alpha-beta model, the one cost model of
-    the benchmarks (the emulated links', and the clusters' on paper).
+    """Time a ring collective needs on links of ``rate_mbit``, per rank: the alpha-beta model of
+    :func:`powertrain.comm.ring_cost` (what each collective sends), the one cost model of the benchmarks (the emulated
+    links', and the clusters' on paper).
 
-    ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part
-    for all-gather). Ring all-reduce sends ``2 (W-1)/W`` of it in ``2 (W-1)`` messages, all-gather ``(W-1)`` times it
-    in ``W-1``, reduce-scatter ``(W-1)/W`` in ``W-1`` (gloo runs reduce-scatter as an all-reduce: use "all_reduce" for
-    it there); for all-to-all the payload is what leaves the rank (:meth:`powertrain.comm.Communicator.all_to_all`),
-    sent once in ``W-1`` messages. ``framing``: wire bytes per payload byte (TCP over Ethernet by default; 1 counts
-    payload only). ``latency_s``: alpha, the cost of one message (0: bandwidth only, what the emulated links add);
-    ``collectives``: how many collectives the payload is split into, each paying its messages' latency.
+    ``payload_bytes`` is what one rank hands to the collective (the tensor for all-reduce, its own part for all-gather;
+    gloo runs reduce-scatter as an all-reduce: use "all_reduce" for it there; for all-to-all what leaves the rank,
+    :meth:`powertrain.comm.Communicator.all_to_all`). ``framing``: wire bytes per payload byte (TCP over Ethernet by
+    default; 1 counts payload only). ``latency_s``: alpha, the cost of one message (0: bandwidth only, what the
+    emulated links add); ``collectives``: how many collectives the payload is split into, each paying its messages'
+    latency.
     """
-    factor = {
-        "all_reduce": 2 * (world - 1) / world,
-        "all_gather": world - 1,
-        "reduce_scatter": (world - 1) / world,
-        "all_to_all": 1.0,
-    }
-    if op not in factor:
-        raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(factor)}")
-    if world < 2 or payload_bytes <= 0:
+    per_byte, messages = ring_cost(op, world)
+    if payload_bytes <= 0:
         return 0.0
-    messages = 2 * (world - 1) if op == "all_reduce" else world - 1
-    return factor[op] * payload_bytes * framing * 8 / (rate_mbit * 1e6) + collectives * messages * latency_s
+    return per_byte * payload_bytes * framing * 8 / (rate_mbit * 1e6) + collectives * messages * latency_s
 
 
 #: What the benchmarks' per-step byte counts are costed as: gloo runs a reduce-scatter as a full all-reduce, and

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from powertrain._device import synchronize
-from powertrain.comm import Communicator
+from powertrain.comm import Communicator, ring_cost
 from powertrain.compress.powersgd import Config, PowerSGDCompressor, recommended_options
 
 __all__ = ["RANKS", "Choice", "Link", "choose", "measure_link", "slowest"]
@@ -35,16 +35,19 @@ RANKS = (64, 32, 16, 8, 4)
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """What one all-reduce costs: ``latency_s + 2 (W - 1) / W * nbytes / bytes_per_s``."""
+    """What an all-reduce costs as :func:`measure_link` measures it: ``latency_s`` (a whole small all-reduce's time)
+    plus the ring's bytes (:func:`powertrain.comm.ring_cost`) at ``bytes_per_s``."""
 
     bytes_per_s: float  # inf: too fast to measure with the probe
     latency_s: float
     world: int
 
     def all_reduce_s(self, nbytes: float, collectives: int = 1) -> float:
-        if self.world < 2:
+        """Seconds to all-reduce ``nbytes`` of payload split into ``collectives`` all-reduces."""
+        per_byte, _ = ring_cost("all_reduce", self.world)
+        if not per_byte:
             return 0.0
-        return collectives * self.latency_s + 2 * (self.world - 1) / self.world * nbytes / self.bytes_per_s
+        return collectives * self.latency_s + per_byte * nbytes / self.bytes_per_s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +85,7 @@ def measure_link(
             break
         size *= 4
     extra = seconds - latency
-    wire = 2 * (world - 1) / world * (size - 4)
+    wire = ring_cost("all_reduce", world)[0] * (size - 4)
     return Link(wire / extra if extra > 0 else float("inf"), latency, world)
 
 
