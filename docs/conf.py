@@ -45,7 +45,19 @@ nitpick_ignore_regex = [
 
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
-autodoc_default_options = {"members": True, "show-inheritance": True}
+# Members a class inherits from an internal powertrain base (ErrorFeedbackCompressor's state_dict, MatrixOptimizer's
+# add_param_group, Rewrapped's hooks) are documented on the class; those of other projects' bases, and of the
+# documented public bases (Compressor, Aggregator, DeMo), are not repeated on each subclass.
+_DOCUMENTED_ELSEWHERE = [
+    "object", "ABC", "Protocol", "Generic", "tuple", "dict", "Exception", "ValueError", "RuntimeError",
+    "FloatingPointError", "KeyboardInterrupt", "Optimizer", "Module", "Callback", "TrainerCallback",
+    "DefaultLoadPlanner", "_PyUnpickler", "Compressor", "Aggregator", "DeMo",
+]  # fmt: skip
+autodoc_default_options = {
+    "members": True,
+    "show-inheritance": True,
+    "inherited-members": ",".join(_DOCUMENTED_ELSEWHERE),
+}
 
 html_theme = "furo"
 html_title = f"powertrain {version}"

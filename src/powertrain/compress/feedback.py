@@ -112,6 +112,9 @@ class ErrorFeedbackCompressor(Compressor):
     def program(
         self, grads: Sequence[torch.Tensor], indices: Sequence[int] | None = None, *, rows: Rows = None
     ) -> Program:
+        """The collectives that average ``grads`` (aligned with ``indices``, default all parameters; ``rows``: only
+        rows ``lo:hi`` of each average): each gradient plus its (decayed) error buffer is encoded, the encodings
+        exchanged and decoded, and what its own encoding lost kept in the buffer for the next step."""
         idx = self._resolve(grads, indices, rows)
         numels = [self._shapes[i].numel() for i in idx]
         lengths = chunk_lengths(numels, self._layout_chunk())
@@ -170,6 +173,8 @@ class ErrorFeedbackCompressor(Compressor):
         return {"error_decay": self.error_decay, "error_dtype": str(self.error_dtype).removeprefix("torch.")}
 
     def state_dict(self) -> dict[str, Any]:
+        """The error buffers, each parameter's step count and the seed, with the settings and shapes they belong to:
+        what a resume needs to send the same bytes."""
         return {
             "kind": type(self).__name__,
             "settings": self.settings(),
@@ -180,6 +185,8 @@ class ErrorFeedbackCompressor(Compressor):
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; ValueError if it is another compressor's, for other shapes or
+        saved with other settings."""
         missing = {"kind", "shapes", "errors", "steps", "seed"} - set(state)
         if missing:
             raise ValueError(f"{type(self).__name__} state_dict is missing {sorted(missing)}")

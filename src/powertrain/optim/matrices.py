@@ -278,8 +278,8 @@ class MatrixOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Only while the constructor builds the groups: after that ValueError (pass every group to the constructor).
-        A group needs ``"algorithm"`` (:attr:`algorithm` or ``"adamw"``); its missing options take that algorithm's
-        defaults, and unknown or invalid ones raise ValueError."""
+        A group needs ``"algorithm"`` (the optimizer's own, e.g. ``"muon"``, or ``"adamw"``); its missing options take
+        that algorithm's defaults, and unknown or invalid ones raise ValueError."""
         if self._built:
             raise ValueError(
                 f"{type(self).__name__}'s groups are fixed when it is built (its matrices' work and state are set up "
