@@ -48,15 +48,12 @@ autodoc_typehints = "description"
 # Members a class inherits from an internal powertrain base (ErrorFeedbackCompressor's state_dict, MatrixOptimizer's
 # add_param_group, Rewrapped's hooks) are documented on the class; those of other projects' bases, and of the
 # documented public bases (Compressor, Aggregator, DeMo), are not repeated on each subclass.
-_DOCUMENTED_ELSEWHERE = [
-    "object", "ABC", "Protocol", "Generic", "tuple", "dict", "Exception", "ValueError", "RuntimeError",
-    "FloatingPointError", "KeyboardInterrupt", "Optimizer", "Module", "Callback", "TrainerCallback",
-    "DefaultLoadPlanner", "_PyUnpickler", "Compressor", "Aggregator", "DeMo",
-]  # fmt: skip
 autodoc_default_options = {
     "members": True,
     "show-inheritance": True,
-    "inherited-members": ",".join(_DOCUMENTED_ELSEWHERE),
+    "inherited-members": "object,ABC,Protocol,Generic,tuple,dict,Exception,ValueError,RuntimeError,FloatingPointError,"
+    "KeyboardInterrupt,Optimizer,Module,Callback,TrainerCallback,DefaultLoadPlanner,_PyUnpickler,Compressor,Aggregator,"
+    "DeMo",
 }
 
 html_theme = "furo"

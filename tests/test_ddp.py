@@ -623,7 +623,7 @@ def test_take_error_returns_once_every_call_in_flight_has_ended():
     still 0.3 s from writing)."""
     import threading
 
-    from powertrain.compress.chain import Sequencer
+    from powertrain.compress.chain import ChainedCalls, Sequencer
     from powertrain.ddp import DDPCompressionHook
 
     class Later:  # gloo-like: each all-reduce completes on another thread, after a delay
@@ -651,7 +651,7 @@ def test_take_error_returns_once_every_call_in_flight_has_ended():
             return self.g
 
     params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
-    hook = DDPCompressionHook(make_compressor("none", params), Sequencer([Later()]))
+    hook = DDPCompressionHook(make_compressor("none", params), ChainedCalls(Sequencer([Later()])))
     grads = [torch.tensor([float("nan"), 0.0, 0.0]), torch.ones(3)]
     futures = [hook(Bucket(p, g)) for p, g in zip(params, grads, strict=True)]
     with pytest.raises(Exception, match="non-finite"):

@@ -15,7 +15,7 @@ import torch
 
 from powertrain.comm import CommStats
 from powertrain.compress.base import Compressor
-from powertrain.compress.chain import Chain, Sequencer, sequencer_for
+from powertrain.compress.chain import ChainedCalls, sequencer_for
 
 __all__ = ["OuterSync", "Pending"]
 
@@ -46,13 +46,11 @@ class OuterSync:
     ) -> None:
         self.compressor = compressor
         self.fragments = fragments
-        self._seq = sequencer_for(compressor, calls_overlap=False)  # one sync in flight at a time
-        self._calls = 0
+        self._calls = ChainedCalls(sequencer_for(compressor, calls_overlap=False))  # one sync in flight at a time
         with torch.no_grad():
             self.anchors = [t.detach().clone() for t in local]
         self.outer = torch.optim.SGD(self.anchors, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.pending: Pending | None = None
-        self._error: BaseException | None = None
         self.syncs = 0  # fragment synchronisations applied
         self.waited_s = 0.0  # compute time lost waiting for syncs that had not arrived when due
         self.late = 0  # how many syncs had not arrived when due
@@ -74,15 +72,11 @@ class OuterSync:
         idx = self.fragments[f]
         delta = [self.anchors[i] - local[i] for i in idx]
 
-        def failed(e: BaseException) -> None:
-            self._error = self._error or e
-
         def done(average: list[torch.Tensor]) -> None:
             chain.future.set_result(average)
 
         device = delta[0].device if delta else None  # a CUDA future: its waiter's streams wait for the callbacks'
-        chain = Chain(self.compressor.program(delta, idx), self._seq, self._calls, done, failed, device)
-        self._calls += 1
+        chain = self._calls.chain(self.compressor.program(delta, idx), done, device)
         self.pending = Pending(f, due, chain.start())
 
     def wait(self, *, lost: bool) -> Pending:
@@ -95,7 +89,7 @@ class OuterSync:
             try:
                 pending.average = pending.future.wait()
             except BaseException as e:
-                error, self._error = self._error or e, None
+                error = self._calls.take_error() or e
                 self.pending = None
                 raise error from None
             if lost and not arrived:
@@ -151,7 +145,7 @@ class OuterSync:
         if in_flight is not None:
             with contextlib.suppress(BaseException):
                 in_flight.wait()
-            self._error = None
+            self._calls.take_error()
 
     @torch.no_grad()
     def restore(self, anchors: Sequence[torch.Tensor], syncs: int, pending: Mapping[str, Any] | None) -> None:
@@ -160,7 +154,7 @@ class OuterSync:
         for a, saved in zip(self.anchors, anchors, strict=True):
             a.copy_(saved)
         self.syncs = syncs
-        self._seq, self._calls = Sequencer(self._seq.comms), 0  # the same communicators, no sync in their queues
+        self._calls.restart()  # no sync in their queues
         self.pending = None
         if pending is not None:
             f = pending["fragment"]

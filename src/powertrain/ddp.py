@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from powertrain.compress.base import Compressor
-from powertrain.compress.chain import Chain, Sequencer, future_on, sequencer_for
+from powertrain.compress.chain import ChainedCalls, future_on, sequencer_for
 
 __all__ = ["DDPCompressionHook", "Rewrapped", "local_gradients", "register_compressor"]
 
@@ -45,9 +45,7 @@ class DDPCompressionHook:
     """
 
     compressor: Compressor
-    _seq: Sequencer
-    _calls: int = 0
-    _error: BaseException | None = None
+    _calls: ChainedCalls
     _inflight: list[torch.futures.Future] = dataclasses.field(default_factory=list)  # the calls not known done
 
     def take_error(self) -> BaseException | None:
@@ -62,9 +60,8 @@ class DDPCompressionHook:
         for fut in inflight:
             with contextlib.suppress(BaseException):  # a call that failed too: the first error is the one kept
                 fut.wait()
-        self._seq.worker.wait_idle()
-        error, self._error = self._error, None
-        return error
+        self._calls.seq.worker.wait_idle()
+        return self._calls.take_error()
 
     def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future:
         # in the compressor's parameter order, not the bucket's: DDP's first step after a (re)start orders a
@@ -83,11 +80,7 @@ class DDPCompressionHook:
                 g.copy_(a)
             chain.future.set_result(buffer)
 
-        def failed(e: BaseException) -> None:
-            self._error = self._error or e
-
-        chain = Chain(self.compressor.program(grads, idx), self._seq, self._calls, done, failed, buffer.device)
-        self._calls += 1
+        chain = self._calls.chain(self.compressor.program(grads, idx), done, buffer.device)
         self._inflight = [f for f in self._inflight if not f.done()] + [chain.future]
         return chain.start()
 
@@ -174,7 +167,7 @@ def register_compressor(ddp_model: DistributedDataParallel, compressor: Compress
         ddp_group
     ):
         raise ValueError("The compressor and the DDP model must use the same process group (pass group= to both)")
-    state = DDPCompressionHook(compressor, sequencer_for(compressor, calls_overlap=True))
+    state = DDPCompressionHook(compressor, ChainedCalls(sequencer_for(compressor, calls_overlap=True)))
     ddp_model.register_comm_hook(state, _hook)
     return state
 

@@ -31,8 +31,8 @@ from powertrain.comm import ring_cost
 
 __all__ = ["EmulatedCluster", "collective_seconds", "comm_seconds", "unavailable", "validate"]
 
-#: TCP/IPv4/Ethernet framing: 1448 payload bytes cost 1514 on the wire (measured here: theory x1.046
-#: matched a 16 MiB all-reduce at 1 Gbit/s within 0.3%).
+#: TCP/IPv4/Ethernet framing: 1448 payload bytes cost 1514 on the wire; :func:`validate` times an all-reduce against
+#: the model built on it (the network bench's "Emulation check" lines in BENCHMARKS.md).
 FRAMING = 1514 / 1448
 
 

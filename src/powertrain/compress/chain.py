@@ -36,7 +36,7 @@ import torch
 from powertrain.comm import Communicator
 from powertrain.compress.base import Compressor, GatherRequest, Program, Request
 
-__all__ = ["Chain", "Sequencer", "future_on", "sequencer_for"]
+__all__ = ["Chain", "ChainedCalls", "Sequencer", "future_on", "sequencer_for"]
 
 
 def sequencer_for(compressor: Compressor, *, calls_overlap: bool) -> Sequencer:
@@ -182,6 +182,39 @@ def future_on(device: torch.device | None) -> torch.futures.Future:
     set and makes a waiter's streams wait for it: a program's later steps run in callbacks on the streams a CUDA
     future (NCCL's) hands them, not on the stream the caller reads the result on."""
     return torch.futures.Future(devices=[device] if device is not None and device.type == "cuda" else None)
+
+
+class ChainedCalls:
+    """A driver's side of its chained programs: the sequencer their collectives go through, the calls' numbers (in
+    the order the driver issues them, the same on every rank), and the first failure a chain reported from a
+    communication thread, kept for the driver to raise in its own thread (:meth:`take_error`)."""
+
+    def __init__(self, seq: Sequencer) -> None:
+        self.seq = seq
+        self.count = 0  # calls issued so far: the next call's number
+        self.error: BaseException | None = None
+
+    def chain(
+        self, program: Program, done: Callable[[list[torch.Tensor]], None], device: torch.device | None = None
+    ) -> Chain:
+        """The next call's chain, not yet started (``start()`` issues its first collective)."""
+
+        def failed(e: BaseException) -> None:
+            if self.error is None:
+                self.error = e
+
+        chain = Chain(program, self.seq, self.count, done, failed, device)
+        self.count += 1
+        return chain
+
+    def take_error(self) -> BaseException | None:
+        """The first failure since the last call, forgotten."""
+        error, self.error = self.error, None
+        return error
+
+    def restart(self) -> None:
+        """Number the calls afresh on the same communicators (every rank does, with no call in flight)."""
+        self.seq, self.count, self.error = Sequencer(self.seq.comms), 0, None
 
 
 class Chain:

@@ -144,8 +144,8 @@ class Config:
 
 
 #: What ``make_compressor("powersgd")`` and ``powertrain train`` use for every :class:`Config` field not given:
-#: the measured best within 1/8 of fp32 all-reduce's bytes on the default GPT (docs/compression.md, "How the
-#: defaults were chosen"): rank 32, the paper variant (its error is the gradient minus the *shared*
+#: the measured best within 1/8 of fp32 all-reduce's bytes on the default GPT (docs/notes/compression.md, "How
+#: the defaults were chosen"): rank 32, the paper variant (its error is the gradient minus the *shared*
 #: approximation), factors sent as bf16, after 5 exact steps. :class:`Config` itself keeps the reference's
 #: defaults (alternating, fp32 factors, 100 exact steps): compatibility is its point.
 RECOMMENDED: Mapping[str, Any] = MappingProxyType(

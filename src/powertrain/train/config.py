@@ -103,7 +103,8 @@ RECOMMENDED_COST = (
 
 
 #: AdamW's freeze with PowerSGD when the run does not set one (1-bit Adam's 15-25% of exact Adam first): the
-#: fraction bench quality chose over a tenth (docs/compression.md, "How the defaults were chosen").
+#: fraction bench quality chose over a tenth (docs/notes/compression.md, "How the defaults were
+#: chosen").
 POWERSGD_ADAM_FREEZE = 0.25
 
 
