@@ -1,6 +1,7 @@
-"""What a :class:`powertrain.diloco.DiLoCo` state_dict must be before any of it is applied: the settings it was saved
-with, its counters, anchors, the sync in flight and the outer optimizer's state, each checked against the DiLoCo that
-loads it (:class:`Layout`), so that a crafted or mismatched state is refused in one line and changes nothing."""
+"""A :class:`powertrain.diloco.DiLoCo` state (:class:`SavedState`) and what it must be before any of it is applied: the
+settings it was saved with, its counters, anchors, the sync in flight and the outer optimizer's state, each checked
+against the DiLoCo that loads it (:class:`Layout`), so that a crafted or mismatched state is refused in one line and
+changes nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from powertrain.compress.base import check_state_tensors
 
-__all__ = ["Layout", "check_state"]
+__all__ = ["Layout", "SavedState"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +38,33 @@ _BEFORE = {"outer_lr_schedule": "constant"}
 _RENAMED = {"delay": "sync_delay", "mix": "sync_mix", "warmup": "sync_warmup", "applied": "updated_at"}
 
 
-def check_state(state: Any, layout: Layout) -> Mapping[str, Any]:
-    """``state`` under today's keys (one saved under :data:`_RENAMED`'s old ones is read as well); ValueError in one
-    line unless it is a DiLoCo state_dict that ``layout``'s DiLoCo can resume from (the compressors check their own
-    parts as they load)."""
+@dataclasses.dataclass(frozen=True)
+class SavedState:
+    """What a DiLoCo saves besides its settings: written by :meth:`as_dict`, read back (checked) by :meth:`read`."""
+
+    step: int  # inner steps taken
+    syncs: int  # fragment synchronisations applied
+    updated_at: list[int]  # the inner step of each fragment's latest outer update
+    anchors: list[torch.Tensor]
+    outer: Mapping[str, Any]  # the outer optimizer's state_dict
+    compressor: Mapping[str, Any]
+    warmup_compressor: Mapping[str, Any] | None
+    pending: Mapping[str, Any] | None  # the sync in flight: fragment, due step, its arrived average
+
+    def as_dict(self, settings: Mapping[str, Any]) -> dict[str, Any]:
+        """The state_dict: the settings it was saved with (which :meth:`read` compares), then the fields."""
+        return {"kind": "DiLoCo", **settings, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}}
+
+    @classmethod
+    def read(cls, state: Any, layout: Layout) -> SavedState:
+        """The state a DiLoCo of ``layout`` can resume from; ValueError in one line otherwise (the compressors and the
+        outer optimizer check the inside of their own parts as they load)."""
+        state = _check(state, layout)
+        return cls(**{f.name: state.get(f.name) for f in dataclasses.fields(cls)})
+
+
+def _check(state: Any, layout: Layout) -> Mapping[str, Any]:
+    """``state`` under today's keys (one saved under :data:`_RENAMED`'s old ones is read as well), checked."""
     if not isinstance(state, Mapping) or state.get("kind") != "DiLoCo":
         raise ValueError("Not a DiLoCo state_dict")
     both = [old for old, new in _RENAMED.items() if old in state and new in state]

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from powertrain._checks import check_int
 from powertrain._diloco_config import DiLoCoConfig, schedule
-from powertrain._diloco_state import Layout, check_state
+from powertrain._diloco_state import Layout, SavedState
 from powertrain._outer_sync import OuterSync, Pending
 from powertrain.comm import CommStats, Communicator, group_of_its_own
 from powertrain.compress.base import Compressor, placeholder, run_program
@@ -340,23 +340,22 @@ class DiLoCo:
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume bit-identically besides the replica's weights and the inner optimizer's state (each
         rank's own: save them with it). A sync in flight is waited for and saved with its result."""
-        pending = self.sync.settled_pending()
-        return {
-            "kind": "DiLoCo",
-            **self._settings(),
-            "step": self.step_count,
-            "syncs": self.syncs,
-            "updated_at": list(self._updated_at),
-            "anchors": list(self.sync.anchors),
-            "outer": self.sync.outer.state_dict(),
-            "compressor": self.compressor.state_dict(),
-            "warmup_compressor": None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
-            "pending": pending,
-        }
+        pending = self.sync.settled_pending()  # first: the sync in flight commits the compressor's state as it ends
+        saved = SavedState(
+            step=self.step_count,
+            syncs=self.syncs,
+            updated_at=list(self._updated_at),
+            anchors=list(self.sync.anchors),
+            outer=self.sync.outer.state_dict(),
+            compressor=self.compressor.state_dict(),
+            warmup_compressor=None if self.warmup_compressor is None else self.warmup_compressor.state_dict(),
+            pending=pending,
+        )
+        return saved.as_dict(self._settings())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; ValueError (nothing changed) if it does not fit this DiLoCo."""
-        state = check_state(
+        saved = SavedState.read(
             state,
             Layout(
                 settings=self._settings(),
@@ -367,17 +366,13 @@ class DiLoCo:
                 outer_keys=frozenset({"momentum_buffer"}),  # the outer SGD's
             ),
         )
-        step: int = state["step"]  # checked above: ints and a list of ints
-        syncs: int = state["syncs"]
-        updated_at: list[int] = state["updated_at"]
-        pending, warm = state.get("pending"), state.get("warmup_compressor")
         self.sync.drain()
         # the parts check what they are given as they load: if one refuses, the ones loaded before it are put back
         parts: list[Any] = [self.compressor, self.sync.outer]
-        given: list[Any] = [state["compressor"], state["outer"]]
+        given: list[Any] = [saved.compressor, saved.outer]
         if self.warmup_compressor is not None:
             parts.append(self.warmup_compressor)
-            given.append(warm)
+            given.append(saved.warmup_compressor)
         before = [part.state_dict() for part in parts]  # references to the current state: loading replaces it
         done = 0
         try:
@@ -388,8 +383,8 @@ class DiLoCo:
             for part, old in zip(parts[:done], before, strict=False):
                 part.load_state_dict(old)
             raise ValueError(f"DiLoCo state_dict does not fit: {' '.join(str(e).split())[:300]}") from None
-        self.sync.restore(state["anchors"], syncs, pending)
-        self.step_count, self._updated_at = step, list(updated_at)
+        self.sync.restore(saved.anchors, saved.syncs, saved.pending)
+        self.step_count, self._updated_at = saved.step, list(saved.updated_at)
         self._lr_scale = None  # the next inner step records it; finish() before one reads the schedule now
 
 
