@@ -51,9 +51,9 @@ autodoc_typehints = "description"
 autodoc_default_options = {
     "members": True,
     "show-inheritance": True,
-    "inherited-members": "object,ABC,Protocol,Generic,tuple,dict,Exception,ValueError,RuntimeError,FloatingPointError,"
-    "KeyboardInterrupt,Optimizer,Module,Callback,TrainerCallback,DefaultLoadPlanner,_PyUnpickler,Compressor,Aggregator,"
-    "DeMo",
+    "inherited-members": "object,BaseException,ABC,Protocol,Generic,tuple,dict,Exception,ValueError,RuntimeError,"
+    "FloatingPointError,KeyboardInterrupt,Optimizer,Module,Callback,TrainerCallback,DefaultLoadPlanner,_PyUnpickler,"
+    "Compressor,Aggregator,DeMo",
 }
 
 html_theme = "furo"

@@ -251,7 +251,7 @@ def test_losses_compare_torchft_and_powertrain_at_the_same_outer_step(tmp_path, 
 
     def fake_quality_bench(**kw: Any) -> None:
         assert kw["horizons"] == (steps,) and kw["horizon_only"] and kw["rates"] == () and kw["write"] is None
-        kept = quality._Kept(tmp_path / "local", p)
+        kept = quality._Kept(tmp_path / "torchft-loss" / "local", p)
         for row in quality.select_rows(kw["rows"])[1:]:
             row = dataclasses.replace(row, to_target=False)
             for seed in range(p.seeds):
@@ -263,6 +263,7 @@ def test_losses_compare_torchft_and_powertrain_at_the_same_outer_step(tmp_path, 
                 kept.put(steps, seed, row, {**measured, "low": {"all_reduce": sent / steps}})
 
     monkeypatch.setattr(torchft_diloco, "available", lambda: True)
+    monkeypatch.setattr(torchft_diloco, "installed_version", lambda: "0.2.0")
     monkeypatch.setattr(torchft_diloco, "run_torchft", fake_torchft)
     monkeypatch.setattr(quality, "run_quality_bench", fake_quality_bench)
     out = tmp_path / "B.md"
@@ -286,6 +287,18 @@ def test_losses_compare_torchft_and_powertrain_at_the_same_outer_step(tmp_path, 
     assert "Command: `python tools/torchft_diloco.py --losses --preset local`" in text
     calls.clear()
     assert torchft_diloco.main(argv) == 0 and calls == []  # kept: nothing trains again
+    assert not (tmp_path / "local").exists(), "the preset's own kept runs (trained to target) are left alone"
+    monkeypatch.setattr(torchft_diloco, "installed_version", lambda: "0.3.0")
+    assert torchft_diloco.main(argv) == 0 and len(calls) == 6  # another torchft: trained again
+    # a non-finite loss is refused, wherever it is: it can never read as the same bits
+    theirs = {k: [{"val_loss": 2.0, "bytes": 1.0}] for k in torchft_diloco.LOSS_ROWS}
+    ours = {**theirs, "local": [{"val_loss": 2.0, "bytes": 1.0}]}
+    for side in ("theirs", "ours"):
+        bad = {k: [{"val_loss": float("nan"), "bytes": 1.0}] for k in torchft_diloco.LOSS_ROWS}
+        args = (bad, ours) if side == "theirs" else (theirs, {**ours, **bad})
+        with pytest.raises(ValueError, match="non-finite validation loss"):
+            torchft_diloco.loss_text(steps, *args)
+    assert "| 0 (the same bits) |" in torchft_diloco.loss_text(steps, theirs, ours)
     monkeypatch.setattr(quality, "run_quality_bench", lambda **kw: None)
     with pytest.raises(RuntimeError, match="has not kept 'diloco-paper' at 300 steps"):
         torchft_diloco.main([*argv[:-4], "--out", str(tmp_path / "empty"), "--write", str(out)])

@@ -72,3 +72,21 @@ def test_group_of_its_own_gathers_on_the_default_groups_device(world_of_one, mon
     own = group_of_its_own()
     assert own is not None and dist.get_process_group_ranks(own) == [0]
     assert asked == [None] and seen == [(torch.device("cpu"), torch.device("cpu"))]
+
+
+def test_ring_cost_counts_what_each_ring_collective_sends():
+    """Per rank, the bytes per payload byte and the messages of a ring: all-reduce 2 (W-1)/W in 2 (W-1), all-gather
+    W-1 in W-1, reduce-scatter (W-1)/W in W-1, all-to-all 1 in W-1; nothing at world size 1 (or 0); an unknown
+    collective is named at any world size. Every value is exact in binary (W = 4: 1.5 and 0.75)."""
+    from powertrain.comm import ring_cost
+
+    assert ring_cost("all_reduce", 4) == (1.5, 6)
+    assert ring_cost("all_gather", 4) == (3, 3)
+    assert ring_cost("reduce_scatter", 4) == (0.75, 3)
+    assert ring_cost("all_to_all", 4) == (1.0, 3)
+    assert ring_cost("all_reduce", 2) == (1.0, 2)
+    for world in (1, 0):
+        assert ring_cost("all_reduce", world) == (0.0, 0)
+    for world in (1, 4):
+        with pytest.raises(ValueError, match="Unknown collective 'broadcast'"):
+            ring_cost("broadcast", world)

@@ -64,6 +64,7 @@ import importlib.metadata
 import importlib.util
 import itertools
 import json
+import math
 import os
 import signal
 import socket
@@ -85,7 +86,7 @@ from powertrain._checks import check_int
 from powertrain._files import read_tail
 from powertrain.bench import netem
 from powertrain.models import GPT, GPTConfig
-from powertrain.train.config import TrainConfig
+from powertrain.train.config import DEFAULT_SYNC_EVERY, TrainConfig
 
 TORCHFT_VERSION = "0.2.0"  # the version this comparison was written against
 _MISSING = f"torchft is not installed: install it with pip install torchft=={TORCHFT_VERSION}"
@@ -173,7 +174,7 @@ def run_torchft(
         raise ValueError(f"Invalid timeout={timeout!r}: must be > 0 seconds")
     if importlib.util.find_spec("torchft") is None:
         raise ModuleNotFoundError(_MISSING)
-    if (version := importlib.metadata.version("torchft")) != TORCHFT_VERSION:
+    if (version := installed_version()) != TORCHFT_VERSION:
         warnings.warn(f"torchft {version} is installed; this bench was written for {TORCHFT_VERSION}", stacklevel=2)
     if rate_mbit is not None and (reason := netem.unavailable()):
         raise RuntimeError(
@@ -200,6 +201,11 @@ def run_torchft(
         cluster = stack.enter_context(netem.EmulatedCluster(world, rate_mbit)) if rate_mbit is not None else None
         results = _launch(job, Path(tmp), cluster, timeout)
     return _combine(results, steps, cfg.sync_every // cfg.fragments)
+
+
+def installed_version() -> str:
+    """The installed torchft's version (PackageNotFoundError without it)."""
+    return importlib.metadata.version("torchft")
 
 
 def available() -> bool:
@@ -605,8 +611,10 @@ def pairs_text(pairs_at: dict[str, list[dict[str, float]]]) -> str:
 #: the powertrain rows at whose outer step torchft's DiLoCo is trained for its loss (each one fragment, no delay, an
 #: fp32 outer step: what torchft runs): the paper's Nesterov step, and the command's, plain averaging. ``local`` (the
 #: command's default, int4 with error feedback at that same step) is trained beside them: what powertrain adds
-LOSS_ROWS = ("diloco-paper", "h25-none")
+LOSS_ROWS = ("diloco-paper", f"h{DEFAULT_SYNC_EVERY}-none")
 DEFAULT_ROW = "local"
+#: what the kept torchft losses were trained by: a kept result of another format is trained again
+LOSS_FORMAT = 1
 
 
 def _outer_step(row: Any) -> dict[str, Any]:
@@ -625,8 +633,11 @@ def loss_runs(p: Any, steps: int, seeds: int, path: Path) -> dict[str, list[dict
 
     kept: dict[str, Any] = _json.load(path, timetotarget.KEPT_LIMIT, "Kept torchft losses") if path.exists() else {}
     out: dict[str, list[dict[str, float]]] = {}
+    version = installed_version()
     for row in quality.select_rows(LOSS_ROWS)[1:]:
         step = _outer_step(row)
+        if steps % step["sync_every"]:  # powertrain's rows end with a sync of their own there, torchft's not
+            raise ValueError(f"{steps} steps is not a multiple of {row.key}'s H, {step['sync_every']}")
         out[row.key] = []
         for seed in range(seeds):
             run = {
@@ -638,7 +649,8 @@ def loss_runs(p: Any, steps: int, seeds: int, path: Path) -> dict[str, list[dict
                 "world": p.workers,
                 "steps": steps,
                 "seed": seed,
-                "torchft": TORCHFT_VERSION,
+                "torchft": version,
+                "format": LOSS_FORMAT,
             }
             key = json.dumps(run, sort_keys=True)
             if key not in kept:
@@ -691,10 +703,15 @@ def loss_text(steps: int, theirs: dict[str, list[dict[str, float]]], ours: dict[
         "largest difference of a seed | bytes a replica sends (torchft / powertrain) |",
         "|---|---|---|---|---|",
     ]
+    for key, runs in [*(("torchft " + k, v) for k, v in theirs.items()), *ours.items()]:
+        if not all(math.isfinite(r["val_loss"]) for r in runs):
+            raise ValueError(f"{key}: a non-finite validation loss, {[r['val_loss'] for r in runs]}")
     for row in quality.select_rows(LOSS_ROWS)[1:]:
         t, o = theirs[row.key], ours[row.key]
-        diff = max(abs(a["val_loss"] - b["val_loss"]) for a, b in zip(t, o, strict=True))
-        same = "0 (the same bits)" if diff == 0 else f"{diff:.2g}"
+        if all(a["val_loss"] == b["val_loss"] for a, b in zip(t, o, strict=True)):
+            same = "0 (the same bits)"
+        else:
+            same = f"{max(abs(a['val_loss'] - b['val_loss']) for a, b in zip(t, o, strict=True)):.2g}"
         s = _outer_step(row)
         lines.append(
             f"| H {s['sync_every']}, lr {s['outer_lr']:g}, momentum {s['outer_momentum']:g} ({row.key}) | {loss(t)} | "
@@ -789,17 +806,25 @@ def _losses(args: Any) -> int:
     from powertrain.bench.report import footer, publish, section
 
     p = quality.PRESETS[args.preset]
+    if p.recipe:  # run_torchft trains the command's schedule
+        print(
+            f"--losses: preset {args.preset!r} trains another recipe, {p.recipe}, which torchft's runs do not take",
+            file=sys.stderr,
+        )
+        return 2
     if args.workers is not None:
         p = dataclasses.replace(p, workers=args.workers)
     steps, name = p.horizons[0], quality.run_name(args.preset, p.workers)
-    root = Path(args.out) / name
+    # a folder of their own: these rows train their horizon only, which the preset's kept runs to target are not
+    out = Path(args.out) / "torchft-loss"
+    root = out / name
     quality.run_quality_bench(  # what it has kept already is reused
         preset=args.preset,
         rows=[*LOSS_ROWS, DEFAULT_ROW],
         horizons=(steps,),
         workers=args.workers,
         rates=(),
-        out=args.out,
+        out=str(out),
         write=None,
         horizon_only=True,
     )

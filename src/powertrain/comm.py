@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from powertrain._compat import all_gather_single
 
-__all__ = ["CommStats", "Communicator", "ReduceKind", "collective_device", "group_of_its_own"]
+__all__ = ["CommStats", "Communicator", "ReduceKind", "collective_device", "group_of_its_own", "ring_cost"]
 
 #: How a reducing collective combines the ranks' tensors: their sum, or their mean (the sum divided by the world size).
 ReduceKind = Literal["sum", "mean"]
@@ -240,18 +240,19 @@ def ring_cost(op: str, world: int) -> tuple[float, int]:
     payload (beta's), and the messages it sends (alpha's). The payload is what one rank hands to the collective (the
     tensor for all-reduce, its own part for all-gather, what leaves it for all-to-all). Ring all-reduce sends
     ``2 (W-1)/W`` of it in ``2 (W-1)`` messages, all-gather ``W-1`` times it in ``W-1``, reduce-scatter ``(W-1)/W`` in
-    ``W-1``, all-to-all all of it once in ``W-1``; nothing at world size 1."""
-    per_byte = {
-        "all_reduce": 2 * (world - 1) / world,
-        "all_gather": world - 1,
-        "reduce_scatter": (world - 1) / world,
-        "all_to_all": 1.0,
-    }
-    if op not in per_byte:
-        raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(per_byte)}")
+    ``W-1``, all-to-all all of it once in ``W-1``; nothing at world size 1.
+
+    Args:
+        op: ``"all_reduce"``, ``"all_gather"``, ``"reduce_scatter"`` or ``"all_to_all"`` (else ValueError).
+        world: the ranks in the ring.
+    """
+    known = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    if op not in known:
+        raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(known)}")
     if world < 2:
         return 0.0, 0
-    return per_byte[op], 2 * (world - 1) if op == "all_reduce" else world - 1
+    per_byte = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
+    return per_byte.get(op, 1.0), 2 * (world - 1) if op == "all_reduce" else world - 1
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -193,6 +193,7 @@ class ChainedCalls:
         self.seq = seq
         self.count = 0  # calls issued so far: the next call's number
         self.error: BaseException | None = None
+        self._lock = threading.Lock()  # failures arrive on communication threads, several at once
 
     def chain(
         self, program: Program, done: Callable[[list[torch.Tensor]], None], device: torch.device | None = None
@@ -200,8 +201,9 @@ class ChainedCalls:
         """The next call's chain, not yet started (``start()`` issues its first collective)."""
 
         def failed(e: BaseException) -> None:
-            if self.error is None:
-                self.error = e
+            with self._lock:
+                if self.error is None:
+                    self.error = e
 
         chain = Chain(program, self.seq, self.count, done, failed, device)
         self.count += 1
@@ -209,12 +211,14 @@ class ChainedCalls:
 
     def take_error(self) -> BaseException | None:
         """The first failure since the last call, forgotten."""
-        error, self.error = self.error, None
+        with self._lock:
+            error, self.error = self.error, None
         return error
 
     def restart(self) -> None:
         """Number the calls afresh on the same communicators (every rank does, with no call in flight)."""
-        self.seq, self.count, self.error = Sequencer(self.seq.comms), 0, None
+        self.seq, self.count = Sequencer(self.seq.comms), 0
+        self.take_error()
 
 
 class Chain:
