@@ -753,8 +753,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(
         prog="tools/torchft_diloco.py",
-        description="torchft's DiLoCo and a quality preset's local-update rows, timed on the emulated link in "
-        "alternation (needs root)",
+        description="torchft's DiLoCo beside a quality preset's local-update rows: timed on the emulated link in "
+        "alternation (needs root), or with --losses trained at the same outer steps (loopback)",
     )
     # the presets that time their rows on a link and run the paper's outer step, which torchft's DiLoCo runs
     with_paper = [n for n, p in quality.PRESETS.items() if quality.PAPER.key in (p.rows or ()) and p.model and p.rates]
