@@ -640,31 +640,21 @@ def loss_runs(p: Any, steps: int, seeds: int, path: Path) -> dict[str, list[dict
             raise ValueError(f"{steps} steps is not a multiple of {row.key}'s H, {step['sync_every']}")
         out[row.key] = []
         for seed in range(seeds):
-            run = {
+            run = dict(
+                model=p.model,
+                batch=p.batch,
+                data_mb=p.data_mb,
+                eval_every=p.eval_every,
+                world=p.workers,
+                steps=steps,
+                seed=seed,
                 **step,
-                "model": dataclasses.asdict(p.model),
-                "batch": p.batch,
-                "data_mb": p.data_mb,
-                "eval_every": p.eval_every,
-                "world": p.workers,
-                "steps": steps,
-                "seed": seed,
-                "torchft": version,
-                "format": LOSS_FORMAT,
-            }
-            key = json.dumps(run, sort_keys=True)
+            )
+            what = {**run, "model": dataclasses.asdict(p.model), "torchft": version, "format": LOSS_FORMAT}
+            key = json.dumps(what, sort_keys=True)
             if key not in kept:
                 print(f"[torchft] torchft's DiLoCo at {row.key}'s outer step, {steps} steps, seed {seed}")
-                res = run_torchft(
-                    model=p.model,
-                    batch=p.batch,
-                    steps=steps,
-                    seed=seed,
-                    eval_every=p.eval_every,
-                    data_mb=p.data_mb,
-                    world=p.workers,
-                    **step,
-                )
+                res = run_torchft(**run)
                 kept[key] = {"val_loss": res.val_loss, "bytes": sum(res.bytes_per_sync)}
                 timetotarget.write_kept(path, kept)  # after every run: a stopped call loses one
             out[row.key].append(kept[key])
@@ -720,7 +710,7 @@ def loss_text(steps: int, theirs: dict[str, list[dict[str, float]]], ours: dict[
     avg, default = theirs[LOSS_ROWS[1]], ours[DEFAULT_ROW]
     gap = statistics.mean(d["val_loss"] for d in default) / statistics.mean(a["val_loss"] for a in avg) - 1
     ratio = statistics.median(a["bytes"] for a in avg) / statistics.median(d["bytes"] for d in default)
-    (label,) = (r.label for r in quality.select_rows([DEFAULT_ROW])[1:])
+    label = quality.select_rows([DEFAULT_ROW])[1].label
     return (
         "\n".join(lines)
         + f"\n\nWhat powertrain adds at the command's outer step: {label}, {loss(default)}, {gap:+.2%} against "
@@ -736,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ``--losses``: instead, torchft's DiLoCo trained at the outer steps of :data:`LOSS_ROWS` over the preset's first
     horizon and seeds on loopback (no root), beside powertrain's same rows and its default (trained by the quality
-    bench into DIR, reused), kept in ``DIR/PRESET[-wN]/torchft_loss.json``; the section ``torchft-loss-PRESET[-wN]``.
+    bench), all kept in ``DIR/torchft-loss/PRESET[-wN]/`` (torchft's in ``torchft_loss.json``) and reused; the section
+    ``torchft-loss-PRESET[-wN]``.
     ``--worker JSON``: one replica of :func:`run_torchft` (started by it)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -774,8 +765,13 @@ def main(argv: list[str] | None = None) -> int:
     if not available():
         print(_MISSING, file=sys.stderr)
         return 2
+    p = quality.PRESETS[args.preset]
+    if args.workers is not None:
+        p = dataclasses.replace(p, workers=args.workers)
+    name = quality.run_name(args.preset, p.workers)
+    flags = [] if args.workers is None else ["--workers", str(args.workers)]
     if args.losses:
-        return _losses(args)
+        return _losses(args, p, name, flags)
     reason = netem.unavailable()
     if reason:
         print(
@@ -783,12 +779,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    p = quality.PRESETS[args.preset]
-    if args.workers is not None:
-        p = dataclasses.replace(p, workers=args.workers)
-    name = quality.run_name(args.preset, p.workers)
     pairs = link_pairs(p, quality.select_rows(p.rows), Path(args.out) / name / "torchft_link.json")
-    flags = [] if args.workers is None else ["--workers", str(args.workers)]
     text = (
         f"## torchft's DiLoCo and powertrain's local updates on the link ({p.workers} replicas)\n\n"
         f"The quality bench's preset {args.preset!r} ({p.batch} sequences a step per replica).\n\n"
@@ -800,21 +791,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _losses(args: Any) -> int:
-    """``--losses``: see :func:`main`."""
+def _losses(args: Any, p: Any, name: str, flags: list[str]) -> int:
+    """``--losses`` for preset ``p`` (the run's name and its command's flags): see :func:`main`."""
     from powertrain.bench import quality
     from powertrain.bench.report import footer, publish, section
 
-    p = quality.PRESETS[args.preset]
     if p.recipe:  # run_torchft trains the command's schedule
         print(
             f"--losses: preset {args.preset!r} trains another recipe, {p.recipe}, which torchft's runs do not take",
             file=sys.stderr,
         )
         return 2
-    if args.workers is not None:
-        p = dataclasses.replace(p, workers=args.workers)
-    steps, name = p.horizons[0], quality.run_name(args.preset, p.workers)
+    steps = p.horizons[0]
     # a folder of their own: these rows train their horizon only, which the preset's kept runs to target are not
     out = Path(args.out) / "torchft-loss"
     root = out / name
@@ -830,12 +818,12 @@ def _losses(args: Any) -> int:
     )
     theirs = loss_runs(p, steps, p.seeds, root / "torchft_loss.json")
     ours = powertrain_losses(p, steps, p.seeds, root)
-    flags = [] if args.workers is None else ["--workers", str(args.workers)]
     text = (
         f"## torchft's DiLoCo and powertrain's at the same outer step: validation loss ({p.workers} replicas)\n\n"
         f"The quality bench's preset {args.preset!r} ({p.batch} sequences a step per replica, {p.seeds} seeds, "
-        f"{steps} steps, loopback): torchft {TORCHFT_VERSION}'s DiLoCo trained at the outer step of each powertrain "
-        "row, the same seeded models, batches, inner AdamW and schedule; bytes counted at each one's all-reduce.\n\n"
+        f"{steps} steps, loopback): torchft {installed_version()}'s DiLoCo trained at the outer step of each "
+        "powertrain row, the same seeded models, batches, inner AdamW and schedule; bytes counted at each one's "
+        "all-reduce.\n\n"
         + loss_text(steps, theirs, ours)
         + "\n\n"
         + footer(" ".join(["python tools/torchft_diloco.py --losses --preset", args.preset, *flags]))

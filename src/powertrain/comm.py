@@ -251,8 +251,13 @@ def ring_cost(op: str, world: int) -> tuple[float, int]:
         raise ValueError(f"Unknown collective {op!r}: the cost model knows {', '.join(known)}")
     if world < 2:
         return 0.0, 0
-    per_byte = {"all_reduce": 2 * (world - 1) / world, "all_gather": world - 1, "reduce_scatter": (world - 1) / world}
-    return per_byte.get(op, 1.0), 2 * (world - 1) if op == "all_reduce" else world - 1
+    per_byte = {
+        "all_reduce": 2 * (world - 1) / world,
+        "all_gather": world - 1,
+        "reduce_scatter": (world - 1) / world,
+        "all_to_all": 1.0,
+    }[op]
+    return per_byte, 2 * (world - 1) if op == "all_reduce" else world - 1
 
 
 def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
